@@ -1,0 +1,302 @@
+"""Typed configuration: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Why dataclasses and Enums: Hydra merges every group's YAML into these schemas, so a misspelled key,
+a wrong type or an unknown choice fails at compose time, before any rank starts. OmegaConf 2.3
+rejects ``typing.Literal``, so closed choices are Enums. The untyped ``DictConfig`` never leaves the
+entry point: ``to_config`` converts it once, and library code takes the narrowest typed sub-config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Strategy(Enum):
+    """Data/model-parallel layout. ``ddp`` replicates; the others shard (see framework.parallel)."""
+
+    ddp = "ddp"
+    fsdp = "fsdp"
+    hsdp = "hsdp"
+    tp = "tp"
+    fsdp_tp = "fsdp_tp"
+
+
+class ActivationCheckpointing(Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class FreezeMode(Enum):
+    none = "none"
+    export = "export"
+    script = "script"
+    trace = "trace"
+
+
+class ExecutorMode(Enum):
+    eager = "eager"
+    compile = "compile"
+    cudagraphs = "cudagraphs"
+
+
+class CompileScope(Enum):
+    block = "block"
+    model = "model"
+
+
+class DataSource(Enum):
+    stdlib = "stdlib"
+    tokens = "tokens"
+    synthetic = "synthetic"
+
+
+class AsyncMode(Enum):
+    none = "none"
+    thread = "thread"
+    process = "process"
+
+
+class Policy(Enum):
+    warn = "warn"
+    fail = "fail"
+    fallback = "fallback"
+
+
+class LoggerKind(Enum):
+    console = "console"
+    wandb = "wandb"
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipe-owned groups: model, data, train. A recipe (recipes/NAME.yaml) pins these.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Llama-family decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
+
+    name: str = "llama_tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.stdlib
+    # tokens: path to a token file (.bin, uint16 or uint32) written by ``python -m framework.data prepare``.
+    path: Optional[str] = None
+    val_path: Optional[str] = None
+    # Fraction of the corpus held out for validation (stdlib and tokens without val_path).
+    val_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+
+
+@dataclass
+class RunConfig:
+    device: Device = Device.auto
+    # Plan (and on a fake process group, build and shard) without training.
+    dry_run: bool = False
+    # Fail on any nondeterministic kernel; used by the bitwise resume tests.
+    deterministic: bool = False
+    # Self-launch restarts when a rank dies (torch elastic max_restarts).
+    max_restarts: int = 0
+    profile: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Infrastructure groups.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HardwareConfig:
+    """One device and the links between devices; used by the planner's memory and alpha-beta models."""
+
+    name: str = "cpu"
+    memory_gib: float = 24.0
+    peak_tflops: float = 0.1  # dense bf16 (or fp32 on CPU), TFLOP/s
+    intra_node_gbps: float = 10.0  # GB/s per device, one direction
+    inter_node_gbps: float = 1.0
+    intra_node_latency_us: float = 10.0
+    inter_node_latency_us: float = 50.0
+    numa_per_host: int = 1
+
+
+@dataclass
+class MeshConfig:
+    """Declared topology: ``shape`` is nodes x processes per node (``[4]`` = one node of 4)."""
+
+    shape: list[int] = field(default_factory=lambda: [1])
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nodes(self) -> int:
+        return self.shape[0] if len(self.shape) > 1 else 1
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+
+@dataclass
+class ShardingConfig:
+    strategy: Strategy = Strategy.ddp
+    tp: int = 1
+    reshard_after_forward: bool = True
+    param_dtype: DType = DType.float32
+    reduce_dtype: DType = DType.float32
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+
+
+@dataclass
+class BucketingConfig:
+    """Real DDP knobs (torch.nn.parallel.DistributedDataParallel arguments, same names and units)."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = True
+    # Choose bucket_cap_mb from the planner's alpha-beta model of the data-parallel axis.
+    auto: bool = False
+
+
+@dataclass
+class NcclConfig:
+    """NCCL environment, applied in every rank's environment before the process group starts."""
+
+    preset: str = "default"
+    env: dict[str, str] = field(default_factory=dict)
+    topo_file: Optional[str] = None
+    socket_ifname: Optional[str] = None
+    timeout_s: float = 600.0
+    async_error_handling: int = 3  # TORCH_NCCL_ASYNC_ERROR_HANDLING
+
+
+@dataclass
+class FreezeConfig:
+    mode: FreezeMode = FreezeMode.none
+    strict: bool = False
+    ignore: list[str] = field(default_factory=list)
+    export_methods: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExecutorConfig:
+    mode: ExecutorMode = ExecutorMode.eager
+    scope: CompileScope = CompileScope.block
+    backend: str = "inductor"
+    warmup_steps: int = 3
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = False
+    dir: Optional[str] = None  # default: <run dir>/checkpoints
+    every_steps: int = 0
+    every_minutes: float = 0.0
+    at_end: bool = True
+    async_mode: AsyncMode = AsyncMode.none
+    keep_last: int = 2
+    keep_every: int = 0
+    resume: str = "auto"  # auto | none | <path>
+
+
+@dataclass
+class VerifyConfig:
+    enabled: bool = False
+    policy: Policy = Policy.warn
+    reference: Optional[str] = None
+    baseline: Optional[str] = None
+    save_baseline: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    kind: LoggerKind = LoggerKind.console
+    project: str = "framework"
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    bucketing: BucketingConfig = field(default_factory=BucketingConfig)
+    nccl: NcclConfig = field(default_factory=NcclConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register() -> None:
+    """Store the root schema; every group's YAML is merged into (and validated by) its field type."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
+    """Convert a composed (possibly untyped) config into the typed ``Config``, validating it."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, Config)
+    return obj
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
