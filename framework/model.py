@@ -1,0 +1,234 @@
+"""Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA.
+
+Module names follow torchtitan (``tok_embeddings``, ``layers.N.attention.wq`` ...) so tensor-parallel
+plans and checkpoint converters can name them. The model is built on the meta device and initialised
+after placement (``init_weights``), so a 70B shape never materialises on one host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Meta's reference does): bf16 sums of squares lose precision.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables, shape (seq_len, head_dim // 2, 2); real-valued so export and compile keep them."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim)."""
+    b, s, h, d = x.shape
+    xf = x.float().reshape(b, s, h, d // 2, 2)
+    cos = tables[:s, None, :, 0]
+    sin = tables[:s, None, :, 1]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.reshape(b, s, h, d).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 for the head count: under tensor parallelism each rank holds only its share of heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. ``forward(tokens) -> logits`` (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}"
+            )
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: recomputed from the shape, never checkpointed.
+        self.register_buffer("rope", self._rope_tables(None), persistent=False)
+
+    def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
+        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise in place after ``to_empty`` (meta -> real device).
+
+        Draws each parameter from a generator seeded by (seed, parameter name), on the CPU, so the
+        values do not depend on the device, the wrapping or the number of ranks. Sharded (DTensor)
+        parameters are filled from the full tensor's generator and sliced to the local shard.
+        Residual projections (wo, w2) are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
+        """
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                full = torch.ones(_full_shape(p))
+            else:
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if leaf in ("wo", "w2") else std
+                g = torch.Generator().manual_seed(_name_seed(seed, name))
+                full = torch.randn(_full_shape(p), generator=g) * scale
+            _copy_full_into(p, full)
+        # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
+        self.rope = self._rope_tables(_local_device(self))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters())
+    return p.to_local().device if _is_dtensor(p) else p.device
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    return p.shape  # a DTensor reports its global shape
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # Stable across processes (unlike hash()): a simple polynomial hash of the name.
+    h = seed * 1_000_003
+    for ch in name:
+        h = (h * 131 + ord(ch)) % (2**61 - 1)
+    return h
+
+
+def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
+    if _is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard locally.
+        full = full.to(device=p.to_local().device, dtype=p.dtype)
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        p.copy_(full.to(device=p.device, dtype=p.dtype))
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int) -> Llama:
+    """Build on the meta device: no memory is taken until ``to_empty`` + ``init_weights``."""
+    with torch.device("meta"):
+        return Llama(cfg, max_seq_len)
+
+
+def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameter count from the shape alone (tied embeddings counted once)."""
+    head_dim = cfg.dim // cfg.n_heads
+    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    ffn = 3 * cfg.dim * cfg.ffn_dim
+    per_layer = attn + ffn + 2 * cfg.dim
+    emb = cfg.vocab_size * cfg.dim
+    out = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    n = cfg.n_layers * per_layer + cfg.dim + out
+    return n + emb if include_embedding else n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training flops per token: 6N + 12·L·H·Q·T (PaLM appendix B; N excludes the input embedding).
+
+    6N covers the matmuls of forward (2N) and backward (4N); 12·L·H·Q·T is attention's score and
+    value products (L layers, H heads, Q head dim, T sequence length), which N does not see.
+    """
+    n = num_params(cfg, include_embedding=False)
+    if cfg.tie_embeddings:
+        # The tied output projection is a matmul of vocab x dim even though its weight is shared.
+        n += cfg.vocab_size * cfg.dim
+    head_dim = cfg.dim // cfg.n_heads
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+
+
+def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
+    """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it.
+
+    ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
+    are tied again before init.
+    """
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.init_weights(seed)
