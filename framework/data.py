@@ -1,0 +1,240 @@
+"""Token sources and a deterministic, rank-sharded, resumable batch sampler.
+
+Every sample is a function of (seed, global batch index, position in the global batch), never of the
+rank or of how many ranks there are. A data-parallel rank takes its contiguous slice of each global
+batch. So the whole data state is one replicated number, ``consumed_batches``: a checkpoint saved
+with 8 data-parallel ranks resumes on 4 or 1 with no sample skipped or repeated.
+
+Sources (``data.source``):
+- ``stdlib``: the Python standard library's own source files, present on every machine; byte-level
+  tokens (vocab 256). The last ``val_fraction`` of the files (by sorted path) is held out.
+- ``tokens``: a memory-mapped token file (``.bin`` + ``.json`` sidecar with dtype and vocab size),
+  written by ``python -m framework.data prepare OUT.bin FILE...``.
+- ``synthetic``: uniform random tokens, for benchmarks (no I/O, any vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from framework.config import DataConfig, DataSource
+
+# Cap on the stdlib corpus: ~30 MB of source would take seconds to read for no benefit on a tiny model.
+STDLIB_MAX_BYTES = 8 * 1024 * 1024
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass
+class Corpus:
+    """Train and validation token streams (1-D integer arrays or memmaps) and the vocab they need."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    description: str
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
+    if not files:
+        raise RuntimeError(f"no Python source files found under the standard library at {root}")
+    return files
+
+
+def load_stdlib(val_fraction: float, max_bytes: int = STDLIB_MAX_BYTES) -> Corpus:
+    files = stdlib_files()
+    n_val = max(1, int(len(files) * val_fraction))
+    train_files, val_files = files[:-n_val], files[-n_val:]
+    train = _read_bytes(train_files, max_bytes)
+    val = _read_bytes(val_files, max(max_bytes // 10, 64 * 1024))
+    return Corpus(train, val, 256, f"stdlib source ({len(train_files)} train / {len(val_files)} val files)")
+
+
+def _read_bytes(files: list[Path], max_bytes: int) -> np.ndarray:
+    chunks: list[bytes] = []
+    total = 0
+    for f in files:
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Write a token file and its sidecar (``path.with_suffix('.json')``)."""
+    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+    arr = np.asarray(tokens, dtype=TOKEN_DTYPES[dtype])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr.tofile(path)
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": int(arr.size), "tokenizer": "bytes"}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def open_tokens(path: Path) -> tuple[np.ndarray, int]:
+    """Memory-map a token file; returns (tokens, vocab size). Raises ValueError on a bad file."""
+    if not path.is_file():
+        raise ValueError(f"data.path={str(path)!r} does not exist (write one with `python -m framework.data prepare`)")
+    meta_path = path.with_suffix(".json")
+    if not meta_path.is_file():
+        raise ValueError(f"token file {str(path)!r} has no sidecar {meta_path.name} (dtype and vocab size)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {sorted(TOKEN_DTYPES)}")
+    tokens = np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r")
+    if tokens.size != meta.get("num_tokens", tokens.size):
+        raise ValueError(f"{path}: holds {tokens.size} tokens, its sidecar says {meta['num_tokens']} (truncated?)")
+    return tokens, int(meta["vocab_size"])
+
+
+def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int) -> Corpus | None:
+    """Load the configured source; ``None`` for synthetic data (batches are drawn, not read)."""
+    if cfg.source is DataSource.synthetic:
+        return None
+    if cfg.source is DataSource.stdlib:
+        corpus = load_stdlib(cfg.val_fraction)
+    else:
+        if cfg.path is None:
+            raise ValueError("data.source=tokens needs data.path=<token file .bin>")
+        train, vocab = open_tokens(Path(cfg.path))
+        if cfg.val_path is not None:
+            val, _ = open_tokens(Path(cfg.val_path))
+        else:
+            split = int(train.size * (1 - cfg.val_fraction))
+            train, val = train[:split], train[split:]
+        corpus = Corpus(train, val, vocab, f"token file {cfg.path}")
+    if corpus.vocab_size > vocab_size:
+        raise ValueError(
+            f"the data needs vocab_size >= {corpus.vocab_size} but model.vocab_size={vocab_size}"
+        )
+    for name, arr in (("train", corpus.train), ("validation", corpus.val)):
+        if arr.size <= seq_len + 1:
+            raise ValueError(f"the {name} split has {arr.size} tokens, fewer than train.seq_len+2={seq_len + 2}")
+    return corpus
+
+
+class BatchSampler:
+    """Deterministic batches for one data-parallel rank; state is the replicated global position.
+
+    ``next_batch()`` returns this rank's micro-batches of the next global batch as a list of
+    (inputs, targets) pairs, each (micro_batch_size, seq_len) int64.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray | None,
+        vocab_size: int,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
+        if global_batch_size % (dp_size * micro_batch_size):
+            raise ValueError(
+                f"train.global_batch_size={global_batch_size} is not divisible by data-parallel degree "
+                f"{dp_size} x train.micro_batch_size={micro_batch_size}"
+            )
+        self.tokens = tokens
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.consumed_batches = 0
+
+    def global_batch(self, index: int) -> torch.Tensor:
+        """All sequences (global_batch_size, seq_len + 1) of global batch ``index``."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        n, s = self.global_batch_size, self.seq_len + 1
+        if self.tokens is None:
+            return torch.randint(0, self.vocab_size, (n, s), generator=g)
+        starts = torch.randint(0, self.tokens.size - s, (n,), generator=g).tolist()
+        rows = np.stack([np.asarray(self.tokens[o : o + s]) for o in starts])
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def rank_slice(self, index: int) -> torch.Tensor:
+        """This rank's contiguous share of global batch ``index``."""
+        per_rank = self.global_batch_size // self.dp_size
+        lo = self.dp_rank * per_rank
+        if self.tokens is None:
+            return self.global_batch(index)[lo : lo + per_rank]
+        # Read only this rank's rows: draw the same starts, slice before touching the tokens.
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        s = self.seq_len + 1
+        starts = torch.randint(0, self.tokens.size - s, (self.global_batch_size,), generator=g).tolist()
+        rows = np.stack([np.asarray(self.tokens[o : o + s]) for o in starts[lo : lo + per_rank]])
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rows = self.rank_slice(self.consumed_batches)
+        self.consumed_batches += 1
+        return [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_batches": self.consumed_batches, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(
+                f"data state was saved with train.seed={state['seed']}, this run has {self.seed}: "
+                "resuming would replay different samples"
+            )
+        self.consumed_batches = int(state["consumed_batches"])
+
+
+def validation_batches(
+    corpus: Corpus | None, vocab_size: int, seq_len: int, batch_size: int, num_batches: int, dp_rank: int, dp_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed held-out set (same on every run), split across data-parallel ranks."""
+    sampler = BatchSampler(
+        None if corpus is None else corpus.val, vocab_size, seq_len, batch_size * dp_size, batch_size,
+        dp_rank, dp_size, seed=12345,
+    )
+    out = []
+    for _ in range(num_batches):
+        out.extend(sampler.next_batch())
+    return out
+
+
+def prepare(out: Path, inputs: list[Path]) -> int:
+    """Byte-level tokenize text files into one token file. Returns the number of tokens."""
+    missing = [str(p) for p in inputs if not p.is_file()]
+    if missing:
+        raise ValueError(f"input files not found: {missing}")
+    data = b"".join(p.read_bytes() for p in inputs)
+    write_tokens(out, np.frombuffer(data, dtype=np.uint8), vocab_size=256)
+    return len(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="byte-level tokenize text files into OUT.bin (+ OUT.json)")
+    p.add_argument("out", type=Path)
+    p.add_argument("inputs", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    try:
+        n = prepare(args.out, args.inputs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} tokens to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Launching local ranks, one run dir for all of them, and the process group.
+
+Three ways a run starts, one code path after ``init_distributed``:
+- ``python train.py mesh=4`` on one host: the Hydra process composes the config, creates the run
+  dir, writes ``config.yaml`` into it and starts the ranks itself through torch's elastic launcher
+  (the machinery behind torchrun, with ``max_restarts``); each rank runs ``python -m framework.worker
+  RUN_DIR`` and reads the same resolved config, so all ranks share one run dir by construction.
+- ``python train.py`` (one rank): the same worker code runs in-process on a world-1 process group.
+- ``torchrun ... train.py ...`` (several hosts): each rank composes the config itself; the run dir is
+  ``outputs/<RUN_STAMP>`` when the launcher sets ``RUN_STAMP``, else ``outputs/<date>/<run id>`` from
+  torchrun's ``TORCHELASTIC_RUN_ID`` (identical on every rank: pass ``--rdzv-id`` or ``--standalone``).
+  Hydra's per-process ``${now:}`` is not used there: ranks can resolve it in different seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from framework.config import Config, Device
+
+log = logging.getLogger("framework")
+
+
+def run_stamp() -> str:
+    """The run-dir name shared by every rank of one launch (see module docstring)."""
+    stamp = os.environ.get("RUN_STAMP")
+    if stamp:
+        return stamp
+    now = datetime.datetime.now()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if joined_torchrun() and run_id and run_id != "none":
+        return f"{now:%Y-%m-%d}/{run_id}"
+    # A fresh process: make the stamp once and export it, so anything this process starts agrees.
+    stamp = f"{now:%Y-%m-%d}/{now:%H-%M-%S}-{uuid.uuid4().hex[:6]}"
+    os.environ["RUN_STAMP"] = stamp
+    return stamp
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("run_stamp"):
+        # use_cache: every ${run_stamp:} in one config resolves to the same value.
+        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
+
+
+def joined_torchrun() -> bool:
+    """True when this process is a rank started by torchrun (not by our own launcher)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "FRAMEWORK_WORKER" not in os.environ
+
+
+def resolve_device(device: Device) -> torch.device:
+    if device is Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is Device.cuda and not torch.cuda.is_available():
+        raise ValueError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(device.value)
+
+
+def check_local_resources(cfg: Config, device: torch.device) -> None:
+    """Refuse a self-launch that this host cannot hold (GPU count)."""
+    world = cfg.mesh.world_size
+    if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
+        raise ValueError(
+            f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "
+            f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, or use a smaller mesh"
+        )
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
+    """Create the default process group (NCCL on CUDA, gloo on CPU); world 1 when nothing launched us."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistEnv(rank, world, local_rank, device)
+
+
+def finish(code: int) -> None:
+    """End a worker without gloo's exit race: barrier, destroy, flush, ``os._exit``."""
+    try:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> None:
+    """Start ``world_size`` ranks on this host through torch's elastic launcher; raise if any failed.
+
+    Each rank runs ``python -m framework.worker RUN_DIR``. With ``max_restarts`` > 0, a rank that
+    dies makes the agent restart all ranks, which resume from the latest checkpoint.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["FRAMEWORK_WORKER"] = "1"  # inherited by the ranks: they are ours, not torchrun's
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=run_dir.name,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    elastic_launch(config, sys.executable)("-m", "framework.worker", str(run_dir))

@@ -1,0 +1,167 @@
+"""The training step: forward, backward with gradient accumulation, clip, optimiser step.
+
+Kept free of logging, checkpointing and launching so it can be driven (and tested) on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config import TrainConfig
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch (all data-parallel ranks)
+    grad_norm: float  # before clipping
+    lr: float
+    seconds: float
+    finite: bool
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; no weight decay on norms (1-D weights); fused kernel on CUDA."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on all but the last micro-batch (DDP and FSDP2)."""
+    if last:
+        return contextlib.nullcontext()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # DDP(static_graph=True) records the graph on its first iteration and asserts
+        # ("expect_autograd_hooks_") if that iteration skips the sync: sync every micro-batch once.
+        if model.static_graph and not getattr(model, "_framework_graph_recorded", False):
+            return contextlib.nullcontext()
+        return model.no_sync()
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2's FSDPModule
+
+        @contextlib.contextmanager
+        def fsdp_no_sync() -> Iterator[None]:
+            set_sync(False)
+            try:
+                yield
+            finally:
+                set_sync(True)
+
+        return fsdp_no_sync()
+    return contextlib.nullcontext()
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)  # gloo has no AVG: sum, then divide
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def global_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` (inf: measure only) and return the total norm as a plain tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2 / TP
+    return full() if full is not None else norm
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip: float,
+    device: torch.device,
+) -> StepResult:
+    """One optimiser step over this rank's micro-batches of one global batch.
+
+    Each micro-batch loss is divided by the number of micro-batches, so the accumulated gradient is
+    the mean over this rank's share; DDP/FSDP average over ranks, giving the global-batch mean.
+    A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
+    """
+    t0 = time.perf_counter()
+    lr = scheduler.get_last_lr()[0]
+    n = len(micro_batches)
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with _no_grad_sync(model, last=i == n - 1):
+            with autocast(device):
+                logits = model(x)
+            loss = loss_fn(logits, y) / n
+            loss.backward()
+        total += loss.detach()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model._framework_graph_recorded = True
+    norm = global_grad_norm(model, grad_clip)
+    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(total))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    mean_loss = _mean_over_ranks(total)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return StepResult(mean_loss, float(norm), lr, time.perf_counter() - t0, finite)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean loss over this rank's validation batches, averaged over ranks."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        with autocast(device):
+            logits = model(x.to(device))
+        total += loss_fn(logits, y.to(device))
+    model.train(was_training)
+    return _mean_over_ranks(total / max(1, len(batches)))

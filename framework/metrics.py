@@ -1,0 +1,81 @@
+"""Run-dir metrics: ``metrics.jsonl`` (always), a progress bar or plain log lines, and the summary.
+
+Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
+``val_loss``, events (fallbacks, restarts, checkpoint failures) have ``event``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger("framework")
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int, progress_bar: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.rows: list[dict[str, Any]] = []
+        self._file = self.path.open("a") if enabled else None
+        use_bar = enabled and progress_bar and sys.stderr.isatty()
+        self._bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True) if use_bar else None
+        self.sinks: list[Any] = []  # objects with .log(row) (wandb), added by the trainer
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"time": round(time.time(), 3), **row}
+        self.rows.append(row)
+        assert self._file is not None
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for sink in self.sinks:
+            sink.log(row)
+        text = format_row(row)
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.write(text)
+        else:
+            log.info(text)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    if "event" in row:
+        return f"step {row.get('step', '-')}: {row['event']}: {row.get('detail', '')}"
+    parts = [f"step {row['step']}"]
+    for key, fmt in (
+        ("loss", "loss {:.4f}"),
+        ("val_loss", "val_loss {:.4f}"),
+        ("lr", "lr {:.2e}"),
+        ("grad_norm", "grad_norm {:.3f}"),
+        ("tokens_per_s", "{:,.0f} tok/s"),
+        ("mfu", "mfu {:.1%}"),
+        ("peak_mem_gib", "mem {:.2f} GiB"),
+    ):
+        if row.get(key) is not None:
+            parts.append(fmt.format(row[key]))
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

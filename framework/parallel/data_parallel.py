@@ -1,0 +1,63 @@
+"""Data parallelism: DDP with the bucketing group's knobs, and FSDP2 / HSDP (``fully_shard``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from framework.config import BucketingConfig, DType, ShardingConfig
+from framework.model import Llama
+
+TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucketing: BucketingConfig, bucket_cap_mb: float) -> DDP:
+    """Wrap in DDP over the data-parallel mesh axis.
+
+    ``static_graph=True`` is the real "static graph" switch of DDP: the set of used parameters and the
+    order of their gradients is recorded on the first iteration and reused, which lets DDP skip the
+    unused-parameter search and overlap bucketed all-reduces deterministically.
+    ``bucket_cap_mb`` comes from the plan (the group's value, or the alpha-beta model's choice under
+    ``bucketing=auto``).
+    """
+    device_ids = None
+    param = next(model.parameters())
+    if param.device.type == "cuda":
+        device_ids = [param.device.index]
+    return DDP(
+        model,
+        device_ids=device_ids,
+        process_group=dp_mesh.get_group(),
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=bucketing.gradient_as_bucket_view,
+        static_graph=bucketing.static_graph,
+    )
+
+
+def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> None:
+    """FSDP2: ``fully_shard`` each block, then the root (embeddings, final norm, output).
+
+    A 1D ``dp_mesh`` shards over all its ranks (fsdp, fsdp_tp); a 2D (dp_replicate, dp_shard) mesh is
+    HSDP: shard inside the dp_shard axis, all-reduce across dp_replicate. Parameters already sharded
+    by TP become 2D DTensors. Per-block units let FSDP2 all-gather one block while the previous
+    computes, and free it after (``reshard_after_forward``). Raises RuntimeError if a parameter was
+    left unsharded.
+    """
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[sharding.param_dtype], reduce_dtype=TORCH_DTYPES[sharding.reduce_dtype]
+    )
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
+    names = set(dp_mesh.mesh_dim_names or ())
+    unsharded = [
+        n
+        for n, p in model.named_parameters()
+        if not (isinstance(p, DTensor) and names <= set(p.device_mesh.mesh_dim_names or ()))
+    ]
+    if unsharded:
+        raise RuntimeError(f"fully_shard left {len(unsharded)} parameter(s) unsharded, e.g. {unsharded[:3]}")

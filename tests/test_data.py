@@ -1,0 +1,104 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from framework.config import DataConfig, DataSource
+from framework.data import BatchSampler, load_corpus, main, open_tokens, validation_batches
+
+
+def _sampler(tokens, dp_rank=0, dp_size=1, gbs=8, mbs=2, seed=0):
+    return BatchSampler(tokens, 256, 16, gbs, mbs, dp_rank, dp_size, seed)
+
+
+def test_stdlib_corpus_has_held_out_split() -> None:
+    corpus = load_corpus(DataConfig(source=DataSource.stdlib), vocab_size=256, seq_len=128)
+    assert corpus is not None and corpus.vocab_size == 256
+    assert corpus.train.size > 1_000_000 and corpus.val.size > 10_000
+    assert not np.array_equal(corpus.train[:1000], corpus.val[:1000])
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_ranks_split_the_same_global_batch(dp_size: int) -> None:
+    tokens = np.arange(10_000, dtype=np.uint16) % 256
+    whole = _sampler(tokens).next_batch()
+    parts = [_sampler(tokens, r, dp_size).next_batch() for r in range(dp_size)]
+    x_whole = torch.cat([x for x, _ in whole])
+    x_parts = torch.cat([x for p in parts for x, _ in p])
+    assert torch.equal(x_whole, x_parts)
+    x, y = whole[0]
+    assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+
+
+def test_resume_on_a_different_dp_degree_skips_and_repeats_nothing() -> None:
+    tokens = np.arange(50_000, dtype=np.uint16) % 256
+    reference = [torch.cat([x for x, _ in _sampler(tokens).next_batch()]) for _ in range(1)]
+    run = _sampler(tokens)
+    seen = [torch.cat([x for x, _ in run.next_batch()]) for _ in range(3)]
+    state = run.state_dict()
+    # Resume on 4 data-parallel ranks: the next global batch is batch 3 of the uninterrupted run.
+    uninterrupted = _sampler(tokens)
+    expected = [torch.cat([x for x, _ in uninterrupted.next_batch()]) for _ in range(4)][3]
+    resumed = []
+    for r in range(4):
+        s = _sampler(tokens, r, 4)
+        s.load_state_dict(state)
+        resumed.extend(x for x, _ in s.next_batch())
+    assert torch.equal(torch.cat(resumed), expected)
+    assert torch.equal(seen[0], reference[0])
+
+
+def test_seed_change_on_resume_is_refused() -> None:
+    s = _sampler(None, seed=1)
+    with pytest.raises(ValueError, match="train.seed"):
+        s.load_state_dict({"consumed_batches": 3, "seed": 2})
+
+
+def test_indivisible_batch_is_refused_with_the_values() -> None:
+    with pytest.raises(ValueError, match="global_batch_size=10"):
+        BatchSampler(None, 256, 16, 10, 2, 0, 4, 0)
+
+
+def test_synthetic_batches_are_deterministic_and_in_vocab() -> None:
+    a, b = _sampler(None).next_batch(), _sampler(None).next_batch()
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b))
+    assert int(torch.cat([x for x, _ in a]).max()) < 256
+
+
+def test_validation_set_is_fixed() -> None:
+    corpus = load_corpus(DataConfig(source=DataSource.stdlib), 256, 32)
+    v1 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
+    v2 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
+    assert len(v1) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2))
+
+
+def test_prepare_and_memmap_round_trip(tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("hello token files " * 200)
+    out = tmp_path / "tok" / "train.bin"
+    assert main(["prepare", str(out), str(text)]) == 0
+    tokens, vocab = open_tokens(out)
+    assert vocab == 256 and bytes(np.asarray(tokens[:5], dtype=np.uint8)) == b"hello"
+    corpus = load_corpus(DataConfig(source=DataSource.tokens, path=str(out)), 256, 16)
+    assert corpus is not None and corpus.train.size + corpus.val.size == tokens.size
+
+
+def test_bad_token_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        open_tokens(tmp_path / "missing.bin")
+    bad = tmp_path / "bad.bin"
+    np.arange(10, dtype=np.uint16).tofile(bad)
+    bad.with_suffix(".json").write_text(json.dumps({"dtype": "float8", "vocab_size": 256}))
+    with pytest.raises(ValueError, match="float8"):
+        open_tokens(bad)
+    bad.with_suffix(".json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256, "num_tokens": 99}))
+    with pytest.raises(ValueError, match="truncated"):
+        open_tokens(bad)
+    assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "nope.txt")]) == 2
+
+
+def test_model_vocab_too_small_for_data() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_corpus(DataConfig(source=DataSource.stdlib), vocab_size=128, seq_len=16)

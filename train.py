@@ -1,0 +1,29 @@
+"""Entry point: ``python train.py [group=option ...] [key=value ...]``.
+
+Reads like a table of contents: compose (Hydra) -> validate and plan -> launch ranks -> each rank
+builds, freezes, parallelizes, trains, checkpoints and verifies (framework.trainer).
+"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from framework import config, recipes
+from framework.launch import register_resolvers
+
+config.register()
+recipes.register()
+register_resolvers()
+sys.argv = config.quote_numeric_choices(sys.argv)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from framework.entry import run_job
+
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    main()
