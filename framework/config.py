@@ -74,6 +74,13 @@ class AsyncMode(Enum):
     process = "process"
 
 
+class Integrity(Enum):
+    """How a checkpoint's manifest is checked before it is trusted (framework.checkpoint)."""
+
+    sha256 = "sha256"
+    size = "size"
+
+
 class Policy(Enum):
     warn = "warn"
     fail = "fail"
@@ -169,7 +176,12 @@ class HardwareConfig:
 
 @dataclass
 class MeshConfig:
-    """Declared topology: ``shape`` is nodes x processes per node (``[4]`` = one node of 4)."""
+    """Declared topology: ``shape`` is nodes x processes per node.
+
+    ``[4]`` is one node of 4 processes; ``[2, 4]`` is 2 nodes of 4; with three or more entries the
+    first is still the number of nodes and the rest multiply to the processes per node
+    (``[2, 2, 2]`` = 2 nodes of 4). ``framework.topology.validate_mesh`` checks the shape.
+    """
 
     shape: list[int] = field(default_factory=lambda: [1])
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -213,21 +225,39 @@ class BucketingConfig:
 
 @dataclass
 class NcclConfig:
-    """NCCL environment, applied in every rank's environment before the process group starts."""
+    """NCCL environment, applied in every rank's environment before the process group starts.
+
+    ``framework.topology.nccl_environment`` turns this into validated variables. A preset
+    (conf/nccl/NAME.yaml) lists its variables in ``preset_env``; ``env`` adds or overrides
+    variables for one run. The variables that a typed field owns (NCCL_SOCKET_IFNAME,
+    NCCL_TOPO_FILE, NCCL_TOPO_DUMP_FILE, TORCH_NCCL_ASYNC_ERROR_HANDLING) are set only through
+    their field, so one value cannot hide behind another.
+    """
 
     preset: str = "default"
+    preset_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
-    topo_file: Optional[str] = None
-    socket_ifname: Optional[str] = None
+    topo_file: Optional[str] = None  # NCCL_TOPO_FILE; its GPU count must match processes per node
+    topo_dump_file: Optional[str] = None  # NCCL_TOPO_DUMP_FILE; a relative path lands in the run dir
+    socket_ifname: Optional[str] = None  # NCCL_SOCKET_IFNAME (prefixes, ^exclude, =exact)
+    require_socket_ifname: bool = False  # the socket preset refuses to start without an interface
     timeout_s: float = 600.0
-    async_error_handling: int = 3  # TORCH_NCCL_ASYNC_ERROR_HANDLING
+    async_error_handling: int = 3  # TORCH_NCCL_ASYNC_ERROR_HANDLING: 0 none, 1..3 (3 = PyTorch default)
 
 
 @dataclass
 class FreezeConfig:
+    """Static graph (framework.freeze): torch.export artifact, or legacy TorchScript (script/trace)."""
+
     mode: FreezeMode = FreezeMode.none
-    strict: bool = False
+    strict: bool = False  # torch.export.export(strict=...): trace with Dynamo instead of running Python
+    # Also run the model once under torch._dynamo.explain, so graph breaks that
+    # torch.compile(fullgraph=True) would hit are reported at freeze time (export mode).
+    check_graph_breaks: bool = True
+    # script only: submodule paths ("layers.0.feed_forward") or methods ("helper", "layers.0.attention.fn")
+    # left as Python, as @torch.jit.ignore does. Such a module runs but cannot be saved.
     ignore: list[str] = field(default_factory=list)
+    # script only: extra methods compiled (and kept by torch.jit.freeze), as @torch.jit.export does.
     export_methods: list[str] = field(default_factory=list)
 
 
@@ -241,15 +271,19 @@ class ExecutorConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Fault-tolerant DCP checkpoints (framework.checkpoint): atomic commit, manifest, retention."""
+
     enabled: bool = False
     dir: Optional[str] = None  # default: <run dir>/checkpoints
-    every_steps: int = 0
-    every_minutes: float = 0.0
+    every_steps: int = 0  # 0 = off
+    every_minutes: float = 0.0  # 0 = off; rank 0's clock decides, all ranks follow
     at_end: bool = True
     async_mode: AsyncMode = AsyncMode.none
-    keep_last: int = 2
-    keep_every: int = 0
+    keep_last: int = 2  # 0 = keep all; the newest complete checkpoint is never deleted
+    keep_every: int = 0  # also keep steps that are multiples of this forever (0 = none)
     resume: str = "auto"  # auto | none | <path>
+    # sha256: hash every file at commit and verify before resume; size: sizes only (huge checkpoints).
+    integrity: Integrity = Integrity.sha256
 
 
 @dataclass
@@ -300,3 +334,25 @@ def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+GROUPS = ("recipe", "mesh", "mesh/hardware", "sharding", "bucketing", "nccl", "freeze", "executor",
+          "checkpoint", "verify", "logger")
+
+
+def quote_numeric_choices(args: list[str]) -> list[str]:
+    """Quote numeric group choices on the command line: ``mesh=4`` -> ``mesh='4'``.
+
+    Hydra's override parser reads ``4`` as an int and then refuses it as a group choice ("Config group
+    override must be a string or a list. Got int"); our mesh options are named by their shape
+    (``1``, ``4``, ``2x4``). Sweeps (``mesh=2,4``) are quoted choice by choice.
+    """
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in GROUPS and value:
+            parts = value.split(",")
+            if all(p.isdigit() for p in parts):
+                arg = f"{key}=" + ",".join(f"'{p}'" for p in parts)
+        out.append(arg)
+    return out

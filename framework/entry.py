@@ -20,6 +20,13 @@ from omegaconf import DictConfig
 from framework.config import Config, to_config, to_yaml
 from framework.launch import check_local_resources, joined_torchrun, resolve_device, spawn_local
 from framework.plan import format_plan, make_plan, plan_to_dict
+from framework.topology import (
+    apply_nccl_environment,
+    describe_nccl,
+    nccl_environment,
+    validate_mesh,
+    write_nccl_record,
+)
 
 log = logging.getLogger("framework")
 HYDRA_FILES = {".hydra", "train.log"}
@@ -36,6 +43,7 @@ def discard_run_dir(run_dir: Path) -> None:
 
 def validate(dcfg: DictConfig) -> Config:
     cfg = to_config(dcfg)
+    validate_mesh(cfg.mesh)
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     return cfg
@@ -47,6 +55,7 @@ def run_job(dcfg: DictConfig) -> float | None:
     try:
         cfg = validate(dcfg)
         plan = make_plan(cfg)
+        nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except ValueError as e:
         log.error("error: %s", e)
         print(f"error: {e}", file=sys.stderr)
@@ -57,6 +66,11 @@ def run_job(dcfg: DictConfig) -> float | None:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
         log.info("plan:\n%s", format_plan(plan))
+        write_nccl_record(run_dir, nccl_env)
+        if nccl_env:
+            log.info("nccl: %s", describe_nccl(nccl_env))
+    # Before any process group exists, and before spawning: the ranks inherit it.
+    apply_nccl_environment(nccl_env)
     if cfg.run.dry_run:
         from framework.dry_run import dry_run, format_dry_run
 

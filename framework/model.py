@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
+        self.gqa = cfg.n_heads != cfg.n_kv_heads
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -70,8 +71,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
+        # tensor parallelism divides both head counts by the same degree.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from framework import data as data_mod
-from framework.config import Config, to_yaml
+from framework.config import Config, FreezeMode, to_yaml
+from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import build_optimizer, build_scheduler, evaluate, train_step
 from framework.metrics import Metrics
@@ -104,6 +105,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
             cfg.model.name, n_params / 1e6, fpt, cfg.train.seq_len,
         )
+    frozen = freeze_stage(model, cfg, run_dir, env)
     model = parallelize(
         model, mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, device, cfg.train.seed
     )
@@ -177,6 +179,26 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     if env.is_main:
         write_summary(run_dir, cfg, plan, summary, digest, env)
     return summary
+
+
+def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEnv) -> FrozenResult:
+    """Freeze the unsharded meta-device model at the run's static shapes (fake tensors: no weights).
+
+    Tracing on meta costs no memory, so a 70B shape freezes on any host, and the fingerprint is the
+    same on every device type. The artifact (graph and signature; weights live in checkpoints) and
+    its manifest go to ``run_dir/frozen`` on rank 0.
+    """
+    example = torch.zeros(cfg.train.micro_batch_size, cfg.train.seq_len, dtype=torch.long, device="meta")
+    result = freeze(
+        model, (example,), cfg.freeze, run_dir, write=env.is_main,
+        manifest_extra={"model": cfg.model.name, "seq_len": cfg.train.seq_len},
+    )
+    if env.is_main and cfg.freeze.mode is not FreezeMode.none:
+        log.info(
+            "froze the model (%s) in %.1fs: graph fingerprint %s",
+            cfg.freeze.mode.value, result.seconds, (result.fingerprint or "")[:16],
+        )
+    return result
 
 
 def write_summary(run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv) -> None:
