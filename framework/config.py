@@ -92,6 +92,21 @@ class LoggerKind(Enum):
     wandb = "wandb"
 
 
+class WandbMode(Enum):
+    """``auto``: online when an API key is configured (WANDB_API_KEY or a netrc entry), else offline."""
+
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+
+
+class ProfileRanks(Enum):
+    """Which ranks record a torch.profiler trace: rank 0 only, or every rank (one file each)."""
+
+    rank0 = "rank0"
+    all = "all"
+
+
 # ----------------------------------------------------------------------------------------------
 # Recipe-owned groups: model, data, train. A recipe (recipes/NAME.yaml) pins these.
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +167,16 @@ class RunConfig:
     deterministic: bool = False
     # Self-launch restarts when a rank dies (torch elastic max_restarts).
     max_restarts: int = 0
+    # Record a torch.profiler trace (Chrome JSON) of a window of steps into <run dir>/profile.
     profile: bool = False
+    profile_ranks: ProfileRanks = ProfileRanks.rank0
+    # torch.profiler.schedule: skip `wait` steps, warm up `warmup` steps, record `active` steps, once.
+    profile_wait: int = 1
+    profile_warmup: int = 1
+    profile_active: int = 3
+    # Default-deny allowlist of module prefixes that a config's `_target_` may name (framework.instantiate).
+    # Set it in conf/ or on the command line; a recipe that sets it is refused.
+    instantiate_allow: list[str] = field(default_factory=lambda: ["framework.", "torch.optim.", "torch.nn."])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,22 +308,61 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | none | <path>
     # sha256: hash every file at commit and verify before resume; size: sizes only (huge checkpoints).
     integrity: Integrity = Integrity.sha256
+    # Write a Hugging Face-style safetensors + config.json of the final model into <run dir>/hf.
+    export_hf: bool = False
 
 
 @dataclass
 class VerifyConfig:
+    """Verification hooks of the migration checklist (framework.verify).
+
+    ``policy`` says what a failed check does: ``warn`` reports it and trains on, ``fail`` stops the
+    run, ``fallback`` steps down the executor ladder (cudagraphs -> compile -> eager). A cross-rank
+    mismatch always stops the job (ranks that disagree would hang in their first collective).
+    """
+
     enabled: bool = False
     policy: Policy = Policy.warn
+    # Cross-rank graph fingerprint + config hash before the first training collective.
+    graph: bool = True
+    # A fingerprint.json file or an earlier run dir (its frozen/fingerprint.json) to compare the graph with.
     reference: Optional[str] = None
+    # Executed (compiled / parallelized) model vs eager on the first batch: relative loss difference.
+    numerics: bool = True
+    loss_rtol: float = 1e-4
+    # ... and the logits: max |difference| / max |logit| (0 = off). fp32 agrees to ~1e-6, bf16 to ~1e-3.
+    logits_rtol: float = 1e-2
+    # Also compare with an unsharded eager model built from the same config and seed, up to this size.
+    reference_model_max_params: int = 50_000_000
+    # Baseline store (JSON); default outputs/baselines.json. ``save_baseline`` records this run in it.
     baseline: Optional[str] = None
     save_baseline: bool = False
+    # Regression thresholds against the baseline (fractions): tokens/s drop, p99 step time, peak memory.
+    max_tokens_per_s_drop: float = 0.10
+    max_p99_increase: float = 0.20
+    max_memory_increase: float = 0.10
+    # Latency circuit breaker: p99 of each window of ``breaker_window`` steps above ``breaker_factor`` x
+    # the baseline p99 (or this run's first window) for ``breaker_patience`` windows in a row.
+    breaker_factor: float = 3.0
+    breaker_window: int = 10
+    breaker_patience: int = 2
+    # Non-finite steps are skipped; this many in a row roll back to the last checkpoint.
+    max_bad_steps: int = 3
+    # Debugging knob: make the forward output NaN at these (0-based) steps, to test the bad-step policy.
+    inject_nan_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
 class LoggerConfig:
+    """Metrics sinks. ``metrics.jsonl`` is always written; ``kind=wandb`` adds Weights & Biases (rank 0)."""
+
     kind: LoggerKind = LoggerKind.console
     project: str = "framework"
     progress_bar: bool = True
+    entity: Optional[str] = None  # wandb entity (team or user); None = the key's default entity
+    mode: WandbMode = WandbMode.auto  # wandb online/offline; auto = online only when a key is configured
+    tags: list[str] = field(default_factory=list)  # wandb run tags
+    plot: bool = True  # write metrics.png (loss, tokens/s, MFU over steps) at the end of the run
 
 
 @dataclass

@@ -1,24 +1,40 @@
 """What ``train.py`` does with a composed config: validate, plan, write the run files, launch.
 
-Every check that can fail on user input runs here, before any rank starts. A failed check prints one
-clear error, removes the run dir Hydra just created (when it holds nothing but Hydra's own files)
-and exits with status 2.
+Every check that can fail on user input runs here, before any rank starts: the recipe's safety
+(framework.recipes), every ``_target_`` against the allowlist (framework.instantiate), the schema, the
+mesh and the plan. A failed check prints one clear error, removes the run dir Hydra just created
+(when it holds nothing but Hydra's own files) and exits with status 2.
+
+In a multirun sweep a job never ends the process: a failure is recorded in the job's ``job.json``
+and the job returns NaN, so the other jobs run and the sweep summary (framework.sweep) reports it;
+a job that already completed in a previous run of the same sweep is skipped.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
-from framework.config import Config, to_config, to_yaml
-from framework.launch import check_local_resources, joined_torchrun, resolve_device, spawn_local
+from framework import sweep
+from framework.config import Config, RunConfig, to_config, to_yaml
+from framework.launch import (
+    adopt_submitit_environment,
+    check_local_resources,
+    isolated_environ,
+    joined_torchrun,
+    resolve_device,
+    spawn_local,
+)
 from framework.plan import format_plan, make_plan, plan_to_dict
 from framework.topology import (
     apply_nccl_environment,
@@ -32,6 +48,14 @@ log = logging.getLogger("framework")
 HYDRA_FILES = {".hydra", "train.log"}
 
 
+class JobFailed(Exception):
+    """A job's ranks failed or its config was refused; carries the exit status of a single run."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def discard_run_dir(run_dir: Path) -> None:
     """Remove a run dir that holds only what Hydra wrote for this invocation; never anything else."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
@@ -39,6 +63,18 @@ def discard_run_dir(run_dir: Path) -> None:
         parent = run_dir.parent
         if parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
+
+
+def check_safe(dcfg: DictConfig, recipe: str | None) -> None:
+    """Refuse a refused recipe and any ``_target_`` off the allowlist, before anything is built or run."""
+    from framework.instantiate import check_targets
+    from framework.recipes import REFUSED
+
+    if recipe in REFUSED:
+        raise ValueError(REFUSED[recipe])
+    allow = OmegaConf.select(dcfg, "run.instantiate_allow", default=None)
+    allow = list(allow) if allow is not None else RunConfig().instantiate_allow
+    check_targets(dcfg, allow)
 
 
 def validate(dcfg: DictConfig) -> Config:
@@ -50,21 +86,61 @@ def validate(dcfg: DictConfig) -> Config:
 
 
 def run_job(dcfg: DictConfig) -> float | None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    rank = int(os.environ.get("RANK", "0")) if joined_torchrun() else 0
+    """The Hydra task function: one job (a single run, or one job of a sweep)."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    with isolated_environ():
+        adopt_submitit_environment()
+        rank = int(os.environ.get("RANK", "0")) if joined_torchrun() else 0
+        if multirun:
+            done = sweep.completed(run_dir, overrides)
+            if done is not None:
+                if rank == 0:
+                    sweep.write_job(run_dir, overrides, "skipped")
+                log.info("job %s: skipped, it completed in a previous run of this sweep (%s)", run_dir.name, run_dir)
+                return sweep.objective(done)
+            if rank == 0:
+                sweep.write_job(run_dir, overrides, "running")
+        try:
+            result = _run(dcfg, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
+        except JobFailed as e:
+            log.error("error: %s", e)
+            print(f"error: {e}", file=sys.stderr)
+            if not multirun:
+                if e.code == 2:
+                    discard_run_dir(run_dir)
+                sys.exit(e.code)
+            if rank == 0:
+                sweep.write_job(run_dir, overrides, "failed", error=str(e))
+            return math.nan
+        except Exception as e:  # noqa: BLE001 - a sweep records the failure and goes on to the next job
+            if not multirun:
+                raise
+            log.error("job %s failed:\n%s", run_dir.name, traceback.format_exc())
+            if rank == 0:
+                sweep.write_job(run_dir, overrides, "failed", error=f"{type(e).__name__}: {e}")
+            return math.nan
+        if multirun and rank == 0:
+            sweep.write_job(run_dir, overrides, "ok")
+        return result
+
+
+def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> float | None:
     try:
+        check_safe(dcfg, recipe)
         cfg = validate(dcfg)
         plan = make_plan(cfg)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except ValueError as e:
-        log.error("error: %s", e)
-        print(f"error: {e}", file=sys.stderr)
-        discard_run_dir(run_dir)
-        sys.exit(2)
+        raise JobFailed(str(e), 2) from e
 
     if rank == 0:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        config_yaml = to_yaml(cfg)
+        (run_dir / "config.yaml").write_text(config_yaml)
         (run_dir / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
+        write_provenance(run_dir, recipe, config_yaml)
         log.info("plan:\n%s", format_plan(plan))
         write_nccl_record(run_dir, nccl_env)
         if nccl_env:
@@ -84,31 +160,66 @@ def run_job(dcfg: DictConfig) -> float | None:
         from framework.launch import finish
 
         trainer.run(cfg, run_dir)
+        if rank == 0:
+            finish_run(run_dir, cfg)
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            # A submitit task must return (submitit pickles the result); it ends the group itself.
+            _end_in_process_group()
+            return _result(run_dir)
         finish(0)
     if cfg.mesh.world_size == 1:
         try:
-            summary = trainer.run(cfg, run_dir)
+            trainer.run(cfg, run_dir)
         finally:
             _end_in_process_group()
-        return summary.final_val_loss if summary.final_val_loss is not None else summary.final_loss
+        finish_run(run_dir, cfg)
+        return _result(run_dir)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
-        log.error("ranks failed (see %s): %s", run_dir / "train.log", e.get_first_failure()[1].message)
-        sys.exit(1)
+        raise JobFailed(f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1) from e
+    finish_run(run_dir, cfg)
+    return _result(run_dir)
+
+
+def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:
+    """``provenance.json``: the recipe (name, source file, its hash), the config hash, the code's commit."""
+    from framework.recipes import provenance
+
+    (run_dir / "provenance.json").write_text(json.dumps(provenance(recipe, config_yaml), indent=2) + "\n")
+
+
+def finish_run(run_dir: Path, cfg: Config) -> None:
+    """Rank 0, after training: the run's PNG, and its path recorded in ``summary.json``."""
     summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        info = json.loads(summary_path.read_text())
-        return info.get("final_val_loss") or info.get("final_loss")
-    return None
+    if not cfg.logger.plot or not summary_path.is_file():
+        return
+    from framework.plots import plot_run
+
+    try:
+        plot = plot_run(run_dir)
+    except ValueError as e:  # no loss rows (e.g. zero steps): nothing to draw
+        log.warning("no plot: %s", e)
+        return
+    info = json.loads(summary_path.read_text())
+    info["plot"] = str(plot)
+    summary_path.write_text(json.dumps(info, indent=2) + "\n")
+    log.info("plot: %s", plot)
+
+
+def _result(run_dir: Path) -> float | None:
+    """The job's objective (final val loss, else train loss): what Hydra's sweepers (Optuna) minimise."""
+    summary_path = run_dir / "summary.json"
+    return sweep.objective(json.loads(summary_path.read_text())) if summary_path.is_file() else None
 
 
 def _end_in_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)

@@ -14,15 +14,18 @@ Three ways a run starts, one code path after ``init_distributed``:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,25 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_stamp"):
         # use_cache: every ${run_stamp:} in one config resolves to the same value.
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
+    from framework.sweep import register_resolver
+
+    register_resolver()  # ${sweep_id:}: the stable sweep dir of conf/config.yaml
+    # conf/hydra/launcher/*.yaml: the SLURM allocation derived from the mesh group.
+    for name, fn in (("mesh_nodes", _mesh_nodes), ("mesh_procs_per_node", _mesh_procs_per_node)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def _mesh_nodes(shape: Any) -> int:
+    from framework.config import MeshConfig
+
+    return MeshConfig(shape=list(shape)).nodes
+
+
+def _mesh_procs_per_node(shape: Any) -> int:
+    from framework.config import MeshConfig
+
+    return MeshConfig(shape=list(shape)).procs_per_node
 
 
 def joined_torchrun() -> bool:
@@ -149,3 +171,43 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> None:
         start_method="spawn",
     )
     elastic_launch(config, sys.executable)("-m", "framework.worker", str(run_dir))
+
+
+@contextlib.contextmanager
+def isolated_environ() -> Iterator[None]:
+    """Restore ``os.environ`` after one job: consecutive multirun jobs in one process share nothing.
+
+    A job sets RANK/MASTER_PORT (world 1 in-process), FRAMEWORK_WORKER (self-launch), NCCL_* (its nccl
+    group) and WANDB_DIR; the next job of a sweep must not inherit any of them.
+    """
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def in_submitit_task() -> bool:
+    """True inside a task of a submitit job (SLURM, or submitit's local executor) with several tasks."""
+    if os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local"):
+        return False
+    import submitit
+
+    return submitit.JobEnvironment().num_tasks > 1
+
+
+def adopt_submitit_environment() -> bool:
+    """Make a multi-task submitit job's tasks the ranks of one job (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    ``hydra/launcher=submitit_slurm`` asks for nodes x tasks-per-node = the mesh (conf/hydra/launcher);
+    each task then joins the job as torchrun's ranks do. The master is the job's first host, the port
+    a function of the job id (submitit's TorchDistributedEnvironment). Returns True when it applied.
+    """
+    if not in_submitit_task():
+        return False
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # CUDA_VISIBLE_DEVICES is left alone: init_distributed picks cuda:LOCAL_RANK itself.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    return True

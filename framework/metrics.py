@@ -1,6 +1,7 @@
-"""Run-dir metrics: ``metrics.jsonl`` (always), a progress bar or plain log lines, and the summary.
+"""Run-dir metrics: ``metrics.jsonl`` (always), a progress bar or plain log lines, and sinks.
 
-Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
+Sinks are objects with ``log(row)`` and ``close()``; ``make_sinks`` builds them from ``LoggerConfig``
+(``logger=wandb`` adds ``framework.wandb_sink.WandbSink``). Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
 ``val_loss``, events (fallbacks, restarts, checkpoint failures) have ``event``.
 """
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from framework.config import LoggerConfig, LoggerKind
 
 log = logging.getLogger("framework")
 
@@ -54,6 +57,29 @@ class Metrics:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run id to save in checkpoints (None without a wandb sink)."""
+        return next((s.run_id for s in self.sinks if hasattr(s, "run_id")), None)
+
+
+def make_sinks(
+    logger: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None
+) -> list[Any]:
+    """The sinks ``logger`` asks for, besides metrics.jsonl. Call on rank 0 only.
+
+    ``config``: the resolved config as plain containers (secrets are redacted before logging);
+    ``run_id``: the wandb run id saved in the checkpoint being resumed, so the same run continues.
+    """
+    if logger.kind is LoggerKind.wandb:
+        from framework.wandb_sink import start_wandb
+
+        return [start_wandb(logger, run_dir, config, run_id)]
+    return []
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -3,22 +3,40 @@
 A recipe is configuration, never code: it pins the model shape, data, optimiser and schedule, and may
 override other groups' defaults (``defaults: [override /mesh: 2x4]``). Registering each file as an
 option of the group ``recipe`` (package ``_global_``) makes ``recipe=NAME`` a real Hydra group, so
-``-m recipe=a,b``, ``--cfg job`` and ``--help`` work. Extra roots (team folders) come from the
-``FRAMEWORK_RECIPE_PATH`` environment variable (``os.pathsep``-separated); a name in an earlier root
-wins over the same name in a later one, and the shipped ``recipes/`` folder comes last.
+``-m recipe=a,b``, ``--cfg job`` and ``--help`` work.
+
+Roots: ``FRAMEWORK_RECIPE_PATH`` (``os.pathsep``-separated) lists extra roots, each a folder or an
+installed package's folder as ``pkg://package.subdir`` (a team's recipes shipped as a wheel). A name
+in an earlier root wins over the same name in a later one; the shipped ``recipes/`` folder comes last.
+
+Safety: a recipe may not touch Hydra itself (a ``hydra:`` key, ``override /hydra/...`` defaults: Hydra
+instantiates callbacks and launchers before any of our code runs) nor widen the instantiation
+allowlist (``run.instantiate_allow``). Such a recipe is registered empty and recorded in ``REFUSED``;
+``framework.entry`` refuses to run it. ``python -m framework.recipes list | validate NAME`` inspects
+the roots.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "recipes"
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PKG_PREFIX = "pkg://"
+
+# name -> why it was refused; filled by ``register``.
+REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -27,32 +45,183 @@ class Recipe:
     path: Path
     description: str
     sha256: str
+    root: str = ""  # the root as the user wrote it (a folder or pkg://...)
 
 
-def recipe_roots() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get("FRAMEWORK_RECIPE_PATH", "").split(os.pathsep) if p]
-    return [*extra, SHIPPED_ROOT]
+def package_root(spec: str) -> Path:
+    """``pkg://team_recipes.llama`` -> the folder ``llama`` inside the installed package ``team_recipes``.
+
+    The longest importable package prefix is located without being imported (find_spec imports only
+    the parents); the rest of the dotted path names folders inside it.
+    """
+    dotted = spec[len(PKG_PREFIX) :].strip("/").replace("/", ".")
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ValueError(f"recipe root {spec!r}: expected pkg://package[.subdir]")
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.util.find_spec(".".join(parts[:i]))
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and found.submodule_search_locations:
+            base = Path(next(iter(found.submodule_search_locations)))
+            return base.joinpath(*parts[i:])
+    raise ValueError(f"recipe root {spec!r}: no installed package {parts[0]!r} (pip install it, or fix the path)")
 
 
-def discover(roots: list[Path] | None = None) -> dict[str, Recipe]:
+def recipe_roots() -> list[tuple[str, Path]]:
+    """(root as written, folder) for every root, extra roots first, the shipped folder last."""
+    roots: list[tuple[str, Path]] = []
+    for entry in os.environ.get("FRAMEWORK_RECIPE_PATH", "").split(os.pathsep):
+        if entry:
+            roots.append((entry, package_root(entry) if entry.startswith(PKG_PREFIX) else Path(entry)))
+    roots.append(("recipes/", SHIPPED_ROOT))
+    return roots
+
+
+def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[str, Recipe]:
     found: dict[str, Recipe] = {}
-    for root in roots if roots is not None else recipe_roots():
+    for item in roots if roots is not None else recipe_roots():
+        label, root = item if isinstance(item, tuple) else (str(item), item)
         if not root.is_dir():
-            raise ValueError(f"recipe root {str(root)!r} is not a directory (check FRAMEWORK_RECIPE_PATH)")
+            raise ValueError(f"recipe root {label!r} is not a directory (check FRAMEWORK_RECIPE_PATH)")
         for path in sorted(root.glob("*.yaml")):
             if path.stem in found:
                 continue
             text = path.read_text()
             first = text.splitlines()[0] if text else ""
             desc = first.lstrip("# ").strip() if first.startswith("#") else ""
-            found[path.stem] = Recipe(path.stem, path, desc, hashlib.sha256(text.encode()).hexdigest())
+            found[path.stem] = Recipe(path.stem, path, desc, hashlib.sha256(text.encode()).hexdigest(), label)
     return found
 
 
+def refusal(node: Any) -> str | None:
+    """Why a recipe's content may not be used, or None. See the module docstring."""
+    if not isinstance(node, dict):
+        return "a recipe must be a YAML mapping"
+    if "hydra" in node:
+        return "it sets `hydra:` keys (a recipe may not configure Hydra: callbacks and launchers run code)"
+    for entry in node.get("defaults") or []:
+        text = str(entry)
+        if "hydra/" in text or "/hydra" in text:
+            return f"its defaults select a Hydra option ({text}); a recipe may not configure Hydra"
+    run = node.get("run")
+    if isinstance(run, dict) and "instantiate_allow" in run:
+        return "it sets run.instantiate_allow (only conf/ or the command line may widen the allowlist)"
+    return None
+
+
 def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
-    """Store every recipe as an option of the ``recipe`` group; returns what was registered."""
+    """Store every recipe as an option of the ``recipe`` group; returns what was registered.
+
+    A refused recipe is stored empty (so that composing it cannot run anything) and recorded in
+    ``REFUSED``; ``framework.entry`` stops before running it.
+    """
     recipes = discover(roots)
     cs = ConfigStore.instance()
     for r in recipes.values():
-        cs.store(group="recipe", name=r.name, node=OmegaConf.load(r.path), package="_global_")
+        node = OmegaConf.load(r.path)
+        reason = refusal(OmegaConf.to_container(node, resolve=False))
+        if reason is not None:
+            REFUSED[r.name] = f"recipe {r.name!r} ({r.path}) is refused: {reason}"
+            node = OmegaConf.create({})
+        cs.store(group="recipe", name=r.name, node=node, package="_global_")
     return recipes
+
+
+def git_commit(path: Path = SHIPPED_ROOT.parent) -> str | None:
+    """The framework checkout's commit (``+dirty`` with local changes), or None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def provenance(recipe_name: str | None, config_yaml: str) -> dict[str, Any]:
+    """What ``provenance.json`` records: which recipe file (and which bytes) made this run, and the code."""
+    recipe = discover().get(recipe_name) if recipe_name else None
+    return {
+        "recipe": recipe_name,
+        "recipe_source": str(recipe.path) if recipe else None,
+        "recipe_root": recipe.root if recipe else None,
+        "recipe_sha256": recipe.sha256 if recipe else None,
+        "config_sha256": hashlib.sha256(config_yaml.encode()).hexdigest(),
+        "framework_commit": git_commit(),
+    }
+
+
+def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
+    """Compose ``recipe=NAME`` with the shipped conf/ through Hydra's compose API (returns the typed Config)."""
+    from hydra import compose, initialize_config_dir
+
+    from framework import config
+    from framework.launch import register_resolvers
+
+    config.register()
+    register()
+    register_resolvers()
+    if name in REFUSED:
+        raise ValueError(REFUSED[name])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        dcfg = compose("config", overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])]))
+    from framework.instantiate import check_targets
+
+    cfg = config.to_config(dcfg)
+    check_targets(dcfg, cfg.run.instantiate_allow)
+    return cfg
+
+
+def _cmd_list() -> int:
+    register()
+    recipes = discover()
+    width = max(len(n) for n in recipes)
+    for r in recipes.values():
+        state = f"  [REFUSED: {REFUSED[r.name].split(': ', 1)[1]}]" if r.name in REFUSED else ""
+        print(f"{r.name:<{width}}  {r.description or '(no description)'}  <- {r.path}{state}")
+    return 0
+
+
+def _cmd_validate(name: str, overrides: list[str]) -> int:
+    from framework.plan import format_plan, make_plan
+    from framework.topology import validate_mesh
+
+    recipes = discover()
+    if name not in recipes:
+        print(f"error: no recipe {name!r}; known: {sorted(recipes)}", file=sys.stderr)
+        return 2
+    try:
+        cfg = compose_recipe(name, overrides)
+        validate_mesh(cfg.mesh)
+        plan = make_plan(cfg)
+    except Exception as e:  # noqa: BLE001 - compose, schema and plan errors all mean "invalid"
+        print(f"error: recipe {name!r} ({recipes[name].path}) is invalid: {e}", file=sys.stderr)
+        return 1
+    print(f"recipe {name} ({recipes[name].path}, sha256 {recipes[name].sha256[:12]}): valid")
+    print(format_plan(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.recipes", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="every recipe with its source and one-line description")
+    val = sub.add_parser("validate", help="compose a recipe, check it against the schema, dry-run its plan")
+    val.add_argument("name")
+    val.add_argument("overrides", nargs="*", help="extra overrides, e.g. mesh=8 sharding=fsdp")
+    args = parser.parse_args(argv)
+    try:
+        return _cmd_list() if args.cmd == "list" else _cmd_validate(args.name, args.overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

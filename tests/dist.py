@@ -32,6 +32,9 @@ def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
         q.put((rank, None, traceback.format_exc()))
         code = 1
     finally:
+        # Flush the queue's feeder thread before os._exit, or the result/traceback is lost.
+        q.close()
+        q.join_thread()
         os._exit(code)
 
 

@@ -1,0 +1,165 @@
+"""What a checkpoint holds, and how each part is read back without unpickling arbitrary objects.
+
+Three kinds of state, three carriers:
+
+* Tensors (model parameters and buffers, optimizer moments and step counters) go through DCP, via
+  ``get_state_dict`` / ``set_state_dict``: the same code path for a plain module, DDP, FSDP2 and TP
+  DTensors, and DCP reshards on load when the layout or world size changed.
+* Replicated plain values (the caller's ``extra``, the LR scheduler's state, the optimizer's
+  ``param_groups``) go into ``extra.json``, written by rank 0. Keeping them out of DCP keeps the
+  DCP payload tensor-only: DCP stores non-tensor values with ``torch.save`` and reads them back with
+  ``torch.load(weights_only=False)``, i.e. arbitrary unpickling.
+* Per-rank RNG states go into ``rng/rank_NNNNN.json``, one per rank, written by that rank.
+
+DCP's ``.metadata`` file is itself a pickle; ``SafeReader`` reads it with an unpickler that only
+admits DCP's own metadata classes, ``torch.Size``, dtypes and layouts.
+
+RNG on a world-size change: rank r restores ``rank_r`` when that file exists. When the new world is
+larger, the new ranks keep the RNG state they were seeded with; when it is smaller, the states of
+the vanished ranks are dropped. Either way the data order is unaffected (the data position is
+global and replicated); only dropout-like randomness on those ranks differs from an unbroken run.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+EXTRA_FILE = "extra.json"
+RNG_DIR = "rng"
+
+
+def rng_file(rank: int) -> str:
+    return f"{RNG_DIR}/rank_{rank:05d}.json"
+
+
+def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict]]:
+    """The DCP payload (tensors only) and the optimizer's ``param_groups`` (plain values).
+
+    ``get_state_dict`` names parameters by their unwrapped FQN (no ``module.`` from DDP), so a
+    checkpoint saved from DDP loads into FSDP2 or a plain module. On an optimizer that has not
+    stepped yet it runs one zero-lr step to allocate the moments DCP loads into.
+    """
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
+
+
+def apply_tensor_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, payload: dict[str, Any], param_groups: list[dict]
+) -> None:
+    """Load a filled DCP payload and the saved ``param_groups`` into the model and optimizer."""
+    current = optimizer.state_dict()["param_groups"]
+    if len(current) != len(param_groups):
+        raise ValueError(
+            f"checkpoint has {len(param_groups)} optimizer param groups, the optimizer has {len(current)}"
+        )
+    groups = [_retype_like(saved, now) for saved, now in zip(param_groups, current, strict=True)]
+    osd = {"state": payload["optim"]["state"], "param_groups": groups}
+    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=osd)
+
+
+def _retype_like(saved: dict, now: dict) -> dict:
+    """JSON turned tuples (AdamW's ``betas``) into lists: give values back the current types."""
+    out = dict(saved)
+    for k, v in now.items():
+        if isinstance(v, tuple) and isinstance(out.get(k), list):
+            out[k] = tuple(out[k])
+    return out
+
+
+def check_json(name: str, value: object) -> str:
+    """Serialise ``value`` or raise ValueError naming the part that is not a plain JSON value."""
+    try:
+        return json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"checkpoint {name} must hold plain JSON values (str, int, float, bool, None, lists, dicts "
+            f"with str keys): {e}"
+        ) from e
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's torch CPU RNG state, and every CUDA device's when CUDA is initialised."""
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()), "cuda": []}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise ValueError(
+                f"checkpoint has CUDA RNG states for {len(cuda)} devices, this process sees "
+                f"{torch.cuda.device_count()}"
+            )
+        torch.cuda.set_rng_state_all([_unb64(s) for s in cuda])
+
+
+# DCP's .metadata pickle refers to exactly these globals (checked with pickletools on torch 2.13).
+_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_META, n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with an allowlisting unpickler for ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

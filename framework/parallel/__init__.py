@@ -1,0 +1,74 @@
+"""Parallelize a meta-device Llama per the plan: ``parallelize`` applies each concern in order.
+
+One module per concern: tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 /
+HSDP, DDP), mesh.py (the named device mesh).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from framework.config import BucketingConfig, ExecutorConfig, ShardingConfig, Strategy
+from framework.model import Llama, materialize
+from framework.parallel.activation import apply_ac
+from framework.parallel.compile import apply_compile
+from framework.parallel.data_parallel import apply_ddp, apply_fsdp
+from framework.parallel.mesh import build_mesh, dp_mesh_info, sub_mesh
+from framework.parallel.tensor import apply_tp
+from framework.plan import DP_AXES, MeshAxis, Plan
+
+__all__ = ["build_mesh", "dp_mesh_info", "parallelize"]
+
+
+def parallelize(
+    model: Llama,
+    mesh: DeviceMesh,
+    plan: Plan,
+    sharding: ShardingConfig,
+    bucketing: BucketingConfig,
+    executor: ExecutorConfig,
+    device: torch.device,
+    seed: int,
+    *,
+    init_weights: bool = True,
+) -> nn.Module:
+    """Shard, checkpoint, compile, place and initialise a model built on the meta device.
+
+    Order, and why:
+      1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
+         hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
+         wrap a forward that already contains the TP collectives.
+      2. Activation checkpointing (``apply_ac``): wraps each block's forward; before compile so
+         Dynamo traces the checkpoint region as one higher-order op.
+      3. Compile (``apply_compile``): per block (or whole model) before FSDP/DDP, so their hooks
+         stay outside the compiled graphs (fullgraph) and Dynamo never traces DDP.
+      4. FSDP2 / HSDP (``apply_fsdp``): per block, then the root; still on meta, so a 70B shape
+         is sharded before any rank allocates it.
+      5. Materialize (``framework.model.materialize``): ``to_empty`` on the device, re-tie, then
+         ``init_weights(seed)``, which draws every full parameter from a per-name generator and
+         slices the local shard: every layout starts from the single-process weights.
+         Skipped with ``init_weights=False`` (the dry run measures shapes on meta).
+      6. DDP (``apply_ddp``): last, because it verifies, broadcasts and buckets real tensors (it
+         cannot wrap meta ones, so ``init_weights=False`` skips it too; DDP shards nothing, so the
+         dry run's measurement does not change). World size 1 goes through it too (DDP over a
+         one-rank group), so there is no single-device branch.
+
+    Each step is a no-op when its setting is off. Raises ValueError for ``executor.mode=cudagraphs``
+    off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
+    """
+    strategy = Strategy(plan.strategy)
+    apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
+    apply_ac(model, sharding.activation_checkpointing)
+    apply_compile(model, executor, device)
+    dp_mesh = sub_mesh(mesh, plan, DP_AXES)
+    if strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp):
+        assert dp_mesh is not None
+        apply_fsdp(model, dp_mesh, sharding)
+    if init_weights:
+        materialize(model, device, seed)
+    if strategy == Strategy.ddp and init_weights:
+        assert dp_mesh is not None
+        return apply_ddp(model, dp_mesh, bucketing, plan.bucket_cap_mb)
+    return model

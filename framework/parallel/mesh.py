@@ -1,0 +1,42 @@
+"""The device mesh named after the plan's axes, and the coordinates other parts read from it."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from framework.plan import DP_AXES, MeshAxis, Plan
+
+
+def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """One mesh over all ranks with the plan's shape and axis names (needs a process group).
+
+    Axes are ordered outermost first, so the last axis (``tp`` when present) groups consecutive
+    ranks and stays inside a node.
+    """
+    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_axes)
+
+
+def sub_mesh(mesh: DeviceMesh, plan: Plan, axes: tuple[MeshAxis, ...]) -> DeviceMesh | None:
+    """The mesh over those of ``axes`` that the plan has (in mesh order), or None if it has none."""
+    names = tuple(a for a in plan.mesh_axes if MeshAxis(a) in axes)
+    if not names:
+        return None
+    if names == tuple(mesh.mesh_dim_names or ()):
+        return mesh
+    return mesh[names]
+
+
+def dp_mesh_info(mesh: DeviceMesh, plan: Plan) -> tuple[int, int]:
+    """(this rank's data-parallel rank, data-parallel size): the coordinate the data sampler uses.
+
+    The rank is the row-major index over the dp axes (dp_replicate outer, dp_shard inner); TP ranks
+    of one data-parallel group share it, so they read the same batch.
+    """
+    rank, size = 0, 1
+    coord = mesh.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
+    for i, name in enumerate(plan.mesh_axes):
+        if MeshAxis(name) in DP_AXES:
+            rank = rank * plan.mesh_shape[i] + coord[i]
+            size *= plan.mesh_shape[i]
+    return rank, size

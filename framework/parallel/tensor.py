@@ -1,0 +1,71 @@
+"""Tensor parallelism (Megatron-style with sequence parallelism), as torchtitan applies it to Llama.
+
+Column-parallel wq/wk/wv/w1/w3 and row-parallel wo/w2 keep each block's matmuls local between one
+all-gather and one reduce-scatter; the norms run sequence-parallel (activations sharded on the
+sequence dim) so no rank holds a full activation outside attention and the FFN. The output
+projection gathers the logits to a full (Replicate) local tensor, so the trainer's
+``F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())`` runs unchanged.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from framework.model import Llama
+
+
+def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
+    """Shard ``model`` in place over ``tp_mesh``; no-op when there is no TP axis (or it has size 1).
+
+    Tied embeddings: the embedding (row-wise over the vocabulary) and the output projection
+    (column-wise) both shard the weight as Shard(0), so the output is tied again to the embedding's
+    DTensor parameter. Raises RuntimeError if nothing was sharded.
+    """
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+            ),
+        },
+    )
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                # The second input is the RoPE table: a plain tensor every rank holds whole.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
+    if model.cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")

@@ -1,0 +1,642 @@
+"""The plan: every derived number of a run, computed once from the config before any process starts.
+
+``make_plan(cfg)`` is pure (no process group, no model, no device) and deterministic, so the same plan
+is printed by the launcher, written to ``plan.json``, checked by the dry run against the real sharded
+model, and compared across runs. It refuses what cannot work with a ``ValueError`` that names the bad
+value, the reason and a fix; the trainer catches it before launching ranks.
+
+Mesh layouts (axis names from ``MeshAxis``; the last axis varies fastest over global ranks, so an
+inner axis stays inside a node when its size times its stride divides the processes per node):
+
+=========  ======================================  ============================================
+strategy   mesh axes (sizes)                       notes
+=========  ======================================  ============================================
+ddp        (dp_replicate=world)                    gradients all-reduced in DDP buckets
+fsdp       (dp_shard=world)                        FSDP2 per block + root
+hsdp       (dp_replicate=nodes, dp_shard=ppn)      shard inside a node, replicate across nodes
+tp         (tp=world)                              requires sharding.tp == world (dp degree 1);
+                                                   data parallel plus TP is ``fsdp_tp``
+fsdp_tp    (dp_shard=world/tp, tp=sharding.tp)     TP inner (inside a node), FSDP outer
+=========  ======================================  ============================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from framework.config import (
+    ActivationCheckpointing,
+    CompileScope,
+    Config,
+    DType,
+    ExecutorMode,
+    ModelConfig,
+    Strategy,
+)
+
+GIB = 1024**3
+MIB = 1024**2
+# Bucket sizes the auto choice may pick: below 1 MiB launches dominate, above 256 MiB nothing overlaps.
+AUTO_BUCKET_MIN_MB = 1.0
+AUTO_BUCKET_MAX_MB = 256.0
+_DTYPE_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
+# Master weights, gradients and AdamW's two moments are kept in fp32 (FSDP2 keeps the sharded
+# parameter in its original dtype; ``param_dtype`` only changes the all-gathered compute copy).
+_MASTER_BYTES = 4
+_ADAMW_STATES = 2
+
+
+class MeshAxis(Enum):
+    """Named mesh axes ("axis" names a mesh axis, "dim" a tensor dimension)."""
+
+    dp_replicate = "dp_replicate"
+    dp_shard = "dp_shard"
+    tp = "tp"
+
+
+DP_AXES = (MeshAxis.dp_replicate, MeshAxis.dp_shard)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the Llama model: its name, full shape and the tensor dim TP shards (if any)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    unit: str  # FSDP unit that owns it: "layers.N" or "root"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes (the largest shard, which rank 0 holds under torch.chunk sharding)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    fsdp_buffers: int
+    activations: int
+    activations_by_mode: dict[str, int]
+    total: int
+    device: int
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """One collective per step on one mesh axis, costed with the alpha-beta model."""
+
+    axis: str
+    collective: str
+    group_size: int
+    link: str  # "intra" or "inter" node
+    calls: int
+    bytes_per_call: int  # payload (the full tensor the collective works on)
+    volume_bytes: int  # bytes each rank sends per step: ring factor x payload x calls
+    time_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    nodes: int
+    procs_per_node: int
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    dp_degree: int
+    tp_degree: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+    seq_len: int
+    num_params: int
+    params_per_rank: int
+    activation_checkpointing: str
+    memory: MemoryEstimate
+    comm: tuple[CommEstimate, ...]
+    comm_time_s: float
+    bucket_cap_mb: float
+    bucket_reason: str
+    bucket_sizes: tuple[int, ...]  # bytes; DDP buckets in gradient order, or FSDP units (blocks, root)
+    warnings: tuple[str, ...]
+
+    def axis_size(self, axis: MeshAxis) -> int:
+        return self.mesh_shape[self.mesh_axes.index(axis.value)] if axis.value in self.mesh_axes else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _layout(cfg: Config) -> tuple[tuple[int, ...], tuple[MeshAxis, ...]]:
+    world, nodes, ppn = cfg.mesh.world_size, cfg.mesh.nodes, cfg.mesh.procs_per_node
+    strategy, tp = cfg.sharding.strategy, cfg.sharding.tp
+    if strategy in (Strategy.ddp, Strategy.fsdp, Strategy.hsdp) and tp != 1:
+        raise ValueError(
+            f"sharding.tp={tp} has no effect with sharding.strategy={strategy.value}: "
+            f"use sharding=fsdp_tp (or sharding=tp), or set sharding.tp=1"
+        )
+    if strategy == Strategy.ddp:
+        return (world,), (MeshAxis.dp_replicate,)
+    if strategy == Strategy.fsdp:
+        return (world,), (MeshAxis.dp_shard,)
+    if strategy == Strategy.hsdp:
+        return (nodes, ppn), (MeshAxis.dp_replicate, MeshAxis.dp_shard)
+    if strategy == Strategy.tp:
+        if tp != world:
+            raise ValueError(
+                f"sharding.strategy=tp needs sharding.tp == world size, got sharding.tp={tp} on "
+                f"mesh.shape={list(cfg.mesh.shape)} (world {world}): set sharding.tp={world}, or use "
+                f"sharding=fsdp_tp sharding.tp={tp} to add data parallelism"
+            )
+        return (tp,), (MeshAxis.tp,)
+    assert strategy == Strategy.fsdp_tp
+    if tp < 1 or world % tp:
+        raise ValueError(
+            f"sharding.tp={tp} does not divide the world size {world} (mesh.shape={list(cfg.mesh.shape)}): "
+            f"valid values are {_divisors(world)}"
+        )
+    return (world // tp, tp), (MeshAxis.dp_shard, MeshAxis.tp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_mesh(cfg: Config) -> None:
+    shape = list(cfg.mesh.shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(
+            f"mesh.shape={shape} is not valid: use [procs] for one node or [nodes, procs_per_node, ...], "
+            f"all sizes >= 1"
+        )
+
+
+def _check_tp(cfg: Config, tp: int) -> None:
+    m = cfg.model
+    for field_name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim)):
+        if value % tp:
+            valid = [
+                d
+                for d in _divisors(cfg.mesh.world_size)
+                if m.n_heads % d == 0 and m.n_kv_heads % d == 0 and m.ffn_dim % d == 0
+            ]
+            raise ValueError(
+                f"sharding.tp={tp} does not divide model.{field_name}={value}: each TP rank needs whole "
+                f"heads and an equal FFN slice; valid TP degrees here are {valid}"
+            )
+
+
+def _check_executor(cfg: Config, tp: int) -> None:
+    """Refuse compile combinations that fail (or hang) on torch 2.13, found by the parallel tests."""
+    if cfg.executor.mode == ExecutorMode.eager:
+        return
+    strategy = cfg.sharding.strategy
+    if cfg.executor.scope == CompileScope.model and strategy in (
+        Strategy.fsdp,
+        Strategy.hsdp,
+        Strategy.fsdp_tp,
+    ):
+        raise ValueError(
+            f"executor.scope=model with sharding.strategy={strategy.value}: one full graph around "
+            f"FSDP2's per-block hooks hangs its collectives; use executor.scope=block"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"executor.mode={cfg.executor.mode.value} with sharding.tp={tp}: the DTensor backward through "
+            f"compiled blocks fails on torch 2.13 (\"'Tensor' object has no attribute '_local_tensor'\"); "
+            f"use executor.mode=eager with TP, or sharding.tp=1"
+        )
+
+
+def _check_batch(cfg: Config, dp: int) -> int:
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if mbs < 1 or gbs < 1 or gbs % (dp * mbs):
+        per_dp = gbs // dp if gbs % dp == 0 else None
+        micro_ok = _divisors(per_dp) if per_dp else []
+        step = dp * max(mbs, 1)
+        raise ValueError(
+            f"train.global_batch_size={gbs} is not divisible by dp_degree ({dp}) x "
+            f"train.micro_batch_size ({mbs}) = {dp * mbs}: use a global batch size in "
+            f"{[step * k for k in range(1, 5)]}..."
+            + (f" or a micro batch size in {micro_ok}" if micro_ok else "")
+        )
+    return gbs // (dp * mbs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters, memory
+# ----------------------------------------------------------------------------------------------
+
+
+def param_specs(m: ModelConfig) -> list[ParamSpec]:
+    """Parameters of framework.model.Llama in ``named_parameters()`` order (tied output omitted).
+
+    Mirrors the model so the planner needs no model; the dry run checks the two agree.
+    """
+    hd = m.dim // m.n_heads
+    specs = [ParamSpec("tok_embeddings.weight", (m.vocab_size, m.dim), 0, "root")]
+    for i in range(m.n_layers):
+        u, p = f"layers.{i}", f"layers.{i}."
+        specs += [
+            ParamSpec(p + "attention_norm.weight", (m.dim,), None, u),
+            ParamSpec(p + "attention.wq.weight", (m.n_heads * hd, m.dim), 0, u),
+            ParamSpec(p + "attention.wk.weight", (m.n_kv_heads * hd, m.dim), 0, u),
+            ParamSpec(p + "attention.wv.weight", (m.n_kv_heads * hd, m.dim), 0, u),
+            ParamSpec(p + "attention.wo.weight", (m.dim, m.n_heads * hd), 1, u),
+            ParamSpec(p + "ffn_norm.weight", (m.dim,), None, u),
+            ParamSpec(p + "feed_forward.w1.weight", (m.ffn_dim, m.dim), 0, u),
+            ParamSpec(p + "feed_forward.w2.weight", (m.dim, m.ffn_dim), 1, u),
+            ParamSpec(p + "feed_forward.w3.weight", (m.ffn_dim, m.dim), 0, u),
+        ]
+    specs.append(ParamSpec("norm.weight", (m.dim,), None, "root"))
+    if not m.tie_embeddings:
+        specs.append(ParamSpec("output.weight", (m.vocab_size, m.dim), 0, "root"))
+    return specs
+
+
+def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
+    """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left.
+
+    torch.chunk gives the first ranks ceil(size / n) rows, so rank 0 holds the largest shard.
+    """
+    shape = list(spec.shape)
+    if tp > 1 and spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    if dp_shard > 1:
+        shape[0] = math.ceil(shape[0] / dp_shard)
+    return math.prod(shape)
+
+
+def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> int:
+    """Saved activations of one micro batch, per rank.
+
+    Per token and layer the block saves about 10*dim + 3*kv_dim + 4*ffn_dim values (norm inputs and
+    outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs, SiLU and the
+    product feeding w2); SDPA's flash path keeps no seq x seq matrix. Sequence parallelism divides it
+    all by the TP degree. ``full`` keeps only each block's input plus one block being recomputed;
+    ``selective`` checkpoints every other block. The logits (full vocab, gathered to every TP rank)
+    are held in fp32 for the loss, with their gradient.
+    """
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    elem = _DTYPE_BYTES[cfg.sharding.param_dtype]
+    kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
+    per_layer = tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem // tp
+    block_input = tokens * m.dim * elem // tp
+    logits = 2 * tokens * m.vocab_size * 4
+    n = m.n_layers
+    if mode == ActivationCheckpointing.none:
+        layers = n * per_layer
+    elif mode == ActivationCheckpointing.full:
+        layers = n * block_input + per_layer
+    else:
+        kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
+        layers = kept * per_layer + (n - kept) * block_input + per_layer
+    return layers + logits
+
+
+def _memory(
+    cfg: Config, specs: list[ParamSpec], tp: int, dp_shard: int, unit_bytes: list[int]
+) -> MemoryEstimate:
+    local = sum(local_numel(s, tp, dp_shard) for s in specs)
+    params = local * _MASTER_BYTES
+    grads = local * _MASTER_BYTES
+    optimizer = local * _MASTER_BYTES * _ADAMW_STATES
+    fsdp_buffers = 0
+    if dp_shard > 1:
+        # The unit being computed plus the one prefetched (param_dtype), and one unit's unsharded
+        # gradient before its reduce-scatter (reduce_dtype).
+        biggest = max(unit_bytes) // _MASTER_BYTES
+        p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
+        fsdp_buffers = biggest * (2 * p_el + r_el)
+    by_mode = {mode.value: _activation_bytes(cfg, tp, mode) for mode in ActivationCheckpointing}
+    acts = by_mode[cfg.sharding.activation_checkpointing.value]
+    total = params + grads + optimizer + fsdp_buffers + acts
+    device = int(cfg.mesh.hardware.memory_gib * GIB)
+    return MemoryEstimate(params, grads, optimizer, fsdp_buffers, acts, by_mode, total, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication (alpha-beta) and bucketing
+# ----------------------------------------------------------------------------------------------
+
+
+def _axis_is_intra_node(sizes: tuple[int, ...], index: int, ppn: int) -> bool:
+    """Every group of this axis lies in one node iff size * stride divides procs per node."""
+    stride = math.prod(sizes[index + 1 :])
+    span = sizes[index] * stride
+    return sizes[index] == 1 or (span <= ppn and ppn % span == 0)
+
+
+def _link(cfg: Config, intra: bool) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of the link an axis uses."""
+    hw = cfg.mesh.hardware
+    if intra:
+        return hw.intra_node_latency_us * 1e-6, hw.intra_node_gbps * 1e9
+    return hw.inter_node_latency_us * 1e-6, hw.inter_node_gbps * 1e9
+
+
+def _collective(
+    cfg: Config, axis: str, kind: str, n: int, intra: bool, calls: int, payload: int
+) -> CommEstimate:
+    """Ring collectives: all-reduce sends 2(n-1)/n of the payload in 2(n-1) steps; all-gather and
+    reduce-scatter send (n-1)/n in n-1 steps."""
+    alpha, beta = _link(cfg, intra)
+    steps, factor = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
+    per_call = steps * alpha + factor * payload / beta
+    volume = int(factor * payload * calls)
+    return CommEstimate(
+        axis, kind, n, "intra" if intra else "inter", calls, payload, volume, per_call * calls
+    )
+
+
+def _ddp_buckets(specs: list[ParamSpec], cap_bytes: int, tp: int) -> list[int]:
+    """DDP's steady-state buckets: gradients in ready order (parameter order reversed), a bucket
+    closes once it reaches ``bucket_cap_mb`` (the Reducer rebuilds to this after the first step)."""
+    sizes, cur = [], 0
+    for s in reversed(specs):
+        cur += local_numel(s, tp, 1) * _MASTER_BYTES
+        if cur >= cap_bytes:
+            sizes.append(cur)
+            cur = 0
+    if cur:
+        sizes.append(cur)
+    return sizes
+
+
+def _fsdp_units(specs: list[ParamSpec], tp: int) -> list[int]:
+    """Unsharded fp32 bytes of each FSDP unit: one per block, then the root (embeddings, norm, output)."""
+    units: dict[str, int] = {}
+    for s in specs:
+        units[s.unit] = units.get(s.unit, 0) + local_numel(s, tp, 1) * _MASTER_BYTES
+    root = units.pop("root")
+    return [*units.values(), root]
+
+
+def _auto_bucket(cfg: Config, grad_bytes: int, n: int, intra: bool) -> tuple[float, str]:
+    """Bucket size minimising exposed all-reduce time under the alpha-beta model.
+
+    With k buckets the latency cost is k * 2(n-1) * alpha and the last bucket's transfer,
+    2(n-1)/n * M/(k * beta), cannot overlap backward. Their sum is smallest at
+    M/k = sqrt(M * n * alpha * beta).
+    """
+    alpha, beta = _link(cfg, intra)
+    link = "intra-node" if intra else "inter-node"
+    if n == 1:
+        return cfg.bucketing.bucket_cap_mb, (
+            f"auto: dp degree 1, no all-reduce; kept bucket_cap_mb={cfg.bucketing.bucket_cap_mb:g}"
+        )
+    best = math.sqrt(grad_bytes * n * alpha * beta) / MIB
+    chosen = round(min(max(best, AUTO_BUCKET_MIN_MB), AUTO_BUCKET_MAX_MB), 2)
+    return chosen, (
+        f"auto: alpha-beta model of dp_replicate ({link}, n={n}, alpha={alpha * 1e6:g} us, "
+        f"beta={beta / 1e9:g} GB/s, grads {grad_bytes / MIB:.1f} MiB): sqrt(M*n*alpha*beta) = "
+        f"{best:.2f} MiB balances per-bucket latency against the exposed last bucket; "
+        f"clamped to [{AUTO_BUCKET_MIN_MB:g}, {AUTO_BUCKET_MAX_MB:g}] -> {chosen:g}"
+    )
+
+
+def _comm(
+    cfg: Config,
+    specs: list[ParamSpec],
+    sizes: tuple[int, ...],
+    axes: tuple[MeshAxis, ...],
+    accum: int,
+    num_buckets: int,
+    units: list[int],
+) -> list[CommEstimate]:
+    """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
+    in backward, and reduce-scatters its gradient, once per micro batch; replicated gradients are
+    all-reduced once per step (the trainer accumulates under no_sync); TP with sequence parallelism
+    all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
+    ppn = cfg.mesh.procs_per_node
+    out: list[CommEstimate] = []
+    size = dict(zip(axes, sizes, strict=True))
+    intra = {a: _axis_is_intra_node(sizes, i, ppn) for i, a in enumerate(axes)}
+    tp = size.get(MeshAxis.tp, 1)
+    shard = size.get(MeshAxis.dp_shard, 1)
+    p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
+    full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
+    if shard > 1:
+        ag_calls = len(units) * accum * (2 if cfg.sharding.reshard_after_forward else 1)
+        avg_unit = full_local // len(units)
+        out.append(
+            _collective(
+                cfg, "dp_shard", "all_gather", shard, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el
+            )
+        )
+        out.append(
+            _collective(
+                cfg,
+                "dp_shard",
+                "reduce_scatter",
+                shard,
+                intra[MeshAxis.dp_shard],
+                len(units) * accum,
+                avg_unit * r_el,
+            )
+        )
+    rep = size.get(MeshAxis.dp_replicate, 1)
+    if rep > 1:
+        if cfg.sharding.strategy == Strategy.ddp:
+            per = full_local * _MASTER_BYTES // num_buckets
+            out.append(
+                _collective(
+                    cfg, "dp_replicate", "all_reduce", rep, intra[MeshAxis.dp_replicate], num_buckets, per
+                )
+            )
+        else:  # HSDP: each unit's reduce-scattered gradient shard is all-reduced across replicas
+            per = full_local // len(units) // shard * r_el
+            out.append(
+                _collective(
+                    cfg,
+                    "dp_replicate",
+                    "all_reduce",
+                    rep,
+                    intra[MeshAxis.dp_replicate],
+                    len(units) * accum,
+                    per,
+                )
+            )
+    if tp > 1:
+        act = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.dim * p_el
+        calls = cfg.model.n_layers * 4 * accum  # 2 forward + 2 backward, each kind
+        out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
+        out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# make_plan
+# ----------------------------------------------------------------------------------------------
+
+
+def make_plan(cfg: Config) -> Plan:
+    """Derive degrees, batch split, memory, communication and bucketing; refuse what cannot work.
+
+    Raises ValueError naming the bad value, the reason and a fix: a mesh that does not fit the
+    strategy, a TP degree that does not divide heads / FFN / world, a global batch that does not
+    split across data-parallel ranks and micro batches, or (on hardware other than ``cpu``, where it
+    only warns) a per-rank memory estimate above the device memory.
+    """
+    _check_mesh(cfg)
+    warnings: list[str] = []
+    sizes, axes = _layout(cfg)
+    assert math.prod(sizes) == cfg.mesh.world_size, (sizes, cfg.mesh.shape)
+    size = dict(zip(axes, sizes, strict=True))
+    tp = size.get(MeshAxis.tp, 1)
+    dp = size.get(MeshAxis.dp_replicate, 1) * size.get(MeshAxis.dp_shard, 1)
+    shard = size.get(MeshAxis.dp_shard, 1)
+    if tp > 1:
+        _check_tp(cfg, tp)
+        if not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
+            warnings.append(
+                f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
+                f"the inter-node link; use sharding.tp <= {cfg.mesh.procs_per_node}"
+            )
+    _check_executor(cfg, tp)
+    accum = _check_batch(cfg, dp)
+    strategy = cfg.sharding.strategy
+    if strategy == Strategy.hsdp and cfg.mesh.nodes == 1:
+        warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")
+    if strategy == Strategy.ddp and (
+        cfg.sharding.param_dtype != DType.float32 or cfg.sharding.reduce_dtype != DType.float32
+    ):
+        warnings.append(
+            "sharding.param_dtype / reduce_dtype are ignored under ddp (FSDP2 mixed precision only)"
+        )
+
+    specs = param_specs(cfg.model)
+    units = _fsdp_units(specs, tp)
+    memory = _memory(cfg, specs, tp, shard, units)
+
+    full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
+    rep = size.get(MeshAxis.dp_replicate, 1)
+    if strategy == Strategy.ddp:
+        if cfg.bucketing.auto:
+            intra = _axis_is_intra_node(sizes, 0, cfg.mesh.procs_per_node)
+            cap, reason = _auto_bucket(cfg, full_local_bytes, rep, intra)
+        else:
+            cap, reason = (
+                cfg.bucketing.bucket_cap_mb,
+                f"bucketing.bucket_cap_mb={cfg.bucketing.bucket_cap_mb:g}",
+            )
+        buckets = _ddp_buckets(specs, int(cap * MIB), tp)
+    else:
+        cap = cfg.bucketing.bucket_cap_mb
+        reason = f"{strategy.value}: FSDP2 communicates per unit (one per block + root); bucket_cap_mb unused"
+        if cfg.bucketing.auto:
+            warnings.append(f"bucketing.auto does nothing under sharding={strategy.value}: {reason}")
+        buckets = units
+
+    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units)
+    mem_msg = (
+        f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
+        f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=fsdp "
+        f"(or a larger fsdp/tp degree) or sharding.activation_checkpointing=full, or a smaller "
+        f"train.micro_batch_size"
+    )
+    if memory.total > memory.device:
+        if cfg.mesh.hardware.name != "cpu":
+            raise ValueError(f"mesh.hardware.name={cfg.mesh.hardware.name}: {mem_msg}")
+        warnings.append(mem_msg)
+
+    return Plan(
+        world_size=cfg.mesh.world_size,
+        nodes=cfg.mesh.nodes,
+        procs_per_node=cfg.mesh.procs_per_node,
+        strategy=strategy.value,
+        mesh_shape=sizes,
+        mesh_axes=tuple(a.value for a in axes),
+        dp_degree=dp,
+        tp_degree=tp,
+        micro_batch_size=cfg.train.micro_batch_size,
+        global_batch_size=cfg.train.global_batch_size,
+        grad_accum_steps=accum,
+        seq_len=cfg.train.seq_len,
+        num_params=sum(math.prod(s.shape) for s in specs),
+        params_per_rank=sum(local_numel(s, tp, shard) for s in specs),
+        activation_checkpointing=cfg.sharding.activation_checkpointing.value,
+        memory=memory,
+        comm=tuple(comm),
+        comm_time_s=sum(c.time_s for c in comm),
+        bucket_cap_mb=cap,
+        bucket_reason=reason,
+        bucket_sizes=tuple(buckets),
+        warnings=tuple(warnings),
+    )
+
+
+def check_world_size(plan: Plan, world_size: int) -> None:
+    """Refuse a launch whose real world size is not the one the plan's mesh was made for."""
+    if world_size != plan.world_size:
+        raise ValueError(
+            f"world size {world_size} != product of mesh {list(plan.mesh_shape)} = {plan.world_size}: "
+            f"launch {plan.world_size} processes or pick a mesh whose shape multiplies to {world_size}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """JSON-ready dict (tuples become lists); ``plan_from_dict`` inverts it."""
+    return dataclasses.asdict(plan)
+
+
+def plan_from_dict(d: dict[str, Any]) -> Plan:
+    memory = MemoryEstimate(**d["memory"])
+    comm = tuple(CommEstimate(**c) for c in d["comm"])
+    rest = {k: v for k, v in d.items() if k not in ("memory", "comm")}
+    for k in ("mesh_shape", "mesh_axes", "bucket_sizes", "warnings"):
+        rest[k] = tuple(rest[k])
+    return Plan(memory=memory, comm=comm, **rest)
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:8.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The table printed once on rank 0 before training."""
+    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh_axes, plan.mesh_shape, strict=True))
+    m = plan.memory
+    lines = [
+        f"plan: {plan.strategy} on {plan.world_size} ranks ({plan.nodes} node(s) x {plan.procs_per_node})",
+        f"  mesh            {mesh}",
+        f"  degrees         dp={plan.dp_degree} tp={plan.tp_degree}",
+        f"  batch           global {plan.global_batch_size} = dp {plan.dp_degree} x micro "
+        f"{plan.micro_batch_size} x accum {plan.grad_accum_steps}; seq {plan.seq_len}",
+        f"  params          {plan.num_params:,} total, {plan.params_per_rank:,} per rank",
+        "  memory per rank",
+        f"    params        {_gib(m.params)}",
+        f"    grads         {_gib(m.grads)}",
+        f"    optimizer     {_gib(m.optimizer)}  (AdamW, 2 fp32 states)",
+        f"    fsdp buffers  {_gib(m.fsdp_buffers)}",
+    ]
+    for mode, b in m.activations_by_mode.items():
+        mark = "  <- chosen" if mode == plan.activation_checkpointing else ""
+        lines.append(f"    acts {mode:<9}{_gib(b)}{mark}")
+    lines.append(f"    total         {_gib(m.total)}  of {_gib(m.device).strip()} device")
+    lines.append("  comm per step   axis         collective      n  link   calls   volume/rank      time")
+    for c in plan.comm:
+        lines.append(
+            f"                  {c.axis:<12} {c.collective:<14} {c.group_size:>3}  {c.link:<5} {c.calls:>6} "
+            f"{c.volume_bytes / MIB:>10.1f} MiB {c.time_s * 1e3:>9.2f} ms"
+        )
+    lines.append(f"                  total {plan.comm_time_s * 1e3:.2f} ms")
+    sizes = [round(b / MIB, 2) for b in plan.bucket_sizes]
+    shown = sizes if len(sizes) <= 6 else [*sizes[:3], "...", *sizes[-2:]]
+    lines.append(f"  buckets         {len(sizes)} of {shown} MiB; bucket_cap_mb={plan.bucket_cap_mb:g}")
+    lines.append(f"                  {plan.bucket_reason}")
+    lines += [f"  WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Performance baselines: a JSON store of reference figures, and the regression comparison.
+
+A baseline is only comparable with a run of the same shape on the same hardware, so the key is
+(model name, mesh shape, sharding, executor, device name, world size). The store is one JSON file
+(default ``outputs/baselines.json``), rewritten atomically (write to a temporary file, rename), so
+a crash while saving never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from framework.config import Config, VerifyConfig
+from framework.verify.report import CheckResult
+
+DEFAULT_STORE = Path("outputs") / "baselines.json"
+STORE_VERSION = 1
+
+
+@dataclass
+class PerfFigures:
+    """Figures of the post-warm-up steps of a run (step times in seconds)."""
+
+    step_p50_s: float
+    step_p99_s: float
+    tokens_per_s: float
+    mfu: float | None = None
+    peak_mem_gib: float | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); with few steps p99 is the slowest step."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def perf_figures(
+    step_seconds: list[float], tokens_per_step: int, mfu: float | None, peak_mem_gib: float | None
+) -> PerfFigures | None:
+    """From the post-warm-up step times; None when there are none (a run shorter than its warm-up)."""
+    if not step_seconds:
+        return None
+    tps = tokens_per_step * len(step_seconds) / sum(step_seconds)
+    return PerfFigures(percentile(step_seconds, 50), percentile(step_seconds, 99), tps, mfu, peak_mem_gib)
+
+
+def baseline_key(cfg: Config, world_size: int, device_name: str) -> str:
+    sharding = cfg.sharding.strategy.value + (f"-tp{cfg.sharding.tp}" if cfg.sharding.tp > 1 else "")
+    mesh = "x".join(str(s) for s in cfg.mesh.shape)
+    return "|".join(
+        (
+            cfg.model.name,
+            f"mesh={mesh}",
+            sharding,
+            cfg.executor.mode.value,
+            device_name,
+            f"world={world_size}",
+        )
+    )
+
+
+def store_path(cfg: VerifyConfig) -> Path:
+    return Path(cfg.baseline) if cfg.baseline else DEFAULT_STORE
+
+
+def load_store(path: Path) -> dict[str, Any]:
+    """The store's ``{key: entry}`` mapping ({} when the file does not exist). ValueError if unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"verify.baseline={str(path)!r} is not a baseline store (bad JSON: {e})") from e
+    if not isinstance(doc, dict) or doc.get("version") != STORE_VERSION:
+        raise ValueError(f"verify.baseline={str(path)!r}: expected a store with version {STORE_VERSION}")
+    return doc["baselines"]
+
+
+def load_baseline(path: Path, key: str) -> PerfFigures | None:
+    entry = load_store(path).get(key)
+    return None if entry is None else PerfFigures(**entry["figures"])
+
+
+def save_baseline(path: Path, key: str, figures: PerfFigures, meta: dict[str, Any]) -> None:
+    """Record (or replace) the baseline under ``key``, keeping all other entries."""
+    baselines = load_store(path)
+    baselines[key] = {"figures": asdict(figures), "recorded": time.time(), **meta}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(
+        json.dumps({"version": STORE_VERSION, "baselines": baselines}, indent=2, sort_keys=True) + "\n"
+    )
+    os.replace(tmp, path)
+
+
+def compare_perf(current: PerfFigures, baseline: PerfFigures | None, cfg: VerifyConfig) -> CheckResult:
+    """Regressions beyond the thresholds: tokens/s drop, p99 step-time rise, peak-memory rise."""
+    figures: dict[str, Any] = {f"current_{k}": v for k, v in asdict(current).items()}
+    if baseline is None:
+        return CheckResult(
+            "performance",
+            None,
+            "no baseline for this key (record one with verify.save_baseline=true)",
+            figures,
+        )
+    figures |= {f"baseline_{k}": v for k, v in asdict(baseline).items()}
+    bad = []
+    tps_ratio = current.tokens_per_s / baseline.tokens_per_s
+    figures["tokens_per_s_ratio"] = tps_ratio
+    if tps_ratio < 1.0 - cfg.max_tokens_per_s_drop:
+        bad.append(
+            f"tokens/s {current.tokens_per_s:,.0f} is {1 - tps_ratio:.1%} below the baseline "
+            f"{baseline.tokens_per_s:,.0f} (threshold {cfg.max_tokens_per_s_drop:.0%})"
+        )
+    p99_ratio = current.step_p99_s / baseline.step_p99_s
+    figures["p99_ratio"] = p99_ratio
+    if p99_ratio > 1.0 + cfg.max_p99_increase:
+        bad.append(
+            f"p99 step time {current.step_p99_s * 1e3:.1f} ms is {p99_ratio - 1:.1%} above the baseline "
+            f"{baseline.step_p99_s * 1e3:.1f} ms (threshold {cfg.max_p99_increase:.0%})"
+        )
+    if current.peak_mem_gib is not None and baseline.peak_mem_gib:
+        mem_ratio = current.peak_mem_gib / baseline.peak_mem_gib
+        figures["memory_ratio"] = mem_ratio
+        if mem_ratio > 1.0 + cfg.max_memory_increase:
+            bad.append(
+                f"peak memory {current.peak_mem_gib:.2f} GiB is {mem_ratio - 1:.1%} above the baseline "
+                f"{baseline.peak_mem_gib:.2f} GiB (threshold {cfg.max_memory_increase:.0%})"
+            )
+    return CheckResult("performance", not bad, "\n".join(bad), figures)

@@ -1,0 +1,162 @@
+"""The fallback ladder and its triggers: executor rungs, latency circuit breaker, bad-step policy.
+
+Ladder: cudagraphs -> compile -> eager. A fallback rebuilds the model from a fresh meta model with
+the next rung's executor (the trainer re-runs ``parallelize``) and carries the trained state over
+with ``carry_state``: before any step there is nothing to carry and the run restarts cleanly.
+
+The decisions here are pure (figures in, decision out) so they are unit-tested without a model;
+the trainer feeds them figures that all ranks agree on (see ``max_over_ranks``), so every rank
+takes the same decision at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from framework.config import ExecutorMode
+from framework.verify.baseline import percentile
+
+LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
+
+
+def next_mode(mode: ExecutorMode) -> ExecutorMode | None:
+    """The next rung down the ladder, or None on eager (the last rung)."""
+    i = LADDER.index(mode)
+    return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest value over all ranks (identity on one rank): the worst rank decides."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+@dataclass
+class CircuitBreaker:
+    """Trips when the p99 step time of ``patience`` consecutive windows of ``window`` steps is above
+    ``factor`` x ``reference_p99_s``. Without a baseline, the first full window sets the reference.
+
+    ``reduce`` combines the window's p99 across ranks (``max_over_ranks`` in a multi-rank run): a
+    collective once per window, on every rank at the same step.
+    """
+
+    factor: float
+    window: int
+    patience: int
+    reference_p99_s: float | None = None
+    reduce: Callable[[float], float] = lambda v: v
+    _times: list[float] = field(default_factory=list)
+    _strikes: int = 0
+    last_p99_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor <= 1.0 or self.window < 1 or self.patience < 1:
+            raise ValueError(
+                f"circuit breaker factor={self.factor}, window={self.window}, patience={self.patience}: "
+                "valid values are factor > 1, window >= 1, patience >= 1"
+            )
+
+    def observe(self, seconds: float) -> bool:
+        """Feed one post-warm-up step time; True when the breaker trips (then it resets)."""
+        self._times.append(seconds)
+        if len(self._times) < self.window:
+            return False
+        p99 = self.reduce(percentile(self._times, 99))
+        self._times.clear()
+        self.last_p99_s = p99
+        if self.reference_p99_s is None:
+            self.reference_p99_s = p99
+            return False
+        self._strikes = self._strikes + 1 if p99 > self.factor * self.reference_p99_s else 0
+        if self._strikes >= self.patience:
+            self._strikes = 0
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Forget the current window and strikes (after a fallback the new executor starts afresh)."""
+        self._times.clear()
+        self._strikes = 0
+
+
+class StepAction(Enum):
+    ok = "ok"
+    skip = "skip"  # non-finite: the optimiser step was skipped (train_step already did)
+    rollback = "rollback"  # max_bad_steps non-finite steps in a row
+
+
+@dataclass
+class BadStepTracker:
+    """Counts consecutive non-finite steps; the ``max_bad_steps``-th in a row asks for a rollback."""
+
+    max_bad_steps: int
+    consecutive: int = 0
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_bad_steps < 1:
+            raise ValueError(f"verify.max_bad_steps={self.max_bad_steps}: valid values are >= 1")
+
+    def observe(self, finite: bool) -> StepAction:
+        if finite:
+            self.consecutive = 0
+            return StepAction.ok
+        self.consecutive += 1
+        self.total += 1
+        if self.consecutive >= self.max_bad_steps:
+            self.consecutive = 0
+            return StepAction.rollback
+        return StepAction.skip
+
+
+def carry_state(
+    src_model: nn.Module, src_opt: torch.optim.Optimizer, dst_model: nn.Module, dst_opt: torch.optim.Optimizer
+) -> None:
+    """Copy the trained weights and optimiser state into a model rebuilt for another executor.
+
+    Through ``torch.distributed.checkpoint.state_dict``: names are the unwrapped FQNs (no DDP
+    ``module.`` prefix, no compile wrapper), so the same code serves DDP, FSDP2 and TP layouts.
+    The source optimiser's state must be read before the destination's is written (they share
+    nothing, but both are live on the device for a moment).
+    """
+    msd = get_model_state_dict(src_model)
+    osd = get_optimizer_state_dict(src_model, src_opt)
+    set_model_state_dict(dst_model, msd)
+    set_optimizer_state_dict(dst_model, dst_opt, osd)
+
+
+@contextlib.contextmanager
+def inject_nan(model: nn.Module, active: bool) -> Iterator[None]:
+    """While ``active``, make ``model``'s forward output NaN (a debugging knob: verify.inject_nan_steps).
+
+    A forward hook on the outermost module multiplies the logits by NaN, so the loss, the gradients
+    and their norm all become NaN through the real code path, exactly as a numerical blow-up would.
+    """
+    if not active:
+        yield
+        return
+
+    def poison(_m: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output * float("nan")
+
+    handle = model.register_forward_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,0 +1,144 @@
+"""Numerical consistency at start-up: the executed model and eager give the same loss on one batch.
+
+Two comparisons, both on this rank's first micro-batch, without a gradient and without touching the
+data sampler or the optimiser:
+
+* executed vs the same model with compilation switched off (``torch.compiler.set_stance
+  ("force_eager")`` runs every compiled function's original Python): isolates the compiler, works
+  under every sharding because the wrappers (DDP, FSDP2, TP) and the weights are the very same
+  objects. Skipped for ``executor=eager`` (it would compare a path with itself).
+* executed vs an unsharded eager model built from the same config and seed (every layout is
+  initialised to the single-process weights, see ``Llama.init_weights``): catches sharding bugs.
+  Built only when the model is small (``verify.reference_model_max_params``), since every rank
+  holds a full copy for a moment.
+
+Each rank measures its own relative differences (loss, and max |logit difference| / max |logit|);
+the figures are all-gathered and the worst rank decides, so every rank takes the same policy
+decision. At initialisation the loss sits near ln(vocab) for any weights, so it barely moves even
+for a wrong model; the logits are the sharp probe (fp32 agrees to ~1e-6, bf16 autocast to ~1e-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from framework.config import ModelConfig
+from framework.loop import autocast, loss_fn
+from framework.model import build_model, materialize, num_params
+from framework.verify.report import CheckResult
+
+
+@torch.no_grad()
+def batch_logits(model: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The logits of one micro-batch as ``train_step`` computes them (autocast), without a gradient."""
+    with autocast(device):
+        logits = model(x.to(device))
+    full = getattr(logits, "full_tensor", None)  # a DTensor output (a TP plan without use_local_output)
+    return (full() if full is not None else logits).float()
+
+
+def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
+    return float(loss_fn(batch_logits(model, x, device), y.to(device)))
+
+
+def eager_logits(model: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The same model's logits with every compiled function running its original (eager) code."""
+    with torch.compiler.set_stance("force_eager"):
+        return batch_logits(model, x, device)
+
+
+def reference_model(
+    cfg: ModelConfig, seq_len: int, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """An unsharded eager Llama with the run's initial weights (``dtype``: FSDP's param_dtype)."""
+    model = build_model(cfg, seq_len)
+    materialize(model, device, seed)
+    return model.to(dtype)
+
+
+def wants_reference(cfg: ModelConfig, max_params: int) -> bool:
+    return num_params(cfg) <= max_params
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:  # also inf == inf
+        return 0.0
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _diffs(executed: torch.Tensor, other: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    """(other's loss, relative loss difference, max |logit difference| / max |logit|)."""
+    loss_a, loss_b = float(loss_fn(executed, y)), float(loss_fn(other, y))
+    scale = float(other.abs().max())
+    return loss_b, _rel(loss_a, loss_b), float((executed - other).abs().max()) / max(scale, 1e-12)
+
+
+def _worst(values: list[float | None]) -> tuple[float | None, int]:
+    present = [(v, r) for r, v in enumerate(values) if v is not None]
+    if not present:
+        return None, -1
+    # NaN is the worst difference of all.
+    v, r = max(present, key=lambda t: float("inf") if t[0] != t[0] else t[0])
+    return v, r
+
+
+def check_numerics(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    rtol: float,
+    compiled: bool,
+    make_reference: Callable[[], nn.Module] | None,
+    logits_rtol: float = 1e-2,
+) -> CheckResult:
+    """Compare the executed loss and logits with eager (if ``compiled``) and ``make_reference()`` (if given).
+
+    The loss must agree within ``rtol`` (relative) and the logits within ``logits_rtol`` (max absolute
+    difference over the largest logit; 0 turns it off). The logits are the sharper probe: at
+    initialisation the loss sits near ln(vocab) whatever the weights (a miscompiled block that is off
+    by 1% moves the loss by ~1e-5 but the logits by ~1e-3). Collective (all_gather_object on the
+    default group) when a process group spans several ranks. The first executed forward is where a
+    lazily compiled model compiles: a compile error is raised from here, for the fallback ladder.
+    """
+    x, y = batch
+    y = y.to(device)
+    executed = batch_logits(model, x, device)
+    loss = float(loss_fn(executed, y))
+    mine: dict[str, tuple[float, float, float] | None] = {"eager": None, "unsharded": None}
+    if compiled:
+        mine["eager"] = _diffs(executed, eager_logits(model, x, device), y)
+    if make_reference is not None:
+        ref_model = make_reference()
+        mine["unsharded"] = _diffs(executed, batch_logits(ref_model, x, device), y)
+        del ref_model
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered: list = [mine]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+    figures: dict[str, float | None] = {"loss_executed": loss, "loss_rtol": rtol, "logits_rtol": logits_rtol}
+    bad: list[str] = []
+    labels = {"eager": "eager (compilation off)", "unsharded": "the unsharded eager model"}
+    for what, label in labels.items():
+        here = mine[what]
+        figures[f"loss_{what}"] = None if here is None else here[0]
+        for i, (name, tol) in enumerate((("loss", rtol), ("logits", logits_rtol)), start=1):
+            worst, rank = _worst([None if g[what] is None else g[what][i] for g in gathered])
+            figures[f"{name}_rel_diff_vs_{what}"] = worst
+            if worst is not None and tol > 0 and not worst <= tol:  # `not <=` so that NaN fails
+                bad.append(
+                    f"executed {name} differs from {label} by {worst:.3g} (relative) on rank {rank}, "
+                    f"above {tol:g} (verify.{name}_rtol)"
+                )
+    if mine["eager"] is None and mine["unsharded"] is None:
+        return CheckResult(
+            "numerics",
+            None,
+            "executor=eager and the model is above verify.reference_model_max_params: nothing to compare",
+            figures,
+        )
+    return CheckResult("numerics", not bad, "\n".join(bad), figures)

@@ -1,0 +1,224 @@
+"""Checkpointer on real gloo ranks and real DCP files: resharding, async, failure, preemption."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from framework.checkpoint import Checkpointer, PreemptionHandler
+from framework.checkpoint.store import tmp_dir
+from framework.config import AsyncMode, CheckpointConfig, ModelConfig
+from framework.model import build_model, materialize
+from tests.dist import run_ranks
+
+SEQ = 16
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128)
+EXTRA = {
+    "step": 3,
+    "tokens_seen": 3 * 8 * SEQ,
+    "data": {"consumed_batches": 12},
+    "wandb_id": None,
+    "config_hash": "ab12",
+}
+
+
+def _lr(step: int) -> float:
+    # A module-level function: LambdaLR stores None for it, so the scheduler state is plain JSON.
+    return 1.0 / (1 + step)
+
+
+def _build(seed: int, layout: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model: torch.nn.Module = build_model(TINY, SEQ)
+    materialize(model, "cpu", seed)
+    if layout == "ddp":
+        model = DDP(model)
+    elif layout == "fsdp":
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, sch: Any, steps: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randint(0, TINY.vocab_size, (2, SEQ), generator=g)
+        F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        sch.step()
+
+
+def _h(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(
+        t.view(-1).view(torch.uint8).numpy().tobytes() + str((t.dtype, t.shape)).encode()
+    ).hexdigest()
+
+
+def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """Hashes of the full model and optimizer state (on rank 0; collective for FSDP)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {f"model.{k}": _h(v) for k, v in msd.items()}
+    out |= {f"optim.{fqn}.{k}": _h(v) for fqn, st in osd.get("state", {}).items() for k, v in st.items()}
+    return out
+
+
+def _save_worker(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    model, opt, sch = _build(0, "ddp")
+    _train(model, opt, sch, 3, rank)
+    ck = Checkpointer(CheckpointConfig(enabled=True, async_mode=AsyncMode(mode)), Path(root))
+    digest = _digest(model, opt)
+    rng = _h(torch.get_rng_state())
+    sched = sch.state_dict()
+    ck.save(3, model, opt, sch, EXTRA)
+    blocked = ck.last_blocked_s
+    committed_before_wait = (Path(root) / "step_000003").exists()
+    # Train on while an async save is in flight: the staging copy must keep the checkpoint at step 3.
+    _train(model, opt, sch, 1, rank)
+    ck.close()
+    return {
+        "digest": digest if rank == 0 else None,
+        "rng": rng,
+        "sched": sched,
+        "blocked_s": blocked,
+        "committed_before_wait": committed_before_wait,
+        "error": ck.last_error,
+    }
+
+
+def _load_worker(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
+    model, opt, sch = _build(1, layout)
+    ck = Checkpointer(CheckpointConfig(enabled=True), Path(root))
+    path = ck.latest()
+    assert path is not None
+    torch.manual_seed(999)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = ck.load(path, model, opt, sch)
+    rng = _h(torch.get_rng_state())
+    digest = _digest(model, opt)
+    ck.close()
+    return {
+        "path": path.name,
+        "extra": extra,
+        "rng": rng,
+        "digest": digest if rank == 0 else None,
+        "sched": sch.state_dict(),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def test_save_4_ranks_ddp_load_2_fsdp_and_1_plain_bitwise(tmp_path: Path) -> None:
+    saved = run_ranks(_save_worker, 4, str(tmp_path), "none")
+    assert all(r["error"] is None for r in saved)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step_000003"], names
+    assert len(list((tmp_path / "step_000003").glob("*.distcp"))) == 4
+    ref = saved[0]["digest"]
+    assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in ref)
+
+    for world, layout in ((2, "fsdp"), (1, "plain")):
+        loaded = run_ranks(_load_worker, world, str(tmp_path), layout)
+        assert loaded[0]["digest"] == ref, f"{layout} x{world}: state differs after load"
+        for r in range(world):
+            assert loaded[r]["path"] == "step_000003"
+            assert loaded[r]["extra"] == EXTRA
+            assert loaded[r]["rng"] == saved[r]["rng"], f"rank {r} RNG not restored"
+            sched = dict(loaded[r]["sched"])
+            assert sched["last_epoch"] == saved[r]["sched"]["last_epoch"] == 3
+            assert sched["_last_lr"] == saved[r]["sched"]["_last_lr"]
+        assert any("saved by 4 ranks and is loaded by" in w for w in loaded[0]["warnings"])
+
+
+def test_async_thread_save_blocks_less_and_commits_on_wait(tmp_path: Path) -> None:
+    saved = run_ranks(_save_worker, 2, str(tmp_path), "thread")
+    assert all(r["error"] is None for r in saved)
+    assert not any(r["committed_before_wait"] for r in saved), "committed before wait()"
+    ckpt = tmp_path / "step_000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    files = {q.relative_to(ckpt).as_posix() for q in ckpt.rglob("*") if q.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files and "rng/rank_00001.json" in files
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())  # shards hashed in the background
+    assert not tmp_dir(tmp_path, 3).exists()
+    # The loop trained one step after save() returned; the checkpoint still holds step 3's state.
+    loaded = run_ranks(_load_worker, 1, str(tmp_path), "plain")
+    assert loaded[0]["digest"] == saved[0]["digest"]
+    print(f"async thread save blocked {max(r['blocked_s'] for r in saved) * 1e3:.1f} ms")
+
+
+def _failing_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    model, opt, sch = _build(0, "ddp")
+    ck = Checkpointer(CheckpointConfig(enabled=True, keep_last=5), Path(root))
+    ck.save(1, model, opt, sch, {"step": 1})
+    _train(model, opt, sch, 1, rank)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # a full disk on one rank only: every rank must learn of it
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(2, model, opt, sch, {"step": 2})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    error = ck.last_error
+    latest = ck.latest()
+    tmp_left = tmp_dir(Path(root), 2).exists()
+    _train(model, opt, sch, 1, rank)  # training goes on, and the next save works
+    ck.save(3, model, opt, sch, {"step": 3})
+    after = ck.latest()  # collective: every rank calls it
+    ck.close()
+    return {
+        "error": error,
+        "latest": latest.name if latest else None,
+        "tmp_left": tmp_left,
+        "warnings": [str(w.message) for w in caught],
+        "after": after.name if after else None,
+    }
+
+
+def test_failed_save_keeps_previous_and_reports_on_all_ranks(tmp_path: Path) -> None:
+    res = run_ranks(_failing_worker, 2, str(tmp_path))
+    for r in res:
+        assert r["error"] is not None and "rank 1" in r["error"], r["error"]
+        assert r["latest"] == "step_000001"
+        assert not r["tmp_left"]
+    assert any("step 2 failed" in w and "rank 1" in w for w in res[0]["warnings"]), res[0]["warnings"]
+    assert "File too large" in res[0]["error"] or "Errno 27" in res[0]["error"], res[0]["error"]
+    assert res[0]["after"] == "step_000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000003"]
+
+
+def _preempt_worker(rank: int, world: int) -> tuple[bool, bool, int | None, bool]:
+    group = dist.new_group(backend="gloo")
+    previous = signal.getsignal(signal.SIGUSR1)
+    handler = PreemptionHandler(group)
+    before = handler.requested()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # the handler runs at the main thread's next bytecode boundary
+    after = handler.requested()
+    handler.close()
+    return before, after, handler.signal, signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_preemption_flag_is_agreed_across_ranks() -> None:
+    res = run_ranks(_preempt_worker, 2)
+    assert [r[0] for r in res] == [False, False]
+    assert [r[1] for r in res] == [True, True]  # rank 0 got no signal, yet agrees
+    assert res[0][2] is None and res[1][2] == signal.SIGUSR1
+    assert all(r[3] for r in res), "previous handler not restored"

@@ -1,0 +1,117 @@
+"""Hugging Face export: names, shapes, config, and the RoPE row permutation checked numerically."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from framework.checkpoint import export_hf, to_hf_state_dict
+from framework.checkpoint.export_hf import permute_rope_rows
+from framework.config import ModelConfig
+from framework.model import apply_rope, build_model, materialize, rope_tables
+
+GQA = ModelConfig(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=100, tie_embeddings=False
+)
+
+
+def _model(cfg: ModelConfig, seq: int = 16) -> torch.nn.Module:
+    model = build_model(cfg, seq)
+    materialize(model, "cpu", 0)
+    # Non-trivial norms, so a swapped input/post-attention norm would show up.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_names_shapes_and_config(tmp_path: Path) -> None:
+    for cfg in (GQA, ModelConfig()):  # untied GQA, and the tied tiny default
+        model = _model(cfg)
+        out = export_hf(model.state_dict(), cfg, tmp_path / cfg.name, max_position_embeddings=16)
+        tensors = load_file(str(out / "model.safetensors"))
+        head = cfg.dim // cfg.n_heads
+        assert tensors["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.dim)
+        assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (cfg.n_heads * head, cfg.dim)
+        assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (cfg.n_kv_heads * head, cfg.dim)
+        assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (cfg.dim, cfg.ffn_dim)
+        assert ("lm_head.weight" in tensors) is not cfg.tie_embeddings
+        assert len(tensors) == 2 + 9 * cfg.n_layers + (0 if cfg.tie_embeddings else 1)
+        sd = model.state_dict()
+        assert torch.equal(
+            tensors["model.layers.0.mlp.gate_proj.weight"], sd["layers.0.feed_forward.w1.weight"]
+        )
+        assert torch.equal(
+            tensors["model.layers.0.mlp.up_proj.weight"], sd["layers.0.feed_forward.w3.weight"]
+        )
+        assert torch.equal(
+            tensors["model.layers.0.post_attention_layernorm.weight"], sd["layers.0.ffn_norm.weight"]
+        )
+        conf = json.loads((out / "config.json").read_text())
+        assert conf["model_type"] == "llama" and conf["architectures"] == ["LlamaForCausalLM"]
+        assert (conf["num_key_value_heads"], conf["tie_word_embeddings"]) == (
+            cfg.n_kv_heads,
+            cfg.tie_embeddings,
+        )
+        assert conf["torch_dtype"] == "float32" and conf["max_position_embeddings"] == 16
+
+
+def test_unknown_keys_are_refused() -> None:
+    sd = _model(GQA).state_dict()
+    sd["layers.0.attention.bias"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"unknown \['layers.0.attention.bias'\]"):
+        to_hf_state_dict(sd, GQA)
+
+
+def _rotate_half_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF's RoPE (modeling_llama.apply_rotary_pos_emb), pure torch: x is (seq, heads, head_dim)."""
+    s, _, d = x.shape
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * emb.cos() + rotated * emb.sin()
+
+
+def test_permutation_gives_hf_rotate_half_the_same_attention_scores() -> None:
+    torch.manual_seed(0)
+    cfg, seq = GQA, 12
+    head = cfg.dim // cfg.n_heads
+    x = torch.randn(seq, cfg.dim)
+    wq, wk = torch.randn(cfg.n_heads * head, cfg.dim), torch.randn(cfg.n_kv_heads * head, cfg.dim)
+    tables = rope_tables(head, seq, cfg.rope_theta)
+
+    def ours(w: torch.Tensor) -> torch.Tensor:
+        return apply_rope((x @ w.T).view(1, seq, -1, head), tables)[0]
+
+    def hf(w: torch.Tensor, n: int) -> torch.Tensor:
+        return _rotate_half_rope((x @ permute_rope_rows(w, n).T).view(seq, -1, head), cfg.rope_theta)
+
+    q, k = ours(wq), ours(wk)
+    q_hf, k_hf = hf(wq, cfg.n_heads), hf(wk, cfg.n_kv_heads)
+    rep = cfg.n_heads // cfg.n_kv_heads
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(rep, dim=1))
+    scores_hf = torch.einsum("qhd,khd->hqk", q_hf, k_hf.repeat_interleave(rep, dim=1))
+    torch.testing.assert_close(scores_hf, scores, rtol=1e-5, atol=1e-4)
+    # Without the permutation the scores differ: the test can fail.
+    unpermuted = _rotate_half_rope((x @ wq.T).view(seq, -1, head), cfg.rope_theta)
+    assert not torch.allclose(unpermuted, q_hf, atol=1e-3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+@pytest.mark.parametrize("cfg", [GQA, ModelConfig()], ids=["gqa_untied", "tiny_tied"])
+def test_logits_match_transformers_llama(tmp_path: Path, cfg: ModelConfig) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = _model(cfg).eval()
+    export_hf(model.state_dict(), cfg, tmp_path, max_position_embeddings=16)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)

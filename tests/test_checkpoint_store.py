@@ -1,0 +1,159 @@
+"""Checkpoint layout, integrity, retention and resume resolution, in one process on real files."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.checkpoint import Checkpointer, resolve_resume
+from framework.checkpoint.state import SafeReader
+from framework.checkpoint.store import retention_victims, step_dir, tmp_dir
+from framework.config import CheckpointConfig, Integrity, ModelConfig
+from framework.model import build_model, materialize
+
+TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64)
+
+
+def _state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    model = build_model(TINY, 8)
+    materialize(model, "cpu", seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _one)
+
+
+def _one(step: int) -> float:
+    return 1.0
+
+
+def _save_steps(root: Path, steps: list[int], **cfg: object) -> Checkpointer:
+    model, opt, sch = _state()
+    ck = Checkpointer(CheckpointConfig(enabled=True, keep_last=0, **cfg), root)
+    for s in steps:
+        ck.save(s, model, opt, sch, {"step": s})
+    return ck
+
+
+def _latest_with_warnings(ck: Checkpointer) -> tuple[Path | None, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = ck.latest()
+    return latest, [str(w.message) for w in caught]
+
+
+def _biggest_shard(path: Path) -> Path:
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def test_retention_policy() -> None:
+    assert retention_victims([1, 2, 3, 4, 5], keep_last=2, keep_every=0, protect=5) == [1, 2, 3]
+    assert retention_victims([2, 4, 6, 8, 9], keep_last=1, keep_every=4, protect=9) == [2, 6]
+    assert retention_victims([1, 2, 3], keep_last=0, keep_every=0, protect=3) == []
+    # Resumed from 2 after a corrupt 7: the new 3 is protected even though 7 sorts after it.
+    assert retention_victims([1, 2, 3, 7], keep_last=1, keep_every=0, protect=3) == [1, 2]
+
+
+def test_retention_on_disk_keeps_last_and_milestones(tmp_path: Path) -> None:
+    model, opt, sch = _state()
+    ck = Checkpointer(CheckpointConfig(enabled=True, keep_last=2, keep_every=4), tmp_path)
+    for s in range(1, 11):
+        ck.save(s, model, opt, sch, {"step": s})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(tmp_path, s).name for s in (4, 8, 9, 10)]
+
+
+def test_corrupt_truncated_and_incomplete_are_skipped_with_warnings(tmp_path: Path) -> None:
+    ck = _save_steps(tmp_path, [1, 2, 3, 4])
+    # step 4: one flipped byte in the middle of a shard (same size: only sha256 can tell).
+    shard = _biggest_shard(step_dir(tmp_path, 4))
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    # step 3: truncated shard; step 2: no manifest (a copy cut short); a newer .tmp: a crashed save.
+    shard3 = _biggest_shard(step_dir(tmp_path, 3))
+    os.truncate(shard3, shard3.stat().st_size // 2)
+    (step_dir(tmp_path, 2) / "manifest.json").unlink()
+    tmp_dir(tmp_path, 9).mkdir()
+    (tmp_dir(tmp_path, 9) / "__0_0.distcp").write_bytes(b"partial")
+
+    latest, msgs = _latest_with_warnings(ck)
+    assert latest == step_dir(tmp_path, 1)
+    assert len(msgs) == 3, msgs
+    assert "step_000004" in msgs[0] and "sha256" in msgs[0] and shard.name in msgs[0]
+    assert "step_000003" in msgs[1] and "size" in msgs[1]
+    assert "step_000002" in msgs[2] and "manifest.json" in msgs[2]
+
+    # size mode trades the flipped byte for speed: it only catches the truncation.
+    fast = Checkpointer(CheckpointConfig(enabled=True, integrity=Integrity.size), tmp_path)
+    assert not tmp_dir(tmp_path, 9).exists(), "a new Checkpointer removes stale .tmp directories"
+    latest, _ = _latest_with_warnings(fast)
+    assert latest == step_dir(tmp_path, 4)
+
+
+def test_load_roundtrip_and_resume_resolution(tmp_path: Path) -> None:
+    model, opt, sch = _state(0)
+    x = torch.randint(0, TINY.vocab_size, (2, 8))
+    model(x).sum().backward()
+    opt.step()
+    sch.step()
+    ck = Checkpointer(CheckpointConfig(enabled=True), tmp_path)
+    ck.save(7, model, opt, sch, {"step": 7, "data": {"consumed_batches": 70}, "wandb_id": "abc"})
+
+    assert resolve_resume("none", tmp_path) is None
+    assert resolve_resume("auto", tmp_path) == step_dir(tmp_path, 7)
+    assert ck.resolve_resume(str(step_dir(tmp_path, 7))) == step_dir(tmp_path, 7)
+    assert resolve_resume("auto", tmp_path / "empty") is None
+    with pytest.raises(ValueError, match="nowhere.*not a usable checkpoint"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    with pytest.raises(ValueError, match="no manifest.json"):
+        resolve_resume(str(tmp_path), tmp_path)
+
+    model2, opt2, sch2 = _state(1)
+    extra = ck.load(step_dir(tmp_path, 7), model2, opt2, sch2)
+    assert extra == {"step": 7, "data": {"consumed_batches": 70}, "wandb_id": "abc"}
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]  # betas is a tuple again, lr and initial_lr back
+    for pid, st in s1["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, s2["state"][pid][k]), (pid, k)
+    assert sch2.state_dict() == sch.state_dict()
+
+
+def test_extra_must_be_plain_json_and_nothing_is_written(tmp_path: Path) -> None:
+    model, opt, sch = _state()
+    ck = Checkpointer(CheckpointConfig(enabled=True), tmp_path)
+    with pytest.raises(ValueError, match="extra must hold plain JSON"):
+        ck.save(1, model, opt, sch, {"position": torch.tensor(3)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_should_save_every_steps_and_minutes(tmp_path: Path) -> None:
+    ck = Checkpointer(CheckpointConfig(enabled=True, every_steps=5), tmp_path)
+    assert [s for s in range(1, 12) if ck.should_save(s, 0.0)] == [5, 10]
+    ck = Checkpointer(CheckpointConfig(enabled=True, every_minutes=1.0), tmp_path)
+    times = [0.0, 30.0, 61.0, 100.0, 125.0]
+    assert [ck.should_save(i + 1, t) for i, t in enumerate(times)] == [False, False, True, False, True]
+    with pytest.raises(ValueError, match="checkpoint.keep_last=-1"):
+        Checkpointer(CheckpointConfig(keep_last=-1), tmp_path)
+
+
+class _Evil:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_unpickler_refuses_foreign_globals(tmp_path: Path) -> None:
+    _save_steps(tmp_path, [1])
+    good = step_dir(tmp_path, 1)
+    assert SafeReader(good).read_metadata().state_dict_metadata  # the real metadata passes
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        SafeReader(tmp_path / "evil").read_metadata()

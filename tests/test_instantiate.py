@@ -1,0 +1,67 @@
+"""The instantiation allowlist: allowed targets build, alias paths and plain dangerous ones are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework.instantiate import check_target, check_targets, is_allowed_name, safe_instantiate
+
+ALLOW = ["framework.", "torch.optim.", "torch.nn."]
+
+
+@pytest.mark.parametrize("path", ["torch.optim.AdamW", "torch.nn.Linear", "framework.sweep.SweepSummary"])
+def test_allowed_targets_pass(path: str) -> None:
+    check_target(path, ALLOW)
+
+
+@pytest.mark.parametrize(
+    "path, allow, message",
+    [
+        ("builtins.eval", ALLOW, "not on the instantiation allowlist"),
+        ("subprocess.Popen", ALLOW, "not on the instantiation allowlist"),
+        ("os.system", ALLOW, "not on the instantiation allowlist"),
+        ("posix.system", ALLOW, "not on the instantiation allowlist"),
+        # GHSA-37p2-j732-x8pj: an allowed-looking module that re-exports os.
+        ("logging.os.system", [*ALLOW, "logging."], "'logging.os' is really 'os'"),
+        ("framework.entry.os.system", ALLOW, "'framework.entry.os' is really 'os'"),
+        ("framework.entry.shutil.rmtree", ALLOW, "is really 'shutil'"),
+        # A name imported into an allowed module keeps its real home.
+        ("framework.instantiate.OmegaConf", ALLOW, "is really 'omegaconf"),
+        ("torch.optim.NoSuchThing", ALLOW, "cannot be resolved"),
+    ],
+)
+def test_refused_targets_name_the_reason(path: str, allow: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match="refused|allowlist|resolved") as err:
+        check_target(path, allow)
+    assert message in str(err.value) and path in str(err.value)
+
+
+def test_prefix_matches_module_boundaries() -> None:
+    assert is_allowed_name("torch.optim", ["torch.optim."])
+    assert is_allowed_name("torch.optim.adamw", ["torch.optim"])
+    assert not is_allowed_name("torch.optimizer_evil", ["torch.optim"])
+    assert not is_allowed_name("anything", [])
+
+
+def test_scan_finds_nested_and_interpolated_targets() -> None:
+    cfg = OmegaConf.create(
+        {
+            "evil": "os.system",
+            "nccl": {"env": {"_target_": "${evil}"}},
+            "run": {"things": [{"_target_": "torch.nn.ReLU"}]},
+            "hydra": {"callbacks": {"x": {"_target_": "hydra.experimental.callback.Callback"}}},
+        }
+    )
+    with pytest.raises(ValueError, match=r"nccl\.env\._target_='os\.system'"):
+        check_targets(cfg, ALLOW)
+    del cfg["nccl"]
+    assert check_targets(cfg, ALLOW) == 1  # the hydra node is not scanned (recipes cannot set it)
+
+
+def test_safe_instantiate_builds_allowed_and_refuses_others() -> None:
+    layer = safe_instantiate({"_target_": "torch.nn.Linear", "in_features": 3, "out_features": 2}, ALLOW)
+    assert isinstance(layer, torch.nn.Linear) and layer.weight.shape == (2, 3)
+    with pytest.raises(ValueError, match="allowlist"):
+        safe_instantiate({"_target_": "torch.nn.Linear", "bias": {"_target_": "builtins.exec"}}, ALLOW)

@@ -1,0 +1,126 @@
+"""Recipe roots (folders and installed packages), the recipes CLI, and refusal of unsafe recipes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework import recipes
+
+ROOT = Path(__file__).resolve().parent.parent
+TEAM = "# Team recipe: llama_tiny with a shorter schedule.\ndefaults:\n  - llama_tiny\n"
+TEAM_RECIPE = """# Team recipe: the tiny model with a shorter schedule.
+model:
+  name: team_tiny
+train:
+  steps: 4
+  seq_len: 32
+  global_batch_size: 4
+  micro_batch_size: 2
+  eval_every: 0
+"""
+HYDRA_CALLBACK = """# Looks harmless; runs a shell command through Hydra's callbacks (an alias path).
+hydra:
+  callbacks:
+    pwn:
+      _target_: logging.os.system
+      _args_: ["touch {marker}"]
+"""
+TARGET_IN_DATA = """# Smuggles a _target_ into a free-form dict.
+nccl:
+  env:
+    _target_: os.system
+"""
+WIDEN = """# Widens the allowlist for itself.
+run:
+  instantiate_allow: ["os."]
+"""
+
+
+@pytest.fixture
+def team_package(tmp_path: Path) -> tuple[Path, Path]:
+    """An installed-package root (teamrecipes/llama/*.yaml on sys.path) with good and bad recipes."""
+    site = tmp_path / "site"
+    folder = site / "teamrecipes" / "llama"
+    folder.mkdir(parents=True)
+    (site / "teamrecipes" / "__init__.py").write_text("")
+    (folder / "team_tiny.yaml").write_text(TEAM_RECIPE)
+    marker = tmp_path / "PWNED"
+    (folder / "evil_callback.yaml").write_text(HYDRA_CALLBACK.format(marker=marker))
+    (folder / "evil_target.yaml").write_text(TARGET_IN_DATA)
+    (folder / "evil_widen.yaml").write_text(WIDEN)
+    return site, marker
+
+
+def _env(site: Path, root: str) -> dict[str, str]:
+    env = {**os.environ, "FRAMEWORK_RECIPE_PATH": root, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("RUN_STAMP", None)
+    return env
+
+
+def test_package_root_resolves_without_importing(team_package: tuple[Path, Path], monkeypatch) -> None:
+    site, _ = team_package
+    monkeypatch.syspath_prepend(str(site))
+    assert recipes.package_root("pkg://teamrecipes.llama") == site / "teamrecipes" / "llama"
+    with pytest.raises(ValueError, match="no installed package 'nope_pkg'"):
+        recipes.package_root("pkg://nope_pkg.recipes")
+
+
+def test_refusal_reasons() -> None:
+    assert recipes.refusal({"model": {"dim": 8}}) is None
+    assert "hydra" in recipes.refusal({"hydra": {"run": {"dir": "x"}}})
+    assert "Hydra option" in recipes.refusal({"defaults": [{"override /hydra/launcher": "x"}]})
+    assert "instantiate_allow" in recipes.refusal({"run": {"instantiate_allow": ["os."]}})
+
+
+def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[Path, Path]) -> None:
+    site, _ = team_package
+    out = subprocess.run(
+        [sys.executable, "-m", "framework.recipes", "list"], cwd=ROOT, env=_env(site, "pkg://teamrecipes.llama"),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert "Team recipe: the tiny model" in lines["team_tiny"]
+    assert str(site / "teamrecipes" / "llama" / "team_tiny.yaml") in lines["team_tiny"]
+    assert "recipes/llama_tiny.yaml" in lines["llama_tiny"]
+    assert "REFUSED" in lines["evil_callback"] and "REFUSED" not in lines["team_tiny"]
+
+
+def test_validate_prints_the_plan_or_the_error(team_package: tuple[Path, Path]) -> None:
+    site, _ = team_package
+    env = _env(site, "pkg://teamrecipes.llama")
+    cmd = [sys.executable, "-m", "framework.recipes", "validate"]
+    ok = subprocess.run([*cmd, "team_tiny", "mesh=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "team_tiny" in ok.stdout and "valid" in ok.stdout and "plan: ddp on 2 ranks" in ok.stdout
+    bad = subprocess.run([*cmd, "team_tiny", "mesh=4", "train.global_batch_size=6"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "global_batch_size=6" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("evil_callback", "may not configure Hydra"),
+        ("evil_target", "nccl.env._target_='os.system' is not on the instantiation allowlist"),
+        ("evil_widen", "run.instantiate_allow"),
+    ],
+)
+def test_unsafe_recipe_is_refused_before_anything_runs(
+    team_package: tuple[Path, Path], tmp_path: Path, name: str, message: str
+) -> None:
+    site, marker = team_package
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+        env=_env(site, "pkg://teamrecipes.llama"), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not run_dir.exists() and not marker.exists()

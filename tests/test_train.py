@@ -1,0 +1,84 @@
+"""End to end through ``python train.py``: real Hydra, real launcher, real ranks, real run dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["train.steps=12", "train.log_every=2", "train.eval_every=6", "train.eval_batches=2", "train.seq_len=64"]
+
+
+def train(tmp: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = train(run, "train.steps=40", "train.eval_every=20", "train.log_every=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("config.yaml", "plan.json", "metrics.jsonl", "summary.json", "train.log", "nccl.json"):
+        assert (run / name).is_file(), name
+    rows = read_metrics(run)
+    assert all("step" in r for r in rows)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0] - 1.0  # byte-level loss starts near ln(256) = 5.5
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["time_to_first_step_s"] > 0
+
+
+def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    four = tmp_path / "four"
+    proc1 = train(one, *SMALL, "train.global_batch_size=8", "train.micro_batch_size=2")
+    proc4 = train(four, *SMALL, "train.global_batch_size=8", "train.micro_batch_size=2", "mesh=4",
+                  "bucketing=small")
+    assert proc1.returncode == 0, proc1.stderr[-3000:]
+    assert proc4.returncode == 0, proc4.stderr[-3000:]
+    # One run dir for all ranks, and nothing written anywhere else.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["four", "one"]
+    assert json.loads((four / "summary.json").read_text())["world_size"] == 4
+    l1, l4 = losses(one), losses(four)
+    assert len(l1) == len(l4) == 6
+    for a, b in zip(l1, l4):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (l1, l4)
+
+
+NO_GPU_CASE = (
+    (["run.device=cuda"], "run.device=cuda")
+    if not torch.cuda.is_available()
+    else (["mesh.shape=[64]", "run.device=cuda"], "GPUs")
+)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh=4", "train.global_batch_size=6", "train.micro_batch_size=2"], "global_batch_size=6"),
+        (["train.stepz=3"], "stepz"),
+        (["mesh=bogus"], "mesh/bogus"),
+        (["sharding=tp", "sharding.tp=3", "mesh.shape=[3]"], "n_heads"),
+        NO_GPU_CASE,
+    ],
+)
+def test_bad_config_exits_non_zero_and_writes_nothing(tmp_path: Path, overrides: list[str], message: str) -> None:
+    run = tmp_path / "run"
+    proc = train(run, *overrides, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert not run.exists()
