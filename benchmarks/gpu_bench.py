@@ -49,8 +49,9 @@ def compose_cfg(overrides: list[str]) -> Config:
 def reset() -> None:
     torch._dynamo.reset()
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def framework_run(recipe: str, mode: str, steps: int, out: Path, extra: list[str]) -> dict:

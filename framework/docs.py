@@ -115,7 +115,12 @@ def render_fields(cls: type, prefix: str) -> list[str]:
         rows.append(f"| `{prefix}.{f.name}` | {type_name(tp)} | {default_text(f)} | {desc} |")
     lines = ["| key | type | default | what it is |", "|---|---|---|---|", *rows]
     for tp, sub in nested:
-        lines += ["", f"`{sub}` ({tp.__name__}): {_first_doc_line(tp)}".rstrip(": "), "", *render_fields(tp, sub)]
+        lines += [
+            "",
+            f"`{sub}` ({tp.__name__}): {_first_doc_line(tp)}".rstrip(": "),
+            "",
+            *render_fields(tp, sub),
+        ]
     return lines
 
 

@@ -99,9 +99,14 @@ def run_job(dcfg: DictConfig) -> float | None:
             if done is not None:
                 if rank == 0:
                     sweep.write_job(run_dir, overrides, "skipped")
-                log.info("job %s: skipped, it completed in a previous run of this sweep (%s)", run_dir.name, run_dir)
+                log.info(
+                    "job %s: skipped, it completed in a previous run of this sweep (%s)",
+                    run_dir.name,
+                    run_dir,
+                )
                 return sweep.objective(done)
             if rank == 0:
+                sweep.set_aside_previous_attempt(run_dir)
                 sweep.write_job(run_dir, overrides, "running")
         try:
             result = _run(dcfg, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
@@ -179,7 +184,9 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> floa
     try:
         spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
-        raise JobFailed(f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1) from e
+        raise JobFailed(
+            f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1
+        ) from e
     finish_run(run_dir, cfg)
     return _result(run_dir)
 

@@ -112,7 +112,9 @@ def safe_instantiate(node: DictConfig | dict[str, Any], allow: list[str], **kwar
     """``hydra.utils.instantiate`` after checking every ``_target_`` in ``node`` against ``allow``."""
     from hydra.utils import instantiate
 
-    container = OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+    container = (
+        OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+    )
     for key, value in find_targets(container):
         check_target(value, allow, where=key)
     return instantiate(node, **kwargs)

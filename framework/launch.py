@@ -130,7 +130,10 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(rank, world, local_rank, device)

@@ -21,11 +21,58 @@ from framework.config import TrainConfig
 
 @dataclass
 class StepResult:
-    loss: float  # mean over the global batch (all data-parallel ranks)
-    grad_norm: float  # before clipping
+    """One step's figures. On CUDA they stay on the device until read: reading ``loss``,
+    ``grad_norm``, ``finite`` or ``seconds`` synchronises once, so a loop that only reads them on
+    log steps never stalls the GPU queue in between. Reading ``loss`` is a collective (an
+    all-reduce over ranks): every rank must read it at the same step."""
+
+    loss_t: torch.Tensor  # this rank's mean loss; averaged over ranks when read
+    grad_norm_t: torch.Tensor  # before clipping
+    finite_t: torch.Tensor
     lr: float
-    seconds: float
-    finite: bool
+    _timer: _StepTimer
+
+    @property
+    def loss(self) -> float:
+        return _mean_over_ranks(self.loss_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_t)
+
+    @property
+    def finite(self) -> bool:
+        return bool(self.finite_t)
+
+    @property
+    def seconds(self) -> float:
+        return self._timer.seconds()
+
+
+class _StepTimer:
+    """Wall time of one step: CUDA events on the GPU (read lazily), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._value: float | None = None
+        if self.cuda:
+            self.start_ev = torch.cuda.Event(enable_timing=True)
+            self.end_ev = torch.cuda.Event(enable_timing=True)
+            self.start_ev.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end_ev.record()
+        else:
+            self._value = time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        if self._value is None:
+            self.end_ev.synchronize()
+            self._value = self.start_ev.elapsed_time(self.end_ev) / 1e3
+        return self._value
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -127,7 +174,10 @@ def train_step(
     the mean over this rank's share; DDP/FSDP average over ranks, giving the global-batch mean.
     A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
     """
-    t0 = time.perf_counter()
+    timer = _StepTimer(device)
+    if device.type == "cuda":
+        # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
+        torch.compiler.cudagraph_mark_step_begin()
     lr = scheduler.get_last_lr()[0]
     n = len(micro_batches)
     total = torch.zeros((), device=device)
@@ -135,22 +185,24 @@ def train_step(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with _no_grad_sync(model, last=i == n - 1):
             with autocast(device):
-                logits = model(x)
-            loss = loss_fn(logits, y) / n
+                loss = model(x, y) / n
             loss.backward()
         total += loss.detach()
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model._framework_graph_recorded = True
     norm = global_grad_norm(model, grad_clip)
-    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(total))
-    if finite:
+    finite = torch.isfinite(norm) & torch.isfinite(total)
+    if getattr(optimizer, "defaults", {}).get("fused"):
+        # The fused AdamW kernel skips the update (and its step count) where found_inf is set:
+        # no host synchronisation before the optimiser step.
+        optimizer.found_inf = (~finite).float()
+        optimizer.step()
+    elif bool(finite):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    mean_loss = _mean_over_ranks(total)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return StepResult(mean_loss, float(norm), lr, time.perf_counter() - t0, finite)
+    timer.stop()
+    return StepResult(total, norm, finite, lr, timer)
 
 
 @torch.no_grad()
@@ -161,7 +213,6 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     total = torch.zeros((), device=device)
     for x, y in batches:
         with autocast(device):
-            logits = model(x.to(device))
-        total += loss_fn(logits, y.to(device))
+            total += model(x.to(device), y.to(device)).float()
     model.train(was_training)
     return _mean_over_ranks(total / max(1, len(batches)))

@@ -22,7 +22,9 @@ log = logging.getLogger("framework")
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int, progress_bar: bool) -> None:
+    def __init__(
+        self, run_dir: Path, enabled: bool, total_steps: int, start_step: int, progress_bar: bool
+    ) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []

@@ -12,8 +12,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from framework.config import ModelConfig
+from framework.config import AttentionBackend, ModelConfig
+
+_SDPA_BACKENDS = {
+    AttentionBackend.flash: SDPBackend.FLASH_ATTENTION,
+    AttentionBackend.cudnn: SDPBackend.CUDNN_ATTENTION,
+    AttentionBackend.efficient: SDPBackend.EFFICIENT_ATTENTION,
+    AttentionBackend.math: SDPBackend.MATH,
+}
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +66,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.gqa = cfg.n_heads != cfg.n_kv_heads
+        self.backend = _SDPA_BACKENDS.get(cfg.attention)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -73,7 +82,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
         # tensor parallelism divides both head counts by the same degree.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        if self.backend is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        else:
+            with sdpa_kernel(self.backend):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
 
@@ -128,11 +141,25 @@ class Llama(nn.Module):
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab); or, given ``targets``, the mean cross-entropy loss.
+
+        Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
+        fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        if targets is None:
+            return self.output(self.norm(h))
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
+        executor can compile it as its own region: with a 128K vocabulary it is a large share of
+        the step)."""
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -39,7 +39,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if any(r.get("mfu") is not None for r in rows):
         panels.append(("MFU", ["mfu"]))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True, squeeze=False)
-    for ax, (title, keys) in zip(axes[:, 0], panels):
+    for ax, (title, keys) in zip(axes[:, 0], panels, strict=True):
         for key in keys:
             steps, values = _series(rows, key)
             if steps:
@@ -67,8 +67,10 @@ def plot_sweep(jobs: list[dict[str, Any]], out: Path) -> Path:
     keys = [k for k in ("final_loss", "final_val_loss", "tokens_per_s", "mfu") if any(j.get(k) for j in jobs)]
     keys = keys or ["final_loss"]
     labels = [f"#{j['job']} {j['overrides']}" for j in jobs]
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys) + 2, 0.45 * len(jobs) + 1.6), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    fig, axes = plt.subplots(
+        1, len(keys), figsize=(3.2 * len(keys) + 2, 0.45 * len(jobs) + 1.6), squeeze=False
+    )
+    for ax, key in zip(axes[0], keys, strict=True):
         values = [float(j.get(key) or 0.0) for j in jobs]
         colors = ["tab:blue" if j.get("status") != "failed" else "tab:red" for j in jobs]
         ax.barh(range(len(jobs)), values, color=colors)

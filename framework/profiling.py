@@ -45,7 +45,9 @@ class StepProfiler:
     def __init__(self, cfg: RunConfig, out_dir: Path, rank: int) -> None:
         for name in ("profile_wait", "profile_warmup", "profile_active"):
             if getattr(cfg, name) < (1 if name == "profile_active" else 0):
-                raise ValueError(f"run.{name}={getattr(cfg, name)}: must be >= {1 if name == 'profile_active' else 0}")
+                raise ValueError(
+                    f"run.{name}={getattr(cfg, name)}: must be >= {1 if name == 'profile_active' else 0}"
+                )
         self.out_dir = out_dir
         self.rank = rank
         self.trace_path = out_dir / f"trace_rank{rank}.json"
@@ -56,7 +58,9 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         self._prof = profile(
             activities=activities,
-            schedule=schedule(wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active, repeat=1),
+            schedule=schedule(
+                wait=cfg.profile_wait, warmup=cfg.profile_warmup, active=cfg.profile_active, repeat=1
+            ),
             on_trace_ready=self._on_trace_ready,
             record_shapes=False,
         )
@@ -111,6 +115,4 @@ def top_operators(prof: profile, n: int = 15) -> list[dict[str, Any]]:
 
 def format_top_operators(rows: list[dict[str, Any]]) -> str:
     """One line per operator, for the run summary."""
-    return "\n".join(
-        f"{r['self_ms']:9.2f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['name']}" for r in rows
-    )
+    return "\n".join(f"{r['self_ms']:9.2f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['name']}" for r in rows)

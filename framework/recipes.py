@@ -66,13 +66,26 @@ def package_root(spec: str) -> Path:
         if found is not None and found.submodule_search_locations:
             base = Path(next(iter(found.submodule_search_locations)))
             return base.joinpath(*parts[i:])
-    raise ValueError(f"recipe root {spec!r}: no installed package {parts[0]!r} (pip install it, or fix the path)")
+    raise ValueError(
+        f"recipe root {spec!r}: no installed package {parts[0]!r} (pip install it, or fix the path)"
+    )
+
+
+def split_path(value: str) -> list[str]:
+    """Split on ``os.pathsep``, keeping ``pkg://x`` whole (on POSIX the separator is ``:`` too)."""
+    out: list[str] = []
+    for part in value.split(os.pathsep):
+        if out and out[-1] == PKG_PREFIX.split(":")[0] and part.startswith("//"):
+            out[-1] += os.pathsep + part
+        else:
+            out.append(part)
+    return [p for p in out if p]
 
 
 def recipe_roots() -> list[tuple[str, Path]]:
     """(root as written, folder) for every root, extra roots first, the shipped folder last."""
     roots: list[tuple[str, Path]] = []
-    for entry in os.environ.get("FRAMEWORK_RECIPE_PATH", "").split(os.pathsep):
+    for entry in split_path(os.environ.get("FRAMEWORK_RECIPE_PATH", "")):
         if entry:
             roots.append((entry, package_root(entry) if entry.startswith(PKG_PREFIX) else Path(entry)))
     roots.append(("recipes/", SHIPPED_ROOT))
@@ -132,12 +145,16 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
 def git_commit(path: Path = SHIPPED_ROOT.parent) -> str | None:
     """The framework checkout's commit (``+dirty`` with local changes), or None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return None
         dirty = subprocess.run(
             ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
@@ -170,7 +187,9 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
     if name in REFUSED:
         raise ValueError(REFUSED[name])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        dcfg = compose("config", overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])]))
+        dcfg = compose(
+            "config", overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])])
+        )
     from framework.instantiate import check_targets
 
     cfg = config.to_config(dcfg)

@@ -3,8 +3,8 @@
 ``python train.py -m sharding=ddp,fsdp mesh=2,4`` runs each job as a full multi-rank job (the
 launching process self-launches the job's ranks and waits for them before the next job starts).
 
-- Stable sweep dir: ``multirun/sweep-<hash>``, the hash of the command line's overrides (sorted, ``-m``
-  left out), unless ``hydra.sweep.dir`` is set. Re-running the same command finds the same dir, and
+- Stable sweep dir: ``multirun/sweep-<hash>``, the hash of the command line's overrides (in order,
+  ``-m`` left out), unless ``hydra.sweep.dir`` is set. Re-running the same command finds the same dir, and
   jobs keep their numbers (``hydra.job.num``) because Hydra expands a sweep deterministically.
 - Job marker: each job's dir holds ``job.json`` (its overrides and status: running, ok, failed,
   skipped). A job whose marker says ok (or skipped) for the same overrides, with a ``summary.json``,
@@ -34,8 +34,17 @@ log = logging.getLogger("framework")
 JOB_FILE = "job.json"
 SWEEP_ID_ENV = "FRAMEWORK_SWEEP_ID"
 COLUMNS = (
-    "job", "overrides", "status", "final_loss", "final_val_loss", "tokens_per_s", "mfu", "peak_mem_gib",
-    "train_time_s", "run_dir", "plot",
+    "job",
+    "overrides",
+    "status",
+    "final_loss",
+    "final_val_loss",
+    "tokens_per_s",
+    "mfu",
+    "peak_mem_gib",
+    "train_time_s",
+    "run_dir",
+    "plot",
 )
 
 
@@ -46,7 +55,8 @@ def sweep_id(argv: list[str] | None = None) -> str:
     """
     if argv is None and os.environ.get(SWEEP_ID_ENV):
         return os.environ[SWEEP_ID_ENV]
-    args = sorted(a for a in (sys.argv[1:] if argv is None else argv) if a not in ("-m", "--multirun"))
+    # Order matters: Hydra numbers the jobs of `a=1,2 b=3,4` and `b=3,4 a=1,2` differently.
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("-m", "--multirun")]
     value = "sweep-" + hashlib.sha256("\0".join(args).encode()).hexdigest()[:12]
     if argv is None:
         os.environ[SWEEP_ID_ENV] = value
@@ -80,6 +90,23 @@ def completed(job_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
     return json.loads(summary.read_text()) if summary.is_file() else None
 
 
+def set_aside_previous_attempt(job_dir: Path) -> Path | None:
+    """Move a failed (or different) earlier attempt's results into ``attempts/N/`` before a rerun.
+
+    metrics.jsonl is appended to, so a rerun in place would mix two attempts' rows; checkpoints stay
+    where they are, so ``checkpoint.resume=auto`` continues from them.
+    """
+    if read_job(job_dir) is None:
+        return None
+    attempts = job_dir / "attempts"
+    dest = attempts / str(len(list(attempts.iterdir())) if attempts.is_dir() else 0)
+    dest.mkdir(parents=True)
+    for name in (JOB_FILE, "metrics.jsonl", "summary.json", "metrics.png"):
+        if (job_dir / name).exists():
+            (job_dir / name).replace(dest / name)
+    return dest
+
+
 def objective(summary: dict[str, Any]) -> float | None:
     """What a job returns to the sweeper (Optuna minimises it): the final validation loss, else train loss."""
     value = summary.get("final_val_loss")
@@ -89,7 +116,9 @@ def objective(summary: dict[str, Any]) -> float | None:
 def collect(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     """One row per job dir of the sweep touched since ``since`` (jobs of this invocation)."""
     jobs = []
-    for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
+    for job_dir in sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)
+    ):
         hydra_overrides = job_dir / ".hydra" / "overrides.yaml"
         if not hydra_overrides.is_file():
             continue
@@ -106,7 +135,7 @@ def collect(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(overrides), "status": status}
         for key in COLUMNS[3:9]:
             row[key] = summary.get(key) if status != "failed" else None
-        row["run_dir"] = str(job_dir)
+        row["run_dir"] = str(job_dir.resolve())
         row["plot"] = summary.get("plot") if status != "failed" else None
         if marker and marker.get("error"):
             row["error"] = marker["error"]
@@ -131,20 +160,25 @@ def write_summary(sweep_dir: Path, jobs: list[dict[str, Any]]) -> list[Path]:
         writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(jobs)
+    # The table and the plot show what differs between jobs; the CSV keeps every override.
+    common = set.intersection(*(set(j["overrides"].split()) for j in jobs)) if len(jobs) > 1 else set()
+    shown = [{**j, "overrides": " ".join(o for o in j["overrides"].split() if o not in common)} for j in jobs]
     lines = [
         f"# Sweep {sweep_dir}",
+        "",
+        f"Overrides of every job: `{' '.join(sorted(common))}`" if common else "",
         "",
         "| " + " | ".join(COLUMNS[:9]) + " |",
         "|" + "---|" * 9,
     ]
-    lines += ["| " + " | ".join(_fmt(j.get(c)) for c in COLUMNS[:9]) + " |" for j in jobs]
+    lines += ["| " + " | ".join(_fmt(j.get(c)) for c in COLUMNS[:9]) + " |" for j in shown]
     errors = [f"- job {j['job']}: {j['error']}" for j in jobs if j.get("error")]
     if errors:
         lines += ["", "Failures:", *errors]
     md_path.write_text("\n".join(lines) + "\n")
     paths = [csv_path, md_path]
     if jobs:
-        paths.append(plot_sweep(jobs, sweep_dir / SWEEP_PLOT))
+        paths.append(plot_sweep(shown, sweep_dir / SWEEP_PLOT))
     return paths
 
 
@@ -167,7 +201,10 @@ class SweepSummary(Callback):
         counts = {s: sum(j["status"] == s for j in jobs) for s in ("ok", "skipped", "failed")}
         log.info(
             "sweep summary (%d ok, %d skipped, %d failed): %s",
-            counts["ok"], counts["skipped"], counts["failed"], ", ".join(str(p) for p in paths),
+            counts["ok"],
+            counts["skipped"],
+            counts["failed"],
+            ", ".join(str(p) for p in paths),
         )
         if counts["failed"]:
             print(f"error: {counts['failed']} sweep job(s) failed; see {paths[1]}", file=sys.stderr)

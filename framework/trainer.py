@@ -1,4 +1,4 @@
-"""The Trainer wires the stages, in one direction: plan -> build -> freeze -> parallelize -> run.
+"""The Trainer wires the stages, in one direction: plan -> build -> freeze -> verify -> parallelize -> run.
 
 It does none of their work: each stage is a module of ``framework`` that takes the previous stage's
 plain result. ``run`` executes on every rank, after the process group exists.
@@ -6,6 +6,7 @@ plain result. ``run`` executes on every rank, after the process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,17 +20,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, full_model_state
-from framework.config import Config, FreezeMode, to_yaml
+from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, to_yaml
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import build_optimizer, build_scheduler, evaluate, train_step
-from framework.metrics import Metrics
+from framework.metrics import Metrics, make_sinks
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.plan import Plan, make_plan
+from framework.profiling import format_top_operators, make_profiler
+from framework.verify import StepAction, Verifier, carry_state, inject_nan, next_mode, perf_figures
+from framework.verify.numerics import batch_logits
 
 log = logging.getLogger("framework")
 
@@ -83,6 +88,9 @@ class Summary:
     time_to_first_step_s: float | None = None
     train_time_s: float = 0.0
     skipped_steps: int = 0
+    step_p50_s: float | None = None
+    step_p99_s: float | None = None
+    executor: str | None = None  # the executor the run ended on (after any fallback)
     events: list[str] = field(default_factory=list)
 
 
@@ -97,10 +105,25 @@ class Built:
     frozen: FrozenResult
     dp_rank: int
     dp_size: int
+    mesh: DeviceMesh | None = None
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
 
-def build(cfg: Config, env: DistEnv, run_dir: Path) -> Built:
-    """Plan, build on meta, freeze, parallelize (which places and initialises), optimiser."""
+def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
+    """(Re)build the executed model for ``executor`` from a fresh meta model, with a new optimiser and
+    scheduler; the fallback ladder calls this again with the next rung."""
+    model = build_model(cfg.model, cfg.train.seq_len)
+    built.model = parallelize(
+        model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
+    )
+    built.optimizer = build_optimizer(built.model, cfg.train, device)
+    built.scheduler = build_scheduler(built.optimizer, cfg.train)
+    built.executor = executor
+
+
+def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str) -> Built:
+    """Plan, build on meta, freeze, check the graph across ranks (before any training collective),
+    parallelize (which places and initialises), optimiser."""
     plan: Plan = make_plan(cfg)
     mesh = build_mesh(plan, env.device.type)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
@@ -108,16 +131,75 @@ def build(cfg: Config, env: DistEnv, run_dir: Path) -> Built:
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
-            cfg.model.name, num_params(cfg.model) / 1e6, flops_per_token(cfg.model, cfg.train.seq_len),
+            cfg.model.name,
+            num_params(cfg.model) / 1e6,
+            flops_per_token(cfg.model, cfg.train.seq_len),
             cfg.train.seq_len,
         )
     frozen = freeze_stage(model, cfg, run_dir, env)
-    model = parallelize(
-        model, mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, env.device, cfg.train.seed
-    )
-    optimizer = build_optimizer(model, cfg.train, env.device)
-    scheduler = build_scheduler(optimizer, cfg.train)
-    return Built(plan, model, optimizer, scheduler, frozen, dp_rank, dp_size)
+    flat = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    executor = cfg.executor
+    can_fall = next_mode(executor.mode) is not None
+    if verifier.check_graph(model, frozen, digest, flat, can_fall) is Policy.fallback:
+        executor = dataclasses.replace(executor, mode=ExecutorMode.eager)
+        verifier.fallback(
+            0, "graph", f"executor {cfg.executor.mode.value} -> eager", "reference graph differs"
+        )
+    # The model, optimiser and scheduler are made by ``start_executor`` (the fallback ladder).
+    return Built(plan, model, None, None, frozen, dp_rank, dp_size, mesh, executor)  # type: ignore[arg-type]
+
+
+def start_executor(cfg: Config, built: Built, data: Data, verifier: Verifier, device: torch.device) -> None:
+    """Parallelize for the configured executor; with verify on, the start of the fallback ladder.
+
+    The first forward (where torch.compile compiles) and the numerics check run before step 1. A
+    compile/capture error, or a numerics failure under ``policy=fallback``, rebuilds from a fresh
+    meta model with the next rung (cudagraphs -> compile -> eager); nothing has trained yet, so the
+    run restarts cleanly at step 0. The ranks agree on the outcome (one all_gather_object); a
+    compile error that hits only some ranks inside a collective is not covered (it would hang).
+    """
+    executor = built.executor
+    while True:
+        lower = next_mode(executor.mode)
+        error, action = None, None
+        try:
+            executed_model(cfg, built, executor, device)
+            if not verifier.enabled:
+                return
+            rows = data.sampler.rank_slice(data.sampler.consumed_batches)[: cfg.train.micro_batch_size]
+            x, y = rows[:, :-1], rows[:, 1:]
+            if verifier.vcfg.numerics:
+                compiled = executor.mode is not ExecutorMode.eager
+                action = verifier.check_numerics(built.model, (x, y), device, compiled, lower is not None)
+            else:
+                batch_logits(built.model, x, device)
+        except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
+            if lower is None or not verifier.enabled:
+                raise
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        errors: list[str | None] = [error]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if not failed and action is not Policy.fallback:
+            return
+        assert lower is not None
+        trigger, detail = ("compile_error", failed[0]) if failed else ("numerics", "executed != eager")
+        verifier.fallback(0, trigger, f"executor {executor.mode.value} -> {lower.value}", detail)
+        executor = dataclasses.replace(executor, mode=lower)
+
+
+def fall_back_mid_run(cfg: Config, built: Built, device: torch.device) -> ExecutorMode | None:
+    """Rebuild with the next rung and carry the trained weights, optimiser and LR schedule over."""
+    lower = next_mode(built.executor.mode)
+    if lower is None:
+        return None
+    old_model, old_opt, old_sched = built.model, built.optimizer, built.scheduler
+    executed_model(cfg, built, dataclasses.replace(built.executor, mode=lower), device)
+    carry_state(old_model, old_opt, built.model, built.optimizer)
+    built.scheduler.load_state_dict(old_sched.state_dict())
+    return lower
 
 
 @dataclass
@@ -129,14 +211,25 @@ class Data:
 def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
     corpus = data_mod.load_corpus(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
     sampler = data_mod.BatchSampler(
-        None if corpus is None else corpus.train, cfg.model.vocab_size, cfg.train.seq_len,
-        cfg.train.global_batch_size, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed,
+        None if corpus is None else corpus.train,
+        cfg.model.vocab_size,
+        cfg.train.seq_len,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        dp_rank,
+        dp_size,
+        cfg.train.seed,
     )
     val = []
     if cfg.train.eval_every > 0:
         val = data_mod.validation_batches(
-            corpus, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.micro_batch_size,
-            cfg.train.eval_batches, dp_rank, dp_size,
+            corpus,
+            cfg.model.vocab_size,
+            cfg.train.seq_len,
+            cfg.train.micro_batch_size,
+            cfg.train.eval_batches,
+            dp_rank,
+            dp_size,
         )
     if env.is_main and corpus is not None:
         log.info("data: %s, %d train / %d val tokens", corpus.description, corpus.train.size, corpus.val.size)
@@ -148,25 +241,36 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
 
 
 def resume(
-    ckpt: Checkpointer | None, cfg: Config, built: Built, data: Data, digest: str, env: DistEnv, metrics: Metrics
-) -> tuple[int, int]:
-    """Load the checkpoint that ``checkpoint.resume`` names; returns (start step, tokens seen)."""
+    ckpt: Checkpointer | None,
+    cfg: Config,
+    built: Built,
+    data: Data,
+    digest: str,
+    env: DistEnv,
+    metrics: Metrics,
+) -> dict[str, Any]:
+    """Load the checkpoint that ``checkpoint.resume`` names; returns its extra state ({} if none)."""
     if ckpt is None:
-        return 0, 0
+        return {}
     path = ckpt.resolve_resume(cfg.checkpoint.resume)
     if path is None:
-        return 0, 0
+        return {}
     t0 = time.perf_counter()
     extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)
     if extra.get("config_hash") not in (None, digest) and env.is_main:
-        log.warning("resuming %s, saved with a different config (hash %s, now %s)", path, extra["config_hash"][:12], digest[:12])
+        log.warning(
+            "resuming %s, saved with a different config (hash %s, now %s)",
+            path,
+            extra["config_hash"][:12],
+            digest[:12],
+        )
     data.sampler.load_state_dict(extra["data"])
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     detail = f"from {path} at step {extra['step']} in {time.perf_counter() - t0:.1f}s"
     if restarts:
         detail += f" (restart {restarts} of the launcher)"
     metrics.log({"step": extra["step"], "event": "resumed", "detail": detail, "restarts": restarts})
-    return int(extra["step"]), int(extra.get("tokens_seen", 0))
+    return extra
 
 
 def run(cfg: Config, run_dir: Path) -> Summary:
@@ -178,38 +282,94 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     digest = check_same_config(cfg, env)
-    built = build(cfg, env, run_dir)
+    verifier = Verifier(cfg, run_dir, env.is_main)
+    built = build(cfg, env, run_dir, verifier, digest)
     data = make_data(cfg, env, built.dp_rank, built.dp_size)
     metrics = Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar)
+    verifier.attach(metrics.log)
+    start_executor(cfg, built, data, verifier, device)
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else None
     preempt = PreemptionHandler(ckpt.control_group) if ckpt is not None else None
-    start_step, tokens_seen = resume(ckpt, cfg, built, data, digest, env, metrics)
+    resumed = resume(ckpt, cfg, built, data, digest, env, metrics)
+    start_step, tokens_seen = int(resumed.get("step", 0)), int(resumed.get("tokens_seen", 0))
+    if env.is_main:
+        plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+        # The wandb run id saved in the checkpoint: the same wandb run continues after a restart.
+        metrics.sinks = make_sinks(cfg.logger, run_dir, plain, run_id=resumed.get("wandb_run_id"))
+    profiler = make_profiler(cfg.run, run_dir, env.rank)
 
     def save(step: int) -> None:
         assert ckpt is not None
-        extra = {"step": step, "tokens_seen": tokens_seen, "data": data.sampler.state_dict(), "config_hash": digest}
+        extra = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "data": data.sampler.state_dict(),
+            "config_hash": digest,
+            "wandb_run_id": metrics.wandb_run_id if env.is_main else None,
+        }
         ckpt.save(step, built.model, built.optimizer, built.scheduler, extra)
         if ckpt.last_error is not None:
             metrics.log({"step": step, "event": "checkpoint_failed", "detail": ckpt.last_error})
 
+    def rollback(step: int) -> int:
+        """Back to the latest checkpoint, keeping the data position (past the bad batches)."""
+        nonlocal tokens_seen
+        path = ckpt.latest() if ckpt is not None else None
+        if path is None:
+            verifier.fallback(
+                step,
+                "bad_steps",
+                "no checkpoint to roll back to: skipping on",
+                f"{cfg.verify.max_bad_steps} non-finite steps in a row",
+            )
+            return step
+        position = data.sampler.state_dict()
+        extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)  # type: ignore[union-attr]
+        data.sampler.load_state_dict(position)
+        tokens_seen = int(extra.get("tokens_seen", 0))
+        verifier.fallback(
+            step,
+            "bad_steps",
+            f"rollback to step {extra['step']} ({path.name})",
+            f"{cfg.verify.max_bad_steps} non-finite steps in a row; data stays at batch "
+            f"{position['consumed_batches']}",
+        )
+        return int(extra["step"])
+
     summary = Summary()
-    model, device_peak = built.model, peak_tflops(cfg, device)
+    device_peak = peak_tflops(cfg, device)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     window_tokens, window_time = 0, 0.0
+    step_seconds: list[float] = []  # post-warm-up step times, for p50/p99 and the baseline
+    nan_batches = set(cfg.verify.inject_nan_steps)
+    since_build = 0  # steps since the executor was (re)built: each build pays its own warm-up
     train_t0 = time.perf_counter()
     last_val: float | None = None
     stopped = False
-    for step in range(start_step, cfg.train.steps):
+    step = start_step
+    profiler.__enter__()
+    while step < cfg.train.steps:
         if cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0:
-            last_val = evaluate(model, data.val_batches, device)
-            summary.first_val_loss = summary.first_val_loss if summary.first_val_loss is not None else last_val
+            last_val = evaluate(built.model, data.val_batches, device)
+            summary.first_val_loss = (
+                summary.first_val_loss if summary.first_val_loss is not None else last_val
+            )
             metrics.log({"step": step, "val_loss": last_val})
-        result = train_step(
-            model, built.optimizer, built.scheduler, data.sampler.next_batch(), cfg.train.grad_clip, device
-        )
+        poison = (
+            data.sampler.consumed_batches in nan_batches
+        )  # a batch index: fires once, even after a rollback
+        with inject_nan(built.model, poison):
+            result = train_step(
+                built.model,
+                built.optimizer,
+                built.scheduler,
+                data.sampler.next_batch(),
+                cfg.train.grad_clip,
+                device,
+            )
         tokens_seen += tokens_per_step
         if summary.time_to_first_step_s is None:
             summary.time_to_first_step_s = time.perf_counter() - t_start
@@ -217,16 +377,31 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             summary.skipped_steps += 1
             metrics.log({"step": step + 1, "event": "skipped_step", "detail": "non-finite loss or gradient"})
         # The first steps pay for compilation and allocator warm-up: keep them out of throughput.
-        if step - start_step >= cfg.executor.warmup_steps:
+        warm = since_build >= built.executor.warmup_steps
+        since_build += 1
+        if warm and result.finite:
             window_tokens += tokens_per_step
             window_time += result.seconds
+            step_seconds.append(result.seconds)
+            if verifier.enabled and verifier.breaker is None:
+                verifier.start_timing(
+                    verifier.baseline_p99(env.world_size, device_name(env), built.executor.mode)
+                )
+        action, tripped = verifier.after_step(
+            result.finite, result.seconds if warm and result.finite else None
+        )
         metrics.advance()
+        profiler.step()
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
             tps = window_tokens / window_time if window_time > 0 else None
             row: dict[str, Any] = {
-                "step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                "tokens_per_s": tps, "step_ms": result.seconds * 1e3,
+                "step": done,
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.grad_norm,
+                "tokens_per_s": tps,
+                "step_ms": result.seconds * 1e3,
             }
             if device_peak is not None and tps is not None:
                 row["mfu"] = fpt * tps / (device_peak * 1e12 * env.world_size)
@@ -236,6 +411,17 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             summary.final_loss, summary.tokens_per_s = result.loss, tps
             summary.mfu, summary.peak_mem_gib = row.get("mfu"), row.get("peak_mem_gib")
         summary.steps = done
+        if action is StepAction.rollback:
+            step = rollback(done)
+            continue
+        if tripped:
+            p99 = verifier.breaker.last_p99_s if verifier.breaker is not None else None
+            lower = fall_back_mid_run(cfg, built, device)
+            what = f"executor {lower and built.executor.mode.value}" if lower else "none (already eager)"
+            verifier.fallback(done, "circuit_breaker", f"fallback: {what}", f"window p99 {p99}")
+            if verifier.breaker is not None:
+                verifier.breaker.reset()
+            since_build = 0
         if ckpt is not None:
             stopped = preempt is not None and preempt.requested()
             last = done == cfg.train.steps and cfg.checkpoint.at_end
@@ -244,11 +430,23 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             if stopped:
                 metrics.log({"step": done, "event": "preempted", "detail": "signal received: saved, exiting"})
                 break
+        step = done
+    profiler.__exit__(None, None, None)
+    if env.is_main and profiler.top_operators():
+        log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
+    model = built.model
     if cfg.train.eval_every > 0 and not stopped:
         last_val = evaluate(model, data.val_batches, device)
         metrics.log({"step": cfg.train.steps, "val_loss": last_val})
     summary.final_val_loss = last_val
     summary.train_time_s = time.perf_counter() - train_t0
+    summary.executor = built.executor.mode.value
+    figures = perf_figures(step_seconds, tokens_per_step, summary.mfu, summary.peak_mem_gib)
+    if figures is not None:
+        summary.step_p50_s, summary.step_p99_s = figures.step_p50_s, figures.step_p99_s
+    meta = {"run_dir": str(run_dir), "config_hash": digest}
+    verifier.finish(figures, env.world_size, device_name(env), meta, built.executor.mode, can_fall_back=False)
+    summary.events += [f"step {f.step}: {f.trigger}: {f.action}" for f in verifier.report.fallbacks]
     if ckpt is not None:
         ckpt.close()
     if preempt is not None:
@@ -273,24 +471,39 @@ def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEn
     """
     example = torch.zeros(cfg.train.micro_batch_size, cfg.train.seq_len, dtype=torch.long, device="meta")
     result = freeze(
-        model, (example,), cfg.freeze, run_dir, write=env.is_main,
+        model,
+        (example,),
+        cfg.freeze,
+        run_dir,
+        write=env.is_main,
         manifest_extra={"model": cfg.model.name, "seq_len": cfg.train.seq_len},
     )
     if env.is_main and cfg.freeze.mode is not FreezeMode.none:
         log.info(
             "froze the model (%s) in %.1fs: graph fingerprint %s",
-            cfg.freeze.mode.value, result.seconds, (result.fingerprint or "")[:16],
+            cfg.freeze.mode.value,
+            result.seconds,
+            (result.fingerprint or "")[:16],
         )
     return result
 
 
-def write_summary(run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv) -> None:
+def device_name(env: DistEnv) -> str:
+    """The device model, part of a performance baseline's key."""
+    if env.device.type == "cuda":
+        return torch.cuda.get_device_name(env.device)
+    return platform.processor() or platform.machine()
+
+
+def write_summary(
+    run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv
+) -> None:
     info = {
         **summary.__dict__,
         "config_hash": digest,
         "world_size": env.world_size,
         "device": str(env.device),
-        "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor(),
+        "device_name": device_name(env),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

@@ -80,7 +80,9 @@ class WandbSink:
         self.run.finish()
 
 
-def start_wandb(logger: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None) -> WandbSink:
+def start_wandb(
+    logger: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None
+) -> WandbSink:
     """Start (or resume) the wandb run of ``run_dir``. Call on rank 0 only.
 
     ``run_id``: the id saved in the checkpoint being resumed; else the id this run dir already used

@@ -20,18 +20,26 @@ def test_jsonl_always_written_and_console_has_no_sink(tmp_path: Path) -> None:
     m.log({"step": 1, "event": "skipped_step", "detail": "x"})
     m.close()
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 1] and rows[0]["loss"] == 2.5 and rows[1]["event"] == "skipped_step"
+    assert (
+        [r["step"] for r in rows] == [1, 1] and rows[0]["loss"] == 2.5 and rows[1]["event"] == "skipped_step"
+    )
 
 
 def test_secrets_are_redacted_at_any_depth() -> None:
     cfg = {"logger": {"api_key": "abc", "project": "p"}, "x": [{"Token": 1}], "db_password": "pw", "lr": 0.1}
     out = strip_secrets(cfg)
-    assert out == {"logger": {"api_key": REDACTED, "project": "p"}, "x": [{"Token": REDACTED}],
-                   "db_password": REDACTED, "lr": 0.1}
+    assert out == {
+        "logger": {"api_key": REDACTED, "project": "p"},
+        "x": [{"Token": REDACTED}],
+        "db_password": REDACTED,
+        "lr": 0.1,
+    }
     assert cfg["logger"]["api_key"] == "abc"  # a copy
 
 
-def test_mode_is_offline_without_a_key_and_online_with_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode_is_offline_without_a_key_and_online_with_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))

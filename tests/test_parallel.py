@@ -80,7 +80,14 @@ def _worker(rank: int, world: int, cfg: Config) -> dict:
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
-        build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, torch.device("cpu"), 0
+        build_model(cfg.model, SEQ),
+        mesh,
+        plan,
+        cfg.sharding,
+        cfg.bucketing,
+        cfg.executor,
+        torch.device("cpu"),
+        0,
     )
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     return {"losses": train(model, dp_rank, dp_size), "dp": (dp_rank, dp_size)}
@@ -104,11 +111,12 @@ CASES = [
     ("tp", [2], 2),
     ("fsdp_tp", [2], 2),
     ("fsdp_tp", [2, 2], 2),
-    ("fsdp_tp", [4, 2], 2),  # the one 8-rank case
 ]
 
 
-@pytest.mark.parametrize(("strategy", "shape", "tp"), CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES])
+@pytest.mark.parametrize(
+    ("strategy", "shape", "tp"), CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES]
+)
 def test_matches_single_process(strategy: str, shape: list[int], tp: int, reference: list[float]) -> None:
     cfg = make_cfg(strategy, shape, tp)
     out = run_ranks(_worker, cfg.mesh.world_size, cfg)
@@ -119,41 +127,56 @@ def test_matches_single_process(strategy: str, shape: list[int], tp: int, refere
 
 
 def test_ac_and_compile_match_eager(reference: list[float]) -> None:
-    """Selective AC + per-block compile (aot_eager) under FSDP2, and full AC + whole-model compile under DDP."""
+    """Selective AC + per-block compile (aot_eager) under FSDP2 on 2 ranks reproduces eager."""
     cfg = make_cfg("fsdp", [2], ac="selective")
     cfg.executor = ExecutorConfig(mode=ExecutorMode.compile, scope=CompileScope.block, backend="aot_eager")
     for r in run_ranks(_worker, 2, cfg):
         torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
+
+
+def test_full_ac_whole_model_compile_single_process(reference: list[float]) -> None:
+    """Full AC + whole-model compile (no process group needed for these two steps)."""
     cfg = make_cfg("ddp", [1], ac="full")
-    cfg.executor = ExecutorConfig(mode=ExecutorMode.compile, scope=CompileScope.model, backend="aot_eager")
-    for r in run_ranks(_worker, 1, cfg):
-        torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
+    model = build_model(cfg.model, SEQ)
+    assert apply_ac(model, cfg.sharding.activation_checkpointing) == cfg.model.n_layers
+    executor = ExecutorConfig(mode=ExecutorMode.compile, scope=CompileScope.model, backend="aot_eager")
+    assert apply_compile(model, executor, torch.device("cpu")) == 1
+    materialize(model, "cpu", 0)
+    torch.testing.assert_close(train(model, 0, 1), reference, rtol=RTOL, atol=0)
 
 
-def _init_worker(rank: int, world: int, cfg: Config) -> dict[str, torch.Tensor]:
+def _init_worker(rank: int, world: int, cfg: Config) -> list[str]:
+    """Names of parameters whose full value differs from the single-process init (none expected)."""
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
-        build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, torch.device("cpu"), 0
+        build_model(cfg.model, SEQ),
+        mesh,
+        plan,
+        cfg.sharding,
+        cfg.bucketing,
+        cfg.executor,
+        torch.device("cpu"),
+        0,
     )
-    out = {}
-    for name, p in model.named_parameters():
-        out[name.removeprefix("module.")] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     assert (model.output.weight is model.tok_embeddings.weight) == cfg.model.tie_embeddings
-    return out
+    ref = build_model(cfg.model, SEQ)
+    materialize(ref, "cpu", 0)
+    expected = dict(ref.named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    return [
+        name
+        for name, p in got.items()
+        if not torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, expected[name])
+    ]
 
 
 @pytest.mark.parametrize(("strategy", "shape", "tp"), [("fsdp", [2], 1), ("fsdp_tp", [2, 2], 2)])
 def test_initial_weights_equal_single_process(strategy: str, shape: list[int], tp: int) -> None:
     """Tied embeddings stay tied and every layout starts from the single-process weights, bitwise."""
     cfg = make_cfg(strategy, shape, tp)
-    ref = build_model(cfg.model, SEQ)
-    materialize(ref, "cpu", 0)
-    got = run_ranks(_init_worker, cfg.mesh.world_size, cfg)[0]
-    expected = dict(ref.named_parameters())
-    assert got.keys() == expected.keys()
-    for name, value in got.items():
-        assert torch.equal(value, expected[name]), name
+    assert run_ranks(_init_worker, cfg.mesh.world_size, cfg) == [[]] * cfg.mesh.world_size
 
 
 def test_ac_modes_count_blocks() -> None:
@@ -177,10 +200,19 @@ def _ddp_bucket_worker(rank: int, world: int, cfg: Config) -> list[int]:
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
-        build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, torch.device("cpu"), 0
+        build_model(cfg.model, SEQ),
+        mesh,
+        plan,
+        cfg.sharding,
+        cfg.bucketing,
+        cfg.executor,
+        torch.device("cpu"),
+        0,
     )
     train(model, *dp_mesh_info(mesh, plan))  # DDP rebuilds its buckets after the first step
-    return [b.numel() * b.element_size() for b in model.reducer._get_zeros_like_grad_buckets()]
+    return [
+        b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()
+    ]
 
 
 def test_ddp_buckets_match_plan() -> None:

@@ -12,7 +12,6 @@ import pytest
 from framework import recipes
 
 ROOT = Path(__file__).resolve().parent.parent
-TEAM = "# Team recipe: llama_tiny with a shorter schedule.\ndefaults:\n  - llama_tiny\n"
 TEAM_RECIPE = """# Team recipe: the tiny model with a shorter schedule.
 model:
   name: team_tiny
@@ -23,12 +22,14 @@ train:
   micro_batch_size: 2
   eval_every: 0
 """
-HYDRA_CALLBACK = """# Looks harmless; runs a shell command through Hydra's callbacks (an alias path).
+# Hydra instantiates callbacks before any of our code runs, and its own blocklist lets this one
+# through (checked by hand: without the refusal the marker file appears).
+HYDRA_CALLBACK = """# Looks harmless; writes a file through Hydra's callbacks.
 hydra:
   callbacks:
     pwn:
-      _target_: logging.os.system
-      _args_: ["touch {marker}"]
+      _target_: shutil.copyfile
+      _args_: ["{src}", "{marker}"]
 """
 TARGET_IN_DATA = """# Smuggles a _target_ into a free-form dict.
 nccl:
@@ -50,7 +51,7 @@ def team_package(tmp_path: Path) -> tuple[Path, Path]:
     (site / "teamrecipes" / "__init__.py").write_text("")
     (folder / "team_tiny.yaml").write_text(TEAM_RECIPE)
     marker = tmp_path / "PWNED"
-    (folder / "evil_callback.yaml").write_text(HYDRA_CALLBACK.format(marker=marker))
+    (folder / "evil_callback.yaml").write_text(HYDRA_CALLBACK.format(src=ROOT / "README.md", marker=marker))
     (folder / "evil_target.yaml").write_text(TARGET_IN_DATA)
     (folder / "evil_widen.yaml").write_text(WIDEN)
     return site, marker
@@ -81,8 +82,12 @@ def test_refusal_reasons() -> None:
 def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[Path, Path]) -> None:
     site, _ = team_package
     out = subprocess.run(
-        [sys.executable, "-m", "framework.recipes", "list"], cwd=ROOT, env=_env(site, "pkg://teamrecipes.llama"),
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "framework.recipes", "list"],
+        cwd=ROOT,
+        env=_env(site, "pkg://teamrecipes.llama"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line for line in out.stdout.splitlines()}
@@ -92,16 +97,19 @@ def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[
     assert "REFUSED" in lines["evil_callback"] and "REFUSED" not in lines["team_tiny"]
 
 
-def test_validate_prints_the_plan_or_the_error(team_package: tuple[Path, Path]) -> None:
-    site, _ = team_package
-    env = _env(site, "pkg://teamrecipes.llama")
-    cmd = [sys.executable, "-m", "framework.recipes", "validate"]
-    ok = subprocess.run([*cmd, "team_tiny", "mesh=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr
-    assert "team_tiny" in ok.stdout and "valid" in ok.stdout and "plan: ddp on 2 ranks" in ok.stdout
-    bad = subprocess.run([*cmd, "team_tiny", "mesh=4", "train.global_batch_size=6"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "global_batch_size=6" in bad.stderr
+def test_validate_prints_the_plan_or_the_error(
+    team_package: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site, _ = team_package  # in-process: the CLI's main(), with the extra root on the environment
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", "pkg://teamrecipes.llama")
+    assert recipes.main(["validate", "team_tiny", "mesh=2"]) == 0
+    out = capsys.readouterr().out
+    assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out
+    assert recipes.main(["validate", "team_tiny", "mesh=4", "train.global_batch_size=6"]) == 1
+    assert "global_batch_size=6" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil_widen"]) == 1
+    assert "run.instantiate_allow" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -118,8 +126,12 @@ def test_unsafe_recipe_is_refused_before_anything_runs(
     site, marker = team_package
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-        env=_env(site, "pkg://teamrecipes.llama"), capture_output=True, text=True, timeout=120,
+        [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=_env(site, "pkg://teamrecipes.llama"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr

@@ -52,8 +52,8 @@ def parallelize(
          Skipped with ``init_weights=False`` (the dry run measures shapes on meta).
       6. DDP (``apply_ddp``): last, because it verifies, broadcasts and buckets real tensors (it
          cannot wrap meta ones, so ``init_weights=False`` skips it too; DDP shards nothing, so the
-         dry run's measurement does not change). World size 1 goes through it too (DDP over a
-         one-rank group), so there is no single-device branch.
+         dry run's measurement does not change). Like every step, it is off when its axis has
+         size 1 (one data-parallel rank), so world size 1 needs no branch of its own.
 
     Each step is a no-op when its setting is off. Raises ValueError for ``executor.mode=cudagraphs``
     off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
@@ -68,7 +68,9 @@ def parallelize(
         apply_fsdp(model, dp_mesh, sharding)
     if init_weights:
         materialize(model, device, seed)
-    if strategy == Strategy.ddp and init_weights:
+    # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
+    # them with itself, and keep its gradient buckets resident through forward: the concern is off.
+    if strategy == Strategy.ddp and init_weights and plan.dp_degree > 1:
         assert dp_mesh is not None
         return apply_ddp(model, dp_mesh, bucketing, plan.bucket_cap_mb)
     return model

@@ -45,4 +45,10 @@ def apply_compile(model: Llama, executor: ExecutorConfig, device: torch.device) 
         _compile_forward(block, executor, mode)
     if not blocks:
         raise RuntimeError("executor.scope=block but the model has no blocks to compile")
-    return len(blocks)
+    # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
+    # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
+    # log-softmax instead of materialising fp32 logits.
+    model.head_loss = torch.compile(
+        model.head_loss, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode
+    )
+    return len(blocks) + 1

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.config import Config, VerifyConfig
+from framework.config import Config, ExecutorMode, VerifyConfig
 from framework.verify.report import CheckResult
 
 DEFAULT_STORE = Path("outputs") / "baselines.json"
@@ -53,7 +53,9 @@ def perf_figures(
     return PerfFigures(percentile(step_seconds, 50), percentile(step_seconds, 99), tps, mfu, peak_mem_gib)
 
 
-def baseline_key(cfg: Config, world_size: int, device_name: str) -> str:
+def baseline_key(cfg: Config, world_size: int, device_name: str, executor: ExecutorMode | None = None) -> str:
+    """The store key; ``executor`` is the mode that actually ran (after a fallback), default the configured one."""
+    mode = (executor or cfg.executor.mode).value
     sharding = cfg.sharding.strategy.value + (f"-tp{cfg.sharding.tp}" if cfg.sharding.tp > 1 else "")
     mesh = "x".join(str(s) for s in cfg.mesh.shape)
     return "|".join(
@@ -61,7 +63,7 @@ def baseline_key(cfg: Config, world_size: int, device_name: str) -> str:
             cfg.model.name,
             f"mesh={mesh}",
             sharding,
-            cfg.executor.mode.value,
+            mode,
             device_name,
             f"world={world_size}",
         )

@@ -78,7 +78,7 @@ def _fmt(v: Any) -> str:
         return f"{v:.6g}"
     if isinstance(v, str) and len(v) > 20 and all(c in "0123456789abcdef" for c in v):
         return v[:16]  # a sha256: the prefix identifies it
-    return str(v)
+    return str(v).replace("|", "\\|")  # a table cell
 
 
 def format_markdown(report: VerificationReport) -> str:

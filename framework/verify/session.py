@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.config import Config, Policy
+from framework.config import Config, ExecutorMode, Policy
 from framework.freeze import FrozenResult
 from framework.model import Llama
 from framework.verify import baseline as baseline_mod
@@ -167,10 +167,10 @@ class Verifier:
             tripped = self.breaker.observe(seconds)
         return action, tripped
 
-    def baseline_p99(self, world_size: int, device_name: str) -> float | None:
+    def baseline_p99(self, world_size: int, device_name: str, executor: ExecutorMode) -> float | None:
         if not self.enabled:
             return None
-        key = baseline_mod.baseline_key(self.cfg, world_size, device_name)
+        key = baseline_mod.baseline_key(self.cfg, world_size, device_name, executor)
         figures = baseline_mod.load_baseline(baseline_mod.store_path(self.vcfg), key)
         return None if figures is None else figures.step_p99_s
 
@@ -180,6 +180,7 @@ class Verifier:
         world_size: int,
         device_name: str,
         meta: dict[str, Any],
+        executor: ExecutorMode,
         can_fall_back: bool,
     ) -> Policy | None:
         """Compare with the baseline (policy), save one if asked (rank 0), write the report."""
@@ -189,7 +190,7 @@ class Verifier:
             self.report.add(CheckResult("performance", None, "no post-warm-up steps to measure"))
             self.write()
             return None
-        key = baseline_mod.baseline_key(self.cfg, world_size, device_name)
+        key = baseline_mod.baseline_key(self.cfg, world_size, device_name, executor)
         path = baseline_mod.store_path(self.vcfg)
         check = baseline_mod.compare_perf(figures, baseline_mod.load_baseline(path, key), self.vcfg)
         check.figures["key"] = key

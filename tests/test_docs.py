@@ -1,0 +1,44 @@
+"""Generated docs are fresh, and the Hydra surface (--help, --cfg job) shows what it should."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from framework import docs
+from framework.config import GROUPS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_config_reference_and_help_are_not_stale() -> None:
+    assert docs.stale() == [], "run `python -m framework.docs` and commit the result"
+
+
+def test_reference_covers_every_field_and_group() -> None:
+    text = docs.render_reference()
+    for key in ("train.steps", "mesh.hardware.peak_tflops", "run.instantiate_allow", "logger.mode"):
+        assert f"`{key}`" in text
+    assert set(GROUPS) <= set(docs.GROUP_DESCRIPTIONS)
+
+
+def test_help_lists_groups_with_options_and_cfg_job_prints_the_config() -> None:
+    env = {**os.environ}
+    env.pop("RUN_STAMP", None)
+    out = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "sharding       parallel layout" in out.stdout
+    assert "logger: console, wandb" in out.stdout and "recipe: " in out.stdout
+    cfg = subprocess.run(
+        [sys.executable, "train.py", "--cfg", "job", "logger=wandb"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cfg.returncode == 0 and "kind: wandb" in cfg.stdout

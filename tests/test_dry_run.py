@@ -1,0 +1,61 @@
+"""Dry run on a fake process group: the real sharded model agrees with the planner's estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from framework.config import Config, ModelConfig, Strategy
+from framework.dry_run import dry_run, format_dry_run
+
+# A shape whose dims do not divide evenly by large shard counts, so FSDP2's padding shows.
+ODD = ModelConfig(
+    dim=192, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=520, vocab_size=1000, tie_embeddings=False
+)
+
+
+def cfg_for(strategy: str, shape: list[int], tp: int = 1, model: ModelConfig | None = None) -> Config:
+    cfg = Config(model=model or ModelConfig())
+    cfg.mesh.shape = shape
+    cfg.sharding.strategy = Strategy(strategy)
+    cfg.sharding.tp = tp
+    cfg.train.global_batch_size = cfg.mesh.world_size
+    cfg.train.micro_batch_size = 1
+    return cfg
+
+
+CASES = [
+    ("ddp", [2], 1),
+    ("ddp", [64, 8], 1),
+    ("fsdp", [4], 1),
+    ("fsdp", [64, 8], 1),
+    ("hsdp", [2, 2], 1),
+    ("hsdp", [64, 8], 1),
+    ("tp", [2], 2),
+    ("fsdp_tp", [2, 2], 2),
+    ("fsdp_tp", [64, 8], 2),
+]
+
+
+@pytest.mark.parametrize("model", [ModelConfig(), ODD], ids=["tiny_tied", "odd_untied"])
+@pytest.mark.parametrize(
+    ("strategy", "shape", "tp"), CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES]
+)
+def test_measured_matches_estimate(strategy: str, shape: list[int], tp: int, model: ModelConfig) -> None:
+    report = dry_run(cfg_for(strategy, shape, tp, model))
+    assert report.rel_error < 0.01, format_dry_run(report)
+    sharded = strategy != "ddp"
+    assert (report.num_sharded_params == report.num_params) == sharded
+    if sharded:  # sharding really divided the parameters
+        assert report.measured_param_bytes < 4 * report.plan.num_params / 1.9
+    assert not dist.is_initialized()  # the fake group is gone
+
+
+def test_report_and_refusals() -> None:
+    report = dry_run(cfg_for("fsdp_tp", [2, 4], 2))
+    text = format_dry_run(report)
+    assert "dry run: fsdp_tp on 8 ranks (dp_shard=4 x tp=2)" in text
+    assert f"measured {report.measured_param_bytes:,} B" in text
+    with pytest.raises(ValueError, match="sharding.tp=3 does not divide"):
+        dry_run(cfg_for("fsdp_tp", [4], 3))
+    assert not dist.is_initialized()

@@ -1,0 +1,63 @@
+"""Launchers: a real job through submitit's local executor (the SLURM path), and the mesh resolvers."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.launch import register_resolvers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_slurm_allocation_is_derived_from_the_mesh() -> None:
+    register_resolvers()
+    launcher = OmegaConf.load(ROOT / "conf" / "hydra" / "launcher" / "slurm.yaml")
+    for shape, nodes, per_node in (([4], 1, 4), ([2, 4], 2, 4), ([2, 2, 2], 2, 4)):
+        cfg = OmegaConf.create({"mesh": {"shape": shape}, "l": OmegaConf.to_container(launcher)})
+        assert (cfg.l.nodes, cfg.l.tasks_per_node, cfg.l.gpus_per_node) == (nodes, per_node, per_node)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+    reason="needs the [slurm] extra (hydra-submitit-launcher)",
+)
+def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=slurm_local",
+        f"hydra.sweep.dir={sweep_dir}",
+        "mesh=2",
+        "freeze=none",
+        "train.steps=4",
+        "train.seq_len=32",
+        "train.eval_every=0",
+        "train.log_every=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    # Two submitit tasks ran, each a rank of the one job (not two self-launched ranks under one task).
+    (job_folder,) = [p for p in (sweep_dir / ".submitit").iterdir() if any(p.iterdir())]
+    assert sorted(p.name.split("_", 1)[1] for p in job_folder.glob("*_result.pkl")) == [
+        "0_result.pkl",
+        "1_result.pkl",
+    ]
+    with (sweep_dir / "sweep_summary.csv").open() as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["ok"]

@@ -1,0 +1,241 @@
+"""make_plan: layouts, refusals (each with the bad value and a fix), estimates, bucketing, JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from framework.config import (
+    ActivationCheckpointing,
+    CompileScope,
+    Config,
+    ExecutorMode,
+    HardwareConfig,
+    ModelConfig,
+    Strategy,
+)
+from framework.model import build_model, num_params
+from framework.plan import (
+    GIB,
+    check_world_size,
+    format_plan,
+    make_plan,
+    param_specs,
+    plan_from_dict,
+    plan_to_dict,
+)
+
+GPU = HardwareConfig(
+    name="h100_sxm",
+    memory_gib=80.0,
+    intra_node_gbps=450.0,
+    inter_node_gbps=50.0,
+    intra_node_latency_us=3.0,
+    inter_node_latency_us=5.0,
+)
+BIG = ModelConfig(
+    dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, tie_embeddings=False
+)
+
+
+def cfg_for(strategy: str, shape: list[int], tp: int = 1, gbs: int = 32, mbs: int = 1) -> Config:
+    cfg = Config()
+    cfg.mesh.shape = shape
+    cfg.sharding.strategy = Strategy(strategy)
+    cfg.sharding.tp = tp
+    cfg.train.global_batch_size = gbs
+    cfg.train.micro_batch_size = mbs
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shape", "tp", "mesh_shape", "axes", "dp"),
+    [
+        ("ddp", [2, 4], 1, (8,), ("dp_replicate",), 8),
+        ("fsdp", [2, 4], 1, (8,), ("dp_shard",), 8),
+        ("hsdp", [2, 4], 1, (2, 4), ("dp_replicate", "dp_shard"), 8),
+        ("hsdp", [2, 2, 2], 1, (2, 4), ("dp_replicate", "dp_shard"), 8),
+        ("tp", [2], 2, (2,), ("tp",), 1),
+        ("fsdp_tp", [2, 4], 2, (4, 2), ("dp_shard", "tp"), 4),
+    ],
+)
+def test_layouts(strategy, shape, tp, mesh_shape, axes, dp) -> None:
+    plan = make_plan(cfg_for(strategy, shape, tp))
+    assert (plan.mesh_shape, plan.mesh_axes, plan.dp_degree, plan.tp_degree) == (mesh_shape, axes, dp, tp)
+    assert plan.grad_accum_steps == 32 // dp
+    assert plan.world_size == 8 if strategy != "tp" else 2
+
+
+def test_deterministic_and_pure() -> None:
+    cfg = cfg_for("fsdp_tp", [2, 4], 2)
+    assert make_plan(cfg) == make_plan(cfg)
+
+
+def test_param_specs_mirror_the_model() -> None:
+    for m in (ModelConfig(), ModelConfig(tie_embeddings=False, n_layers=3)):
+        model = build_model(m, 16)
+        real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        assert [(s.name, s.shape) for s in param_specs(m)] == real
+        assert make_plan(Config(model=m)).num_params == num_params(m)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (
+            cfg_for("fsdp", [4], gbs=30, mbs=2),
+            r"train.global_batch_size=30 is not divisible by dp_degree \(4\) x "
+            r"train.micro_batch_size \(2\) = 8: use a global batch size in \[8, 16, 24, 32\]",
+        ),
+        (cfg_for("ddp", [2], gbs=32, mbs=3), r"or a micro batch size in \[1, 2, 4, 8, 16\]"),
+        (
+            cfg_for("fsdp_tp", [4], tp=3),
+            r"sharding.tp=3 does not divide the world size 4 .* valid values are \[1, 2, 4\]",
+        ),
+        (
+            cfg_for("fsdp_tp", [4], tp=4),
+            r"sharding.tp=4 does not divide model.n_kv_heads=2.*valid TP degrees here are \[1, 2\]",
+        ),
+        (
+            cfg_for("tp", [4], tp=2),
+            r"sharding.strategy=tp needs sharding.tp == world size.*use sharding=fsdp_tp",
+        ),
+        (cfg_for("ddp", [4], tp=2), r"sharding.tp=2 has no effect with sharding.strategy=ddp"),
+        (cfg_for("fsdp", [0]), r"mesh.shape=\[0\] is not valid"),
+    ],
+)
+def test_refusals(cfg: Config, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_plan(cfg)
+
+
+def test_tp_must_divide_heads_and_ffn() -> None:
+    cfg = cfg_for("fsdp_tp", [4], tp=2)
+    cfg.model = ModelConfig(n_heads=6, n_kv_heads=3, dim=96)
+    with pytest.raises(ValueError, match="sharding.tp=2 does not divide model.n_heads=6|n_kv_heads=3"):
+        make_plan(cfg)
+    cfg.model = ModelConfig(ffn_dim=385)
+    with pytest.raises(ValueError, match="does not divide model.ffn_dim=385"):
+        make_plan(cfg)
+
+
+def test_world_size_must_match_mesh() -> None:
+    plan = make_plan(cfg_for("ddp", [2, 4]))
+    check_world_size(plan, 8)
+    with pytest.raises(ValueError, match=r"world size 4 != product of mesh \[8\] = 8"):
+        check_world_size(plan, 4)
+
+
+def test_memory_refused_on_gpu_only_warned_on_cpu() -> None:
+    cfg = cfg_for("ddp", [16, 8], gbs=128, mbs=1)
+    cfg.model, cfg.train.seq_len = BIG, 8192
+    cfg.mesh.hardware = GPU
+    with pytest.raises(
+        ValueError,
+        match=r"needs [\d.]+ GiB per rank, device has 80 .*use sharding=fsdp .*"
+        r"activation_checkpointing=full",
+    ):
+        make_plan(cfg)
+    cfg.mesh.hardware = HardwareConfig(name="cpu", memory_gib=80.0)
+    plan = make_plan(cfg)
+    assert any("GiB per rank, device has 80" in w for w in plan.warnings)
+
+
+def test_memory_estimate_components() -> None:
+    """70B on 128 ranks of fsdp_tp: sharded state shrinks 128x, AC modes order as expected."""
+    cfg = cfg_for("fsdp_tp", [16, 8], tp=8, gbs=32, mbs=2)
+    cfg.model, cfg.train.seq_len, cfg.mesh.hardware = BIG, 8192, GPU
+    cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
+    plan = make_plan(cfg)
+    m = plan.memory
+    assert m.params == m.grads and m.optimizer == 2 * m.params
+    assert m.params == pytest.approx(4 * plan.num_params / 128, rel=0.01)
+    acts = m.activations_by_mode
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert m.activations == acts["full"] and m.total <= m.device
+    cfg.sharding.activation_checkpointing = ActivationCheckpointing.none
+    with pytest.raises(ValueError, match="activation_checkpointing=full"):
+        make_plan(cfg)
+
+
+def test_comm_links_and_tp_warning() -> None:
+    plan = make_plan(cfg_for("fsdp_tp", [2, 4], tp=2))
+    links = {(c.axis, c.collective): c.link for c in plan.comm}
+    assert links == {
+        ("dp_shard", "all_gather"): "inter",
+        ("dp_shard", "reduce_scatter"): "inter",
+        ("tp", "all_gather"): "intra",
+        ("tp", "reduce_scatter"): "intra",
+    }
+    assert not plan.warnings
+    plan = make_plan(cfg_for("fsdp_tp", [2, 1], tp=2))
+    assert any("tp axis (size 2) spans nodes (procs per node 1)" in w for w in plan.warnings)
+    hsdp = make_plan(cfg_for("hsdp", [2, 4]))
+    assert {c.axis: c.link for c in hsdp.comm} == {"dp_shard": "intra", "dp_replicate": "inter"}
+
+
+def test_ddp_all_reduce_volume_is_ring() -> None:
+    """Ring all-reduce: each rank sends 2(n-1)/n of the gradient bytes; time is alpha-beta."""
+    cfg = cfg_for("ddp", [4])
+    plan = make_plan(cfg)
+    (ar,) = plan.comm
+    grads = 4 * plan.num_params
+    assert ar.volume_bytes == pytest.approx(2 * 3 / 4 * grads, rel=1e-6)
+    hw = cfg.mesh.hardware
+    expected = len(plan.bucket_sizes) * 6 * hw.intra_node_latency_us * 1e-6 + 1.5 * grads / (
+        hw.intra_node_gbps * 1e9
+    )
+    assert ar.time_s == pytest.approx(expected, rel=0.01)
+
+
+def test_bucketing_auto() -> None:
+    cfg = cfg_for("ddp", [16, 8], gbs=128)
+    cfg.model, cfg.mesh.hardware = (
+        ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=32000),
+        GPU,
+    )
+    cfg.bucketing.auto = True
+    plan = make_plan(cfg)
+    m_bytes = 4 * plan.num_params
+    expected = (m_bytes * 128 * 5e-6 * 50e9) ** 0.5 / 2**20
+    assert plan.bucket_cap_mb == pytest.approx(min(expected, 256.0), abs=0.01)
+    assert "alpha-beta model of dp_replicate (inter-node, n=128" in plan.bucket_reason
+    assert len(plan.bucket_sizes) == pytest.approx(m_bytes / (plan.bucket_cap_mb * 2**20), abs=2)
+    cfg.mesh.shape = [1]
+    cfg.train.global_batch_size = 1
+    assert make_plan(cfg).bucket_reason.startswith("auto: dp degree 1, no all-reduce")
+    fsdp = cfg_for("fsdp", [4])
+    fsdp.bucketing.auto = True
+    plan = make_plan(fsdp)
+    assert len(plan.bucket_sizes) == fsdp.model.n_layers + 1
+    assert any("bucketing.auto does nothing under sharding=fsdp" in w for w in plan.warnings)
+
+
+def test_compile_combinations_refused() -> None:
+    cfg = cfg_for("fsdp", [2])
+    cfg.executor.mode, cfg.executor.scope = ExecutorMode.compile, CompileScope.model
+    with pytest.raises(ValueError, match="executor.scope=model with sharding.strategy=fsdp"):
+        make_plan(cfg)
+    cfg = cfg_for("fsdp_tp", [2, 2], tp=2)
+    cfg.executor.mode = ExecutorMode.compile
+    with pytest.raises(ValueError, match="executor.mode=compile with sharding.tp=2"):
+        make_plan(cfg)
+
+
+def test_json_round_trip_and_table() -> None:
+    cfg = cfg_for("hsdp", [2, 4])
+    cfg.bucketing.auto = True
+    plan = make_plan(cfg)
+    text = json.dumps(plan_to_dict(plan))
+    assert plan_from_dict(json.loads(text)) == plan
+    table = format_plan(plan)
+    for needle in (
+        "dp_replicate=2 x dp_shard=4",
+        "acts none",
+        "<- chosen",
+        "all_reduce",
+        "WARNING: bucketing.auto",
+    ):
+        assert needle in table
+    assert f"{plan.memory.total / GIB:8.2f} GiB" in table

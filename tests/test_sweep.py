@@ -1,0 +1,127 @@
+"""Multirun sweeps of multi-rank jobs through ``python train.py -m``: summary, resume, failures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from framework.launch import isolated_environ
+from framework.sweep import sweep_id
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "freeze=none",
+    "data.source=synthetic",
+    "train.steps=4",
+    "train.seq_len=32",
+    "train.eval_every=0",
+    "train.log_every=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+]
+
+
+def multirun(cwd: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RUN_STAMP", "FRAMEWORK_SWEEP_ID"):
+        env.pop(key, None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    return proc, time.perf_counter() - t0
+
+
+def summary_rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with (sweep_dir / "sweep_summary.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_of_two_rank_jobs_summarises_and_resumes(tmp_path: Path) -> None:
+    args = ["mesh=2", "sharding=ddp,fsdp", "train.seed=0,1", *TINY]
+    proc, first_s = multirun(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()  # the stable dir: multirun/sweep-<hash>
+    assert sweep_dir.name.startswith("sweep-")
+    rows = summary_rows(sweep_dir)
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"] and {r["status"] for r in rows} == {"ok"}
+    assert [r["overrides"].split()[1:3] for r in rows] == [
+        ["sharding=ddp", "train.seed=0"],
+        ["sharding=ddp", "train.seed=1"],
+        ["sharding=fsdp", "train.seed=0"],
+        ["sharding=fsdp", "train.seed=1"],
+    ]
+    for row in rows:
+        job = Path(row["run_dir"])
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["steps"] == 4
+        assert float(row["final_loss"]) == summary["final_loss"] and float(row["tokens_per_s"]) > 0
+        assert Path(row["plot"]).is_file() and (job / "provenance.json").is_file()
+    # Same seed, same data: DDP and FSDP agree; different seeds differ.
+    losses = [float(r["final_loss"]) for r in rows]
+    assert abs(losses[0] - losses[2]) < 1e-3 and losses[0] != losses[1]
+    # One job's ranks end before the next job starts.
+    for a, b in zip(rows[:-1], rows[1:], strict=True):
+        assert (Path(a["run_dir"]) / "summary.json").stat().st_mtime <= (
+            Path(b["run_dir"]) / "config.yaml"
+        ).stat().st_mtime
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    assert md.count("| ok |") == 4 and (sweep_dir / "sweep_summary.png").stat().st_size > 0
+
+    # The same command again: same sweep dir, every job skipped.
+    again, second_s = multirun(tmp_path, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == [sweep_dir.name]
+    assert {r["status"] for r in summary_rows(sweep_dir)} == {"skipped"}
+    assert second_s < first_s / 2, (first_s, second_s)
+
+
+def test_failed_job_is_reported_and_rerun(tmp_path: Path) -> None:
+    # Job 1 fails validation (4 is not a multiple of 3) at once; job 0 trains 2 steps in-process.
+    args = [
+        "mesh=1",
+        "train.micro_batch_size=2,3",
+        "train.global_batch_size=4",
+        "train.steps=2",
+        *TINY[:2],
+        *TINY[3:5],
+    ]
+    proc, _ = multirun(tmp_path, *args)
+    assert proc.returncode == 1 and "1 sweep job(s) failed" in proc.stderr
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert "global_batch_size" in (sweep_dir / "sweep_summary.md").read_text()
+    proc, _ = multirun(tmp_path, *args)
+    assert proc.returncode == 1
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "failed"]
+    # The failed job ran again; its first attempt was set aside, not mixed into the new one.
+    assert json.loads((sweep_dir / "1" / "attempts" / "0" / "job.json").read_text())["status"] == "failed"
+
+
+def test_sweep_id_is_a_function_of_the_command_line() -> None:
+    a = sweep_id(["-m", "sharding=ddp,fsdp", "mesh=2"])
+    assert a == sweep_id(["sharding=ddp,fsdp", "mesh=2", "--multirun"]) and a.startswith("sweep-")
+    assert a != sweep_id(["-m", "sharding=ddp,fsdp", "mesh=4"])
+    # Reordered sweeps number their jobs differently: a different sweep.
+    assert a != sweep_id(["-m", "mesh=2", "sharding=ddp,fsdp"])
+
+
+def test_isolated_environ_undoes_a_jobs_environment(monkeypatch) -> None:
+    monkeypatch.setenv("KEEP_ME", "1")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with isolated_environ():
+        os.environ.update(MASTER_PORT="1234", RANK="0", FRAMEWORK_WORKER="1")
+        del os.environ["KEEP_ME"]
+    assert "MASTER_PORT" not in os.environ and "FRAMEWORK_WORKER" not in os.environ
+    assert os.environ["KEEP_ME"] == "1"
