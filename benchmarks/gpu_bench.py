@@ -137,7 +137,8 @@ def fmt(rows: list[dict]) -> str:
     head = "| recipe | what | tok/s | step ms | MFU | peak GiB | planned GiB | first step s | loss |"
     lines = [head, "|" + "---|" * 9]
     for r in rows:
-        def f(key: str, spec: str) -> str:
+
+        def f(key: str, spec: str, r: dict = r) -> str:
             v = r.get(key)
             return format(v, spec) if isinstance(v, (int, float)) else "-"
 

@@ -189,6 +189,10 @@ class RunConfig:
     # Default-deny allowlist of module prefixes that a config's `_target_` may name (framework.instantiate).
     # Set it in conf/ or on the command line; a recipe that sets it is refused.
     instantiate_allow: list[str] = field(default_factory=lambda: ["framework.", "torch.optim.", "torch.nn."])
+    # Fault injection, to test recovery on your own setup: rank `fault_rank` SIGKILLs itself after
+    # step `fault_kill_at_step` (-1 = off), on the launcher's first attempt only.
+    fault_kill_at_step: int = -1
+    fault_rank: int = 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,6 +423,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             if verifier.breaker is not None:
                 verifier.breaker.reset()
             since_build = 0
+        maybe_inject_fault(cfg, env, done)
         if ckpt is not None:
             stopped = preempt is not None and preempt.requested()
             last = done == cfg.train.steps and cfg.checkpoint.at_end
@@ -460,6 +462,14 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     if env.is_main:
         write_summary(run_dir, cfg, built.plan, summary, digest, env)
     return summary
+
+
+def maybe_inject_fault(cfg: Config, env: DistEnv, step: int) -> None:
+    """``run.fault_kill_at_step``: SIGKILL this rank (no cleanup, like a node failure) on the first attempt."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if step == cfg.run.fault_kill_at_step and env.rank == cfg.run.fault_rank and first_attempt:
+        log.warning("run.fault_kill_at_step=%d: rank %d kills itself", step, env.rank)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEnv) -> FrozenResult:

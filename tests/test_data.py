@@ -63,7 +63,7 @@ def test_indivisible_batch_is_refused_with_the_values() -> None:
 
 def test_synthetic_batches_are_deterministic_and_in_vocab() -> None:
     a, b = _sampler(None).next_batch(), _sampler(None).next_batch()
-    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b))
+    assert all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b, strict=True))
     assert int(torch.cat([x for x, _ in a]).max()) < 256
 
 
@@ -71,7 +71,7 @@ def test_validation_set_is_fixed() -> None:
     corpus = load_corpus(DataConfig(source=DataSource.stdlib), 256, 32)
     v1 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
     v2 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
-    assert len(v1) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2))
+    assert len(v1) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2, strict=True))
 
 
 def test_prepare_and_memmap_round_trip(tmp_path: Path) -> None:

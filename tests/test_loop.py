@@ -68,7 +68,7 @@ def test_non_finite_loss_skips_the_step() -> None:
     x = torch.zeros(2, 16, dtype=torch.long)
     result = train_step(model, opt, sched, [(x, x)], 1.0, CPU)
     assert not result.finite
-    for b, p in zip(before[1:], list(model.parameters())[1:]):
+    for b, p in zip(before[1:], list(model.parameters())[1:], strict=True):
         assert torch.equal(b, p)
 
 

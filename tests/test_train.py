@@ -55,7 +55,7 @@ def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None
     assert json.loads((four / "summary.json").read_text())["world_size"] == 4
     l1, l4 = losses(one), losses(four)
     assert len(l1) == len(l4) == 6
-    for a, b in zip(l1, l4):
+    for a, b in zip(l1, l4, strict=True):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (l1, l4)
 
 
