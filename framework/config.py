@@ -346,8 +346,11 @@ class VerifyConfig:
     # Executed (compiled / parallelized) model vs eager on the first batch: relative loss difference.
     numerics: bool = True
     loss_rtol: float = 1e-4
-    # ... and the logits: max |difference| / max |logit| (0 = off). fp32 agrees to ~1e-6, bf16 to ~1e-3.
+    # ... and the logits: max |difference| / max |logit| (0 = off). fp32 agrees to ~1e-6; under bf16
+    # autocast (CUDA) compiled vs eager differ by rounding alone: 2.4e-2 measured for llama1b on an
+    # H200, so the bf16 bound is looser. A miscompile shows up far above either.
     logits_rtol: float = 1e-2
+    logits_rtol_bf16: float = 6e-2
     # Also compare with an unsharded eager model built from the same config and seed, up to this size.
     reference_model_max_params: int = 50_000_000
     # Baseline store (JSON); default outputs/baselines.json. ``save_baseline`` records this run in it.

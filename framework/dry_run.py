@@ -5,12 +5,21 @@ without communicating, so ``init_device_mesh`` and the real ``parallelize`` func
 of an N-rank job would, on the meta device (nothing is allocated). The per-rank parameter bytes are
 measured from the sharded model (``to_local()`` shapes of DTensors) and set next to the planner's
 estimate: if they disagree, the planner's model of the wrappers is wrong.
+
+The fake group and the meshes live in a forked child process: state they leave behind in torch's
+distributed globals made later real (gloo) FSDP2/TP runs forked from the same process compute
+wrong results (found by running tests/test_dry_run.py before tests/test_parallel.py), so the
+caller's process is never touched. Fork costs milliseconds; nothing is re-imported.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -48,18 +57,9 @@ def local_param_bytes(model: nn.Module) -> tuple[int, int, int]:
     return total, sharded, count
 
 
-def dry_run(cfg: Config) -> DryRunReport:
-    """Plan, then shard the meta model on a fake process group of the full world size.
-
-    Raises ValueError as ``make_plan`` does, and RuntimeError if a process group already exists
-    in this process (the fake group would replace it).
-    """
+def _measure(cfg: Config, plan: Plan) -> tuple[int, int, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    start = time.perf_counter()
-    plan = make_plan(cfg)
-    if dist.is_initialized():
-        raise RuntimeError("dry_run needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
     try:
         mesh = build_mesh(plan, "cpu")
@@ -75,9 +75,49 @@ def dry_run(cfg: Config) -> DryRunReport:
             cfg.train.seed,
             init_weights=False,
         )
-        measured, sharded, count = local_param_bytes(sharded_model)
+        return local_param_bytes(sharded_model)
     finally:
         dist.destroy_process_group()
+
+
+def _child(cfg: Config, plan: Plan, conn: Connection) -> None:
+    code = 0
+    try:
+        conn.send((True, _measure(cfg, plan)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+        conn.send((False, traceback.format_exc()))
+        code = 1
+    finally:
+        conn.close()
+        os._exit(code)  # skip interpreter teardown of the copied state
+
+
+def dry_run(cfg: Config) -> DryRunReport:
+    """Plan, then shard the meta model on a fake process group of the full world size.
+
+    Raises ValueError as ``make_plan`` does (in this process, before anything is forked);
+    RuntimeError if this process already has a process group, or with the child's traceback if
+    sharding failed there.
+    """
+    start = time.perf_counter()
+    plan = make_plan(cfg)
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (it creates a fake one)")
+    ctx = mp.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(cfg, plan, sender), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        ok, payload = receiver.recv()
+    except EOFError:
+        ok, payload = False, "the dry-run process died without a report"
+    finally:
+        proc.join()
+        receiver.close()
+    if not ok:
+        raise RuntimeError(f"dry run failed (exit code {proc.exitcode}):\n{payload}")
+    measured, sharded, count = payload
     return DryRunReport(
         plan=plan,
         measured_param_bytes=measured,

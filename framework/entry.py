@@ -182,11 +182,19 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> floa
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
+        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1
         ) from e
+    if signum is not None:
+        # Preemption: exit 0 so the scheduler requeues; the same run dir resumes (checkpoint.resume=auto).
+        log.warning(
+            "stopped by signal %d: the ranks saved a checkpoint at their last step (the 'preempted' event "
+            "in metrics.jsonl); run again with hydra.run.dir=%s to resume",
+            signum,
+            run_dir,
+        )
     finish_run(run_dir, cfg)
     return _result(run_dir)
 

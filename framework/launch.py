@@ -153,15 +153,27 @@ def finish(code: int) -> None:
         os._exit(code)
 
 
-def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> None:
+def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None:
     """Start ``world_size`` ranks on this host through torch's elastic launcher; raise if any failed.
 
     Each rank runs ``python -m framework.worker RUN_DIR``. With ``max_restarts`` > 0, a rank that
     dies makes the agent restart all ranks, which resume from the latest checkpoint.
+
+    Returns the signal number when this process was told to stop (SIGTERM/SIGINT/SIGHUP/SIGQUIT:
+    a preemption), else None. The agent forwards the signal to the ranks and waits for them (30 s,
+    then SIGKILL); their ``PreemptionHandler`` saves at one agreed step and they exit 0. The agent
+    then raises ``SignalException``, which is the expected end of a preempted job, not a failure.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["FRAMEWORK_WORKER"] = "1"  # inherited by the ranks: they are ours, not torchrun's
+    # torch 2.13's c10d rendezvous keeps ONE agent-hosted TCPStore across restarts (cached in
+    # DynamicRendezvousHandler) while the workers' env:// store adds no per-attempt prefix: restarted
+    # ranks read the dead ranks' gloo addresses and hang in init_process_group (pytorch#135712,
+    # reproduced here with run.fault_kill_at_step). Opting out of the shared store makes worker rank 0
+    # host a fresh store on a fresh port for every attempt.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -173,7 +185,11 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> None:
         monitor_interval=0.5,
         start_method="spawn",
     )
-    elastic_launch(config, sys.executable)("-m", "framework.worker", str(run_dir))
+    try:
+        elastic_launch(config, sys.executable)("-m", "framework.worker", str(run_dir))
+    except SignalException as e:
+        return int(e.sigval)
+    return None
 
 
 @contextlib.contextmanager

@@ -165,23 +165,26 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise in place after ``to_empty`` (meta -> real device).
 
-        Draws each parameter from a generator seeded by (seed, parameter name), on the CPU, so the
-        values do not depend on the device, the wrapping or the number of ranks. Sharded (DTensor)
-        parameters are filled from the full tensor's generator and sliced to the local shard.
-        Residual projections (wo, w2) are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
+        Draws each parameter from a generator seeded by (seed, parameter name) on the parameter's
+        device type, so the values do not depend on the wrapping or the number of ranks (they do
+        depend on the device type: CPU and CUDA generators differ). Drawing on the GPU keeps a 7B
+        init to seconds rather than minutes of CPU sampling. Sharded (DTensor) parameters are filled
+        from the full tensor's generator and sliced to the local shard. Residual projections (wo, w2)
+        are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
         """
         std = self.cfg.init_std
+        device = _local_device(self)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
             if name.endswith("norm.weight"):
-                full = torch.ones(_full_shape(p))
+                full = torch.ones(_full_shape(p), device=device)
             else:
                 scale = std / math.sqrt(2 * self.cfg.n_layers) if leaf in ("wo", "w2") else std
-                g = torch.Generator().manual_seed(_name_seed(seed, name))
-                full = torch.randn(_full_shape(p), generator=g) * scale
+                g = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+                full = torch.randn(_full_shape(p), generator=g, device=device) * scale
             _copy_full_into(p, full)
         # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
-        self.rope = self._rope_tables(_local_device(self))
+        self.rope = self._rope_tables(device)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -78,7 +78,7 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
-    fsdp_buffers: int
+    comm_buffers: int
     activations: int
     activations_by_mode: dict[str, int]
     total: int
@@ -273,23 +273,45 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
     return math.prod(shape)
 
 
+# Saved-activation factors, fitted to peak memory measured on one H200 (bf16 autocast, seq 2048,
+# llama_125m at batch 16 and llama1b at batch 8; benchmarks/gpu_bench.py, notes in
+# benchmarks/PERF.md): `k` scales the per-layer value count below, `logit_bytes` is what the loss
+# head keeps per logit. Eager keeps bf16 logits, their fp32 copy and its gradient; the compiled loss
+# head keeps bf16 logits only, and Inductor recomputes cheap pointwise results instead of saving them.
+_EAGER_K, _EAGER_LOGIT_BYTES = 1.5, 10
+_COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
+
+
+def autocast_bf16(cfg: Config) -> bool:
+    """The loop runs bf16 autocast on CUDA; the plan reads that from the declared hardware."""
+    if cfg.run.device.value != "auto":
+        return cfg.run.device.value == "cuda"
+    return cfg.mesh.hardware.name != "cpu"
+
+
 def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> int:
     """Saved activations of one micro batch, per rank.
 
-    Per token and layer the block saves about 10*dim + 3*kv_dim + 4*ffn_dim values (norm inputs and
-    outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs, SiLU and the
-    product feeding w2); SDPA's flash path keeps no seq x seq matrix. Sequence parallelism divides it
-    all by the TP degree. ``full`` keeps only each block's input plus one block being recomputed;
-    ``selective`` checkpoints every other block. The logits (full vocab, gathered to every TP rank)
-    are held in fp32 for the loss, with their gradient.
+    Per token and layer the block saves on the order of 10*dim + 3*kv_dim + 4*ffn_dim values (norm
+    inputs and outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs, SiLU
+    and the product feeding w2), scaled by a measured factor per executor (see above); SDPA keeps no
+    seq x seq matrix. Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
+    divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
+    recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
+    gathered to every TP rank.
     """
     m = cfg.model
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    elem = _DTYPE_BYTES[cfg.sharding.param_dtype]
+    bf16 = autocast_bf16(cfg)
+    elem = 2 if bf16 else 4
+    compiled = cfg.executor.mode != ExecutorMode.eager
+    k, logit_bytes = (_COMPILED_K, _COMPILED_LOGIT_BYTES) if compiled else (_EAGER_K, _EAGER_LOGIT_BYTES)
+    if not bf16:
+        logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
     kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
-    per_layer = tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem // tp
+    per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
     block_input = tokens * m.dim * elem // tp
-    logits = 2 * tokens * m.vocab_size * 4
+    logits = tokens * m.vocab_size * logit_bytes
     n = m.n_layers
     if mode == ActivationCheckpointing.none:
         layers = n * per_layer
@@ -308,18 +330,23 @@ def _memory(
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
     optimizer = local * _MASTER_BYTES * _ADAMW_STATES
-    fsdp_buffers = 0
+    comm_buffers = 0
     if dp_shard > 1:
         # The unit being computed plus the one prefetched (param_dtype), and one unit's unsharded
         # gradient before its reduce-scatter (reduce_dtype).
         biggest = max(unit_bytes) // _MASTER_BYTES
         p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
-        fsdp_buffers = biggest * (2 * p_el + r_el)
+        comm_buffers = biggest * (2 * p_el + r_el)
+    elif cfg.sharding.strategy == Strategy.ddp and cfg.mesh.world_size // tp > 1:
+        # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
+        # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
+        # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
+        comm_buffers = grads
     by_mode = {mode.value: _activation_bytes(cfg, tp, mode) for mode in ActivationCheckpointing}
     acts = by_mode[cfg.sharding.activation_checkpointing.value]
-    total = params + grads + optimizer + fsdp_buffers + acts
+    total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)
-    return MemoryEstimate(params, grads, optimizer, fsdp_buffers, acts, by_mode, total, device)
+    return MemoryEstimate(params, grads, optimizer, comm_buffers, acts, by_mode, total, device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,7 +648,7 @@ def format_plan(plan: Plan) -> str:
         f"    params        {_gib(m.params)}",
         f"    grads         {_gib(m.grads)}",
         f"    optimizer     {_gib(m.optimizer)}  (AdamW, 2 fp32 states)",
-        f"    fsdp buffers  {_gib(m.fsdp_buffers)}",
+        f"    fsdp buffers  {_gib(m.comm_buffers)}",
     ]
     for mode, b in m.activations_by_mode.items():
         mark = "  <- chosen" if mode == plan.activation_checkpointing else ""

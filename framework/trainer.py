@@ -28,7 +28,7 @@ from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, ful
 from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, to_yaml
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
-from framework.loop import build_optimizer, build_scheduler, evaluate, train_step
+from framework.loop import autocast, build_optimizer, build_scheduler, evaluate, train_step
 from framework.metrics import Metrics, make_sinks
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
@@ -120,6 +120,31 @@ def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: 
     built.optimizer = build_optimizer(built.model, cfg.train, device)
     built.scheduler = build_scheduler(built.optimizer, cfg.train)
     built.executor = executor
+    record_static_graph(built.model, cfg.train.micro_batch_size, cfg.train.seq_len, device)
+
+
+def record_static_graph(
+    model: torch.nn.Module, micro_batch_size: int, seq_len: int, device: torch.device
+) -> None:
+    """Give a fresh ``DDP(static_graph=True)`` its graph-recording iteration on a zero loss, before step 1.
+
+    Why: that first iteration must sync every micro-batch (``loop._no_grad_sync``), which sums the
+    accumulated gradients in another order than later steps do (avg(g1) + avg(g2) instead of
+    avg(g1 + g2)). Without this, the first step after every (re)start differed from an unbroken run in
+    the last bits, so a resumed run was not bitwise equal to it (tests/test_elastic.py). The zero loss
+    gives zero gradients, which are dropped; weights, optimiser and RNG state are untouched.
+    """
+    if not (isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph):
+        return
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
+    with autocast(device):
+        loss = model(tokens, tokens) * 0.0
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    model._framework_graph_recorded = True  # read by loop._no_grad_sync
 
 
 def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str) -> Built:

@@ -59,3 +59,17 @@ def test_report_and_refusals() -> None:
     with pytest.raises(ValueError, match="sharding.tp=3 does not divide"):
         dry_run(cfg_for("fsdp_tp", [4], 3))
     assert not dist.is_initialized()
+
+
+def test_leaves_this_process_clean() -> None:
+    """A real FSDP2 run forked after a dry run of the same shape still matches one process.
+
+    Regression: with the fake group in this process, the later gloo run trained on wrong values.
+    """
+    from tests.dist import run_ranks
+    from tests.test_parallel import _worker, make_cfg, reference_losses
+
+    dry_run(cfg_for("fsdp", [4]))
+    cfg = make_cfg("fsdp", [4])
+    losses = run_ranks(_worker, 4, cfg)[0]["losses"]
+    assert losses == pytest.approx(reference_losses(cfg), rel=1e-5)
