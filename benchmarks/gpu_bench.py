@@ -58,8 +58,14 @@ def framework_run(recipe: str, mode: str, steps: int, out: Path, extra: list[str
     from framework import trainer
 
     overrides = [
-        f"recipe={recipe}", f"executor={mode}", f"train.steps={steps}", f"train.log_every={steps}",
-        "train.eval_every=0", "run.device=cuda", "mesh/hardware=h200", *extra,
+        f"recipe={recipe}",
+        f"executor={mode}",
+        f"train.steps={steps}",
+        f"train.log_every={steps}",
+        "train.eval_every=0",
+        "run.device=cuda",
+        "mesh/hardware=h200",
+        *extra,
     ]
     cfg = compose_cfg(overrides)
     run_dir = out / f"{recipe}-{mode}"
@@ -94,11 +100,14 @@ def hand_loop(recipe: str, compiled: bool, steps: int, warmup: int) -> dict:
     if compiled:
         for block in model.layers.values():
             block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                            fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, fused=True
+    )
     g = torch.Generator(device="cpu").manual_seed(0)
-    batches = [torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=g).to(device)
-               for _ in range(4)]
+    batches = [
+        torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=g).to(device)
+        for _ in range(4)
+    ]
     times = []
     first = None
     for i in range(steps):
@@ -175,7 +184,9 @@ def main() -> None:
             try:
                 rows.append(framework_run(recipe, mode, args.steps, args.out, args.extra.split()))
             except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the benchmark
-                rows.append({"what": f"framework {mode} FAILED: {type(e).__name__}: {str(e)[:200]}", "recipe": recipe})
+                rows.append(
+                    {"what": f"framework {mode} FAILED: {type(e).__name__}: {str(e)[:200]}", "recipe": recipe}
+                )
             print(fmt(rows[-1:]), flush=True)
     table = fmt(rows)
     (args.out / "bench.json").write_text(json.dumps(rows, indent=2))

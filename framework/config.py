@@ -418,8 +418,19 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-GROUPS = ("recipe", "mesh", "mesh/hardware", "sharding", "bucketing", "nccl", "freeze", "executor",
-          "checkpoint", "verify", "logger")
+GROUPS = (
+    "recipe",
+    "mesh",
+    "mesh/hardware",
+    "sharding",
+    "bucketing",
+    "nccl",
+    "freeze",
+    "executor",
+    "checkpoint",
+    "verify",
+    "logger",
+)
 
 
 def quote_numeric_choices(args: list[str]) -> list[str]:

@@ -84,7 +84,9 @@ def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
 def open_tokens(path: Path) -> tuple[np.ndarray, int]:
     """Memory-map a token file; returns (tokens, vocab size). Raises ValueError on a bad file."""
     if not path.is_file():
-        raise ValueError(f"data.path={str(path)!r} does not exist (write one with `python -m framework.data prepare`)")
+        raise ValueError(
+            f"data.path={str(path)!r} does not exist (write one with `python -m framework.data prepare`)"
+        )
     meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
         raise ValueError(f"token file {str(path)!r} has no sidecar {meta_path.name} (dtype and vocab size)")
@@ -93,7 +95,9 @@ def open_tokens(path: Path) -> tuple[np.ndarray, int]:
         raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {sorted(TOKEN_DTYPES)}")
     tokens = np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r")
     if tokens.size != meta.get("num_tokens", tokens.size):
-        raise ValueError(f"{path}: holds {tokens.size} tokens, its sidecar says {meta['num_tokens']} (truncated?)")
+        raise ValueError(
+            f"{path}: holds {tokens.size} tokens, its sidecar says {meta['num_tokens']} (truncated?)"
+        )
     return tokens, int(meta["vocab_size"])
 
 
@@ -119,7 +123,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int) -> Corpus | None
         )
     for name, arr in (("train", corpus.train), ("validation", corpus.val)):
         if arr.size <= seq_len + 1:
-            raise ValueError(f"the {name} split has {arr.size} tokens, fewer than train.seq_len+2={seq_len + 2}")
+            raise ValueError(
+                f"the {name} split has {arr.size} tokens, fewer than train.seq_len+2={seq_len + 2}"
+            )
     return corpus
 
 
@@ -197,12 +203,24 @@ class BatchSampler:
 
 
 def validation_batches(
-    corpus: Corpus | None, vocab_size: int, seq_len: int, batch_size: int, num_batches: int, dp_rank: int, dp_size: int
+    corpus: Corpus | None,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    num_batches: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed held-out set (same on every run), split across data-parallel ranks."""
     sampler = BatchSampler(
-        None if corpus is None else corpus.val, vocab_size, seq_len, batch_size * dp_size, batch_size,
-        dp_rank, dp_size, seed=12345,
+        None if corpus is None else corpus.val,
+        vocab_size,
+        seq_len,
+        batch_size * dp_size,
+        batch_size,
+        dp_rank,
+        dp_size,
+        seed=12345,
     )
     out = []
     for _ in range(num_batches):

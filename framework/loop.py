@@ -99,9 +99,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -206,7 +204,9 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def evaluate(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks."""
     was_training = model.training
     model.eval()

@@ -40,7 +40,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | None = None
+) -> torch.Tensor:
     """cos/sin tables, shape (seq_len, head_dim // 2, 2); real-valued so export and compile keep them."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     t = torch.arange(seq_len, device=device, dtype=torch.float32)

@@ -28,8 +28,19 @@ def group_options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "group", ["mesh", "mesh/hardware", "sharding", "bucketing", "nccl", "freeze", "executor", "checkpoint",
-              "verify", "logger"]
+    "group",
+    [
+        "mesh",
+        "mesh/hardware",
+        "sharding",
+        "bucketing",
+        "nccl",
+        "freeze",
+        "executor",
+        "checkpoint",
+        "verify",
+        "logger",
+    ],
 )
 def test_every_group_option_composes(group: str) -> None:
     options = group_options(group)
@@ -91,5 +102,8 @@ def test_bad_overrides_fail_at_compose_time(override: str, error: type) -> None:
 
 def test_quote_numeric_choices() -> None:
     assert quote_numeric_choices(["mesh=4", "mesh=2,4", "mesh=2x4", "train.steps=4"]) == [
-        "mesh='4'", "mesh='2','4'", "mesh=2x4", "train.steps=4"
+        "mesh='4'",
+        "mesh='2','4'",
+        "mesh=2x4",
+        "train.steps=4",
     ]

@@ -129,7 +129,9 @@ def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, 
     # The same samples in the same order: the replicated data position after every checkpointed
     # step, and each step's loss (a function of the weights and that step's batch) to the last bit.
     for step in (6, 8):
-        assert extra(base, step)["data"] == extra(killed, step)["data"] == {"consumed_batches": step, "seed": 0}
+        assert (
+            extra(base, step)["data"] == extra(killed, step)["data"] == {"consumed_batches": step, "seed": 0}
+        )
     assert losses_by_step(killed) == losses_by_step(base)
     # Model weights, AdamW moments and step counts: bitwise.
     assert assert_bitwise(step_dir(base, 8), step_dir(killed, 8)) > 100

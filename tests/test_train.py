@@ -14,7 +14,13 @@ import torch
 from framework.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["train.steps=12", "train.log_every=2", "train.eval_every=6", "train.eval_batches=2", "train.seq_len=64"]
+SMALL = [
+    "train.steps=12",
+    "train.log_every=2",
+    "train.eval_every=6",
+    "train.eval_batches=2",
+    "train.seq_len=64",
+]
 
 
 def train(tmp: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -46,8 +52,9 @@ def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None
     one = tmp_path / "one"
     four = tmp_path / "four"
     proc1 = train(one, *SMALL, "train.global_batch_size=8", "train.micro_batch_size=2")
-    proc4 = train(four, *SMALL, "train.global_batch_size=8", "train.micro_batch_size=2", "mesh=4",
-                  "bucketing=small")
+    proc4 = train(
+        four, *SMALL, "train.global_batch_size=8", "train.micro_batch_size=2", "mesh=4", "bucketing=small"
+    )
     assert proc1.returncode == 0, proc1.stderr[-3000:]
     assert proc4.returncode == 0, proc4.stderr[-3000:]
     # One run dir for all ranks, and nothing written anywhere else.
@@ -76,7 +83,9 @@ NO_GPU_CASE = (
         NO_GPU_CASE,
     ],
 )
-def test_bad_config_exits_non_zero_and_writes_nothing(tmp_path: Path, overrides: list[str], message: str) -> None:
+def test_bad_config_exits_non_zero_and_writes_nothing(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
     run = tmp_path / "run"
     proc = train(run, *overrides, timeout=120)
     assert proc.returncode != 0
