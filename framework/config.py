@@ -155,7 +155,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = 200
     global_batch_size: int = 32
-    micro_batch_size: int = 8
+    # Sequences per forward/backward on one rank; 0 = the rank's whole share of the global batch
+    # (global_batch_size / data-parallel degree, no gradient accumulation).
+    micro_batch_size: int = 0
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1

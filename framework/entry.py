@@ -30,12 +30,13 @@ from framework.config import Config, RunConfig, to_config, to_yaml
 from framework.launch import (
     adopt_submitit_environment,
     check_local_resources,
+    check_torch,
     isolated_environ,
     joined_torchrun,
     resolve_device,
     spawn_local,
 )
-from framework.plan import format_plan, make_plan, plan_to_dict
+from framework.plan import format_plan, make_plan, plan_to_dict, resolve_batch
 from framework.topology import (
     apply_nccl_environment,
     describe_nccl,
@@ -78,6 +79,7 @@ def check_safe(dcfg: DictConfig, recipe: str | None) -> None:
 
 
 def validate(dcfg: DictConfig) -> Config:
+    check_torch()
     cfg = to_config(dcfg)
     validate_mesh(cfg.mesh)
     device = resolve_device(cfg.run.device)
@@ -136,6 +138,7 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> floa
     try:
         check_safe(dcfg, recipe)
         cfg = validate(dcfg)
+        cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
         plan = make_plan(cfg)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except ValueError as e:

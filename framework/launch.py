@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.imports import RequirementCache
+from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
 from framework.config import Config, Device
@@ -81,6 +83,15 @@ def joined_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "FRAMEWORK_WORKER" not in os.environ
 
 
+TORCH_REQUIREMENT = RequirementCache("torch>=2.11")
+
+
+def check_torch() -> None:
+    """torch.export, FSDP2 (``fully_shard``) and DTensor as used here need torch >= 2.11."""
+    if not TORCH_REQUIREMENT:
+        raise ValueError(f"torch {torch.__version__} is too old: {TORCH_REQUIREMENT.message}")
+
+
 def resolve_device(device: Device) -> torch.device:
     if device is Device.auto:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,6 +134,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank_zero_only.rank = rank  # lightning-utilities' rank-zero helpers (``@rank_zero_only``) read it
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)

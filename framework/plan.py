@@ -504,6 +504,28 @@ def _comm(
 # ----------------------------------------------------------------------------------------------
 
 
+def resolve_batch(cfg: Config) -> Config:
+    """``train.micro_batch_size=0`` (auto) is each data-parallel rank's whole share of the global
+    batch, with no accumulation: the same recipe then runs on 1, 4 or 8 ranks unchanged.
+
+    Returns ``cfg`` itself when the micro batch is set, else a copy with it resolved. Raises
+    ValueError when the global batch does not split across the data-parallel ranks.
+    """
+    if cfg.train.micro_batch_size != 0:
+        return cfg
+    _check_mesh(cfg)
+    sizes, axes = _layout(cfg)
+    size = dict(zip(axes, sizes, strict=True))
+    dp = size.get(MeshAxis.dp_replicate, 1) * size.get(MeshAxis.dp_shard, 1)
+    gbs = cfg.train.global_batch_size
+    if gbs < dp or gbs % dp:
+        raise ValueError(
+            f"train.global_batch_size={gbs} does not split across {dp} data-parallel ranks: use a "
+            f"multiple of {dp} (e.g. {[dp * k for k in (1, 2, 4, 8)]})"
+        )
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=gbs // dp))
+
+
 def make_plan(cfg: Config) -> Plan:
     """Derive degrees, batch split, memory, communication and bucketing; refuse what cannot work.
 
@@ -512,6 +534,7 @@ def make_plan(cfg: Config) -> Plan:
     split across data-parallel ranks and micro batches, or (on hardware other than ``cpu``, where it
     only warns) a per-rank memory estimate above the device memory.
     """
+    cfg = resolve_batch(cfg)
     _check_mesh(cfg)
     warnings: list[str] = []
     sizes, axes = _layout(cfg)

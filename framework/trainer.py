@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -32,7 +33,7 @@ from framework.loop import autocast, build_optimizer, build_scheduler, evaluate,
 from framework.metrics import Metrics, make_sinks
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.plan import Plan, make_plan
+from framework.plan import Plan, make_plan, resolve_batch
 from framework.profiling import format_top_operators, make_profiler
 from framework.verify import StepAction, Verifier, carry_state, inject_nan, next_mode, perf_figures
 from framework.verify.numerics import batch_logits
@@ -302,6 +303,7 @@ def resume(
 def run(cfg: Config, run_dir: Path) -> Summary:
     """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``."""
     t_start = time.perf_counter()
+    cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
     device = resolve_device(cfg.run.device)
     env = init_distributed(device, cfg.nccl.timeout_s)
     device = env.device
@@ -484,8 +486,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             out = export_hf(state, cfg.model, run_dir / "hf", max_position_embeddings=cfg.train.seq_len)
             log.info("exported a Hugging Face checkpoint to %s", out)
     metrics.close()
-    if env.is_main:
-        write_summary(run_dir, cfg, built.plan, summary, digest, env)
+    write_summary(run_dir, cfg, built.plan, summary, digest, env)
     return summary
 
 
@@ -530,6 +531,7 @@ def device_name(env: DistEnv) -> str:
     return platform.processor() or platform.machine()
 
 
+@rank_zero_only
 def write_summary(
     run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv
 ) -> None:

@@ -239,3 +239,16 @@ def test_json_round_trip_and_table() -> None:
     ):
         assert needle in table
     assert f"{plan.memory.total / GIB:8.2f} GiB" in table
+
+
+def test_auto_micro_batch_is_the_whole_rank_share() -> None:
+    from framework.plan import resolve_batch
+
+    for strategy, shape, tp, expected in [("ddp", [8], 1, 4), ("fsdp_tp", [2, 4], 2, 8), ("ddp", [1], 1, 32)]:
+        cfg = resolve_batch(cfg_for(strategy, shape, tp, gbs=32, mbs=0))
+        assert cfg.train.micro_batch_size == expected
+        assert make_plan(cfg).grad_accum_steps == 1
+    explicit = cfg_for("ddp", [2], gbs=32, mbs=4)
+    assert resolve_batch(explicit) is explicit
+    with pytest.raises(ValueError, match="global_batch_size=6 does not split across 4"):
+        resolve_batch(cfg_for("ddp", [4], gbs=6, mbs=0))
