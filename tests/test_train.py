@@ -91,3 +91,29 @@ def test_bad_config_exits_non_zero_and_writes_nothing(
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert not run.exists()
+
+
+def test_torchrun_ranks_join_and_share_one_run_dir(tmp_path: Path) -> None:
+    """Under torchrun every rank composes the config itself; the run dir comes from the shared run id."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "train.py",
+        "mesh=2",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.seq_len=32",
+        f"hydra.run.dir={tmp_path}/${{run_stamp:}}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = [p for p in tmp_path.glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # one dir for both ranks, named by torchrun's run id
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
