@@ -88,6 +88,8 @@ class Summary:
     mfu: float | None = None
     peak_mem_gib: float | None = None
     time_to_first_step_s: float | None = None
+    # The first step's own time less the median step: torch.compile (and CUDA graph capture) time.
+    compile_s: float | None = None
     train_time_s: float = 0.0
     skipped_steps: int = 0
     step_p50_s: float | None = None
@@ -378,6 +380,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     last_val: float | None = None
     stopped = False
     step = start_step
+    first_step_s: float | None = None
     profiler.__enter__()
     while step < cfg.train.steps:
         if cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0:
@@ -401,6 +404,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         tokens_seen += tokens_per_step
         if summary.time_to_first_step_s is None:
             summary.time_to_first_step_s = time.perf_counter() - t_start
+            first_step_s = result.seconds
         if not result.finite:
             summary.skipped_steps += 1
             metrics.log({"step": step + 1, "event": "skipped_step", "detail": "non-finite loss or gradient"})
@@ -473,6 +477,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     figures = perf_figures(step_seconds, tokens_per_step, summary.mfu, summary.peak_mem_gib)
     if figures is not None:
         summary.step_p50_s, summary.step_p99_s = figures.step_p50_s, figures.step_p99_s
+        if built.executor.mode is not ExecutorMode.eager and first_step_s is not None:
+            summary.compile_s = max(0.0, first_step_s - figures.step_p50_s)
     meta = {"run_dir": str(run_dir), "config_hash": digest}
     verifier.finish(figures, env.world_size, device_name(env), meta, built.executor.mode, can_fall_back=False)
     summary.events += [f"step {f.step}: {f.trigger}: {f.action}" for f in verifier.report.fallbacks]
@@ -556,4 +562,6 @@ def write_summary(
         lines.append(f"MFU: {summary.mfu:.1%}")
     if summary.time_to_first_step_s is not None:
         lines.append(f"time to first step: {summary.time_to_first_step_s:.1f}s")
+    if summary.compile_s is not None:
+        lines.append(f"compile (first step less a median step): {summary.compile_s:.1f}s")
     log.info("summary:\n  %s", "\n  ".join(lines))

@@ -111,6 +111,7 @@ CASES = [
     ("tp", [2], 2),
     ("fsdp_tp", [2], 2),
     ("fsdp_tp", [2, 2], 2),
+    ("hsdp", [2, 4], 1),  # 8 ranks: 2 "nodes" x 4, replicate x shard (the one world-8 case: budget)
 ]
 
 
