@@ -84,7 +84,23 @@ def validate(dcfg: DictConfig) -> Config:
     validate_mesh(cfg.mesh)
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
+    check_checkpoint_dir(cfg)
     return cfg
+
+
+def check_checkpoint_dir(cfg: Config) -> None:
+    """A ``checkpoint.dir`` that cannot become a directory fails here, not in every rank later."""
+    if not cfg.checkpoint.enabled or not cfg.checkpoint.dir:
+        return
+    path = Path(cfg.checkpoint.dir)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(
+                    f"checkpoint.dir={cfg.checkpoint.dir!r} cannot be created: {str(p)!r} is a file, "
+                    "not a directory"
+                )
+            return
 
 
 def run_job(dcfg: DictConfig) -> float | None:
