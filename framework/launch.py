@@ -180,6 +180,10 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["FRAMEWORK_WORKER"] = "1"  # inherited by the ranks: they are ours, not torchrun's
+    # Like torchrun (the elastic launcher API does not do it): one share of the cores per rank.
+    # Without it each rank runs as many intra-op threads as there are cores; measured on 2 cores,
+    # 2 DDP ranks then stalled for seconds (p99 step 3.4 s, p50 0.42 s vs 0.16 s with this).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     # torch 2.13's c10d rendezvous keeps ONE agent-hosted TCPStore across restarts (cached in
     # DynamicRendezvousHandler) while the workers' env:// store adds no per-attempt prefix: restarted
     # ranks read the dead ranks' gloo addresses and hang in init_process_group (pytorch#135712,
