@@ -372,7 +372,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    window_tokens, window_time = 0, 0.0
+    window_tokens, window_time = 0, 0.0  # since warm-up: the run's throughput (summary)
+    log_tokens, log_time = 0, 0.0  # since the last log row: that row's throughput
     step_seconds: list[float] = []  # post-warm-up step times, for p50/p99 and the baseline
     nan_batches = set(cfg.verify.inject_nan_steps)
     since_build = 0  # steps since the executor was (re)built: each build pays its own warm-up
@@ -414,6 +415,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         if warm and result.finite:
             window_tokens += tokens_per_step
             window_time += result.seconds
+            log_tokens += tokens_per_step
+            log_time += result.seconds
             step_seconds.append(result.seconds)
             if verifier.enabled and verifier.breaker is None:
                 verifier.start_timing(
@@ -426,7 +429,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         profiler.step()
         done = step + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            tps = window_tokens / window_time if window_time > 0 else None
+            tps = log_tokens / log_time if log_time > 0 else None
+            log_tokens, log_time = 0, 0.0
             row: dict[str, Any] = {
                 "step": done,
                 "loss": result.loss,
@@ -440,9 +444,12 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)
-            summary.final_loss, summary.tokens_per_s = result.loss, tps
-            summary.mfu, summary.peak_mem_gib = row.get("mfu"), row.get("peak_mem_gib")
+            summary.final_loss, summary.peak_mem_gib = result.loss, row.get("peak_mem_gib")
         summary.steps = done
+        if window_time > 0:
+            summary.tokens_per_s = window_tokens / window_time
+            if device_peak is not None:
+                summary.mfu = fpt * summary.tokens_per_s / (device_peak * 1e12 * env.world_size)
         if action is StepAction.rollback:
             step = rollback(done)
             continue
