@@ -671,7 +671,7 @@ def format_plan(plan: Plan) -> str:
         f"    params        {_gib(m.params)}",
         f"    grads         {_gib(m.grads)}",
         f"    optimizer     {_gib(m.optimizer)}  (AdamW, 2 fp32 states)",
-        f"    fsdp buffers  {_gib(m.comm_buffers)}",
+        f"    comm buffers  {_gib(m.comm_buffers)}",
     ]
     for mode, b in m.activations_by_mode.items():
         mark = "  <- chosen" if mode == plan.activation_checkpointing else ""

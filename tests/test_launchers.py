@@ -28,7 +28,7 @@ def test_slurm_allocation_is_derived_from_the_mesh() -> None:
 
 @pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-    reason="needs the [slurm] extra (hydra-submitit-launcher)",
+    reason="hydra-submitit-launcher (part of the dev extra) is not installed",
 )
 def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"

@@ -405,8 +405,6 @@ def test_bad_mesh_shapes_are_refused(shape: list, bad: str) -> None:
 
 def test_presets_compose_through_hydra(tmp_path: Path) -> None:
     """The whole primary config with these groups chosen, as the trainer composes it."""
-    if not (CONF.parent / "recipes" / "llama_tiny.yaml").is_file():
-        pytest.skip("recipes/llama_tiny.yaml (the default recipe) is not there yet")
     from hydra import compose, initialize_config_dir
 
     from framework import config, recipes
