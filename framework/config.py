@@ -416,6 +416,17 @@ def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
     return obj
 
 
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level of dotted keys (``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``),
+    for naming the keys that differ between two configs."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, full_model_state
-from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, to_yaml
+from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import autocast, build_optimizer, build_scheduler, evaluate, train_step
@@ -54,21 +54,12 @@ def check_same_config(cfg: Config, env: DistEnv) -> str:
     dist.all_gather_object(hashes, digest)
     if len(set(hashes)) == 1:
         return digest
-    flat = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     flats: list[dict[str, Any]] = [{}] * env.world_size
     dist.all_gather_object(flats, flat)
     bad = sorted({k for f in flats for k in set(f) | set(flats[0]) if f.get(k) != flats[0].get(k)})
     ranks = [r for r, h in enumerate(hashes) if h != hashes[0]]
     raise ValueError(f"ranks {ranks} resolved a different config than rank 0; differing keys: {bad}")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
 
 
 def peak_tflops(cfg: Config, device: torch.device) -> float | None:
@@ -166,7 +157,7 @@ def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: 
             cfg.train.seq_len,
         )
     frozen = freeze_stage(model, cfg, run_dir, env)
-    flat = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     executor = cfg.executor
     can_fall = next_mode(executor.mode) is not None
     if verifier.check_graph(model, frozen, digest, flat, can_fall) is Policy.fallback:

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from framework.config import flatten
 from framework.freeze import graph_diff, load_fingerprint
 from framework.metrics import read_metrics
 from framework.verify.consistency import FINGERPRINT_PATH
@@ -30,23 +31,14 @@ PERF_KEYS = (
 )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def _check_run_dir(run: Path) -> None:
     if not (run / "config.yaml").is_file():
         raise ValueError(f"{run} is not a run dir (no config.yaml); pass the directories that train.py wrote")
 
 
 def config_diff(a: Path, b: Path) -> list[tuple[str, Any, Any]]:
-    fa = _flatten(OmegaConf.to_container(OmegaConf.load(a / "config.yaml")))
-    fb = _flatten(OmegaConf.to_container(OmegaConf.load(b / "config.yaml")))
+    fa = flatten(OmegaConf.to_container(OmegaConf.load(a / "config.yaml")))
+    fb = flatten(OmegaConf.to_container(OmegaConf.load(b / "config.yaml")))
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
