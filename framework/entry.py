@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework import sweep
-from framework.config import Config, RunConfig, to_config, to_yaml
+from framework.config import Config, ExecutorMode, RunConfig, to_config, to_yaml
 from framework.launch import (
     adopt_submitit_environment,
     check_local_resources,
@@ -85,6 +85,11 @@ def validate(dcfg: DictConfig) -> Config:
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
+    if cfg.executor.mode is ExecutorMode.cudagraphs and device.type != "cuda":
+        raise ValueError(
+            f"executor=cudagraphs needs a CUDA device, this run uses {device.type}: "
+            "use executor=compile or executor=eager"
+        )
     return cfg
 
 

@@ -79,6 +79,7 @@ NO_GPU_CASE = (
         (["mesh=4", "train.global_batch_size=6", "train.micro_batch_size=2"], "global_batch_size=6"),
         (["train.stepz=3"], "stepz"),
         (["mesh=bogus"], "mesh/bogus"),
+        (["executor=cudagraphs", "run.device=cpu"], "executor=cudagraphs needs a CUDA device"),
         (["checkpoint=sync", "checkpoint.dir=pyproject.toml/ck"], "is a file, not a directory"),
         (["sharding=tp", "sharding.tp=3", "mesh.shape=[3]"], "n_heads"),
         NO_GPU_CASE,
