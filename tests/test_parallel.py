@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from framework.config import (
@@ -27,7 +28,7 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
 from framework.parallel.compile import apply_compile
-from framework.plan import make_plan
+from framework.plan import Plan, make_plan
 from tests.dist import run_ranks
 
 SEQ, GLOBAL_BATCH, STEPS, RTOL = 32, 8, 4, 1e-5
@@ -76,7 +77,8 @@ def reference_losses(cfg: Config) -> list[float]:
     return train(model, 0, 1)
 
 
-def _worker(rank: int, world: int, cfg: Config) -> dict:
+def parallel_model(cfg: Config) -> tuple[nn.Module, DeviceMesh, Plan]:
+    """The model as the trainer builds it on this rank: plan, mesh, parallelize (CPU, seed 0)."""
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
@@ -89,6 +91,11 @@ def _worker(rank: int, world: int, cfg: Config) -> dict:
         torch.device("cpu"),
         0,
     )
+    return model, mesh, plan
+
+
+def _worker(rank: int, world: int, cfg: Config) -> dict:
+    model, mesh, plan = parallel_model(cfg)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     return {"losses": train(model, dp_rank, dp_size), "dp": (dp_rank, dp_size)}
 
@@ -148,18 +155,7 @@ def test_full_ac_whole_model_compile_single_process(reference: list[float]) -> N
 
 def _init_worker(rank: int, world: int, cfg: Config) -> list[str]:
     """Names of parameters whose full value differs from the single-process init (none expected)."""
-    plan = make_plan(cfg)
-    mesh = build_mesh(plan, "cpu")
-    model = parallelize(
-        build_model(cfg.model, SEQ),
-        mesh,
-        plan,
-        cfg.sharding,
-        cfg.bucketing,
-        cfg.executor,
-        torch.device("cpu"),
-        0,
-    )
+    model, _, _ = parallel_model(cfg)
     assert (model.output.weight is model.tok_embeddings.weight) == cfg.model.tie_embeddings
     ref = build_model(cfg.model, SEQ)
     materialize(ref, "cpu", 0)
@@ -198,18 +194,7 @@ def test_cudagraphs_refused_on_cpu() -> None:
 
 
 def _ddp_bucket_worker(rank: int, world: int, cfg: Config) -> list[int]:
-    plan = make_plan(cfg)
-    mesh = build_mesh(plan, "cpu")
-    model = parallelize(
-        build_model(cfg.model, SEQ),
-        mesh,
-        plan,
-        cfg.sharding,
-        cfg.bucketing,
-        cfg.executor,
-        torch.device("cpu"),
-        0,
-    )
+    model, mesh, plan = parallel_model(cfg)
     train(model, *dp_mesh_info(mesh, plan))  # DDP rebuilds its buckets after the first step
     return [
         b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()
