@@ -197,6 +197,14 @@ def _check_executor(cfg: Config, tp: int) -> None:
     if cfg.executor.mode == ExecutorMode.eager:
         return
     strategy = cfg.sharding.strategy
+    ac = cfg.sharding.activation_checkpointing
+    if cfg.executor.scope == CompileScope.model and tp > 1 and ac != ActivationCheckpointing.none:
+        raise ValueError(
+            f"executor.scope=model with sharding.tp={tp} and sharding.activation_checkpointing="
+            f"{ac.value}: a checkpoint inside a compiled TP graph saves a DeviceMesh that AOTAutograd "
+            f"refuses (torch 2.13); use executor.scope=block (checkpointing then wraps each compiled "
+            f"block) or sharding.activation_checkpointing=none"
+        )
     if cfg.executor.scope == CompileScope.model and strategy in (
         Strategy.fsdp,
         Strategy.hsdp,
@@ -205,12 +213,6 @@ def _check_executor(cfg: Config, tp: int) -> None:
         raise ValueError(
             f"executor.scope=model with sharding.strategy={strategy.value}: one full graph around "
             f"FSDP2's per-block hooks hangs its collectives; use executor.scope=block"
-        )
-    if tp > 1:
-        raise ValueError(
-            f"executor.mode={cfg.executor.mode.value} with sharding.tp={tp}: the DTensor backward through "
-            f"compiled blocks fails on torch 2.13 (\"'Tensor' object has no attribute '_local_tensor'\"); "
-            f"use executor.mode=eager with TP, or sharding.tp=1"
         )
 
 

@@ -217,9 +217,14 @@ def test_compile_combinations_refused() -> None:
     cfg.executor.mode, cfg.executor.scope = ExecutorMode.compile, CompileScope.model
     with pytest.raises(ValueError, match="executor.scope=model with sharding.strategy=fsdp"):
         make_plan(cfg)
-    cfg = cfg_for("fsdp_tp", [2, 2], tp=2)
+    cfg = cfg_for("fsdp_tp", [2, 2], tp=2)  # per-block compile with TP (and 2D) is planned
     cfg.executor.mode = ExecutorMode.compile
-    with pytest.raises(ValueError, match="executor.mode=compile with sharding.tp=2"):
+    assert make_plan(cfg).tp_degree == 2
+    cfg = cfg_for("tp", [2], tp=2)
+    cfg.executor.mode, cfg.executor.scope = ExecutorMode.compile, CompileScope.model
+    assert make_plan(cfg).tp_degree == 2
+    cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
+    with pytest.raises(ValueError, match="executor.scope=model with sharding.tp=2 and sharding.activation_ch"):
         make_plan(cfg)
 
 

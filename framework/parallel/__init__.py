@@ -41,7 +41,11 @@ def parallelize(
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
       2. Activation checkpointing (``apply_ac``): wraps each block's forward; before compile so
-         Dynamo traces the checkpoint region as one higher-order op.
+         Dynamo traces the checkpoint region as one higher-order op and Inductor plans the
+         recompute. Exception: with TP, that op saves a DeviceMesh among its tensors and
+         AOTAutograd refuses it (torch 2.13), so with TP and compile the order of 2 and 3 swaps:
+         eager checkpointing wraps the compiled block and re-runs it in backward (same recompute,
+         same memory; the planner refuses ``executor.scope=model`` there, where no order helps).
       3. Compile (``apply_compile``): per block (or whole model) before FSDP/DDP, so their hooks
          stay outside the compiled graphs (fullgraph) and Dynamo never traces DDP.
       4. FSDP2 / HSDP (``apply_fsdp``): per block, then the root; still on meta, so a 70B shape
@@ -60,8 +64,12 @@ def parallelize(
     """
     strategy = Strategy(plan.strategy)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
-    apply_ac(model, sharding.activation_checkpointing)
-    apply_compile(model, executor, device)
+    if plan.tp_degree > 1:
+        apply_compile(model, executor, device)
+        apply_ac(model, sharding.activation_checkpointing)
+    else:
+        apply_ac(model, sharding.activation_checkpointing)
+        apply_compile(model, executor, device)
     dp_mesh = sub_mesh(mesh, plan, DP_AXES)
     if strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp):
         assert dp_mesh is not None

@@ -9,6 +9,8 @@ projection gathers the logits to a full (Replicate) local tensor, so the trainer
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -20,6 +22,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.model import Llama
+
+
+def _fresh_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.clone()
 
 
 def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
@@ -65,6 +71,12 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
                 "feed_forward.w3": ColwiseParallel(),
             },
         )
+    # The embedding's output is ``to_local()``'s *view* of its DTensor's local tensor. When the block
+    # that takes it is compiled, AOTAutograd replays that view from its base, and the gradient
+    # reaches the embedding's redistribute as a plain tensor, skipping ``to_local``'s backward
+    # (torch 2.13: "'Tensor' object has no attribute '_local_tensor'"). A copy makes the residual
+    # stream a fresh tensor: batch x seq/tp x dim elements once per step.
+    model.tok_embeddings.register_forward_hook(_fresh_output)
     if model.cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if not any(isinstance(p, DTensor) for p in model.parameters()):
