@@ -150,9 +150,13 @@ def test_ac_and_compile_match_eager(reference: list[float]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "shape", "ac"), [("tp", [2], "none"), ("fsdp_tp", [2, 2], "selective")], ids=["tp", "fsdp_tp"]
+    ("strategy", "shape", "ac"),
+    [("tp", [2], "none"), ("fsdp_tp", [2, 2], "selective")],
+    ids=["tp", "fsdp_tp"],
 )
-def test_compile_with_tp_matches_eager(strategy: str, shape: list[int], ac: str, reference: list[float]) -> None:
+def test_compile_with_tp_matches_eager(
+    strategy: str, shape: list[int], ac: str, reference: list[float]
+) -> None:
     """Per-block compile (aot_eager) of TP blocks and of the TP loss head reproduces eager.
 
     Before the embedding output was copied (``framework.parallel.tensor``), the backward failed

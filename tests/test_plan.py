@@ -224,7 +224,9 @@ def test_compile_combinations_refused() -> None:
     cfg.executor.mode, cfg.executor.scope = ExecutorMode.compile, CompileScope.model
     assert make_plan(cfg).tp_degree == 2
     cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
-    with pytest.raises(ValueError, match="executor.scope=model with sharding.tp=2 and sharding.activation_ch"):
+    with pytest.raises(
+        ValueError, match="executor.scope=model with sharding.tp=2 and sharding.activation_ch"
+    ):
         make_plan(cfg)
 
 
