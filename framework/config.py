@@ -33,9 +33,14 @@ class Strategy(Enum):
 
 
 class ActivationCheckpointing(Enum):
+    """``selective``: every other block; ``full``: every block (torch.utils.checkpoint);
+    ``budget``: no checkpoint wrapper, the compiler's partitioner picks what to recompute so the
+    saved activations stay under ``sharding.activation_memory_budget`` (compiled executors only)."""
+
     none = "none"
     selective = "selective"
     full = "full"
+    budget = "budget"
 
 
 class AttentionBackend(Enum):
@@ -252,6 +257,9 @@ class ShardingConfig:
     param_dtype: DType = DType.float32
     reduce_dtype: DType = DType.float32
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    # With activation_checkpointing=budget: the fraction of the compiled default's saved
+    # activations to keep (torch._functorch.config.activation_memory_budget; 0 ~ full AC, 1 = off).
+    activation_memory_budget: float = 0.5
 
 
 @dataclass
@@ -309,6 +317,9 @@ class ExecutorConfig:
     scope: CompileScope = CompileScope.block
     backend: str = "inductor"
     warmup_steps: int = 3
+    # Inductor's max-autotune: benchmark GEMM/conv kernel choices at compile time (minutes longer
+    # to compile; mode="max-autotune-no-cudagraphs", or "max-autotune" with cudagraphs).
+    autotune: bool = False
 
 
 @dataclass

@@ -194,11 +194,27 @@ def _check_tp(cfg: Config, tp: int) -> None:
 
 def _check_executor(cfg: Config, tp: int) -> None:
     """Refuse compile combinations that fail (or hang) on torch 2.13, found by the parallel tests."""
+    ac = cfg.sharding.activation_checkpointing
+    budget = cfg.sharding.activation_memory_budget
+    if ac == ActivationCheckpointing.budget and not 0.0 <= budget <= 1.0:
+        raise ValueError(
+            f"sharding.activation_memory_budget={budget}: a fraction of the compiled default's saved "
+            f"activations, valid values are 0.0 (recompute all it can) to 1.0 (recompute nothing extra)"
+        )
     if cfg.executor.mode == ExecutorMode.eager:
+        if ac == ActivationCheckpointing.budget:
+            raise ValueError(
+                "sharding.activation_checkpointing=budget with executor.mode=eager: the budget is "
+                "enforced by the compiler's partitioner; use executor=compile (or cudagraphs), or "
+                "sharding.activation_checkpointing=selective|full"
+            )
         return
     strategy = cfg.sharding.strategy
-    ac = cfg.sharding.activation_checkpointing
-    if cfg.executor.scope == CompileScope.model and tp > 1 and ac != ActivationCheckpointing.none:
+    if (
+        cfg.executor.scope == CompileScope.model
+        and tp > 1
+        and ac in (ActivationCheckpointing.selective, ActivationCheckpointing.full)
+    ):
         raise ValueError(
             f"executor.scope=model with sharding.tp={tp} and sharding.activation_checkpointing="
             f"{ac.value}: a checkpoint inside a compiled TP graph saves a DeviceMesh that AOTAutograd "
@@ -319,6 +335,11 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
         layers = n * per_layer
     elif mode == ActivationCheckpointing.full:
         layers = n * block_input + per_layer
+    elif mode == ActivationCheckpointing.budget:
+        # The partitioner keeps at most this fraction of what it would save, and at least what a
+        # full recompute keeps (each block's input); one block's recomputed rest is live in backward.
+        kept = max(block_input, int(cfg.sharding.activation_memory_budget * per_layer))
+        layers = n * kept + (per_layer - kept)
     else:
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
         layers = kept * per_layer + (n - kept) * block_input + per_layer
@@ -345,6 +366,8 @@ def _memory(
         # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
         comm_buffers = grads
     by_mode = {mode.value: _activation_bytes(cfg, tp, mode) for mode in ActivationCheckpointing}
+    if cfg.executor.mode == ExecutorMode.eager:
+        del by_mode[ActivationCheckpointing.budget.value]  # compiled executors only
     acts = by_mode[cfg.sharding.activation_checkpointing.value]
     total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)

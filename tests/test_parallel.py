@@ -27,7 +27,7 @@ from framework.config import (
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
-from framework.parallel.compile import apply_compile
+from framework.parallel.compile import apply_compile, inductor_mode
 from framework.plan import Plan, make_plan
 from tests.dist import run_ranks
 
@@ -168,6 +168,39 @@ def test_compile_with_tp_matches_eager(
         torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
 
 
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward (the compiled regions' saved tensors)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x[:, :-1], x[:, 1:])
+    return total
+
+
+def test_memory_budget_saves_less_and_trains_the_same(reference: list[float]) -> None:
+    """activation_checkpointing=budget: the partitioner (min-cut, as Inductor uses it; here without
+    Inductor's code generation) saves less at a lower budget, and training matches eager."""
+    executor = ExecutorConfig(mode=ExecutorMode.compile, backend="aot_eager_decomp_partition")
+    saved = {}
+    for budget in (1.0, 0.0):
+        torch._dynamo.reset()
+        model = build_model(Config().model, SEQ)
+        assert apply_compile(model, executor, torch.device("cpu"), budget) == Config().model.n_layers + 1
+        materialize(model, "cpu", 0)
+        x = batches()[0]
+        model(x[:, :-1], x[:, 1:])  # compiles (and partitions) every region
+        saved[budget] = _saved_bytes(model, x)
+        if budget == 0.0:
+            losses = train(model, 0, 1, loss_head=True)
+            torch.testing.assert_close(losses, reference, rtol=RTOL, atol=0)
+    assert saved[0.0] < 0.5 * saved[1.0], saved
+
+
 def test_full_ac_whole_model_compile_single_process(reference: list[float]) -> None:
     """Full AC + whole-model compile (no process group needed for these two steps)."""
     cfg = make_cfg("ddp", [1], ac="full")
@@ -217,6 +250,22 @@ def test_cudagraphs_refused_on_cpu() -> None:
     with pytest.raises(ValueError, match="executor.mode=cudagraphs needs a CUDA device, got cpu"):
         apply_compile(model, ExecutorConfig(mode=ExecutorMode.cudagraphs), torch.device("cpu"))
     assert apply_compile(model, ExecutorConfig(mode=ExecutorMode.eager), torch.device("cpu")) == 0
+
+
+def test_inductor_modes() -> None:
+    """executor.autotune maps to Inductor's max-autotune modes, with and without CUDA graphs."""
+    modes = {
+        (m, a): inductor_mode(ExecutorConfig(mode=m, autotune=a))
+        for m in (ExecutorMode.compile, ExecutorMode.cudagraphs)
+        for a in (False, True)
+    }
+    assert modes == {
+        (ExecutorMode.compile, False): None,
+        (ExecutorMode.compile, True): "max-autotune-no-cudagraphs",
+        (ExecutorMode.cudagraphs, False): "reduce-overhead",
+        (ExecutorMode.cudagraphs, True): "max-autotune",
+    }
+    assert set(modes.values()) - {None} <= set(torch._inductor.list_mode_options())
 
 
 def _ddp_bucket_worker(rank: int, world: int, cfg: Config) -> list[int]:

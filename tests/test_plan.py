@@ -230,6 +230,22 @@ def test_compile_combinations_refused() -> None:
         make_plan(cfg)
 
 
+def test_memory_budget_checks_and_estimate() -> None:
+    cfg = cfg_for("ddp", [1])
+    cfg.sharding.activation_checkpointing = ActivationCheckpointing.budget
+    with pytest.raises(ValueError, match="activation_checkpointing=budget with executor.mode=eager"):
+        make_plan(cfg)
+    cfg.executor.mode = ExecutorMode.compile
+    cfg.sharding.activation_memory_budget = 1.5
+    with pytest.raises(ValueError, match=r"activation_memory_budget=1.5: .* valid values are 0.0"):
+        make_plan(cfg)
+    cfg.sharding.activation_memory_budget = 0.5
+    acts = make_plan(cfg).memory.activations_by_mode
+    assert acts["full"] < acts["budget"] < acts["none"]
+    cfg.sharding.activation_memory_budget = 1.0
+    assert make_plan(cfg).memory.activations_by_mode["budget"] == acts["none"]
+
+
 def test_json_round_trip_and_table() -> None:
     cfg = cfg_for("hsdp", [2, 4])
     cfg.bucketing.auto = True

@@ -10,7 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from framework.config import BucketingConfig, ExecutorConfig, ShardingConfig, Strategy
+from framework.config import (
+    ActivationCheckpointing,
+    BucketingConfig,
+    ExecutorConfig,
+    ShardingConfig,
+    Strategy,
+)
 from framework.model import Llama, materialize
 from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
@@ -40,7 +46,8 @@ def parallelize(
       1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
-      2. Activation checkpointing (``apply_ac``): wraps each block's forward; before compile so
+      2. Activation checkpointing (``apply_ac``): wraps each block's forward (``budget`` leaves
+         it to the compiler's partitioner, step 3); before compile so
          Dynamo traces the checkpoint region as one higher-order op and Inductor plans the
          recompute. Exception: with TP, that op saves a DeviceMesh among its tensors and
          AOTAutograd refuses it (torch 2.13), so with TP and compile the order of 2 and 3 swaps:
@@ -64,12 +71,17 @@ def parallelize(
     """
     strategy = Strategy(plan.strategy)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
+    budget = (
+        sharding.activation_memory_budget
+        if sharding.activation_checkpointing == ActivationCheckpointing.budget
+        else None
+    )
     if plan.tp_degree > 1:
-        apply_compile(model, executor, device)
+        apply_compile(model, executor, device, budget)
         apply_ac(model, sharding.activation_checkpointing)
     else:
         apply_ac(model, sharding.activation_checkpointing)
-        apply_compile(model, executor, device)
+        apply_compile(model, executor, device, budget)
     dp_mesh = sub_mesh(mesh, plan, DP_AXES)
     if strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp):
         assert dp_mesh is not None

@@ -36,11 +36,12 @@ def is_checkpointed(block: nn.Module) -> bool:
 
 
 def apply_ac(model: Llama, mode: ActivationCheckpointing) -> int:
-    """Checkpoint blocks per ``mode``; returns how many. No-op for ``none``.
+    """Checkpoint blocks per ``mode``; returns how many. No-op for ``none`` and for ``budget``
+    (the compiler's partitioner recomputes instead: ``apply_compile``'s ``memory_budget``).
 
     Raises RuntimeError if a mode other than ``none`` checkpointed no block.
     """
-    if mode == ActivationCheckpointing.none:
+    if mode in (ActivationCheckpointing.none, ActivationCheckpointing.budget):
         return 0
     count = 0
     for i, block in enumerate(model.layers.values()):

@@ -8,6 +8,10 @@ Compiling the block's ``forward`` on the instance keeps parameter names unchange
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,40 +19,65 @@ from framework.config import CompileScope, ExecutorConfig, ExecutorMode
 from framework.model import Llama
 
 
-def _compile_forward(module: nn.Module, executor: ExecutorConfig, mode: str | None) -> None:
-    module.forward = torch.compile(
-        module.forward, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode
-    )
+def inductor_mode(executor: ExecutorConfig) -> str | None:
+    """torch.compile's ``mode`` for this executor: CUDA graphs and/or GEMM autotuning."""
+    if executor.mode == ExecutorMode.cudagraphs:
+        return "max-autotune" if executor.autotune else "reduce-overhead"
+    return "max-autotune-no-cudagraphs" if executor.autotune else None
 
 
-def apply_compile(model: Llama, executor: ExecutorConfig, device: torch.device) -> int:
-    """Compile per ``executor``; returns the number of compiled forwards (0 for eager).
+def _under_budget(fn: Callable[..., Any], budget: float, *args: Any, **kwargs: Any) -> Any:
+    # The partitioner reads the budget when it splits forward from backward, which happens on the
+    # first call (and on any recompile); patching per call keeps it scoped to this model.
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        return fn(*args, **kwargs)
 
-    ``cudagraphs`` is torch.compile's ``mode="reduce-overhead"`` (Inductor with CUDA graphs).
-    Raises ValueError for ``cudagraphs`` on a non-CUDA device.
+
+def _compile(
+    fn: Callable[..., Any], executor: ExecutorConfig, mode: str | None, budget: float | None
+) -> Callable[..., Any]:
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode)
+    if budget is None:
+        return compiled
+    return functools.partial(_under_budget, compiled, budget)
+
+
+def apply_compile(
+    model: Llama,
+    executor: ExecutorConfig,
+    device: torch.device,
+    memory_budget: float | None = None,
+) -> int:
+    """Compile per ``executor``; returns the number of compiled regions (0 for eager).
+
+    ``cudagraphs`` is Inductor with CUDA graphs (``mode="reduce-overhead"``); ``executor.autotune``
+    adds max-autotune's GEMM search. ``memory_budget`` (0..1) is the partitioner's activation
+    memory budget: the compiler's own activation checkpointing (``activation_checkpointing=budget``).
+    Raises ValueError for ``cudagraphs`` on a non-CUDA device, or a budget with the eager executor.
     """
     if executor.mode == ExecutorMode.eager:
-        return 0
-    mode = None
-    if executor.mode == ExecutorMode.cudagraphs:
-        if device.type != "cuda":
+        if memory_budget is not None:
             raise ValueError(
-                f"executor.mode=cudagraphs needs a CUDA device, got {device.type}: use executor.mode=compile "
-                f"or executor.mode=eager"
+                "sharding.activation_checkpointing=budget needs a compiled executor (the compiler's "
+                "partitioner does the recompute): use executor=compile or executor=cudagraphs"
             )
-        mode = "reduce-overhead"
+        return 0
+    if executor.mode == ExecutorMode.cudagraphs and device.type != "cuda":
+        raise ValueError(
+            f"executor.mode=cudagraphs needs a CUDA device, got {device.type}: use executor.mode=compile "
+            f"or executor.mode=eager"
+        )
+    mode = inductor_mode(executor)
     if executor.scope == CompileScope.model:
-        _compile_forward(model, executor, mode)
+        model.forward = _compile(model.forward, executor, mode, memory_budget)
         return 1
-    blocks = list(model.layers.values())
-    for block in blocks:
-        _compile_forward(block, executor, mode)
+    blocks: list[nn.Module] = list(model.layers.values())
     if not blocks:
         raise RuntimeError("executor.scope=block but the model has no blocks to compile")
+    for block in blocks:
+        block.forward = _compile(block.forward, executor, mode, memory_budget)
     # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
     # log-softmax instead of materialising fp32 logits.
-    model.head_loss = torch.compile(
-        model.head_loss, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode
-    )
+    model.head_loss = _compile(model.head_loss, executor, mode, memory_budget)
     return len(blocks) + 1
