@@ -54,7 +54,9 @@ def reset() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def framework_run(recipe: str, mode: str, steps: int, out: Path, extra: list[str]) -> dict:
+def framework_run(
+    recipe: str, mode: str, steps: int, out: Path, extra: list[str], name: str | None = None
+) -> dict:
     from framework import trainer
 
     overrides = [
@@ -68,7 +70,7 @@ def framework_run(recipe: str, mode: str, steps: int, out: Path, extra: list[str
         *extra,
     ]
     cfg = compose_cfg(overrides)
-    run_dir = out / f"{recipe}-{mode}"
+    run_dir = out / (name or f"{recipe}-{mode}")
     run_dir.mkdir(parents=True, exist_ok=True)
     reset()
     summary = trainer.run(cfg, run_dir)
@@ -76,7 +78,7 @@ def framework_run(recipe: str, mode: str, steps: int, out: Path, extra: list[str
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     tps = summary.tokens_per_s or 0.0
     return {
-        "what": f"framework {mode}",
+        "what": f"framework {mode}" + (f" {' '.join(extra)}" if extra else ""),
         "recipe": recipe,
         "tokens_per_s": tps,
         "step_ms": 1e3 * tokens / tps if tps else None,
@@ -167,6 +169,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "outputs/bench")))
     p.add_argument("--extra", default="", help="extra overrides for the framework runs, space-separated")
+    p.add_argument(
+        "--variants",
+        type=Path,
+        help="file of framework runs, one per line: RECIPE MODE [OVERRIDE ...] ('#' comments); "
+        "replaces --models/--modes/--hand",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py needs a CUDA device")
@@ -176,7 +184,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    for recipe in args.models.split(","):
+    if args.variants:
+        lines = [ln.split("#")[0].split() for ln in args.variants.read_text().splitlines()]
+        for i, (recipe, mode, *extra) in enumerate(filter(None, lines)):
+            try:
+                rows.append(
+                    framework_run(recipe, mode, args.steps, args.out, extra, f"v{i:02d}-{recipe}-{mode}")
+                )
+            except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the benchmark
+                msg = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append({"what": f"framework {mode} {' '.join(extra)} FAILED: {msg}", "recipe": recipe})
+            print(fmt(rows[-1:]), flush=True)
+        args.models = ""
+    for recipe in filter(None, args.models.split(",")):
         for variant in filter(None, args.hand.split(",")):
             rows.append(hand_loop(recipe, variant == "compile", args.steps, warmup=5))
             print(fmt(rows[-1:]), flush=True)
