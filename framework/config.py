@@ -43,6 +43,18 @@ class ActivationCheckpointing(Enum):
     budget = "budget"
 
 
+class ResidualDtype(Enum):
+    """dtype of the residual stream (the embedding output that every block adds into).
+
+    ``autocast``: the autocast dtype when autocast is on (bf16 on CUDA), as under FSDP2 with
+    ``param_dtype=bfloat16`` and in Meta's bf16 reference; the norms still compute in fp32.
+    ``float32``: an fp32 stream (what plain autocast over fp32 embeddings gives), more memory traffic.
+    """
+
+    autocast = "autocast"
+    float32 = "float32"
+
+
 class AttentionBackend(Enum):
     """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick."""
 
@@ -144,6 +156,7 @@ class ModelConfig:
     init_std: float = 0.02
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
     attention: AttentionBackend = AttentionBackend.auto
+    residual_dtype: ResidualDtype = ResidualDtype.autocast
 
 
 @dataclass

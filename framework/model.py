@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from framework.config import AttentionBackend, ModelConfig
+from framework.config import AttentionBackend, ModelConfig, ResidualDtype
 
 _SDPA_BACKENDS = {
     AttentionBackend.flash: SDPBackend.FLASH_ATTENTION,
@@ -150,6 +150,10 @@ class Llama(nn.Module):
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
         h = self.tok_embeddings(tokens)
+        if self.cfg.residual_dtype == ResidualDtype.autocast and torch.is_autocast_enabled(h.device.type):
+            # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
+            # promotes): twice the traffic of every norm, add and saved block input.
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         for layer in self.layers.values():
             h = layer(h, self.rope)
         if targets is None:
