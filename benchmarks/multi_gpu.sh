@@ -17,7 +17,10 @@ run() {
   name=$1; shift
   start=$(date +%s)
   timeout ${CASE_TIMEOUT:-300} python3 train.py hydra.run.dir=$OUT/$name $COMMON "$@" > $OUT/$name.log 2>&1
-  echo "$name rc=$? $(( $(date +%s) - start ))s: $*"
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s: $*"
+  # FAIL_FAST=1: stop at the first failing case (saves device time when something is broken).
+  if [ $rc != 0 ] && [ "${FAIL_FAST:-0}" = 1 ]; then tail -20 $OUT/$name.log; exit 1; fi
 }
 case_() {
   case $1 in
@@ -29,14 +32,18 @@ case_() {
     hsdp) run hsdp "mesh.shape=[2,$((N / 2))]" sharding=hsdp nccl=gdr3 ;;  # 2 "nodes" x N/2
     tp) run tp mesh=$N sharding=tp ;;  # compiled TP blocks (sequence parallel) on NCCL
     fsdp_tp) run fsdp_tp mesh=$N sharding=fsdp_tp ;;
-    # SIGKILL rank 1 after step 12: the launcher restarts every rank, they resume from step 10.
-    fault) run fault mesh=$N sharding=fsdp checkpoint=sync checkpoint.every_steps=5 run.max_restarts=1 \
+    # SIGKILL rank 1 at step 12: the launcher restarts every rank, they resume from step 10.
+    fault) run fault mesh=$N sharding=fsdp checkpoint=sync checkpoint.every_steps=10 run.max_restarts=1 \
       run.fault_kill_at_step=12 run.fault_rank=1 ;;
+    # The 7B on N GPUs with FSDP (its static state, 16 bytes/param, split N ways), no AC.
+    fsdp7b) run fsdp7b mesh=$N sharding=fsdp recipe=llama7b train.global_batch_size=$((4 * N)) \
+      train.micro_batch_size=4 ;;
     *) echo "unknown case $1"; exit 2 ;;
   esac
 }
 mkdir -p $OUT
-for c in $CASES; do case_ $c; done
+# SUMMARY_ONLY=1: print the summary of runs already in $OUT (e.g. after a time limit cut the list).
+[ "${SUMMARY_ONLY:-0}" = 1 ] || for c in $CASES; do case_ $c; done
 python3 - "$OUT" $CASES <<'PY'
 import json, sys
 from pathlib import Path

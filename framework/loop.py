@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.config import TrainConfig
+from framework.model import compute_dtype
 
 
 @dataclass
@@ -107,9 +108,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU (``model.compute_dtype``)."""
+    dtype = compute_dtype(device)
+    if dtype is not None:
+        return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 

@@ -130,6 +130,10 @@ class Llama(nn.Module):
             )
         self.cfg = cfg
         self.max_seq_len = max_seq_len
+        # The residual stream's dtype: ``materialize`` sets the loop's compute dtype (bf16 on CUDA)
+        # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
+        # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
+        self.stream_dtype: torch.dtype | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
@@ -150,10 +154,10 @@ class Llama(nn.Module):
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
         h = self.tok_embeddings(tokens)
-        if self.cfg.residual_dtype == ResidualDtype.autocast and torch.is_autocast_enabled(h.device.type):
+        if self.stream_dtype is not None:
             # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
             # promotes): twice the traffic of every norm, add and saved block input.
-            h = h.to(torch.get_autocast_dtype(h.device.type))
+            h = h.to(self.stream_dtype)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         if targets is None:
@@ -260,6 +264,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 
+def compute_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype the training loop autocasts to on ``device``: bf16 on CUDA; None (fp32) elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else None
+
+
 def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it.
 
@@ -267,6 +276,8 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     are tied again before init.
     """
     model.to_empty(device=device)
+    if model.cfg.residual_dtype == ResidualDtype.autocast:
+        model.stream_dtype = compute_dtype(device)
     if model.cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.init_weights(seed)
