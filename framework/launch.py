@@ -129,7 +129,12 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
-    """Create the default process group (NCCL on CUDA, gloo on CPU); world 1 when nothing launched us."""
+    """Create the default process group; world 1 when nothing launched us.
+
+    On CUDA the group has two backends, NCCL for CUDA tensors and gloo for CPU ones, so that the
+    small CPU collectives (verification's cross-rank max, object gathers) work next to NCCL; a
+    NCCL-only group refuses them ("No backend type associated with device type cpu").
+    """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
@@ -139,7 +144,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
