@@ -298,6 +298,11 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
 # head keeps bf16 logits only, and Inductor recomputes cheap pointwise results instead of saving them.
 _EAGER_K, _EAGER_LOGIT_BYTES = 1.5, 10
 _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
+# Under TP the output projection's local logit shard is all-gathered to full logits on every rank
+# (Replicate, for the loss), and both live with their gradients around the loss: llama1b with
+# sharding=tp on 2 H200s (compiled, micro 4) peaked 3.5 GiB above the plan without this term,
+# i.e. 3.3 bytes per logit (one run: a fit, not a derivation).
+_TP_LOGIT_EXTRA_BYTES = 3.3
 
 
 def autocast_bf16(cfg: Config) -> bool:
@@ -329,7 +334,7 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
     kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
     per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
     block_input = tokens * m.dim * elem // tp
-    logits = tokens * m.vocab_size * logit_bytes
+    logits = int(tokens * m.vocab_size * (logit_bytes + (_TP_LOGIT_EXTRA_BYTES if tp > 1 else 0)))
     n = m.n_layers
     if mode == ActivationCheckpointing.none:
         layers = n * per_layer
