@@ -227,8 +227,9 @@ def _check_executor(cfg: Config, tp: int) -> None:
         Strategy.fsdp_tp,
     ):
         raise ValueError(
-            f"executor.scope=model with sharding.strategy={strategy.value}: one full graph around "
-            f"FSDP2's per-block hooks hangs its collectives; use executor.scope=block"
+            f"executor.scope=model with sharding.strategy={strategy.value}: FSDP2's per-block hooks "
+            f"are Dynamo graph breaks (torch._dynamo.disable), so no full graph spans the model; "
+            f"use executor.scope=block, which compiles exactly the regions between those hooks"
         )
 
 
