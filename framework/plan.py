@@ -35,6 +35,7 @@ from framework.config import (
     DType,
     ExecutorMode,
     ModelConfig,
+    ShardingConfig,
     Strategy,
 )
 
@@ -592,6 +593,17 @@ def make_plan(cfg: Config) -> Plan:
         warnings.append(
             "sharding.param_dtype / reduce_dtype are ignored under ddp (FSDP2 mixed precision only)"
         )
+    if (
+        cfg.sharding.activation_memory_budget != ShardingConfig.activation_memory_budget
+        and cfg.sharding.activation_checkpointing != ActivationCheckpointing.budget
+    ):
+        warnings.append(
+            f"sharding.activation_memory_budget={cfg.sharding.activation_memory_budget} does nothing with "
+            f"sharding.activation_checkpointing={cfg.sharding.activation_checkpointing.value}: set "
+            f"sharding.activation_checkpointing=budget to use it"
+        )
+    if cfg.executor.autotune and cfg.executor.mode == ExecutorMode.eager:
+        warnings.append("executor.autotune=true does nothing with executor=eager: use executor=compile")
 
     specs = param_specs(cfg.model)
     units = _fsdp_units(specs, tp)

@@ -244,6 +244,15 @@ def test_memory_budget_checks_and_estimate() -> None:
     assert acts["full"] < acts["budget"] < acts["none"]
     cfg.sharding.activation_memory_budget = 1.0
     assert make_plan(cfg).memory.activations_by_mode["budget"] == acts["none"]
+    # Settings that do nothing on this path are named, not silently ignored.
+    cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
+    cfg.executor.mode, cfg.executor.autotune = ExecutorMode.eager, True
+    warnings = make_plan(cfg).warnings
+    assert any(
+        "activation_memory_budget=1.0 does nothing with sharding.activation_checkpointing=full" in w
+        for w in warnings
+    )
+    assert any("executor.autotune=true does nothing with executor=eager" in w for w in warnings)
 
 
 def test_json_round_trip_and_table() -> None:
