@@ -66,6 +66,20 @@ def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None
         assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (l1, l4)
 
 
+def test_compiled_tensor_parallel_run_matches_eager(tmp_path: Path) -> None:
+    """``sharding=tp executor=compile`` through train.py on 2 ranks (compiled TP blocks and loss
+    head, selective AC wrapped around them) logs the eager run's losses."""
+    common = [*SMALL, "mesh=2", "sharding=tp", "sharding.activation_checkpointing=selective"]
+    eager = train(tmp_path / "eager", *common)
+    compiled = train(tmp_path / "compiled", *common, "executor=compile", "executor.backend=aot_eager")
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    le, lc = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert len(le) == len(lc) > 0
+    for a, b in zip(le, lc, strict=True):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (le, lc)
+
+
 NO_GPU_CASE = (
     (["run.device=cuda"], "run.device=cuda")
     if not torch.cuda.is_available()
