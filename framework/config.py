@@ -333,6 +333,10 @@ class ExecutorConfig:
     # Inductor's max-autotune: benchmark GEMM/conv kernel choices at compile time (minutes longer
     # to compile; mode="max-autotune-no-cudagraphs", or "max-autotune" with cudagraphs).
     autotune: bool = False
+    # A portable compile cache (torch.compiler cache artifacts) in a directory, e.g. on shared
+    # storage next to the checkpoints: loaded by every rank before compiling, extended by rank 0
+    # after training, so a fresh node starts warm (framework.compile_cache). None = off.
+    cache_dir: Optional[str] = None
 
 
 @dataclass

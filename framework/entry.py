@@ -85,6 +85,8 @@ def validate(dcfg: DictConfig) -> Config:
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
+    if cfg.executor.cache_dir:
+        check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     if cfg.executor.mode is ExecutorMode.cudagraphs and device.type != "cuda":
         raise ValueError(
             f"executor=cudagraphs needs a CUDA device, this run uses {device.type}: "
@@ -97,14 +99,16 @@ def check_checkpoint_dir(cfg: Config) -> None:
     """A ``checkpoint.dir`` that cannot become a directory fails here, not in every rank later."""
     if not cfg.checkpoint.enabled or not cfg.checkpoint.dir:
         return
-    path = Path(cfg.checkpoint.dir)
+    check_dir_creatable("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_dir_creatable(key: str, value: str) -> None:
+    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file."""
+    path = Path(value)
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
-                raise ValueError(
-                    f"checkpoint.dir={cfg.checkpoint.dir!r} cannot be created: {str(p)!r} is a file, "
-                    "not a directory"
-                )
+                raise ValueError(f"{key}={value!r} cannot be created: {str(p)!r} is a file, not a directory")
             return
 
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, full_model_state
+from framework.compile_cache import CacheStats, cache_counters, load_cache, save_cache
 from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
@@ -87,6 +88,8 @@ class Summary:
     step_p99_s: float | None = None
     executor: str | None = None  # the executor the run ended on (after any fallback)
     events: list[str] = field(default_factory=list)
+    # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
+    compile_cache: dict[str, int] | None = None
 
 
 @dataclass
@@ -308,6 +311,10 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     data = make_data(cfg, env, built.dp_rank, built.dp_size)
     metrics = Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar)
     verifier.attach(metrics.log)
+    cache = CacheStats()
+    use_cache = cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager
+    if use_cache:
+        cache.loaded = load_cache(cfg.executor.cache_dir)
     start_executor(cfg, built, data, verifier, device)
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else None
     preempt = PreemptionHandler(ckpt.control_group) if ckpt is not None else None
@@ -471,6 +478,11 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         metrics.log({"step": cfg.train.steps, "val_loss": last_val})
     summary.final_val_loss = last_val
     summary.train_time_s = time.perf_counter() - train_t0
+    if use_cache:
+        cache.hits, cache.misses = cache_counters()
+        if env.is_main and cache.misses:  # something new was compiled: keep it for the next run
+            cache.saved = save_cache(cfg.executor.cache_dir)
+        summary.compile_cache = dataclasses.asdict(cache)
     summary.executor = built.executor.mode.value
     figures = perf_figures(step_seconds, tokens_per_step, summary.mfu, summary.peak_mem_gib)
     if figures is not None:
@@ -562,4 +574,10 @@ def write_summary(
         lines.append(f"time to first step: {summary.time_to_first_step_s:.1f}s")
     if summary.compile_s is not None:
         lines.append(f"compile (first step less a median step): {summary.compile_s:.1f}s")
+    if summary.compile_cache is not None:
+        c = summary.compile_cache
+        lines.append(
+            f"compile cache: {c['loaded']} artifacts loaded, {c['hits']} graph hits, {c['misses']} misses, "
+            f"{c['saved']} saved"
+        )
     log.info("summary:\n  %s", "\n  ".join(lines))

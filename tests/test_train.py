@@ -95,6 +95,10 @@ NO_GPU_CASE = (
         (["mesh=bogus"], "mesh/bogus"),
         (["executor=cudagraphs", "run.device=cpu"], "executor=cudagraphs needs a CUDA device"),
         (["checkpoint=sync", "checkpoint.dir=pyproject.toml/ck"], "is a file, not a directory"),
+        (
+            ["executor=compile", "executor.cache_dir=pyproject.toml"],
+            "executor.cache_dir='pyproject.toml' cannot",
+        ),
         (["sharding=tp", "sharding.tp=3", "mesh.shape=[3]"], "n_heads"),
         NO_GPU_CASE,
     ],
