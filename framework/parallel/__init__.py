@@ -47,9 +47,8 @@ def parallelize(
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
       2. Activation checkpointing (``apply_ac``): wraps each block's forward (``budget`` leaves
-         it to the compiler's partitioner, step 3); before compile so
-         Dynamo traces the checkpoint region as one higher-order op and Inductor plans the
-         recompute. Exception: with TP, that op saves a DeviceMesh among its tensors and
+         it to the compiler's partitioner, step 3); before compile so Dynamo traces the
+         checkpoint region as one higher-order op and Inductor plans the recompute. Exception: with TP, that op saves a DeviceMesh among its tensors and
          AOTAutograd refuses it (torch 2.13), so with TP and compile the order of 2 and 3 swaps:
          eager checkpointing wraps the compiled block and re-runs it in backward (same recompute,
          same memory; the planner refuses ``executor.scope=model`` there, where no order helps).
@@ -59,7 +58,8 @@ def parallelize(
          is sharded before any rank allocates it.
       5. Materialize (``framework.model.materialize``): ``to_empty`` on the device, re-tie, then
          ``init_weights(seed)``, which draws every full parameter from a per-name generator and
-         slices the local shard: every layout starts from the single-process weights.
+         slices the local shard: every layout starts from the single-process weights. It also
+         sets the residual stream's dtype for the device (``model.residual_dtype``).
          Skipped with ``init_weights=False`` (the dry run measures shapes on meta).
       6. DDP (``apply_ddp``): last, because it verifies, broadcasts and buckets real tensors (it
          cannot wrap meta ones, so ``init_weights=False`` skips it too; DDP shards nothing, so the
