@@ -602,8 +602,13 @@ def make_plan(cfg: Config) -> Plan:
             f"sharding.activation_checkpointing={cfg.sharding.activation_checkpointing.value}: set "
             f"sharding.activation_checkpointing=budget to use it"
         )
-    if cfg.executor.autotune and cfg.executor.mode == ExecutorMode.eager:
-        warnings.append("executor.autotune=true does nothing with executor=eager: use executor=compile")
+    if cfg.executor.mode == ExecutorMode.eager:
+        for key, on in (
+            ("autotune=true", cfg.executor.autotune),
+            (f"cache_dir={cfg.executor.cache_dir}", cfg.executor.cache_dir),
+        ):
+            if on:
+                warnings.append(f"executor.{key} does nothing with executor=eager: use executor=compile")
 
     specs = param_specs(cfg.model)
     units = _fsdp_units(specs, tp)

@@ -247,7 +247,9 @@ def test_memory_budget_checks_and_estimate() -> None:
     # Settings that do nothing on this path are named, not silently ignored.
     cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
     cfg.executor.mode, cfg.executor.autotune = ExecutorMode.eager, True
+    cfg.executor.cache_dir = "cc"
     warnings = make_plan(cfg).warnings
+    assert any("executor.cache_dir=cc does nothing with executor=eager" in w for w in warnings)
     assert any(
         "activation_memory_budget=1.0 does nothing with sharding.activation_checkpointing=full" in w
         for w in warnings
