@@ -137,6 +137,20 @@ def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, 
     assert assert_bitwise(step_dir(base, 8), step_dir(killed, 8)) > 100
 
 
+def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:
+    """Beyond two ranks: FSDP over 4 gloo ranks, rank 3 SIGKILLed after step 5; the launcher
+    restarts all four, they load their shards of step 4 and end bitwise equal to the unbroken run."""
+    four = ["mesh=4", "sharding=fsdp"]
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    ok(train(base, "train.steps=6", *four, timeout=180))
+    kill = ["run.max_restarts=1", "run.fault_kill_at_step=5", "run.fault_rank=3"]
+    ok(train(killed, "train.steps=6", *four, *kill, timeout=180))
+    [resumed] = events(killed, "resumed")
+    assert resumed["step"] == 4 and resumed["restarts"] == 1, resumed
+    assert losses_by_step(killed) == losses_by_step(base)
+    assert assert_bitwise(step_dir(base, 6), step_dir(killed, 6)) > 100
+
+
 def test_lost_time_from_kill_to_first_resumed_step_is_bounded(runs: dict[str, Path]) -> None:
     """Lost time = the re-trained step 5's log time minus the killed attempt's step 5 log time
     (rank 1 SIGKILLs itself right after logging it): restart detection, process start, rebuild,
