@@ -48,10 +48,11 @@ def parallelize(
          wrap a forward that already contains the TP collectives.
       2. Activation checkpointing (``apply_ac``): wraps each block's forward (``budget`` leaves
          it to the compiler's partitioner, step 3); before compile so Dynamo traces the
-         checkpoint region as one higher-order op and Inductor plans the recompute. Exception: with TP, that op saves a DeviceMesh among its tensors and
-         AOTAutograd refuses it (torch 2.13), so with TP and compile the order of 2 and 3 swaps:
-         eager checkpointing wraps the compiled block and re-runs it in backward (same recompute,
-         same memory; the planner refuses ``executor.scope=model`` there, where no order helps).
+         checkpoint region as one higher-order op and Inductor plans the recompute. Exception:
+         with TP, that op saves a DeviceMesh among its tensors and AOTAutograd refuses it (torch
+         2.13), so with TP the order of 2 and 3 swaps: eager checkpointing wraps the compiled
+         block and re-runs it in backward (same recompute, same memory; the planner refuses
+         ``executor.scope=model`` there, where no order helps).
       3. Compile (``apply_compile``): per block (or whole model) before FSDP/DDP, so their hooks
          stay outside the compiled graphs (fullgraph) and Dynamo never traces DDP.
       4. FSDP2 / HSDP (``apply_fsdp``): per block, then the root; still on meta, so a 70B shape

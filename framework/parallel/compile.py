@@ -8,11 +8,11 @@ Compiling the block's ``forward`` on the instance keeps parameter names unchange
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from framework.config import CompileScope, ExecutorConfig, ExecutorMode
@@ -26,20 +26,11 @@ def inductor_mode(executor: ExecutorConfig) -> str | None:
     return "max-autotune-no-cudagraphs" if executor.autotune else None
 
 
-def _under_budget(fn: Callable[..., Any], budget: float, *args: Any, **kwargs: Any) -> Any:
-    # The partitioner reads the budget when it splits forward from backward, which happens on the
-    # first call (and on any recompile); patching per call keeps it scoped to this model.
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        return fn(*args, **kwargs)
+_DEFAULT_BUDGET = functorch_config.activation_memory_budget
 
 
-def _compile(
-    fn: Callable[..., Any], executor: ExecutorConfig, mode: str | None, budget: float | None
-) -> Callable[..., Any]:
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode)
-    if budget is None:
-        return compiled
-    return functools.partial(_under_budget, compiled, budget)
+def _compile(fn: Callable[..., Any], executor: ExecutorConfig, mode: str | None) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=executor.backend, mode=mode)
 
 
 def apply_compile(
@@ -53,6 +44,9 @@ def apply_compile(
     ``cudagraphs`` is Inductor with CUDA graphs (``mode="reduce-overhead"``); ``executor.autotune``
     adds max-autotune's GEMM search. ``memory_budget`` (0..1) is the partitioner's activation
     memory budget: the compiler's own activation checkpointing (``activation_checkpointing=budget``).
+    It is process-wide torch config (``torch._functorch.config.activation_memory_budget``), read
+    when each region first compiles, so each call sets it (None: torch's default) rather than
+    patching it around every region call on the hot path; a process trains one model.
     Raises ValueError for ``cudagraphs`` on a non-CUDA device, or a budget with the eager executor.
     """
     if executor.mode == ExecutorMode.eager:
@@ -68,16 +62,17 @@ def apply_compile(
             f"or executor.mode=eager"
         )
     mode = inductor_mode(executor)
+    functorch_config.activation_memory_budget = _DEFAULT_BUDGET if memory_budget is None else memory_budget
     if executor.scope == CompileScope.model:
-        model.forward = _compile(model.forward, executor, mode, memory_budget)
+        model.forward = _compile(model.forward, executor, mode)
         return 1
     blocks: list[nn.Module] = list(model.layers.values())
     if not blocks:
         raise RuntimeError("executor.scope=block but the model has no blocks to compile")
     for block in blocks:
-        block.forward = _compile(block.forward, executor, mode, memory_budget)
+        block.forward = _compile(block.forward, executor, mode)
     # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
     # log-softmax instead of materialising fp32 logits.
-    model.head_loss = _compile(model.head_loss, executor, mode, memory_budget)
+    model.head_loss = _compile(model.head_loss, executor, mode)
     return len(blocks) + 1
