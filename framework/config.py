@@ -184,6 +184,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # Step each parameter inside backward, as soon as its gradient is complete, and free that gradient
+    # (torchtitan's optimizer.early_step_in_backward): frees the fp32 gradients' memory (4 bytes per
+    # parameter) for activations. One device only, no gradient accumulation, and train.grad_clip=0
+    # (a global norm needs every gradient first); the planner refuses the rest.
+    optimizer_in_backward: bool = False
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50

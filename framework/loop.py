@@ -1,6 +1,9 @@
 """The training step: forward, backward with gradient accumulation, clip, optimiser step.
 
 Kept free of logging, checkpointing and launching so it can be driven (and tested) on its own.
+With ``train.optimizer_in_backward`` the optimiser step moves into the backward pass instead
+(:class:`InBackward`): each parameter is updated as soon as its gradient is complete and the gradient
+is freed, so the step never holds every gradient at once.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from framework.config import TrainConfig
 from framework.model import compute_dtype
@@ -103,6 +108,73 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
+@dataclass
+class InBackward:
+    """The optimiser step run inside backward, one parameter at a time (``train.optimizer_in_backward``).
+
+    Why: the fp32 gradients are as large as the weights (27 GB for a 7B model); stepping each
+    parameter from its post-accumulate-grad hook and dropping its gradient at once frees that memory
+    for activations (less recompute, or a larger batch). It is the mechanism of torchtitan's
+    ``optimizer.early_step_in_backward`` and torch's ``_apply_optimizer_in_backward``.
+
+    The main optimiser stays the one that is checkpointed and scheduled: each per-parameter optimiser
+    reads and writes the main one's ``state`` (so checkpoints are the same with or without this option)
+    and takes its group's learning rate on every step. What is given up, and therefore refused by the
+    planner: a global gradient-norm clip (the norm is only known after the last gradient), gradient
+    accumulation, and data parallelism (the hook fires before DDP/FSDP reduce the gradient). A
+    non-finite loss still skips the whole step, and a non-finite gradient skips its parameter's update
+    (fused AdamW's ``found_inf``, no host sync), so no NaN reaches the weights; but a step with a finite
+    loss and a non-finite gradient somewhere has updated the other parameters. The gradient norm is
+    still measured, for the logs.
+    """
+
+    main: torch.optim.Optimizer
+    per_param: dict[nn.Parameter, tuple[torch.optim.Optimizer, dict]]
+    poison: torch.Tensor  # 0.0, or NaN when this step's loss is non-finite
+    norm_sq: torch.Tensor  # sum of the squared gradient norms seen this step
+    handles: list[RemovableHandle]
+
+    def _step(self, p: torch.Tensor) -> None:
+        opt, group = self.per_param[p]
+        opt.state = self.main.state  # the main optimiser's load_state_dict replaces its dict
+        opt.param_groups[0]["lr"] = group["lr"]  # moved by the scheduler
+        assert p.grad is not None
+        g_norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        self.norm_sq += g_norm.square()
+        ok = torch.isfinite(g_norm + self.poison)  # this gradient and the loss are finite
+        if group.get("fused"):
+            opt.found_inf = (~ok).float()  # type: ignore[attr-defined]  # no host sync
+            opt.step()
+        elif bool(ok):
+            opt.step()
+        p.grad = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def attach_in_backward(optimizer: torch.optim.Optimizer) -> InBackward:
+    """Hook a per-parameter copy of ``optimizer`` onto each of its parameters (see :class:`InBackward`)."""
+    device = optimizer.param_groups[0]["params"][0].device
+    ib = InBackward(
+        main=optimizer,
+        per_param={},
+        poison=torch.zeros((), device=device),
+        norm_sq=torch.zeros((), device=device),
+        handles=[],
+    )
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            # The group's hyper-parameters (incl. ``fused``) drive the step; the constructor only
+            # validates them.
+            sub = type(optimizer)([{**hyper, "params": [p]}], fused=hyper.get("fused"))
+            ib.per_param[p] = (sub, group)
+            ib.handles.append(p.register_post_accumulate_grad_hook(ib._step))
+    return ib
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
@@ -167,13 +239,18 @@ def train_step(
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     grad_clip: float,
     device: torch.device,
+    in_backward: InBackward | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
 
     Each micro-batch loss is divided by the number of micro-batches, so the accumulated gradient is
     the mean over this rank's share; DDP/FSDP average over ranks, giving the global-batch mean.
     A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
+    With ``in_backward`` the step happens during backward (one micro-batch, no clip; a non-finite
+    loss skips it).
     """
+    if in_backward is not None:
+        return _step_in_backward(model, in_backward, scheduler, micro_batches, device)
     timer = _StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
@@ -201,6 +278,42 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    timer.stop()
+    return StepResult(total, norm, finite, lr, timer)
+
+
+def _step_in_backward(
+    model: nn.Module,
+    ib: InBackward,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+) -> StepResult:
+    if len(micro_batches) != 1:
+        raise ValueError(
+            f"train.optimizer_in_backward steps each parameter during backward, so it takes one "
+            f"micro-batch per step, got {len(micro_batches)}: set train.micro_batch_size to the "
+            f"rank's whole batch"
+        )
+    timer = _StepTimer(device)
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+    lr = scheduler.get_last_lr()[0]
+    ((x, y),) = micro_batches
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    ib.norm_sq.zero_()
+    with autocast(device):
+        loss = model(x, y)
+    total = loss.detach().float()
+    ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
+    loss.backward()
+    norm = ib.norm_sq.sqrt()
+    finite = torch.isfinite(norm) & torch.isfinite(total)
+    with warnings.catch_warnings():
+        # The main optimiser's own step() never runs (its per-parameter copies step), which the
+        # scheduler takes for a call order mistake.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
     timer.stop()
     return StepResult(total, norm, finite, lr, timer)
 

@@ -234,6 +234,32 @@ def _check_executor(cfg: Config, tp: int) -> None:
         )
 
 
+def _check_in_backward(cfg: Config, accum: int) -> None:
+    """``train.optimizer_in_backward`` steps each parameter from its gradient hook: refuse what that breaks."""
+    if not cfg.train.optimizer_in_backward:
+        return
+    world = cfg.mesh.world_size
+    if world > 1:
+        raise ValueError(
+            f"train.optimizer_in_backward=true on mesh.shape={list(cfg.mesh.shape)} (world {world}): the "
+            f"per-parameter step fires before DDP/FSDP/TP reduce that gradient across ranks; use it on "
+            f"one device (mesh=1), or keep it off and let sharding=fsdp shard the gradients instead"
+        )
+    if accum > 1:
+        raise ValueError(
+            f"train.optimizer_in_backward=true with {accum} micro-batches per step "
+            f"(train.global_batch_size={cfg.train.global_batch_size}, train.micro_batch_size="
+            f"{cfg.train.micro_batch_size}): the step happens in the first backward; set "
+            f"train.micro_batch_size={cfg.train.global_batch_size} (or 0)"
+        )
+    if cfg.train.grad_clip > 0:
+        raise ValueError(
+            f"train.optimizer_in_backward=true with train.grad_clip={cfg.train.grad_clip}: a global "
+            f"gradient-norm clip needs every gradient before the first step; set train.grad_clip=0 "
+            f"(the norm is still logged) or train.optimizer_in_backward=false"
+        )
+
+
 def _check_batch(cfg: Config, dp: int) -> int:
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     if mbs < 1 or gbs < 1 or gbs % (dp * mbs):
@@ -359,6 +385,10 @@ def _memory(
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
+    if cfg.train.optimizer_in_backward:
+        # Each gradient is freed right after its parameter's step: the largest one, twice (the
+        # next parameter's gradient can land before the step of the previous one is done).
+        grads = 2 * max(local_numel(s, tp, dp_shard) for s in specs) * _MASTER_BYTES
     optimizer = local * _MASTER_BYTES * _ADAMW_STATES
     comm_buffers = 0
     if dp_shard > 1:
@@ -584,6 +614,7 @@ def make_plan(cfg: Config) -> Plan:
             )
     _check_executor(cfg, tp)
     accum = _check_batch(cfg, dp)
+    _check_in_backward(cfg, accum)
     strategy = cfg.sharding.strategy
     if strategy == Strategy.hsdp and cfg.mesh.nodes == 1:
         warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")

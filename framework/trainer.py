@@ -30,7 +30,15 @@ from framework.compile_cache import CacheStats, cache_counters, load_cache, save
 from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
-from framework.loop import autocast, build_optimizer, build_scheduler, evaluate, train_step
+from framework.loop import (
+    InBackward,
+    attach_in_backward,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    evaluate,
+    train_step,
+)
 from framework.metrics import Metrics, make_sinks
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
@@ -105,6 +113,7 @@ class Built:
     dp_size: int
     mesh: DeviceMesh | None = None
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    in_backward: InBackward | None = None  # train.optimizer_in_backward
 
 
 def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
@@ -116,6 +125,9 @@ def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: 
     )
     built.optimizer = build_optimizer(built.model, cfg.train, device)
     built.scheduler = build_scheduler(built.optimizer, cfg.train)
+    if built.in_backward is not None:
+        built.in_backward.remove()  # hooks of the model being replaced
+    built.in_backward = attach_in_backward(built.optimizer) if cfg.train.optimizer_in_backward else None
     built.executor = executor
     record_static_graph(built.model, cfg.train.micro_batch_size, cfg.train.seq_len, device)
 
@@ -399,6 +411,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 data.sampler.next_batch(),
                 cfg.train.grad_clip,
                 device,
+                built.in_backward,
             )
         tokens_seen += tokens_per_step
         if summary.time_to_first_step_s is None:

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from framework.config import BucketingConfig, ModelConfig, TrainConfig
 from framework.data import BatchSampler
-from framework.loop import build_optimizer, build_scheduler, lr_lambda, train_step
+from framework.loop import attach_in_backward, build_optimizer, build_scheduler, lr_lambda, train_step
 from framework.model import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from tests.dist import run_ranks
@@ -70,6 +70,53 @@ def test_non_finite_loss_skips_the_step() -> None:
     assert not result.finite
     for b, p in zip(before[1:], list(model.parameters())[1:], strict=True):
         assert torch.equal(b, p)
+
+
+def _run_steps(model, in_backward: bool, steps: int = 5, poison_at: int = -1):
+    """``steps`` unclipped steps on one batch each, with or without the optimiser in backward; the
+    loss of step ``poison_at`` is made NaN."""
+    opt = build_optimizer(model, TRAIN, CPU)
+    sched = build_scheduler(opt, TRAIN)
+    ib = attach_in_backward(opt) if in_backward else None
+    sampler = BatchSampler(TOKENS, 256, TRAIN.seq_len, 4, 4, 0, 1, seed=5)
+    results = []
+    for i in range(steps):
+        handle = (
+            model.register_forward_hook(lambda _m, _i, out: out * float("nan")) if i == poison_at else None
+        )
+        results.append(train_step(model, opt, sched, sampler.next_batch(), 0.0, CPU, ib))
+        if handle is not None:
+            handle.remove()
+    return results, opt
+
+
+def test_optimizer_in_backward_matches_the_step_after_backward() -> None:
+    """The per-parameter steps in backward give the same weights, optimiser state, losses and grad
+    norms as one AdamW step after backward (no clip), and leave no gradient behind."""
+    a, b = _model(), _model()
+    ra, opt_a = _run_steps(a, in_backward=False)
+    rb, opt_b = _run_steps(b, in_backward=True)
+    torch.testing.assert_close([r.loss for r in rb], [r.loss for r in ra], rtol=1e-6, atol=0)
+    torch.testing.assert_close([r.grad_norm for r in rb], [r.grad_norm for r in ra], rtol=1e-5, atol=0)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-7)
+        assert pb.grad is None
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sa["state"]:
+        assert float(sb["state"][k]["step"]) == float(sa["state"][k]["step"]) == 5
+        torch.testing.assert_close(sb["state"][k]["exp_avg_sq"], sa["state"][k]["exp_avg_sq"])
+
+
+def test_optimizer_in_backward_skips_a_non_finite_step() -> None:
+    """A NaN loss reaches no weight and no optimiser state, as without the option; the step after it
+    trains again."""
+    model = _model()
+    results, opt = _run_steps(model, in_backward=True, steps=3, poison_at=2)
+    assert [r.finite for r in results] == [True, True, False]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert {float(s["step"]) for s in opt.state.values()} == {2.0}
 
 
 def _ddp_trace(rank: int, world: int, bucketing: BucketingConfig) -> list[float]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 
 import pytest
 
@@ -286,3 +288,29 @@ def test_auto_micro_batch_is_the_whole_rank_share() -> None:
     assert resolve_batch(explicit) is explicit
     with pytest.raises(ValueError, match="global_batch_size=6 does not split across 4"):
         resolve_batch(cfg_for("ddp", [4], gbs=6, mbs=0))
+
+
+def test_optimizer_in_backward_refusals_and_memory() -> None:
+    """One device, one micro-batch, no clip; the gradients shrink to the largest parameter's, twice."""
+    cfg = cfg_for("ddp", [1], gbs=8, mbs=8)
+    cfg.train.grad_clip = 0.0
+    before = make_plan(cfg).memory
+    cfg.train.optimizer_in_backward = True
+    after = make_plan(cfg).memory
+    biggest = max(math.prod(s.shape) for s in param_specs(cfg.model))
+    assert after.grads == 2 * 4 * biggest < before.grads
+    assert after.total == before.total - before.grads + after.grads
+    for field_name, value, message in (
+        ("grad_clip", 1.0, r"train.grad_clip=1.0: a global gradient-norm clip .* set train.grad_clip=0"),
+        ("micro_batch_size", 2, r"with 4 micro-batches per step .* set train.micro_batch_size=8"),
+    ):
+        bad = copy.deepcopy(cfg)
+        setattr(bad.train, field_name, value)
+        with pytest.raises(ValueError, match=message):
+            make_plan(bad)
+    bad = copy.deepcopy(cfg)
+    bad.mesh.shape, bad.train.micro_batch_size = [2], 4
+    with pytest.raises(
+        ValueError, match=r"mesh.shape=\[2\] \(world 2\): the per-parameter step fires before"
+    ):
+        make_plan(bad)

@@ -80,6 +80,25 @@ def test_compiled_tensor_parallel_run_matches_eager(tmp_path: Path) -> None:
         assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (le, lc)
 
 
+def test_optimizer_in_backward_run_matches_the_plain_step(tmp_path: Path) -> None:
+    """``train.optimizer_in_backward=true`` through train.py logs the plain run's losses and gradient
+    norms (both unclipped), and its plan counts no full set of gradients."""
+    common = [*SMALL, "train.grad_clip=0"]
+    plain = train(tmp_path / "plain", *common)
+    early = train(tmp_path / "early", *common, "train.optimizer_in_backward=true")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert early.returncode == 0, early.stderr[-3000:]
+    rows_p = [r for r in read_metrics(tmp_path / "plain") if "loss" in r]
+    rows_e = [r for r in read_metrics(tmp_path / "early") if "loss" in r]
+    assert len(rows_p) == len(rows_e) == 6
+    for a, b in zip(rows_p, rows_e, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (rows_p, rows_e)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (rows_p, rows_e)
+    plan_p = json.loads((tmp_path / "plain" / "plan.json").read_text())
+    plan_e = json.loads((tmp_path / "early" / "plan.json").read_text())
+    assert plan_e["memory"]["grads"] < plan_p["memory"]["grads"] / 4
+
+
 NO_GPU_CASE = (
     (["run.device=cuda"], "run.device=cuda")
     if not torch.cuda.is_available()
@@ -100,6 +119,7 @@ NO_GPU_CASE = (
             "executor.cache_dir='pyproject.toml' cannot",
         ),
         (["sharding=tp", "sharding.tp=3", "mesh.shape=[3]"], "n_heads"),
+        (["train.optimizer_in_backward=true"], "train.grad_clip=1.0: a global gradient-norm clip"),
         NO_GPU_CASE,
     ],
 )
