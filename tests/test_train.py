@@ -99,6 +99,17 @@ def test_optimizer_in_backward_run_matches_the_plain_step(tmp_path: Path) -> Non
     assert plan_e["memory"]["grads"] < plan_p["memory"]["grads"] / 4
 
 
+@pytest.mark.parametrize("mode", ["script", "trace"])
+def test_legacy_torchscript_freeze_runs(tmp_path: Path, mode: str) -> None:
+    """``freeze=script|trace`` through train.py: the trainer freezes the meta-device model, which
+    torch.jit.freeze cannot (it inlines real weights); the scripted graph is fingerprinted and saved."""
+    run = tmp_path / mode
+    proc = train(run, "train.steps=2", "train.eval_every=0", f"freeze={mode}", "model.fuse_projections=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "frozen" / "model.ts").is_file()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
 NO_GPU_CASE = (
     (["run.device=cuda"], "run.device=cuda")
     if not torch.cuda.is_available()

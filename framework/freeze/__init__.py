@@ -92,7 +92,15 @@ def _freeze_torchscript(
         module = script_model(model, cfg)
     else:
         module = trace_model(model, example_inputs, cfg)
-    frozen = freeze_torchscript(module, cfg) if not cfg.ignore else module.eval()
+    if cfg.ignore:
+        frozen = module.eval()
+    elif any(t.is_meta for t in module.parameters()):
+        # The trainer freezes the meta-device model (no weights): torch.jit.freeze inlines weights
+        # as constants and so needs real ones (on meta it fails in aten::equal). The graph is the
+        # scripted / traced one; weights come from checkpoints, as with freeze=export.
+        frozen = module.eval()
+    else:
+        frozen = freeze_torchscript(module, cfg)
     summary = ts_summary(frozen)
     artifact = None
     if out_dir is not None:
