@@ -208,9 +208,12 @@ def main() -> None:
         lines = [ln.split("#")[0].split() for ln in args.variants.read_text().splitlines()]
         for i, (recipe, mode, *extra) in enumerate(filter(None, lines)):
             try:
-                rows.append(
-                    framework_run(recipe, mode, args.steps, args.out, extra, f"v{i:02d}-{recipe}-{mode}")
-                )
+                if mode.startswith("hand:"):
+                    rows.append(hand_loop(recipe, mode.removeprefix("hand:"), args.steps, 5, extra))
+                else:
+                    rows.append(
+                        framework_run(recipe, mode, args.steps, args.out, extra, f"v{i:02d}-{recipe}-{mode}")
+                    )
             except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the benchmark
                 msg = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append({"what": f"framework {mode} {' '.join(extra)} FAILED: {msg}", "recipe": recipe})
