@@ -157,9 +157,6 @@ class ModelConfig:
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
-    # One GEMM for q/k/v and one for the SwiGLU gate/up projections (weights concatenated at compute
-    # time; the parameters stay separate). Ignored under TP.
-    fuse_projections: bool = False
 
 
 @dataclass

@@ -73,21 +73,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        # cfg.fuse_projections: one GEMM over the concatenated q/k/v weights (see FeedForward).
-        self.fused = cfg.fuse_projections
-        self.split = [cfg.n_heads * self.head_dim, *(2 * [cfg.n_kv_heads * self.head_dim])]
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        if self.fused:
-            w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-            q, k, v = F.linear(x, w).split(self.split, dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 for the head count: under tensor parallelism each rank holds only its share of heads.
-        q = q.view(b, s, -1, self.head_dim)
-        k = k.view(b, s, -1, self.head_dim)
-        v = v.view(b, s, -1, self.head_dim)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
@@ -102,22 +94,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, fused: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
-        # Fused: one GEMM over the concatenated w1/w3 weights instead of two. The parameters (and so
-        # checkpoints, HF export and the planner) stay separate; the concatenation is a copy the
-        # compiler folds into the bf16 cast autocast makes anyway, and the backward's input gradient
-        # becomes one GEMM instead of two plus an add. TP turns it off (each weight is sharded on
-        # its own, by hooks on its own Linear).
-        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -127,7 +110,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.fuse_projections)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)

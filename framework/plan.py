@@ -612,8 +612,6 @@ def make_plan(cfg: Config) -> Plan:
                 f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
                 f"the inter-node link; use sharding.tp <= {cfg.mesh.procs_per_node}"
             )
-    if tp > 1 and cfg.model.fuse_projections:
-        warnings.append("model.fuse_projections is ignored under TP: each projection is sharded on its own")
     _check_executor(cfg, tp)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)

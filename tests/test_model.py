@@ -42,25 +42,3 @@ def test_residual_dtype_under_autocast(compiled: bool) -> None:
     # bf16 rounding of the stream moves the loss a little, not a lot.
     assert seen["autocast"][0] != seen["float32"][0]
     assert abs(seen["autocast"][0] - seen["float32"][0]) < 1e-2
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_projections_match_separate_ones(compiled: bool) -> None:
-    """``model.fuse_projections`` (one GEMM for q/k/v, one for gate/up) gives the separate
-    projections' loss and gradients, with the same parameters (names, shapes, values)."""
-    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-    runs = []
-    for fused in (False, True):
-        model = build_model(ModelConfig(fuse_projections=fused), 16)
-        materialize(model, "cpu", 0)
-        if compiled:
-            model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
-        loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        runs.append((loss.detach(), {n: (p.detach(), p.grad) for n, p in model.named_parameters()}))
-    (loss_a, params_a), (loss_b, params_b) = runs
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
-    assert params_a.keys() == params_b.keys()
-    for name, (p, g) in params_a.items():
-        assert torch.equal(params_b[name][0], p), name
-        torch.testing.assert_close(params_b[name][1], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -141,16 +141,6 @@ def test_matches_single_process(strategy: str, shape: list[int], tp: int, refere
     assert sorted({r["dp"] for r in out}) == [(i, dp) for i in range(dp)]  # TP ranks of a dp group share it
 
 
-@pytest.mark.parametrize(("strategy", "tp"), [("fsdp", 1), ("tp", 2)])
-def test_fused_projections_sharded(strategy: str, tp: int, reference: list[float]) -> None:
-    """``model.fuse_projections`` under FSDP2 (unsharded weights concatenated in forward) trains as
-    the separate projections do; under TP it is turned off, so the sharding hooks still run."""
-    cfg = make_cfg(strategy, [2], tp)
-    cfg.model.fuse_projections = True
-    for r in run_ranks(_worker, 2, cfg):
-        torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
-
-
 def test_ac_and_compile_match_eager(reference: list[float]) -> None:
     """Selective AC + per-block compile (aot_eager) under FSDP2 on 2 ranks reproduces eager."""
     cfg = make_cfg("fsdp", [2], ac="selective")

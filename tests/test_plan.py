@@ -314,12 +314,3 @@ def test_optimizer_in_backward_refusals_and_memory() -> None:
         ValueError, match=r"mesh.shape=\[2\] \(world 2\): the per-parameter step fires before"
     ):
         make_plan(bad)
-
-
-def test_fuse_projections_warned_under_tp() -> None:
-    cfg = cfg_for("tp", [2], tp=2, gbs=8, mbs=8)
-    cfg.model.fuse_projections = True
-    assert any("model.fuse_projections is ignored under TP" in w for w in make_plan(cfg).warnings)
-    cfg = cfg_for("fsdp", [2], gbs=8, mbs=4)
-    cfg.model.fuse_projections = True
-    assert not any("fuse_projections" in w for w in make_plan(cfg).warnings)

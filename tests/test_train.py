@@ -104,7 +104,7 @@ def test_legacy_torchscript_freeze_runs(tmp_path: Path, mode: str) -> None:
     """``freeze=script|trace`` through train.py: the trainer freezes the meta-device model, which
     torch.jit.freeze cannot (it inlines real weights); the scripted graph is fingerprinted and saved."""
     run = tmp_path / mode
-    proc = train(run, "train.steps=2", "train.eval_every=0", f"freeze={mode}", "model.fuse_projections=true")
+    proc = train(run, "train.steps=2", "train.eval_every=0", f"freeze={mode}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "frozen" / "model.ts").is_file()
     assert json.loads((run / "summary.json").read_text())["steps"] == 2

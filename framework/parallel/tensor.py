@@ -49,8 +49,6 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
         },
     )
     for block in model.layers.values():
-        # Each projection is sharded by hooks on its own Linear: the fused GEMM would bypass them.
-        block.attention.fused = block.feed_forward.fused = False
         parallelize_module(
             block,
             tp_mesh,
