@@ -7,7 +7,8 @@ as ``train.py``), runs ``framework.trainer.run`` in this process on one GPU (wor
 the same path as N ranks: DDP over a one-rank group), and reads the run's summary. In the same
 process it times a hand-written minimal loop of the same model (same Llama module, fused AdamW,
 bf16 autocast, fp32 master weights; eager and torch.compile'd per block). Prints tokens/s, step ms,
-MFU (vs 989 TFLOP/s dense bf16, flops/token = 6N + 12·L·H·Q·T), peak memory, the planner's
+MFU (vs 989 TFLOP/s dense bf16, flops/token = 6N + 12·L·H·Q·T) from the median step (the mean
+beside it), peak memory, the planner's
 predicted peak, time to first step and compile time (the first step less a median step); writes the table as JSON and markdown under ``--out``.
 Measure ratios side by side in one run: the machines are noisy.
 """
@@ -19,6 +20,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from framework import config as config_mod  # noqa: E402
 from framework import recipes  # noqa: E402
 from framework.config import Config, quote_numeric_choices, to_config  # noqa: E402
-from framework.launch import register_resolvers  # noqa: E402
+from framework.launch import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.loop import loss_fn  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
 from framework.plan import make_plan  # noqa: E402
@@ -70,18 +72,22 @@ def framework_run(
         *extra,
     ]
     cfg = compose_cfg(overrides)
+    apply_allocator_environment(cfg.run)  # as train.py does, before the first CUDA allocation
     run_dir = out / (name or f"{recipe}-{mode}")
     run_dir.mkdir(parents=True, exist_ok=True)
     reset()
     summary = trainer.run(cfg, run_dir)
     plan = make_plan(cfg)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
-    tps = summary.tokens_per_s or 0.0
+    # The median step, as for the hand loop (robust to a shared host's hiccups); the mean beside it.
+    p50 = summary.step_p50_s
+    tps = tokens / p50 if p50 else 0.0
     return {
         "what": f"framework {mode}" + (f" {' '.join(extra)}" if extra else ""),
         "recipe": recipe,
         "tokens_per_s": tps,
-        "step_ms": 1e3 * tokens / tps if tps else None,
+        "tokens_per_s_mean": summary.tokens_per_s,
+        "step_ms": 1e3 * p50 if p50 else None,
         "mfu": flops_per_token(cfg.model, cfg.train.seq_len) * tps / (PEAK_TFLOPS * 1e12),
         "peak_gib": summary.peak_mem_gib,
         "predicted_gib": plan.memory.total / 2**30,
@@ -102,6 +108,7 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
     framework's does.
     """
     cfg = compose_cfg([f"recipe={recipe}", *(extra or [])])
+    apply_allocator_environment(cfg.run)
     m, t = cfg.model, cfg.train
     reset()
     device = torch.device("cuda")
@@ -142,12 +149,14 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
             first = time.perf_counter() - t0
         events.append((start, end))
     torch.cuda.synchronize()
-    step_s = statistics.median(s.elapsed_time(e) / 1e3 for s, e in events[warmup:])
+    times = [s.elapsed_time(e) / 1e3 for s, e in events[warmup:]]
+    step_s = statistics.median(times)
     tps = t.micro_batch_size * t.seq_len / step_s
     return {
         "what": f"hand-written {variant}" + (f" {' '.join(extra)}" if extra else ""),
         "recipe": recipe,
         "tokens_per_s": tps,
+        "tokens_per_s_mean": t.micro_batch_size * t.seq_len / statistics.mean(times),
         "step_ms": step_s * 1e3,
         "mfu": flops_per_token(m, t.seq_len) * tps / (PEAK_TFLOPS * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -159,9 +168,10 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
 
 def fmt(rows: list[dict]) -> str:
     head = (
-        "| recipe | what | tok/s | step ms | MFU | peak GiB | planned GiB | first step s | compile s | loss |"
+        "| recipe | what | tok/s (p50) | tok/s (mean) | step ms (p50) | MFU (p50) | peak GiB | planned GiB "
+        "| first step s | compile s | loss |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
 
         def f(key: str, spec: str, r: dict = r) -> str:
@@ -169,7 +179,8 @@ def fmt(rows: list[dict]) -> str:
             return format(v, spec) if isinstance(v, (int, float)) else "-"
 
         lines.append(
-            f"| {r['recipe']} | {r['what']} | {f('tokens_per_s', ',.0f')} | {f('step_ms', '.1f')} | "
+            f"| {r['recipe']} | {r['what']} | {f('tokens_per_s', ',.0f')} | {f('tokens_per_s_mean', ',.0f')} "
+            f"| {f('step_ms', '.1f')} | "
             f"{f('mfu', '.1%')} | {f('peak_gib', '.1f')} | {f('predicted_gib', '.1f')} | "
             f"{f('first_step_s', '.1f')} | {f('compile_s', '.1f')} | {f('final_loss', '.3f')} |"
         )
@@ -193,8 +204,11 @@ def main() -> None:
         type=Path,
         help="file of runs, one per line: RECIPE MODE [OVERRIDE ...] ('#' comments; MODE is an "
         "executor, or hand:eager|hand:compile|hand:compile_head for the hand-written loop); "
-        "replaces --models/--modes/--hand",
+        "replaces --models/--modes/--hand. Each line runs in its own process, so one that runs out of "
+        "memory leaves nothing behind for the next",
     )
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant line, write --row
+    p.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py needs a CUDA device")
@@ -204,19 +218,37 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    if args.one is not None:  # a child of --variants
+        recipe, mode, *extra = args.one.split()
+        name = f"{args.row.stem}-{recipe}-{mode.replace(':', '_')}"
+        if mode.startswith("hand:"):
+            row = hand_loop(recipe, mode.removeprefix("hand:"), args.steps, 5, extra)
+        else:
+            row = framework_run(recipe, mode, args.steps, args.out, extra, name)
+        args.row.write_text(json.dumps(row))
+        return
     if args.variants:
-        lines = [ln.split("#")[0].split() for ln in args.variants.read_text().splitlines()]
-        for i, (recipe, mode, *extra) in enumerate(filter(None, lines)):
-            try:
-                if mode.startswith("hand:"):
-                    rows.append(hand_loop(recipe, mode.removeprefix("hand:"), args.steps, 5, extra))
-                else:
-                    rows.append(
-                        framework_run(recipe, mode, args.steps, args.out, extra, f"v{i:02d}-{recipe}-{mode}")
-                    )
-            except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the benchmark
-                msg = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append({"what": f"framework {mode} {' '.join(extra)} FAILED: {msg}", "recipe": recipe})
+        lines = [" ".join(ln.split("#")[0].split()) for ln in args.variants.read_text().splitlines()]
+        for i, line in enumerate(filter(None, lines)):
+            row_file = args.out / f"v{i:02d}.json"
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                line,
+                "--row",
+                str(row_file),
+                "--steps",
+                str(args.steps),
+            ]
+            proc = subprocess.run([*cmd, "--out", str(args.out)], capture_output=True, text=True)
+            (args.out / f"v{i:02d}.log").write_text(proc.stdout + proc.stderr)
+            if proc.returncode == 0 and row_file.is_file():
+                rows.append(json.loads(row_file.read_text()))
+            else:  # a failed variant is a row, not the end of the benchmark
+                tail = " ".join(proc.stderr.strip().splitlines()[-1:])[:300]
+                recipe, mode, *extra = line.split()
+                rows.append({"what": f"framework {mode} {' '.join(extra)} FAILED: {tail}", "recipe": recipe})
             print(fmt(rows[-1:]), flush=True)
         args.models = ""
     for recipe in filter(None, args.models.split(",")):

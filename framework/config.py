@@ -198,6 +198,10 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     device: Device = Device.auto
+    # CUDA caching allocator: grow segments in place instead of carving fixed blocks
+    # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's launcher sets it): less
+    # fragmentation when memory is tight. Never overrides a PYTORCH_CUDA_ALLOC_CONF already set.
+    expandable_segments: bool = True
     # Plan (and on a fake process group, build and shard) without training.
     dry_run: bool = False
     # Fail on any nondeterministic kernel; used by the bitwise resume tests.

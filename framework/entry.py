@@ -29,6 +29,7 @@ from framework import sweep
 from framework.config import Config, ExecutorMode, RunConfig, to_config, to_yaml
 from framework.launch import (
     adopt_submitit_environment,
+    apply_allocator_environment,
     check_local_resources,
     check_torch,
     isolated_environ,
@@ -180,6 +181,7 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> floa
             log.info("nccl: %s", describe_nccl(nccl_env))
     # Before any process group exists, and before spawning: the ranks inherit it.
     apply_nccl_environment(nccl_env)
+    apply_allocator_environment(cfg.run)
     if cfg.run.dry_run:
         from framework.dry_run import dry_run, format_dry_run
 

@@ -33,7 +33,7 @@ from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
-from framework.config import Config, Device
+from framework.config import Config, Device, RunConfig
 
 log = logging.getLogger("framework")
 
@@ -251,3 +251,16 @@ def adopt_submitit_environment() -> bool:
     # CUDA_VISIBLE_DEVICES is left alone: init_distributed picks cuda:LOCAL_RANK itself.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return True
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def apply_allocator_environment(run: RunConfig) -> None:
+    """``run.expandable_segments``: set the CUDA allocator's configuration for this job and its ranks.
+
+    Before CUDA's first allocation (the allocator reads it once); a value the user already exported
+    wins, whatever the config says.
+    """
+    if run.expandable_segments and ALLOC_CONF not in os.environ:
+        os.environ[ALLOC_CONF] = "expandable_segments:True"

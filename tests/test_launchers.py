@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.launch import register_resolvers
+from framework.config import RunConfig
+from framework.launch import ALLOC_CONF, apply_allocator_environment, register_resolvers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,3 +62,14 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     ]
     with (sweep_dir / "sweep_summary.csv").open() as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok"]
+
+
+def test_allocator_environment_is_set_once_and_never_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALLOC_CONF, raising=False)
+    apply_allocator_environment(RunConfig(expandable_segments=False))
+    assert ALLOC_CONF not in os.environ
+    apply_allocator_environment(RunConfig())
+    assert os.environ[ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(ALLOC_CONF, "max_split_size_mb:128")
+    apply_allocator_environment(RunConfig())
+    assert os.environ[ALLOC_CONF] == "max_split_size_mb:128"
