@@ -25,34 +25,118 @@ from framework.config import TrainConfig
 from framework.model import compute_dtype
 
 
+class HostIO:
+    """Pinned host buffers for each step's batch (in) and figures (out), reused in a ring.
+
+    Why: a copy from pageable host memory synchronises the stream before it starts, and reading a
+    device value (``float(t)``) waits for everything queued, including the next step. Through
+    pinned buffers both copies are queued like kernels and a step's figures are read by waiting on
+    that step's own event, so the host can queue step k+1 before it reads step k (the trainer does,
+    see ``trainer.run``): the GPU never idles between steps. Preallocated and reused: allocating
+    pinned memory every step (``Tensor.pin_memory()``) measured 10% slower than pageable copies on
+    the 125M (benchmarks/PERF.md, round 9). On the CPU it does nothing.
+
+    A buffer is reused ``slots`` uses later, after waiting on the event of its previous copy; a
+    :class:`StepResult` must therefore be read within ``slots`` steps (the trainer reads each one
+    within one step).
+    """
+
+    def __init__(self, device: torch.device, slots: int = 4) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = slots
+        self._rings: dict[tuple, list[list]] = {}  # (direction, shape, dtype) -> [[buffer, event], ...]
+        self._next: dict[tuple, int] = {}
+
+    def _slot(self, key: tuple) -> list:
+        ring = self._rings.setdefault(key, [])
+        i = self._next.get(key, 0)
+        self._next[key] = (i + 1) % self.slots
+        if i == len(ring):
+            shape, dtype = key[1], key[2]
+            ring.append([torch.empty(shape, dtype=dtype, pin_memory=True), None])
+        slot = ring[i]
+        if slot[1] is not None:
+            slot[1].synchronize()  # the copy that last used this buffer is done
+        return slot
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t.to(self.device)
+        slot = self._slot(("in", tuple(t.shape), t.dtype))
+        slot[0].copy_(t)
+        out = slot[0].to(self.device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record()
+        return out
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """An asynchronous copy of ``t`` and the event that marks it done (None: already done)."""
+        if not self.cuda:
+            return t, None
+        slot = self._slot(("out", tuple(t.shape), t.dtype))
+        slot[0].copy_(t, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record()
+        return slot[0], slot[1]
+
+
 @dataclass
 class StepResult:
-    """One step's figures. On CUDA they stay on the device until read: reading ``loss``,
-    ``grad_norm``, ``finite`` or ``seconds`` synchronises once, so a loop that only reads them on
-    log steps never stalls the GPU queue in between. Reading ``loss`` is a collective (an
-    all-reduce over ranks): every rank must read it at the same step."""
+    """One step's figures. On CUDA they are copied to the host asynchronously: reading ``loss``,
+    ``grad_norm``, ``finite`` or ``seconds`` waits for this step's own copy (not for steps queued
+    after it), once. Reading ``loss`` is a collective (an all-reduce over ranks, of a host value):
+    every rank must read it at the same step."""
 
-    loss_t: torch.Tensor  # this rank's mean loss; averaged over ranks when read
+    loss_t: torch.Tensor  # this rank's mean loss (device); averaged over ranks when read
     grad_norm_t: torch.Tensor  # before clipping
     finite_t: torch.Tensor
     lr: float
     _timer: _StepTimer
+    _host: torch.Tensor | None = None  # [loss, grad norm, finite], filled by _ready
+    _ready: torch.cuda.Event | None = None
+    _values: list[float] | None = None
+
+    def _fetch(self) -> list[float]:
+        if self._values is None:
+            if self._host is not None:
+                if self._ready is not None:
+                    self._ready.synchronize()
+                self._values = [float(v) for v in self._host.tolist()]
+            else:
+                self._values = [float(self.loss_t), float(self.grad_norm_t), float(self.finite_t)]
+        return self._values
 
     @property
     def loss(self) -> float:
-        return _mean_over_ranks(self.loss_t)
+        return _mean_over_ranks(torch.tensor(self._fetch()[0], dtype=torch.float64))
 
     @property
     def grad_norm(self) -> float:
-        return float(self.grad_norm_t)
+        return self._fetch()[1]
 
     @property
     def finite(self) -> bool:
-        return bool(self.finite_t)
+        return bool(self._fetch()[2])
 
     @property
     def seconds(self) -> float:
         return self._timer.seconds()
+
+
+def _result(
+    total: torch.Tensor,
+    norm: torch.Tensor,
+    finite: torch.Tensor,
+    lr: float,
+    timer: _StepTimer,
+    io: HostIO | None,
+) -> StepResult:
+    result = StepResult(total, norm, finite, lr, timer)
+    if io is not None and io.cuda:
+        packed = torch.stack([total.float(), norm.float(), finite.float()])
+        result._host, result._ready = io.to_host(packed)
+    return result
 
 
 class _StepTimer:
@@ -191,17 +275,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a CPU batch tensor to ``device`` without stalling the host on CUDA.
-
-    Why: a copy from pageable memory synchronises the stream before it starts, so the host waits for
-    the previous step to finish and the GPU then idles while the next step's first kernels are
-    launched. From pinned memory the copy is queued like a kernel (the caching host allocator does
-    not reuse the pinned block until the copy is done).
-    """
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+def _to_device(t: torch.Tensor, device: torch.device, io: HostIO | None) -> torch.Tensor:
+    return io.to_device(t) if io is not None else t.to(device, non_blocking=True)
 
 
 def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
@@ -253,6 +328,7 @@ def train_step(
     grad_clip: float,
     device: torch.device,
     in_backward: InBackward | None = None,
+    io: HostIO | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
 
@@ -263,7 +339,7 @@ def train_step(
     loss skips it).
     """
     if in_backward is not None:
-        return _step_in_backward(model, in_backward, scheduler, micro_batches, device)
+        return _step_in_backward(model, in_backward, scheduler, micro_batches, device, io)
     timer = _StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
@@ -272,7 +348,7 @@ def train_step(
     n = len(micro_batches)
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro_batches):
-        x, y = to_device(x, device), to_device(y, device)
+        x, y = _to_device(x, device, io), _to_device(y, device, io)
         with _no_grad_sync(model, last=i == n - 1):
             with autocast(device):
                 loss = model(x, y) / n
@@ -292,7 +368,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     timer.stop()
-    return StepResult(total, norm, finite, lr, timer)
+    return _result(total, norm, finite, lr, timer, io)
 
 
 def _step_in_backward(
@@ -301,6 +377,7 @@ def _step_in_backward(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
+    io: HostIO | None,
 ) -> StepResult:
     if len(micro_batches) != 1:
         raise ValueError(
@@ -313,7 +390,7 @@ def _step_in_backward(
         torch.compiler.cudagraph_mark_step_begin()
     lr = scheduler.get_last_lr()[0]
     ((x, y),) = micro_batches
-    x, y = to_device(x, device), to_device(y, device)
+    x, y = _to_device(x, device, io), _to_device(y, device, io)
     ib.norm_sq.zero_()
     with autocast(device):
         loss = model(x, y)
@@ -328,7 +405,7 @@ def _step_in_backward(
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         scheduler.step()
     timer.stop()
-    return StepResult(total, norm, finite, lr, timer)
+    return _result(total, norm, finite, lr, timer, io)
 
 
 @torch.no_grad()

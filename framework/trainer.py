@@ -31,7 +31,9 @@ from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, P
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import (
+    HostIO,
     InBackward,
+    StepResult,
     attach_in_backward,
     autocast,
     build_optimizer,
@@ -392,6 +394,82 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     stopped = False
     step = start_step
     first_step_s: float | None = None
+    io = HostIO(device)
+    # Lag: the host queues step k+1 before it reads step k's figures (HostIO), so the GPU does not
+    # idle between steps while the host logs, counts and prepares the next batch. Only plain steps
+    # lag: a step that ends at a log row, an evaluation, a checkpoint, a fault injection or the end
+    # of the run is read at once. With verify on, every step is read at once (the circuit breaker
+    # may swap the executor before the next step).
+    lag = not verifier.enabled
+    pending: tuple[StepResult, int, bool] | None = None  # (result, its step number, warm)
+
+    def account(result: StepResult, done: int, warm: bool) -> StepAction:
+        """Everything that reads a step's figures: counters, throughput, verify, the log row."""
+        nonlocal window_tokens, window_time, log_tokens, log_time, first_step_s, since_build
+        if summary.time_to_first_step_s is None:
+            summary.time_to_first_step_s = time.perf_counter() - t_start
+            first_step_s = result.seconds
+        if not result.finite:
+            summary.skipped_steps += 1
+            metrics.log({"step": done, "event": "skipped_step", "detail": "non-finite loss or gradient"})
+        # The first steps pay for compilation and allocator warm-up: keep them out of throughput.
+        if warm and result.finite:
+            window_tokens += tokens_per_step
+            window_time += result.seconds
+            log_tokens += tokens_per_step
+            log_time += result.seconds
+            step_seconds.append(result.seconds)
+            if verifier.enabled and verifier.breaker is None:
+                verifier.start_timing(
+                    verifier.baseline_p99(env.world_size, device_name(env), built.executor.mode)
+                )
+        action, tripped = verifier.after_step(
+            result.finite, result.seconds if warm and result.finite else None
+        )
+        metrics.advance()
+        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            tps = log_tokens / log_time if log_time > 0 else None
+            log_tokens, log_time = 0, 0.0
+            row: dict[str, Any] = {
+                "step": done,
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.grad_norm,
+                "tokens_per_s": tps,
+                "step_ms": result.seconds * 1e3,
+            }
+            if device_peak is not None and tps is not None:
+                row["mfu"] = fpt * tps / (device_peak * 1e12 * env.world_size)
+            if device.type == "cuda":
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics.log(row)
+            summary.final_loss, summary.peak_mem_gib = result.loss, row.get("peak_mem_gib")
+        if window_time > 0:
+            summary.tokens_per_s = window_tokens / window_time
+            if device_peak is not None:
+                summary.mfu = fpt * summary.tokens_per_s / (device_peak * 1e12 * env.world_size)
+        if tripped:
+            p99 = verifier.breaker.last_p99_s if verifier.breaker is not None else None
+            lower = fall_back_mid_run(cfg, built, device)
+            what = f"executor {lower and built.executor.mode.value}" if lower else "none (already eager)"
+            verifier.fallback(done, "circuit_breaker", f"fallback: {what}", f"window p99 {p99}")
+            if verifier.breaker is not None:
+                verifier.breaker.reset()
+            since_build = 0
+        return action
+
+    def boundary(done: int) -> bool:
+        """Does anything at the end of step ``done`` need its figures first? (Checkpoints and
+        preemption are decided by the caller, once per step: they are collectives.)"""
+        return (
+            not lag
+            or summary.time_to_first_step_s is None
+            or done % cfg.train.log_every == 0
+            or done >= cfg.train.steps
+            or (cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0)
+            or done == cfg.run.fault_kill_at_step
+        )
+
     profiler.__enter__()
     while step < cfg.train.steps:
         if cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0:
@@ -412,75 +490,47 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 cfg.train.grad_clip,
                 device,
                 built.in_backward,
+                io,
             )
         tokens_seen += tokens_per_step
-        if summary.time_to_first_step_s is None:
-            summary.time_to_first_step_s = time.perf_counter() - t_start
-            first_step_s = result.seconds
-        if not result.finite:
-            summary.skipped_steps += 1
-            metrics.log({"step": step + 1, "event": "skipped_step", "detail": "non-finite loss or gradient"})
-        # The first steps pay for compilation and allocator warm-up: keep them out of throughput.
         warm = since_build >= built.executor.warmup_steps
         since_build += 1
-        if warm and result.finite:
-            window_tokens += tokens_per_step
-            window_time += result.seconds
-            log_tokens += tokens_per_step
-            log_time += result.seconds
-            step_seconds.append(result.seconds)
-            if verifier.enabled and verifier.breaker is None:
-                verifier.start_timing(
-                    verifier.baseline_p99(env.world_size, device_name(env), built.executor.mode)
-                )
-        action, tripped = verifier.after_step(
-            result.finite, result.seconds if warm and result.finite else None
-        )
-        metrics.advance()
         profiler.step()
         done = step + 1
-        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            tps = log_tokens / log_time if log_time > 0 else None
-            log_tokens, log_time = 0, 0.0
-            row: dict[str, Any] = {
-                "step": done,
-                "loss": result.loss,
-                "lr": result.lr,
-                "grad_norm": result.grad_norm,
-                "tokens_per_s": tps,
-                "step_ms": result.seconds * 1e3,
-            }
-            if device_peak is not None and tps is not None:
-                row["mfu"] = fpt * tps / (device_peak * 1e12 * env.world_size)
-            if device.type == "cuda":
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            metrics.log(row)
-            summary.final_loss, summary.peak_mem_gib = result.loss, row.get("peak_mem_gib")
         summary.steps = done
-        if window_time > 0:
-            summary.tokens_per_s = window_tokens / window_time
-            if device_peak is not None:
-                summary.mfu = fpt * summary.tokens_per_s / (device_peak * 1e12 * env.world_size)
-        if action is StepAction.rollback:
+        if pending is not None:  # the previous step, read now that this one is queued
+            previous, pending = pending, None
+            if account(*previous) is StepAction.rollback:
+                if ckpt is not None and ckpt.latest() is not None:
+                    # This step ran on the weights the rollback replaces: undo its batch and count,
+                    # so the run goes on exactly as if the rollback had come before it.
+                    data.sampler.consumed_batches -= 1
+                    since_build -= 1
+                    summary.steps = previous[1]
+                    step = rollback(previous[1])
+                    continue
+                rollback(previous[1])  # no checkpoint: records that, and the run skips on
+        # Once per step and in the same order on every rank: both can be collectives.
+        stop_now = preempt is not None and preempt.requested()
+        save_now = ckpt is not None and (
+            stop_now
+            or (done == cfg.train.steps and cfg.checkpoint.at_end)
+            or ckpt.should_save(done, time.monotonic())
+        )
+        if not (save_now or stop_now or boundary(done)):
+            pending = (result, done, warm)
+            step = done
+            continue
+        if account(result, done, warm) is StepAction.rollback:
             step = rollback(done)
             continue
-        if tripped:
-            p99 = verifier.breaker.last_p99_s if verifier.breaker is not None else None
-            lower = fall_back_mid_run(cfg, built, device)
-            what = f"executor {lower and built.executor.mode.value}" if lower else "none (already eager)"
-            verifier.fallback(done, "circuit_breaker", f"fallback: {what}", f"window p99 {p99}")
-            if verifier.breaker is not None:
-                verifier.breaker.reset()
-            since_build = 0
         maybe_inject_fault(cfg, env, done)
-        if ckpt is not None:
-            stopped = preempt is not None and preempt.requested()
-            last = done == cfg.train.steps and cfg.checkpoint.at_end
-            if stopped or last or ckpt.should_save(done, time.monotonic()):
-                save(done)
-            if stopped:
-                metrics.log({"step": done, "event": "preempted", "detail": "signal received: saved, exiting"})
-                break
+        if save_now:
+            save(done)
+        if stop_now:
+            stopped = True
+            metrics.log({"step": done, "event": "preempted", "detail": "signal received: saved, exiting"})
+            break
         step = done
     profiler.__exit__(None, None, None)
     if env.is_main and profiler.top_operators():

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from framework.config import BucketingConfig, ModelConfig, TrainConfig
 from framework.data import BatchSampler
-from framework.loop import attach_in_backward, build_optimizer, build_scheduler, lr_lambda, train_step
+from framework.loop import HostIO, attach_in_backward, build_optimizer, build_scheduler, lr_lambda, train_step
 from framework.model import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from tests.dist import run_ranks
@@ -140,3 +140,18 @@ def test_ddp_reproduces_the_single_process_trace(world: int, bucketing: Bucketin
         # DDP averages gradients in a different order than one process sums them: not bitwise.
         torch.testing.assert_close(torch.tensor(trace), torch.tensor(reference), rtol=2e-5, atol=2e-5)
     assert reference[-1] < reference[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers need CUDA")
+def test_host_io_ring_copies_in_and_out() -> None:
+    """More copies than slots: every staged batch arrives intact, every figure comes back."""
+    cuda = torch.device("cuda")
+    io = HostIO(cuda, slots=2)
+    for i in range(5):
+        x = torch.full((3, 4), i, dtype=torch.long)
+        dev = io.to_device(x)
+        assert dev.device.type == "cuda" and torch.equal(dev.cpu(), x)
+        host, ready = io.to_host(torch.tensor([float(i), 2.0 * i], device=cuda))
+        assert ready is not None
+        ready.synchronize()
+        assert host.tolist() == [float(i), 2.0 * i]

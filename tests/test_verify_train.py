@@ -20,17 +20,16 @@ TINY = ["verify=on", "train.steps=12", "train.log_every=4", "train.eval_every=0"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("verify_runs")
-    out = {"compile": base / "compile", "nan": base / "nan"}
+    out = {"compile": base / "compile", "nan": base / "nan", "nan_lagged": base / "nan_lagged"}
+    # Steps 5-7 get NaN; the third bad step (7) is a plain step, so without verify it is read one
+    # step late, while step 8 is already queued.
+    nan = ["checkpoint=sync", "checkpoint.every_steps=4", "verify.inject_nan_steps=[4,5,6]"]
     procs = {
         # An invalid backend name: torch.compile raises InvalidBackend while parallelizing.
         "compile": train(out["compile"], *TINY, "executor=compile", "executor.backend=no_such_backend"),
-        "nan": train(
-            out["nan"],
-            *TINY,
-            "checkpoint=sync",
-            "checkpoint.every_steps=4",
-            "verify.inject_nan_steps=[5,6,7]",
-        ),
+        "nan": train(out["nan"], *TINY, *nan),
+        # verify off: plain steps are read one step late (the trainer's lag), rollback included.
+        "nan_lagged": train(out["nan_lagged"], *TINY[1:], *nan),
     }
     for name, proc in procs.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
@@ -59,7 +58,7 @@ def test_nan_steps_are_skipped_then_rolled_back(runs: dict[str, Path]) -> None:
     run = runs["nan"]
     rows = read_metrics(run)
     skipped = [r["step"] for r in rows if r.get("event") == "skipped_step"]
-    assert skipped == [6, 7, 8]
+    assert skipped == [5, 6, 7]
     rollback = [r for r in rows if r.get("event") == "fallback/bad_steps"]
     assert len(rollback) == 1 and "rollback to step 4" in rollback[0]["detail"]
     # Training went on from step 4 with the data past the bad batches, and finished with a finite loss.
@@ -70,6 +69,23 @@ def test_nan_steps_are_skipped_then_rolled_back(runs: dict[str, Path]) -> None:
     md = (run / "verification.md").read_text()
     assert "| graph (cross-rank) | pass |" in md and "| numerics | pass |" in md
     assert "**bad_steps**: rollback to step 4" in md
+
+
+def test_lagged_reading_gives_the_same_run(runs: dict[str, Path]) -> None:
+    """Without verify the trainer queues each plain step before it reads the previous one; a NaN
+    found one step late still skips the same steps and rolls back to the same checkpoint, undoing
+    the step queued after it, so the run is the same as the one read step by step."""
+    a, b = read_metrics(runs["nan"]), read_metrics(runs["nan_lagged"])
+
+    def trace(rows: list[dict]) -> tuple:
+        losses = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+        events = sorted((r["step"], r["event"], r.get("detail", "")) for r in rows if "event" in r)
+        return losses, events
+
+    assert trace(b) == trace(a)
+    assert trace(a)[0] and any(e[1] == "fallback/bad_steps" for e in trace(a)[1])
+    sa, sb = (json.loads((runs[k] / "summary.json").read_text()) for k in ("nan", "nan_lagged"))
+    assert (sb["steps"], sb["skipped_steps"]) == (sa["steps"], sa["skipped_steps"]) == (12, 3)
 
 
 def test_compare_two_real_runs(runs: dict[str, Path]) -> None:
