@@ -220,6 +220,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     if args.one is not None:  # a child of --variants
         recipe, mode, *extra = args.one.split()
+        if "bench:same_stream" in extra:  # diagnostic: the optimiser in backward without its own stream
+            import framework.loop
+
+            framework.loop.OPTIMIZER_SIDE_STREAM = False
+        extra = [e for e in extra if not e.startswith("bench:")]
         name = f"{args.row.stem}-{recipe}-{mode.replace(':', '_')}"
         if mode.startswith("hand:"):
             row = hand_loop(recipe, mode.removeprefix("hand:"), args.steps, 5, extra)
@@ -244,7 +249,10 @@ def main() -> None:
             proc = subprocess.run([*cmd, "--out", str(args.out)], capture_output=True, text=True)
             (args.out / f"v{i:02d}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode == 0 and row_file.is_file():
-                rows.append(json.loads(row_file.read_text()))
+                row = json.loads(row_file.read_text())
+                marks = [e for e in line.split() if e.startswith("bench:")]
+                row["what"] += "".join(f" {m}" for m in marks)
+                rows.append(row)
             else:  # a failed variant is a row, not the end of the benchmark
                 tail = " ".join(proc.stderr.strip().splitlines()[-1:])[:300]
                 recipe, mode, *extra = line.split()

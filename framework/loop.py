@@ -192,6 +192,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
+# train.optimizer_in_backward on CUDA: run the per-parameter updates on their own stream (InBackward).
+# A module constant, not a config field: the benchmark flips it to measure the overlap.
+OPTIMIZER_SIDE_STREAM = True
+
+
 @dataclass
 class InBackward:
     """The optimiser step run inside backward, one parameter at a time (``train.optimizer_in_backward``).
@@ -218,7 +223,9 @@ class InBackward:
     norm_sq: torch.Tensor  # sum of the squared gradient norms seen this step
     handles: list[RemovableHandle]
 
-    def _step(self, p: torch.Tensor) -> None:
+    stream: torch.cuda.Stream | None = None  # CUDA: the updates' own stream (see _step)
+
+    def _update(self, p: torch.Tensor) -> None:
         opt, group = self.per_param[p]
         opt.state = self.main.state  # the main optimiser's load_state_dict replaces its dict
         opt.param_groups[0]["lr"] = group["lr"]  # moved by the scheduler
@@ -231,7 +238,29 @@ class InBackward:
             opt.step()
         elif bool(ok):
             opt.step()
+
+    def _step(self, p: torch.Tensor) -> None:
+        if self.stream is None:
+            self._update(p)
+            p.grad = None
+            return
+        # On CUDA the update runs on a stream of its own, so the memory-bound AdamW of one layer
+        # overlaps the backward GEMMs of the layers before it. The side stream first waits for all
+        # work queued so far (this gradient, and the backward ops that read this weight), and the
+        # gradient's memory is not reused before the side stream is done with it. ``finish`` makes
+        # the main stream wait for the updates before the next forward reads the weights.
+        grad = p.grad
+        assert grad is not None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._update(p)
+        grad.record_stream(self.stream)
         p.grad = None
+
+    def finish(self) -> None:
+        """After backward: the main stream waits for the updates (and the gradient norm)."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -248,6 +277,8 @@ def attach_in_backward(optimizer: torch.optim.Optimizer) -> InBackward:
         norm_sq=torch.zeros((), device=device),
         handles=[],
     )
+    if device.type == "cuda" and OPTIMIZER_SIDE_STREAM:
+        ib.stream = torch.cuda.Stream(device)
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
@@ -397,6 +428,7 @@ def _step_in_backward(
     total = loss.detach().float()
     ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
     loss.backward()
+    ib.finish()
     norm = ib.norm_sq.sqrt()
     finite = torch.isfinite(norm) & torch.isfinite(total)
     with warnings.catch_warnings():

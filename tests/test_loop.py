@@ -155,3 +155,26 @@ def test_host_io_ring_copies_in_and_out() -> None:
         assert ready is not None
         ready.synchronize()
         assert host.tolist() == [float(i), 2.0 * i]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the updates' own stream is CUDA only")
+def test_optimizer_in_backward_side_stream_matches_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the per-parameter updates run on their own stream: same weights as the plain step."""
+    import framework.loop as loop_mod
+
+    cuda = torch.device("cuda")
+    results = []
+    for side in (False, True):
+        monkeypatch.setattr(loop_mod, "OPTIMIZER_SIDE_STREAM", side)
+        model = build_model(MODEL, TRAIN.seq_len)
+        materialize(model, cuda, seed=0)
+        opt = build_optimizer(model, TRAIN, cuda)
+        ib = attach_in_backward(opt)
+        assert (ib.stream is not None) == side
+        sched = build_scheduler(opt, TRAIN)
+        sampler = BatchSampler(TOKENS, 256, TRAIN.seq_len, 4, 4, 0, 1, seed=5)
+        losses = [train_step(model, opt, sched, sampler.next_batch(), 0.0, cuda, ib).loss for _ in range(4)]
+        results.append((losses, [q.detach().clone() for q in model.parameters()]))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
