@@ -260,6 +260,11 @@ def _check_in_backward(cfg: Config, accum: int) -> None:
         )
 
 
+def _whole_model_backward(cfg: Config) -> bool:
+    """One compiled region for the whole model: its backward hands out every gradient at once."""
+    return cfg.executor.mode != ExecutorMode.eager and cfg.executor.scope == CompileScope.model
+
+
 def _check_batch(cfg: Config, dp: int) -> int:
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     if mbs < 1 or gbs < 1 or gbs % (dp * mbs):
@@ -385,7 +390,7 @@ def _memory(
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
-    if cfg.train.optimizer_in_backward:
+    if cfg.train.optimizer_in_backward and not _whole_model_backward(cfg):
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
         grads = 2 * max(local_numel(s, tp, dp_shard) for s in specs) * _MASTER_BYTES
@@ -615,6 +620,12 @@ def make_plan(cfg: Config) -> Plan:
     _check_executor(cfg, tp)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)
+    if cfg.train.optimizer_in_backward and _whole_model_backward(cfg):
+        warnings.append(
+            "train.optimizer_in_backward with executor.scope=model: the one compiled backward hands "
+            "out every gradient at once, so no gradient memory is saved and no update overlaps the "
+            "backward; use executor.scope=block"
+        )
     strategy = cfg.sharding.strategy
     if strategy == Strategy.hsdp and cfg.mesh.nodes == 1:
         warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")

@@ -308,6 +308,11 @@ def test_optimizer_in_backward_refusals_and_memory() -> None:
         setattr(bad.train, field_name, value)
         with pytest.raises(ValueError, match=message):
             make_plan(bad)
+    whole = copy.deepcopy(cfg)
+    whole.executor.mode, whole.executor.scope = ExecutorMode.compile, CompileScope.model
+    plan = make_plan(whole)
+    assert plan.memory.grads == before.grads
+    assert any("executor.scope=model: the one compiled backward" in w for w in plan.warnings)
     bad = copy.deepcopy(cfg)
     bad.mesh.shape, bad.train.micro_batch_size = [2], 4
     with pytest.raises(
