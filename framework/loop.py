@@ -8,6 +8,7 @@ is freed, so the step never holds every gradient at once.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -36,28 +37,33 @@ class HostIO:
     pinned memory every step (``Tensor.pin_memory()``) measured 10% slower than pageable copies on
     the 125M (benchmarks/PERF.md, round 9). On the CPU it does nothing.
 
-    A buffer is reused ``slots`` uses later, after waiting on the event of its previous copy; a
+    A buffer is reused at the earliest ``slots`` uses later, once its previous copy is done; a
     :class:`StepResult` must therefore be read within ``slots`` steps (the trainer reads each one
     within one step).
     """
 
-    def __init__(self, device: torch.device, slots: int = 4) -> None:
+    def __init__(self, device: torch.device, slots: int = 4, max_slots: int = 64) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.slots = slots
-        self._rings: dict[tuple, list[list]] = {}  # (direction, shape, dtype) -> [[buffer, event], ...]
-        self._next: dict[tuple, int] = {}
+        self.max_slots = max_slots
+        # (direction, shape, dtype) -> [buffer, event of its last copy], oldest use first
+        self._rings: dict[tuple, collections.deque[list]] = {}
 
     def _slot(self, key: tuple) -> list:
-        ring = self._rings.setdefault(key, [])
-        i = self._next.get(key, 0)
-        self._next[key] = (i + 1) % self.slots
-        if i == len(ring):
-            shape, dtype = key[1], key[2]
-            ring.append([torch.empty(shape, dtype=dtype, pin_memory=True), None])
-        slot = ring[i]
-        if slot[1] is not None:
-            slot[1].synchronize()  # the copy that last used this buffer is done
+        """The least recently used buffer for ``key``, or a new one while there are fewer than
+        ``slots``, or while the oldest is still being copied (many micro-batches per step: growing
+        the ring beats waiting for the previous step); past ``max_slots``, wait for the oldest."""
+        ring = self._rings.setdefault(key, collections.deque())
+        oldest = ring[0] if ring else None
+        busy = oldest is not None and oldest[1] is not None and not oldest[1].query()
+        if len(ring) < self.slots or (busy and len(ring) < self.max_slots):
+            slot = [torch.empty(key[1], dtype=key[2], pin_memory=True), None]
+        else:
+            slot = ring.popleft()
+            if slot[1] is not None:
+                slot[1].synchronize()  # the copy that last used this buffer is done
+        ring.append(slot)
         return slot
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,11 @@ def test_host_io_ring_copies_in_and_out() -> None:
     """More copies than slots: every staged batch arrives intact, every figure comes back."""
     cuda = torch.device("cuda")
     io = HostIO(cuda, slots=2)
+    torch.cuda._sleep(100_000_000)  # keep the stream busy: the ring grows instead of waiting
+    staged = [io.to_device(torch.full((3, 4), i, dtype=torch.long)) for i in range(6)]
+    assert len(io._rings[("in", (3, 4), torch.long)]) > 2
+    for i, dev in enumerate(staged):
+        assert dev.device.type == "cuda" and torch.equal(dev.cpu(), torch.full((3, 4), i))
     for i in range(5):
         x = torch.full((3, 4), i, dtype=torch.long)
         dev = io.to_device(x)
