@@ -228,7 +228,6 @@ class InBackward:
     poison: torch.Tensor  # 0.0, or NaN when this step's loss is non-finite
     norm_sq: torch.Tensor  # sum of the squared gradient norms seen this step
     handles: list[RemovableHandle]
-
     stream: torch.cuda.Stream | None = None  # CUDA: the updates' own stream (see _step)
 
     def _update(self, p: torch.Tensor) -> None:
@@ -246,21 +245,20 @@ class InBackward:
             opt.step()
 
     def _step(self, p: torch.Tensor) -> None:
-        if self.stream is None:
-            self._update(p)
-            p.grad = None
-            return
-        # On CUDA the update runs on a stream of its own, so the memory-bound AdamW of one layer
-        # overlaps the backward GEMMs of the layers before it. The side stream first waits for all
-        # work queued so far (this gradient, and the backward ops that read this weight), and the
-        # gradient's memory is not reused before the side stream is done with it. ``finish`` makes
-        # the main stream wait for the updates before the next forward reads the weights.
         grad = p.grad
         assert grad is not None
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        if self.stream is None:
             self._update(p)
-        grad.record_stream(self.stream)
+        else:
+            # On CUDA the update runs on a stream of its own, so the memory-bound AdamW of one layer
+            # overlaps the backward GEMMs of the layers before it. The side stream first waits for
+            # all work queued so far (this gradient, and the backward ops that read this weight),
+            # and the gradient's memory is not reused before the side stream is done with it.
+            # ``finish`` makes the main stream wait for the updates before the next forward.
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self._update(p)
+            grad.record_stream(self.stream)
         p.grad = None
 
     def finish(self) -> None:

@@ -443,7 +443,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)
-            summary.final_loss, summary.peak_mem_gib = result.loss, row.get("peak_mem_gib")
+            # row["loss"], not result.loss again: reading it is an all-reduce over ranks.
+            summary.final_loss, summary.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
         if window_time > 0:
             summary.tokens_per_s = window_tokens / window_time
             if device_peak is not None:
