@@ -89,6 +89,15 @@ class CompileScope(Enum):
     model = "model"
 
 
+class TokenizerKind(Enum):
+    """``bytes``: one token per byte (vocab 256, nothing to download); ``hf``: a Hugging Face
+    ``tokenizer.json`` (the ``tokenizers`` library); ``sentencepiece``: a ``tokenizer.model``."""
+
+    bytes = "bytes"
+    hf = "hf"
+    sentencepiece = "sentencepiece"
+
+
 class DataSource(Enum):
     stdlib = "stdlib"
     tokens = "tokens"
@@ -157,6 +166,15 @@ class ModelConfig:
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
+
+
+@dataclass
+class TokenizerConfig:
+    """Text -> token ids (framework.tokenizer). Its vocabulary is checked against ``model.vocab_size``."""
+
+    kind: TokenizerKind = TokenizerKind.bytes
+    # hf: a tokenizer.json or a folder holding one; sentencepiece: a tokenizer.model file.
+    path: Optional[str] = None
 
 
 @dataclass
@@ -426,6 +444,7 @@ class LoggerConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -470,6 +489,7 @@ def to_yaml(cfg: Config) -> str:
 
 GROUPS = (
     "recipe",
+    "tokenizer",
     "mesh",
     "mesh/hardware",
     "sharding",
