@@ -2,13 +2,14 @@
 
 Sinks are objects with ``log(row)`` and ``close()``; ``make_sinks`` builds them from ``LoggerConfig``
 (``logger=wandb`` adds ``framework.wandb_sink.WandbSink``). Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
-``val_loss``, events (fallbacks, restarts, checkpoint failures) have ``event``.
+``val_loss`` and ``val_ppl`` (its perplexity, exp of the mean per-token loss), events (fallbacks, restarts, checkpoint failures) have ``event``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,15 @@ from tqdm import tqdm
 from framework.config import LoggerConfig, LoggerKind
 
 log = logging.getLogger("framework")
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean per-token cross-entropy); inf rather than an OverflowError for a diverged loss."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def validation_row(step: int, val_loss: float) -> dict[str, Any]:
+    return {"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}
 
 
 class Metrics:
@@ -91,6 +101,7 @@ def format_row(row: dict[str, Any]) -> str:
     for key, fmt in (
         ("loss", "loss {:.4f}"),
         ("val_loss", "val_loss {:.4f}"),
+        ("val_ppl", "val_ppl {:.2f}"),
         ("lr", "lr {:.2e}"),
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "{:,.0f} tok/s"),

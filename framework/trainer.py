@@ -41,7 +41,7 @@ from framework.loop import (
     evaluate,
     train_step,
 )
-from framework.metrics import Metrics, make_sinks
+from framework.metrics import Metrics, make_sinks, perplexity, validation_row
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.plan import Plan, make_plan, resolve_batch
@@ -478,7 +478,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             summary.first_val_loss = (
                 summary.first_val_loss if summary.first_val_loss is not None else last_val
             )
-            metrics.log({"step": step, "val_loss": last_val})
+            metrics.log(validation_row(step, last_val))
         poison = (
             data.sampler.consumed_batches in nan_batches
         )  # a batch index: fires once, even after a rollback
@@ -539,7 +539,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     model = built.model
     if cfg.train.eval_every > 0 and not stopped:
         last_val = evaluate(model, data.val_batches, device)
-        metrics.log({"step": cfg.train.steps, "val_loss": last_val})
+        metrics.log(validation_row(cfg.train.steps, last_val))
     summary.final_val_loss = last_val
     summary.train_time_s = time.perf_counter() - train_t0
     if use_cache:
@@ -627,7 +627,10 @@ def write_summary(
     (run_dir / "summary.json").write_text(json.dumps(info, indent=2) + "\n")
     lines = [f"run dir: {run_dir}", f"steps: {summary.steps} in {summary.train_time_s:.1f}s"]
     if summary.first_val_loss is not None and summary.final_val_loss is not None:
-        lines.append(f"val loss: {summary.first_val_loss:.4f} -> {summary.final_val_loss:.4f}")
+        lines.append(
+            f"val loss: {summary.first_val_loss:.4f} -> {summary.final_val_loss:.4f}"
+            f" (perplexity {perplexity(summary.final_val_loss):.2f})"
+        )
     if summary.final_loss is not None:
         lines.append(f"final train loss: {summary.final_loss:.4f}")
     if summary.tokens_per_s:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from framework.config import LoggerConfig, LoggerKind, WandbMode
-from framework.metrics import Metrics, make_sinks, read_metrics
+from framework.metrics import Metrics, make_sinks, perplexity, read_metrics, validation_row
 from framework.wandb_sink import REDACTED, has_api_key, resolve_mode, strip_secrets
 
 
@@ -80,3 +80,9 @@ def test_wandb_offline_run_writes_files_and_resumes_the_same_run(
     m2.log({"step": 4, "loss": 2.0})
     m2.close()
     assert list((other / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def test_validation_rows_carry_perplexity() -> None:
+    row = validation_row(50, 2.0)
+    assert row == {"step": 50, "val_loss": 2.0, "val_ppl": pytest.approx(7.389056)}
+    assert perplexity(1e4) == float("inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert all("step" in r for r in rows)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 3 and val[-1] < val[0] - 1.0  # byte-level loss starts near ln(256) = 5.5
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in rows if "val_loss" in r)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["time_to_first_step_s"] > 0
 

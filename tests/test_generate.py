@@ -1,0 +1,93 @@
+"""Decoding with a KV cache against re-running the full forward; the CLI on a real checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from framework.config import ModelConfig
+from framework.generate import KVCache, forward_cached, generate, main
+from framework.model import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model(n_kv_heads: int = 2) -> torch.nn.Module:
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=128, vocab_size=97)
+    model = build_model(cfg, max_seq_len=32)
+    model.to_empty(device="cpu")
+    model.output.weight = model.tok_embeddings.weight
+    model.init_weights(seed=3)
+    return model.eval()
+
+
+def test_cached_logits_equal_the_full_forward_at_every_step() -> None:
+    for n_kv in (2, 4):  # GQA and MHA
+        model = tiny_model(n_kv)
+        tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+        cache = KVCache.empty(model, 1, 20)
+        cached = [forward_cached(model, tokens[:, :8], cache)]  # prefill 8, then one at a time
+        cached += [forward_cached(model, tokens[:, i : i + 1], cache) for i in range(8, 20)]
+        with torch.no_grad():
+            full = model(tokens)
+        for step, logits in zip(range(7, 20), cached, strict=True):
+            torch.testing.assert_close(logits, full[:, step], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_equals_argmax_of_the_full_forward() -> None:
+    model = tiny_model()
+    prompt = [5, 17, 42, 8]
+    ids = generate(model, prompt, max_new_tokens=12)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert ids == seq[len(prompt) :]
+
+
+def test_sampling_is_seeded_and_stays_in_the_top_k() -> None:
+    model = tiny_model()
+    a = generate(model, [1, 2, 3], 10, temperature=1.0, top_k=5, seed=7)
+    assert a == generate(model, [1, 2, 3], 10, temperature=1.0, top_k=5, seed=7)
+    assert generate(model, [1, 2, 3], 10, temperature=1.0, top_k=1) == generate(model, [1, 2, 3], 10)
+    seq = [1, 2, 3]
+    with torch.no_grad():
+        for tok in a:
+            top = model(torch.tensor([seq]))[0, -1].topk(5).indices.tolist()
+            assert tok in top
+            seq.append(tok)
+    assert generate(model, [1], 10, eos_id=generate(model, [1], 1)[0]) == generate(model, [1], 1)
+
+
+def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={run}",
+        "checkpoint=sync",
+        "train.steps=30",
+        "train.eval_every=0",
+        "train.log_every=10",
+        "train.seq_len=64",
+        "freeze=none",
+        "logger.plot=false",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main([str(run), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def ") and len(out.out.encode()) > len("def ") + 10
+    assert "step_000030" in out.err
+    step_dir = next((run / "checkpoints").glob("step_*"))
+    assert main([str(step_dir), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
+    assert capsys.readouterr().out == out.out  # the same checkpoint, greedy: the same text
+    assert main([str(tmp_path), "--prompt", "x"]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    assert main([str(run), "--prompt", "x", "--top-k", "-1"]) == 2
