@@ -13,7 +13,11 @@ from framework import config, recipes
 from framework.launch import register_resolvers
 
 config.register()
-recipes.register()
+try:
+    recipes.register()  # a missing recipe root or a recipe that is not valid YAML: one line, exit 2
+except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 register_resolvers()
 sys.argv = config.quote_numeric_choices(sys.argv)
 

@@ -8,6 +8,7 @@ entry point: ``to_config`` converts it once, and library code takes the narrowes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -240,6 +241,12 @@ class RunConfig:
     # step `fault_kill_at_step` (-1 = off), on the launcher's first attempt only.
     fault_kill_at_step: int = -1
     fault_rank: int = 0
+    # Start more local CPU ranks than framework.rules.cpu_rank_cap() (4 per core, at least 8);
+    # above it gloo ranks starve each other and the launch can hang.
+    oversubscribe: bool = False
+    # Launch a plan whose per-rank memory estimate exceeds mesh.hardware.memory_gib (refused by
+    # default; run.dry_run=true only reports it).
+    allow_over_memory: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,9 +471,15 @@ def register() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The structured root schema, built once (30 ms per build; the launcher converts several configs)."""
+    return OmegaConf.structured(Config)
+
+
 def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
     """Convert a composed (possibly untyped) config into the typed ``Config``, validating it."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    merged = OmegaConf.merge(_schema(), cfg)  # merge copies its first argument: the cache stays clean
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     return obj

@@ -1,8 +1,8 @@
 """What ``train.py`` does with a composed config: validate, plan, write the run files, launch.
 
-Every check that can fail on user input runs here, before any rank starts: the recipe's safety
-(framework.recipes), every ``_target_`` against the allowlist (framework.instantiate), the schema, the
-mesh and the plan. A failed check prints one clear error, removes the run dir Hydra just created
+Every check that can fail on user input runs here (``prelaunch``), before any rank starts: the
+recipe's safety (framework.recipes), every ``_target_`` against the allowlist (framework.instantiate),
+the schema, every key's rule (framework.rules), the mesh, the local resources and the plan. A failed check prints one clear error, removes the run dir Hydra just created
 (when it holds nothing but Hydra's own files) and exits with status 2.
 
 In a multirun sweep a job never ends the process: a failure is recorded in the job's ``job.json``
@@ -20,10 +20,13 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework import sweep
 from framework.config import Config, ExecutorMode, RunConfig, to_config, to_yaml
@@ -37,7 +40,9 @@ from framework.launch import (
     resolve_device,
     spawn_local,
 )
-from framework.plan import format_plan, make_plan, plan_to_dict, resolve_batch
+from framework.plan import Plan, format_plan, make_plan, plan_to_dict, resolve_batch
+from framework.rules import check as check_rules
+from framework.rules import check_known_keys
 from framework.topology import (
     apply_nccl_environment,
     describe_nccl,
@@ -80,9 +85,12 @@ def check_safe(dcfg: DictConfig, recipe: str | None) -> None:
 
 
 def validate(dcfg: DictConfig) -> Config:
+    """The typed config, once every key passed its rule (framework.rules) and the local checks."""
     check_torch()
+    check_known_keys(dcfg)
     cfg = to_config(dcfg)
     validate_mesh(cfg.mesh)
+    check_rules(cfg)
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
@@ -104,13 +112,42 @@ def check_checkpoint_dir(cfg: Config) -> None:
 
 
 def check_dir_creatable(key: str, value: str) -> None:
-    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file."""
+    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file, or when the
+    nearest existing folder is not writable (this user cannot create or fill the directory)."""
     path = Path(value)
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
                 raise ValueError(f"{key}={value!r} cannot be created: {str(p)!r} is a file, not a directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ValueError(
+                    f"{key}={value!r} cannot be written: {str(p)!r} is not writable by this user; "
+                    "valid: a directory you can create and write"
+                )
             return
+
+
+class RunDirCheck(Callback):
+    """Refuse an unusable ``hydra.run.dir`` / ``hydra.sweep.dir`` before Hydra creates it.
+
+    Hydra makes the run dir before our task function runs, and a file or a read-only folder there
+    was a Python traceback from Hydra's ``mkdir`` (or, for read-only, a failure in every rank later).
+    Registered in conf/config.yaml's ``hydra.callbacks``; exits 2 with one line, having written nothing.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_run_dir("hydra.run.dir", str(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_run_dir("hydra.sweep.dir", str(config.hydra.sweep.dir))
+
+
+def _refuse_run_dir(key: str, value: str) -> None:
+    try:
+        check_dir_creatable(key, value)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def run_job(dcfg: DictConfig) -> float | None:
@@ -160,13 +197,26 @@ def run_job(dcfg: DictConfig) -> float | None:
         return result
 
 
-def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+def prelaunch(dcfg: DictConfig, run_dir: Path, recipe: str | None) -> tuple[Config, Plan, dict[str, str]]:
+    """Every check that can fail on user input, in order, writing nothing: the typed config with
+    its batch resolved, the plan and the NCCL environment. Raises ValueError (one line) on the first
+    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included."""
     try:
         check_safe(dcfg, recipe)
         cfg = validate(dcfg)
         cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
         plan = make_plan(cfg)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+        raise ValueError(f"{key}: {msg}" if key else f"config cannot be resolved: {msg}") from e
+    return cfg, plan, nccl_env
+
+
+def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+    try:
+        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, recipe)
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
 

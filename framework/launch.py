@@ -100,9 +100,33 @@ def resolve_device(device: Device) -> torch.device:
     return torch.device(device.value)
 
 
+def cpu_rank_cap() -> int:
+    """Most local CPU ranks a self-launch starts without ``run.oversubscribe=true``.
+
+    Each gloo rank needs core time to answer its collectives: 64 ranks on 2 cores hung in
+    rendezvous. 4 ranks per usable core, never fewer than 8 (the shipped meshes run on 2 cores).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(8, 4 * cores)
+
+
 def check_local_resources(cfg: Config, device: torch.device) -> None:
-    """Refuse a self-launch that this host cannot hold (GPU count)."""
+    """Refuse a self-launch that this host cannot hold: more ranks than GPUs, or than the CPU cap.
+
+    A dry run starts no ranks, and torchrun's ranks were placed by torchrun: neither is capped.
+    """
     world = cfg.mesh.world_size
+    cap = cpu_rank_cap()
+    if (
+        device.type == "cpu"
+        and world > cap
+        and not (joined_torchrun() or cfg.run.dry_run or cfg.run.oversubscribe)
+    ):
+        raise ValueError(
+            f"mesh.shape={list(cfg.mesh.shape)} starts {world} CPU ranks on this host, above the cap of "
+            f"{cap} (4 per usable core, at least 8): ranks this oversubscribed can hang; use a smaller "
+            f"mesh, torchrun across hosts, run.dry_run=true to only plan, or run.oversubscribe=true"
+        )
     if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
         raise ValueError(
             f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "

@@ -598,8 +598,8 @@ def make_plan(cfg: Config) -> Plan:
 
     Raises ValueError naming the bad value, the reason and a fix: a mesh that does not fit the
     strategy, a TP degree that does not divide heads / FFN / world, a global batch that does not
-    split across data-parallel ranks and micro batches, or (on hardware other than ``cpu``, where it
-    only warns) a per-rank memory estimate above the device memory.
+    split across data-parallel ranks and micro batches, or a per-rank memory estimate above the
+    device memory (only a warning under ``run.dry_run`` or ``run.allow_over_memory``).
     """
     cfg = resolve_batch(cfg)
     _check_mesh(cfg)
@@ -684,8 +684,14 @@ def make_plan(cfg: Config) -> Plan:
         f"train.micro_batch_size"
     )
     if memory.total > memory.device:
-        if cfg.mesh.hardware.name != "cpu":
-            raise ValueError(f"mesh.hardware.name={cfg.mesh.hardware.name}: {mem_msg}")
+        # A dry run is for planning layouts, including ones that do not fit: it reports; a launch
+        # would run for minutes toward an out-of-memory kill, so it is refused unless asked for.
+        if not (cfg.run.dry_run or cfg.run.allow_over_memory):
+            raise ValueError(
+                f"mesh.hardware.memory_gib={cfg.mesh.hardware.memory_gib:g} "
+                f"(mesh.hardware.name={cfg.mesh.hardware.name}) is too small for this plan: {mem_msg}; "
+                f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
+            )
         warnings.append(mem_msg)
 
     return Plan(

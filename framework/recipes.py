@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -124,6 +125,17 @@ def refusal(node: Any) -> str | None:
     return None
 
 
+def load_yaml(r: Recipe) -> Any:
+    """The recipe's YAML; ValueError naming the file, line and column when it does not parse."""
+    try:
+        return OmegaConf.load(r.path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"recipe {r.name!r} ({r.path}) is not valid YAML: {problem}{where}") from e
+
+
 def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     """Store every recipe as an option of the ``recipe`` group; returns what was registered.
 
@@ -133,7 +145,7 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     recipes = discover(roots)
     cs = ConfigStore.instance()
     for r in recipes.values():
-        node = OmegaConf.load(r.path)
+        node = load_yaml(r)
         reason = refusal(OmegaConf.to_container(node, resolve=False))
         if reason is not None:
             REFUSED[r.name] = f"recipe {r.name!r} ({r.path}) is refused: {reason}"
@@ -191,7 +203,9 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
             "config", overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])])
         )
     from framework.instantiate import check_targets
+    from framework.rules import check_known_keys
 
+    check_known_keys(dcfg)
     cfg = config.to_config(dcfg)
     check_targets(dcfg, cfg.run.instantiate_allow)
     return cfg
@@ -209,6 +223,7 @@ def _cmd_list() -> int:
 
 def _cmd_validate(name: str, overrides: list[str]) -> int:
     from framework.plan import format_plan, make_plan
+    from framework.rules import check as check_rules
     from framework.topology import validate_mesh
 
     recipes = discover()
@@ -218,6 +233,7 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
     try:
         cfg = compose_recipe(name, overrides)
         validate_mesh(cfg.mesh)
+        check_rules(cfg)
         plan = make_plan(cfg)
     except Exception as e:  # noqa: BLE001 - compose, schema and plan errors all mean "invalid"
         print(f"error: recipe {name!r} ({recipes[name].path}) is invalid: {e}", file=sys.stderr)

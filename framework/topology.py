@@ -352,7 +352,10 @@ def nccl_environment(cfg: NcclConfig, run_dir: Path | None, procs_per_node: int)
 
     if cfg.topo_file is not None:
         topo = Path(cfg.topo_file).expanduser().resolve()
-        check_topology(parse_topology_xml(topo), procs_per_node)
+        try:
+            check_topology(parse_topology_xml(topo), procs_per_node)
+        except ValueError as e:
+            raise ValueError(f"nccl.topo_file={cfg.topo_file!r}: {e}") from e
         merged["NCCL_TOPO_FILE"] = str(topo)
 
     if cfg.topo_dump_file is not None:
