@@ -129,17 +129,18 @@ def test_world_size_must_match_mesh() -> None:
         check_world_size(plan, 4)
 
 
-def test_memory_refused_on_gpu_only_warned_on_cpu() -> None:
+def test_memory_refused_unless_allowed_or_dry_run() -> None:
     cfg = cfg_for("ddp", [16, 8], gbs=128, mbs=1)
     cfg.model, cfg.train.seq_len = BIG, 8192
-    cfg.mesh.hardware = GPU
-    with pytest.raises(
-        ValueError,
-        match=r"needs [\d.]+ GiB per rank, device has 80 .*use sharding=fsdp .*"
-        r"activation_checkpointing=full",
-    ):
-        make_plan(cfg)
-    cfg.mesh.hardware = HardwareConfig(name="cpu", memory_gib=80.0)
+    for hardware in (GPU, HardwareConfig(name="cpu", memory_gib=80.0)):
+        cfg.mesh.hardware = hardware
+        with pytest.raises(
+            ValueError,
+            match=r"needs [\d.]+ GiB per rank, device has 80 .*use sharding=fsdp .*"
+            r"activation_checkpointing=full.*run.allow_over_memory=true",
+        ):
+            make_plan(cfg)
+    cfg.run.dry_run = True  # a dry run plans layouts that do not fit, and reports them
     plan = make_plan(cfg)
     assert any("GiB per rank, device has 80" in w for w in plan.warnings)
 
