@@ -19,6 +19,7 @@ the roots.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -234,7 +235,8 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
         cfg = compose_recipe(name, overrides)
         validate_mesh(cfg.mesh)
         check_rules(cfg)
-        plan = make_plan(cfg)
+        # Validating plans like a dry run: a layout over the device memory is reported, not refused.
+        plan = make_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)))
     except Exception as e:  # noqa: BLE001 - compose, schema and plan errors all mean "invalid"
         print(f"error: recipe {name!r} ({recipes[name].path}) is invalid: {e}", file=sys.stderr)
         return 1
