@@ -2,8 +2,10 @@
 
 Every check that can fail on user input runs here (``prelaunch``), before any rank starts: the
 recipe's safety (framework.recipes), every ``_target_`` against the allowlist (framework.instantiate),
-the schema, every key's rule (framework.rules), the mesh, the local resources and the plan. A failed check prints one clear error, removes the run dir Hydra just created
-(when it holds nothing but Hydra's own files) and exits with status 2.
+the schema, every key's rule (framework.rules), the mesh, the local resources and the plan. A
+failed check prints one clear error, removes the run dir Hydra just created (when it holds nothing
+but Hydra's own files) and exits with status 2. A run dir that is a file or not writable is refused
+earlier still, before Hydra creates it (``RunDirCheck``).
 
 In a multirun sweep a job never ends the process: a failure is recorded in the job's ``job.json``
 and the job returns NaN, so the other jobs run and the sweep summary (framework.sweep) reports it;
