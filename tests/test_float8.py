@@ -159,15 +159,18 @@ def test_planner_counts_float8_activation_memory() -> None:
 
 
 def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
-    """Three NaN steps in a row under float8: the ladder's float8 rung rebuilds the run in bf16
-    (same executor, weights and optimiser carried over), records why, and training finishes."""
+    """Three NaN steps in a row under float8 (with activation checkpointing): the ladder's float8
+    rung rebuilds the run in bf16 (same executor, weights and optimiser carried over), records why,
+    and training finishes."""
     from framework import trainer
     from framework.config import (
+        ActivationCheckpointing,
         DataConfig,
         DataSource,
         Device,
         LoggerConfig,
         RunConfig,
+        ShardingConfig,
         TrainConfig,
         VerifyConfig,
     )
@@ -179,6 +182,7 @@ def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
             steps=8, global_batch_size=2, micro_batch_size=2, seq_len=32, log_every=2, eval_every=0
         ),
         run=RunConfig(device=Device.cpu),
+        sharding=ShardingConfig(activation_checkpointing=ActivationCheckpointing.full),
         verify=VerifyConfig(inject_nan_steps=[2, 3, 4], max_bad_steps=3),
         logger=LoggerConfig(progress_bar=False, plot=False),
     )
