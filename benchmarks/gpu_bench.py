@@ -5,8 +5,9 @@
 For each recipe and executor mode it composes the real config (Hydra compose API, the same groups
 as ``train.py``), runs ``framework.trainer.run`` in this process on one GPU (world 1 goes through
 the same path as N ranks: DDP over a one-rank group), and reads the run's summary. In the same
-process it times a hand-written minimal loop of the same model (same Llama module, fused AdamW,
-bf16 autocast, fp32 master weights; eager and torch.compile'd per block). Prints tokens/s, step ms,
+process it times a hand-written loop of the same model (same Llama module, fused AdamW, bf16
+autocast, fp32 master weights; by default the whole model compiled as one graph, the strongest
+simple loop; float8 through torchao directly with ``model.float8=...`` in a variant line). Prints tokens/s, step ms,
 MFU (vs 989 TFLOP/s dense bf16, flops/token = 6N + 12·L·H·Q·T) from the median step (the mean
 beside it), peak memory, the planner's
 predicted peak, time to first step and compile time (the first step less a median step); writes the table as JSON and markdown under ``--out``.
@@ -16,6 +17,7 @@ Measure ratios side by side in one run: the machines are noisy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -34,7 +36,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from framework import config as config_mod  # noqa: E402
 from framework import recipes  # noqa: E402
-from framework.config import Config, quote_numeric_choices, to_config  # noqa: E402
+from framework.config import Config, Float8Recipe, quote_numeric_choices, to_config  # noqa: E402
 from framework.launch import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.loop import loss_fn  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
@@ -98,14 +100,16 @@ def framework_run(
 
 
 def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[str] | None = None) -> dict:
-    """The minimal loop a user would write by hand, timed with CUDA events.
+    """The loop a user would write by hand, timed with CUDA events.
 
-    ``variant``: ``eager``; ``compile`` (each block compiled, the loss computed from the logits
-    outside, as most hand-written loops do); ``compile_head`` (each block and the loss head
-    compiled, the loss computed inside ``model(tokens, targets)``: the framework's executor without
-    the framework, for an apples-to-apples overhead figure). Events are recorded every step and
-    read after one synchronize at the end, so the loop keeps the CPU ahead of the GPU as the
-    framework's does.
+    ``variant``: ``model`` (the strongest simple loop: the whole model compiled as one graph, the
+    loss computed inside ``model(tokens, targets)``, fused AdamW, foreach clip); ``eager``;
+    ``compile`` (each block compiled, the loss computed from the logits outside, as many
+    hand-written loops do); ``compile_head`` (each block and the loss head compiled: the
+    framework's default executor without the framework). ``model.float8=tensorwise|rowwise`` in
+    ``extra`` converts every Linear but the output head with torchao directly (no framework code,
+    no size filter), as a user would. Events are recorded every step and read after one
+    synchronize at the end, so the loop keeps the CPU ahead of the GPU as the framework's does.
     """
     cfg = compose_cfg([f"recipe={recipe}", *(extra or [])])
     apply_allocator_environment(cfg.run)
@@ -113,8 +117,19 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
     reset()
     device = torch.device("cuda")
     t0 = time.perf_counter()
-    model = build_model(m, t.seq_len)
+    model = build_model(dataclasses.replace(m, float8=Float8Recipe.none), t.seq_len)
+    if m.float8 is not Float8Recipe.none:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(m.float8.value),
+            module_filter_fn=lambda mod, fqn: fqn != "output",
+        )
     materialize(model, device, seed=t.seed)
+    step_model = model
+    if variant == "model":
+        step_model = torch.compile(model, fullgraph=True, dynamic=False)
     if variant in ("compile", "compile_head"):
         for block in model.layers.values():
             block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
@@ -135,8 +150,8 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if variant == "compile_head":
-                loss = model(b[:, :-1], b[:, 1:])
+            if variant in ("model", "compile_head"):
+                loss = step_model(b[:, :-1], b[:, 1:])
             else:
                 loss = loss_fn(model(b[:, :-1]), b[:, 1:])
         loss.backward()
@@ -193,8 +208,8 @@ def main() -> None:
     p.add_argument("--modes", default="eager,compile,cudagraphs")
     p.add_argument(
         "--hand",
-        default="eager,compile",
-        help="hand-written loop variants: eager,compile,compile_head ('' for none)",
+        default="model",
+        help="hand-written loop variants: model,eager,compile,compile_head ('' for none)",
     )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "outputs/bench")))
@@ -203,7 +218,7 @@ def main() -> None:
         "--variants",
         type=Path,
         help="file of runs, one per line: RECIPE MODE [OVERRIDE ...] ('#' comments; MODE is an "
-        "executor, or hand:eager|hand:compile|hand:compile_head for the hand-written loop); "
+        "executor, or hand:model|hand:eager|hand:compile|hand:compile_head for the hand-written loop); "
         "replaces --models/--modes/--hand. Each line runs in its own process, so one that runs out of "
         "memory leaves nothing behind for the next",
     )

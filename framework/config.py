@@ -66,6 +66,15 @@ class AttentionBackend(Enum):
     math = "math"
 
 
+class Float8Recipe(Enum):
+    """Float8 training of the Linear layers (torchao.float8): ``tensorwise`` scales each tensor once
+    (the faster recipe), ``rowwise`` scales each row (finer, closer to bf16); ``none``: bf16 autocast."""
+
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -167,6 +176,15 @@ class ModelConfig:
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
+    # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only).
+    # The weights stay fp32 (checkpoints hold them): a float8 run resumes as bf16 and back.
+    float8: Float8Recipe = Float8Recipe.none
+    # Linear layers kept in bf16 under float8: any whose name contains one of these (the output head,
+    # whose 128K-vocabulary logits float8 would coarsen, and which is tied to the embedding).
+    float8_skip: list[str] = field(default_factory=lambda: ["output"])
+    # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
+    # measured on H100); false converts every Linear whose dims are multiples of 16.
+    float8_size_filter: bool = True
 
 
 @dataclass
@@ -415,6 +433,9 @@ class VerifyConfig:
     # H200, so the bf16 bound is looser. A miscompile shows up far above either.
     logits_rtol: float = 1e-2
     logits_rtol_bf16: float = 6e-2
+    # ... and under model.float8 (the reference model is float8 too; compiled and eager casts can
+    # round an element to neighbouring float8 values, 3 mantissa bits, so the bound is looser still).
+    logits_rtol_float8: float = 0.15
     # Also compare with an unsharded eager model built from the same config and seed, up to this size.
     reference_model_max_params: int = 50_000_000
     # Baseline store (JSON); default outputs/baselines.json. ``save_baseline`` records this run in it.

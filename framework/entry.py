@@ -24,14 +24,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import sweep
-from framework.config import Config, ExecutorMode, RunConfig, to_config, to_yaml
+from framework import float8, sweep
+from framework.config import Config, ExecutorMode, Float8Recipe, RunConfig, to_config, to_yaml
 from framework.launch import (
     adopt_submitit_environment,
     apply_allocator_environment,
@@ -103,7 +104,20 @@ def validate(dcfg: DictConfig) -> Config:
             f"executor=cudagraphs needs a CUDA device, this run uses {device.type}: "
             "use executor=compile or executor=eager"
         )
+    check_float8(cfg, device)
     return cfg
+
+
+def check_float8(cfg: Config, device: torch.device) -> None:
+    """``model.float8``: layers float8 can multiply (also per TP shard), float8 tensor cores, torchao."""
+    recipe = cfg.model.float8
+    if recipe is Float8Recipe.none:
+        return
+    float8.check_shapes(cfg.model, cfg.sharding.tp if cfg.sharding.strategy.value in ("tp", "fsdp_tp") else 1)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    float8.check_device(recipe, device.type, capability, name)
+    float8.check_torchao(recipe)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

@@ -38,6 +38,7 @@ from framework.config import (
     ShardingConfig,
     Strategy,
 )
+from framework.float8 import saved_activation_bytes_per_layer
 
 GIB = 1024**3
 MIB = 1024**2
@@ -366,6 +367,8 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
     kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
     per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
+    # model.float8: the converted Linear layers keep their inputs in float8 (framework.float8).
+    per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
     block_input = tokens * m.dim * elem // tp
     logits = int(tokens * m.vocab_size * (logit_bytes + (_TP_LOGIT_EXTRA_BYTES if tp > 1 else 0)))
     n = m.n_layers

@@ -27,7 +27,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from framework import data as data_mod
 from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, full_model_state
 from framework.compile_cache import CacheStats, cache_counters, load_cache, save_cache
-from framework.config import Config, ExecutorConfig, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
+from framework.config import (
+    Config,
+    ExecutorConfig,
+    ExecutorMode,
+    Float8Recipe,
+    FreezeMode,
+    Policy,
+    flatten,
+    to_yaml,
+)
 from framework.freeze import FrozenResult, freeze
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import (
@@ -44,9 +53,18 @@ from framework.loop import (
 from framework.metrics import Metrics, make_sinks, perplexity, validation_row
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
+from framework.parallel.float8 import attach_scale_precompute
 from framework.plan import Plan, make_plan, resolve_batch
 from framework.profiling import format_top_operators, make_profiler
-from framework.verify import StepAction, Verifier, carry_state, inject_nan, next_mode, perf_figures
+from framework.verify import (
+    StepAction,
+    Verifier,
+    carry_state,
+    inject_nan,
+    next_float8,
+    next_mode,
+    perf_figures,
+)
 from framework.verify.numerics import batch_logits
 
 log = logging.getLogger("framework")
@@ -116,16 +134,20 @@ class Built:
     mesh: DeviceMesh | None = None
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     in_backward: InBackward | None = None  # train.optimizer_in_backward
+    # model.float8 of the executed model: the configured recipe until a non-finite fallback to bf16.
+    float8: Float8Recipe = Float8Recipe.none
 
 
 def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
     """(Re)build the executed model for ``executor`` from a fresh meta model, with a new optimiser and
     scheduler; the fallback ladder calls this again with the next rung."""
-    model = build_model(cfg.model, cfg.train.seq_len)
+    model = build_model(dataclasses.replace(cfg.model, float8=built.float8), cfg.train.seq_len)
     built.model = parallelize(
         model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
     )
     built.optimizer = build_optimizer(built.model, cfg.train, device)
+    if built.float8 is not Float8Recipe.none:
+        attach_scale_precompute(built.model, built.optimizer)  # FSDP2's float8 all-gather only
     built.scheduler = build_scheduler(built.optimizer, cfg.train)
     if built.in_backward is not None:
         built.in_backward.remove()  # hooks of the model being replaced
@@ -183,7 +205,7 @@ def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: 
             0, "graph", f"executor {cfg.executor.mode.value} -> eager", "reference graph differs"
         )
     # The model, optimiser and scheduler are made by ``start_executor`` (the fallback ladder).
-    return Built(plan, model, None, None, frozen, dp_rank, dp_size, mesh, executor)  # type: ignore[arg-type]
+    return Built(plan, model, None, None, frozen, dp_rank, dp_size, mesh, executor, float8=cfg.model.float8)  # type: ignore[arg-type]
 
 
 def start_executor(cfg: Config, built: Built, data: Data, verifier: Verifier, device: torch.device) -> None:
@@ -237,6 +259,22 @@ def fall_back_mid_run(cfg: Config, built: Built, device: torch.device) -> Execut
     carry_state(old_model, old_opt, built.model, built.optimizer)
     built.scheduler.load_state_dict(old_sched.state_dict())
     return lower
+
+
+def fall_back_to_bf16(cfg: Config, built: Built, device: torch.device) -> Float8Recipe:
+    """The float8 rung of the ladder: rebuild the same executor without float8 (bf16 autocast) and
+    carry the trained weights, optimiser and LR schedule over; returns the recipe left behind.
+
+    The state dicts have the same keys and fp32 values with float8 on or off (Float8Linear keeps the
+    high-precision weights), so the carry-over is the executor rung's.
+    """
+    left = built.float8
+    old_model, old_opt, old_sched = built.model, built.optimizer, built.scheduler
+    built.float8 = Float8Recipe.none
+    executed_model(cfg, built, built.executor, device)
+    carry_state(old_model, old_opt, built.model, built.optimizer)
+    built.scheduler.load_state_dict(old_sched.state_dict())
+    return left
 
 
 @dataclass
@@ -354,8 +392,21 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             metrics.log({"step": step, "event": "checkpoint_failed", "detail": ckpt.last_error})
 
     def rollback(step: int) -> int:
-        """Back to the latest checkpoint, keeping the data position (past the bad batches)."""
-        nonlocal tokens_seen
+        """Back to the latest checkpoint, keeping the data position (past the bad batches).
+
+        A float8 run first steps down to bf16 (``fall_back_to_bf16``): float8's 3 mantissa bits
+        and per-tensor scales are the likeliest cause of a run that goes non-finite and stays so.
+        """
+        nonlocal tokens_seen, since_build
+        if next_float8(built.float8) is not None:
+            left = fall_back_to_bf16(cfg, built, device)
+            since_build = 0
+            verifier.fallback(
+                step,
+                "bad_steps",
+                f"model.float8 {left.value} -> none (bf16)",
+                f"{cfg.verify.max_bad_steps} non-finite steps in a row under float8 {left.value}",
+            )
         path = ckpt.latest() if ckpt is not None else None
         if path is None:
             verifier.fallback(

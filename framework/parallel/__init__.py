@@ -1,6 +1,6 @@
 """Parallelize a meta-device Llama per the plan: ``parallelize`` applies each concern in order.
 
-One module per concern: tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 /
+One module per concern: float8.py (float8 Linear layers), tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 /
 HSDP, DDP), mesh.py (the named device mesh).
 """
 
@@ -21,6 +21,7 @@ from framework.model import Llama, materialize
 from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
+from framework.parallel.float8 import apply_float8
 from framework.parallel.mesh import build_mesh, dp_mesh_info, sub_mesh
 from framework.parallel.tensor import apply_tp
 from framework.plan import DP_AXES, MeshAxis, Plan
@@ -43,6 +44,10 @@ def parallelize(
     """Shard, checkpoint, compile, place and initialise a model built on the meta device.
 
     Order, and why:
+      0. Float8 (``apply_float8``, ``model.float8``): swaps the chosen Linear layers for torchao's
+         Float8Linear, first, as torchao requires: TP shards the float8 modules (torchao's float8
+         styles under tensorwise), compile traces their casts, FSDP2 all-gathers their weights in
+         float8 (tensorwise). Off under ``model.float8=none``.
       1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
@@ -71,6 +76,8 @@ def parallelize(
     off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
     """
     strategy = Strategy(plan.strategy)
+    fsdp = strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp)
+    apply_float8(model, model.cfg, fsdp_all_gather=fsdp and plan.axis_size(MeshAxis.dp_shard) > 1)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
     budget = (
         sharding.activation_memory_budget
@@ -84,7 +91,7 @@ def parallelize(
         apply_ac(model, sharding.activation_checkpointing)
         apply_compile(model, executor, device, budget)
     dp_mesh = sub_mesh(mesh, plan, DP_AXES)
-    if strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp):
+    if fsdp:
         assert dp_mesh is not None
         apply_fsdp(model, dp_mesh, sharding)
     if init_weights:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.model import Llama
+from framework.parallel.float8 import tp_styles
 
 
 def _fresh_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,19 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
             ),
         },
     )
+    recipe = model.cfg.float8
+
+    def col(block: nn.Module, path: str) -> ColwiseParallel:
+        styles = tp_styles(block.get_submodule(path), recipe)
+        return styles[0]() if styles else ColwiseParallel()
+
+    def row(block: nn.Module, path: str) -> RowwiseParallel:
+        styles = tp_styles(block.get_submodule(path), recipe)
+        return styles[1](output_layouts=Shard(1)) if styles else RowwiseParallel(output_layouts=Shard(1))
+
     for block in model.layers.values():
+        # Float8 layers under tensorwise take torchao's float8 styles (float8 all-gather of the
+        # activations); the layouts are the same as the bf16 plan's.
         parallelize_module(
             block,
             tp_mesh,
@@ -58,17 +71,17 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
                 "attention": PrepareModuleInput(
                     input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
                 ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "attention.wq": col(block, "attention.wq"),
+                "attention.wk": col(block, "attention.wk"),
+                "attention.wv": col(block, "attention.wv"),
+                "attention.wo": row(block, "attention.wo"),
                 "ffn_norm": SequenceParallel(),
                 "feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w1": col(block, "feed_forward.w1"),
+                "feed_forward.w2": row(block, "feed_forward.w2"),
+                "feed_forward.w3": col(block, "feed_forward.w3"),
             },
         )
     # The embedding's output is ``to_local()``'s *view* of its DTensor's local tensor. When the block

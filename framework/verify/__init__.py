@@ -17,6 +17,7 @@ from framework.verify.fallback import (
     StepAction,
     carry_state,
     inject_nan,
+    next_float8,
     next_mode,
 )
 from framework.verify.numerics import check_numerics
@@ -43,6 +44,7 @@ __all__ = [
     "check_reference",
     "compare_perf",
     "inject_nan",
+    "next_float8",
     "next_mode",
     "perf_figures",
     "save_baseline",

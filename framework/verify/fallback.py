@@ -1,6 +1,7 @@
 """The fallback ladder and its triggers: executor rungs, latency circuit breaker, bad-step policy.
 
-Ladder: cudagraphs -> compile -> eager. A fallback rebuilds the model from a fresh meta model with
+Ladder: cudagraphs -> compile -> eager. A float8 run (``model.float8``) has one more rung, taken
+first when its loss stays non-finite (the bad-step trigger): float8 -> bf16, same executor. A fallback rebuilds the model from a fresh meta model with
 the next rung's executor (the trainer re-runs ``parallelize``) and carries the trained state over
 with ``carry_state``: before any step there is nothing to carry and the run restarts cleanly.
 
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from framework.config import ExecutorMode
+from framework.config import ExecutorMode, Float8Recipe
 from framework.verify.baseline import percentile
 
 LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
@@ -45,6 +46,11 @@ def max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def next_float8(recipe: Float8Recipe) -> Float8Recipe | None:
+    """The float8 rung: a float8 recipe steps down to ``none`` (bf16 autocast); None when off."""
+    return Float8Recipe.none if recipe is not Float8Recipe.none else None
 
 
 @dataclass

@@ -54,8 +54,12 @@ def eager_logits(model: nn.Module, x: torch.Tensor, device: torch.device) -> tor
 def reference_model(
     cfg: ModelConfig, seq_len: int, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """An unsharded eager Llama with the run's initial weights (``dtype``: FSDP's param_dtype)."""
+    """An unsharded eager Llama with the run's initial weights (``dtype``: FSDP's param_dtype), with
+    the run's float8 layers (``model.float8``), so that only the sharding differs."""
+    from framework.parallel.float8 import apply_float8
+
     model = build_model(cfg, seq_len)
+    apply_float8(model, cfg)
     materialize(model, device, seed)
     return model.to(dtype)
 

@@ -1,0 +1,92 @@
+"""Float8 training (``model.float8``): swap the chosen ``nn.Linear`` layers for torchao's ``Float8Linear``.
+
+First of the parallelize concerns, on the meta model, as torchao requires: TP must shard the
+float8 modules (with torchao's float8 TP styles under tensorwise, which all-gather activations in
+float8), compile must trace their casts, and FSDP2 must see their weight subclass to all-gather in
+float8 (``enable_fsdp_float8_all_gather``, tensorwise only). The parameters keep their names and
+their fp32 master values (``Float8Linear`` subclasses ``nn.Linear`` and casts in forward), so
+checkpoints, the per-name init and the fallback ladder's state carry-over see the same state dict
+with float8 on or off. Which layers convert is ``framework.float8.converts`` (shared with the
+planner and the refusals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from framework.config import Float8Recipe, ModelConfig
+from framework.float8 import converts
+
+
+def float8_config(recipe: Float8Recipe, fsdp_all_gather: bool):  # -> torchao Float8LinearConfig
+    """torchao's config for ``recipe``; FSDP2 all-gathers weights in float8 under tensorwise only
+    (torchao's weight subclass supports no other granularity)."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe.value)
+    if fsdp_all_gather and recipe is Float8Recipe.tensorwise:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def apply_float8(model: nn.Module, m: ModelConfig, fsdp_all_gather: bool = False) -> list[str]:
+    """Swap the Linear layers that ``framework.float8.converts`` picks; returns their names.
+
+    ``fsdp_all_gather``: FSDP2 will shard this model over more than one rank. No-op (returns [])
+    for ``model.float8=none``. Raises RuntimeError when the filter picked nothing (the refusals
+    before launch make that unreachable from a config).
+    """
+    if m.float8 is Float8Recipe.none:
+        return []
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and converts(m, fqn, *mod.weight.shape)
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(m.float8, fsdp_all_gather))
+    names = [n for n, mod in model.named_modules() if isinstance(mod, Float8Linear)]
+    if not names:
+        raise RuntimeError(f"model.float8={m.float8.value} converted no Linear layer")
+    return names
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Is ``module`` a torchao ``Float8Linear`` (without importing torchao when float8 is off)?"""
+    return type(module).__name__ == "Float8Linear"
+
+
+def tp_styles(module: nn.Module, recipe: Float8Recipe) -> tuple[type, type] | None:
+    """torchao's (colwise, rowwise) float8 TP styles for a float8 layer under tensorwise, else None
+    (rowwise float8 layers and bf16 layers take torch's own styles)."""
+    if recipe is not Float8Recipe.tensorwise or not is_float8(module):
+        return None
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return Float8ColwiseParallel, Float8RowwiseParallel
+
+
+def attach_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """After each optimizer step, compute every float8-all-gathered weight's scale in one
+    all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead of one per weight in
+    the next forward. Only where FSDP2 all-gathers in float8; returns whether it attached."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import (
+        WeightWithDynamicFloat8CastTensor,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+    if not any(
+        isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
+        for p in model.parameters()
+    ):
+        return False
+
+    def precompute(_opt: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+    optimizer.register_step_post_hook(precompute)
+    return True

@@ -1,0 +1,198 @@
+"""model.float8: the module filter, the refusals before launch, the module swap and its state dict,
+the planner's memory term, and the non-finite fallback to bf16 (a real run on the CPU, where
+torchao's float8 casts run emulated; train.py itself refuses float8 there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from framework import float8
+from framework.config import Config, Float8Recipe, ModelConfig
+from framework.entry import check_float8
+from framework.metrics import read_metrics
+from framework.model import build_model, materialize
+from framework.plan import make_plan
+from tests.test_config import compose_config
+from tests.test_train import train
+
+torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+
+from framework.parallel.float8 import apply_float8, is_float8  # noqa: E402
+
+LLAMA1B = compose_config("recipe=llama1b").model
+
+
+def block_names(m: ModelConfig) -> list[str]:
+    return [s.fqn.removeprefix("layers.0.") for s in float8.converted(m) if s.fqn.startswith("layers.0.")]
+
+
+def test_default_filter_skips_head_and_small_layers() -> None:
+    tw = dataclasses.replace(LLAMA1B, float8=Float8Recipe.tensorwise)
+    # wk/wv are (512, 2048): below tensorwise's threshold (K <= 4096 and N <= 1024); the head is skipped.
+    assert block_names(tw) == [
+        "attention.wq",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    ]
+    assert all(s.fqn != "output" for s in float8.converted(tw))
+    every = dataclasses.replace(tw, float8_size_filter=False)
+    assert len(block_names(every)) == 7
+    rw = dataclasses.replace(LLAMA1B, float8=Float8Recipe.rowwise)
+    assert block_names(rw) == ["feed_forward.w1", "feed_forward.w3"]
+    # The override: a user list of names kept in bf16; dims that are not multiples of 16 never convert.
+    assert block_names(dataclasses.replace(every, float8_skip=["output", "attention"])) == [
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    ]
+    assert not float8.converts(every, "layers.0.feed_forward.w1", 8200, 2048)
+    assert not float8.converts(LLAMA1B, "layers.0.feed_forward.w1", 8192, 2048)  # float8=none
+
+
+def test_shapes_float8_cannot_run_are_refused() -> None:
+    small = ModelConfig(float8=Float8Recipe.rowwise)  # llama_tiny: every layer below the thresholds
+    with pytest.raises(
+        ValueError,
+        match=r"model.float8=rowwise converts no Linear layer of llama_tiny.*float8_size_filter=false",
+    ):
+        float8.check_shapes(small)
+    odd = ModelConfig(
+        dim=512,
+        n_heads=8,
+        n_kv_heads=8,
+        ffn_dim=1376,
+        float8=Float8Recipe.tensorwise,
+        float8_size_filter=False,
+    )
+    float8.check_shapes(odd, tp=2)  # 1376 / 2 = 688, a multiple of 16
+    with pytest.raises(
+        ValueError,
+        match=r"sharding.tp=4: layers.0.feed_forward.w1's local weight shard is \(344, 512\).*e.g. \[1, 2\]",
+    ):
+        float8.check_shapes(odd, tp=4)
+    with pytest.raises(ValueError, match="ties to the embedding"):
+        float8.check_shapes(dataclasses.replace(odd, float8_skip=[]))
+
+
+def test_device_refusals() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^model.float8=tensorwise needs a CUDA GPU .* this run uses cpu: use model.float8=none$",
+    ):
+        float8.check_device(Float8Recipe.tensorwise, "cpu", None, "cpu")
+    with pytest.raises(ValueError, match=r"NVIDIA A100-SXM4-80GB is 8.0: use model.float8=none"):
+        float8.check_device(Float8Recipe.rowwise, "cuda", (8, 0), "NVIDIA A100-SXM4-80GB")
+    float8.check_device(Float8Recipe.tensorwise, "cuda", (9, 0), "NVIDIA H200")
+    cfg = Config(model=ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False))
+    with pytest.raises(ValueError, match="this run uses cpu"):
+        check_float8(cfg, torch.device("cpu"))
+
+
+def test_train_py_refuses_float8_on_cpu(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = train(
+        run, "run.device=cpu", "model.float8=tensorwise", "model.float8_size_filter=false", timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "model.float8=tensorwise needs a CUDA GPU" in errors[0]
+    assert not run.exists()
+
+
+def test_swap_keeps_names_and_high_precision_weights(tmp_path: Path) -> None:
+    """Float8 and bf16 models share one state dict (names, fp32 values): a float8 checkpoint loads
+    into a bf16 model (and back) through DCP, and the executor rung's carry-over works unchanged."""
+    m = ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False)
+    fp8 = build_model(m, 32)
+    names = apply_float8(fp8, m)
+    assert names == [s.fqn for s in float8.converted(m)] and len(names) == 4 * 7
+    assert not is_float8(fp8.output) and all(is_float8(fp8.get_submodule(n)) for n in names)
+    assert {n for n, mod in fp8.named_modules() if isinstance(mod, nn.Linear)} == {
+        s.fqn for s in float8.linear_shapes(m)
+    }
+    materialize(fp8, "cpu", seed=3)
+    plain = build_model(dataclasses.replace(m, float8=Float8Recipe.none), 32)
+    materialize(plain, "cpu", seed=3)
+    a, b = fp8.state_dict(), plain.state_dict()
+    assert list(a) == list(b)
+    assert all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)
+    # A float8 run's checkpoint resumes as bf16: save from the float8 model, load into a bf16 one.
+    with torch.no_grad():
+        fp8.layers["0"].feed_forward.w1.weight.add_(1.0)
+    dcp.save(fp8.state_dict(), checkpoint_id=tmp_path / "ckpt")
+    target = plain.state_dict()
+    dcp.load(target, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(target["layers.0.feed_forward.w1.weight"], fp8.layers["0"].feed_forward.w1.weight)
+    x = torch.randint(0, m.vocab_size, (2, 32))
+    assert torch.isfinite(fp8(x)).all()  # float8 forward (emulated on the CPU)
+
+
+def test_planner_counts_float8_activation_memory() -> None:
+    cfg = compose_config(
+        "recipe=llama1b",
+        "mesh/hardware=h200",
+        "train.micro_batch_size=16",
+        "train.global_batch_size=16",
+        "executor=compile",
+    )
+    tw = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, float8=Float8Recipe.tensorwise, float8_size_filter=False)
+    )
+    bf16_acts, fp8_acts = make_plan(cfg).memory.activations, make_plan(tw).memory.activations
+    expected = 16 * (16 * 2048) * int(float8.SAVED_BYTES_PER_INPUT * (3 * 2048 + 2048 + 2 * 2048 + 8192))
+    assert abs((bf16_acts - fp8_acts) - expected) < 16 * 16  # int rounding per layer
+    assert (
+        make_plan(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, float8=Float8Recipe.none))
+        ).memory
+        == make_plan(cfg).memory
+    )
+
+
+def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
+    """Three NaN steps in a row under float8 (with activation checkpointing): the ladder's float8
+    rung rebuilds the run in bf16 (same executor, weights and optimiser carried over), records why,
+    and training finishes."""
+    from framework import trainer
+    from framework.config import (
+        ActivationCheckpointing,
+        DataConfig,
+        DataSource,
+        Device,
+        LoggerConfig,
+        RunConfig,
+        ShardingConfig,
+        TrainConfig,
+        VerifyConfig,
+    )
+
+    cfg = Config(
+        model=ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False),
+        data=DataConfig(source=DataSource.synthetic),
+        train=TrainConfig(
+            steps=8, global_batch_size=2, micro_batch_size=2, seq_len=32, log_every=2, eval_every=0
+        ),
+        run=RunConfig(device=Device.cpu),
+        sharding=ShardingConfig(activation_checkpointing=ActivationCheckpointing.full),
+        verify=VerifyConfig(inject_nan_steps=[2, 3, 4], max_bad_steps=3),
+        logger=LoggerConfig(progress_bar=False, plot=False),
+    )
+    summary = trainer.run(cfg, tmp_path)
+    assert summary.steps == 8 and summary.skipped_steps == 3
+    falls = [r for r in read_metrics(tmp_path) if r.get("event") == "fallback/bad_steps"]
+    assert "model.float8 tensorwise -> none (bf16)" in falls[0]["detail"], falls
+    assert "3 non-finite steps in a row under float8 tensorwise" in falls[0]["detail"]
+    assert summary.final_loss is not None and summary.final_loss == summary.final_loss
+    assert any(
+        "model.float8 tensorwise -> none" in e
+        for e in json.loads((tmp_path / "summary.json").read_text())["events"]
+    )
