@@ -208,6 +208,12 @@ RULES: dict[str, Rule] = {
     "model.init_std": number(0, lo_open=True),
     "model.attention": TYPED,
     "model.residual_dtype": TYPED,
+    # CPU, GPUs below sm89 and shapes float8 cannot handle are refused by framework.float8 before launch.
+    "model.float8": TYPED,
+    "model.float8_skip": names_list(
+        "Linear name fragments (non-empty strings); [] converts every eligible layer"
+    ),
+    "model.float8_size_filter": TYPED,
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.tokenizer reads the file"),
     "data.source": TYPED,
@@ -379,6 +385,7 @@ RULES: dict[str, Rule] = {
     "verify.loss_rtol": number(0, lo_open=True),
     "verify.logits_rtol": number(0, what="0 = off"),
     "verify.logits_rtol_bf16": number(0, what="0 = off"),
+    "verify.logits_rtol_float8": number(0, what="0 = off"),
     "verify.reference_model_max_params": integer(0),
     "verify.baseline": optional_path("a JSON baseline store"),
     "verify.save_baseline": TYPED,
