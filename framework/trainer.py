@@ -153,30 +153,44 @@ def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: 
         built.in_backward.remove()  # hooks of the model being replaced
     built.in_backward = attach_in_backward(built.optimizer) if cfg.train.optimizer_in_backward else None
     built.executor = executor
-    record_static_graph(built.model, cfg.train.micro_batch_size, cfg.train.seq_len, device)
+    settle_ddp_buckets(built.model, cfg.train.micro_batch_size, cfg.train.seq_len, device)
 
 
-def record_static_graph(
+def settle_ddp_buckets(
     model: torch.nn.Module, micro_batch_size: int, seq_len: int, device: torch.device
 ) -> None:
-    """Give a fresh ``DDP(static_graph=True)`` its graph-recording iteration on a zero loss, before step 1.
+    """Bring a fresh DDP to the bucket layout it keeps for the whole run, on zero losses, before step 1.
 
-    Why: that first iteration must sync every micro-batch (``loop._no_grad_sync``), which sums the
-    accumulated gradients in another order than later steps do (avg(g1) + avg(g2) instead of
-    avg(g1 + g2)). Without this, the first step after every (re)start differed from an unbroken run in
-    the last bits, so a resumed run was not bitwise equal to it (tests/test_elastic.py). The zero loss
-    gives zero gradients, which are dropped; weights, optimiser and RNG state are untouched.
+    DDP builds its gradient buckets in parameter order, records the order in which gradients become
+    ready on one synced iteration, and rebuilds the buckets in that order at the next forward, once.
+    Under ``static_graph=True`` the first iteration only records the graph (its gradient hooks return
+    before the ready order is noted), so the ready order comes from the second iteration and the
+    rebuild happens at the third forward; without a static graph, from the first and at the second.
+    The layout decides where each parameter sits in the bucket, so which chunk of the ring all-reduce
+    it falls in and in which order the ranks' values are summed: with more than 2 ranks another order
+    changes the last bits (at 2, a + b == b + a). Each process start (a fresh run, a restart, a
+    resume, a fallback rebuild) must therefore reach the rebuilt layout before its first real step,
+    or that step is summed differently from the unbroken run (issue 19: not bitwise at 8 ranks).
+
+    The static graph's recording iteration must also sync every micro-batch (``loop._no_grad_sync``),
+    which sums accumulated gradients in another order than later steps (avg(g1) + avg(g2) instead of
+    avg(g1 + g2)): one more reason it must not be a real step.
+
+    The zero loss gives zero gradients, which are dropped; weights, optimiser and RNG state are
+    untouched. Cost: one or two forward + backward + all-reduce of one micro-batch per process
+    start, nothing per step (every step after the first already ran on the rebuilt layout).
     """
-    if not (isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.static_graph):
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return
-    if device.type == "cuda":
-        torch.compiler.cudagraph_mark_step_begin()
     tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
-    with autocast(device):
-        loss = model(tokens, tokens) * 0.0
-    loss.backward()
-    for p in model.parameters():
-        p.grad = None
+    for _ in range(2 if model.static_graph else 1):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast(device):
+            loss = model(tokens, tokens) * 0.0
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
     model._framework_graph_recorded = True  # read by loop._no_grad_sync
 
 

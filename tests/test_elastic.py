@@ -151,6 +151,32 @@ def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:
     assert assert_bitwise(step_dir(base, 6), step_dir(killed, 6)) > 100
 
 
+def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
+    """DDP over 8 gloo ranks: 8 fresh processes resume the unbroken run's step 1 and end step 2 bitwise.
+
+    Why 8 ranks and these 2 steps: the all-reduce sums the 8 ranks' gradients in an order set by
+    where each parameter sits in DDP's bucket (its chunk of the ring), and DDP moves parameters
+    once, when it rebuilds its buckets in gradient-ready order. At 2 ranks the order cannot matter
+    (a + b == b + a). The unbroken run trains step 2 on the rebuilt layout; before the fix the
+    resumed ranks trained it on the construction-time one and ended ~1 ulp away (issue 19). A new
+    launch starts the ranks exactly as the launcher's restart does (build, settle DDP, load), with
+    8 processes fewer than a SIGKILL (the 2- and 4-rank tests above cover the restart itself).
+    One layer and synthetic tokens keep each launch to its process starts.
+    """
+    eight = ["mesh=8", "train.micro_batch_size=1", "model.n_layers=1", "data.source=synthetic"]
+    eight += ["train.steps=2", "checkpoint.every_steps=1"]
+    base, resumed = tmp_path / "base", tmp_path / "resumed"
+    ok(train(base, *eight, timeout=240))
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step_dir(base, 1), step_dir(resumed, 1))
+    ok(train(resumed, *eight, timeout=240))
+    [event] = events(resumed, "resumed")
+    assert event["step"] == 1 and "step_000001" in event["detail"], event
+    assert [r["step"] for r in loss_rows(resumed)] == [2]
+    assert losses_by_step(resumed)[2] == losses_by_step(base)[2]
+    assert assert_bitwise(step_dir(base, 2), step_dir(resumed, 2)) > 30
+
+
 def test_lost_time_from_kill_to_first_resumed_step_is_bounded(runs: dict[str, Path]) -> None:
     """Lost time = the re-trained step 5's log time minus the killed attempt's step 5 log time
     (rank 1 SIGKILLs itself right after logging it): restart detection, process start, rebuild,
