@@ -28,7 +28,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import float8, sweep
@@ -75,16 +75,18 @@ def discard_run_dir(run_dir: Path) -> None:
             parent.rmdir()
 
 
-def check_safe(dcfg: DictConfig, recipe: str | None) -> None:
-    """Refuse a refused recipe and any ``_target_`` off the allowlist, before anything is built or run."""
-    from framework.instantiate import check_targets
+def check_safe(dcfg: DictConfig, recipe: str | None, hydra_cfg: DictConfig | None = None) -> None:
+    """Refuse a refused recipe, recipe content composed outside the top level, an interpolation that
+    would expand without bound and any ``_target_`` off the allowlist (``hydra.*`` included), before
+    anything resolves, builds or runs (framework.recipe_check.check_composed)."""
+    from framework.recipe_check import check_composed
     from framework.recipes import REFUSED
 
     if recipe in REFUSED:
         raise ValueError(REFUSED[recipe])
     allow = OmegaConf.select(dcfg, "run.instantiate_allow", default=None)
-    allow = list(allow) if allow is not None else RunConfig().instantiate_allow
-    check_targets(dcfg, allow)
+    allow = list(allow) if isinstance(allow, ListConfig) else RunConfig().instantiate_allow
+    check_composed(dcfg, hydra_cfg, allow)
 
 
 def validate(dcfg: DictConfig) -> Config:
@@ -190,7 +192,7 @@ def run_job(dcfg: DictConfig) -> float | None:
                 sweep.set_aside_previous_attempt(run_dir)
                 sweep.write_job(run_dir, overrides, "running")
         try:
-            result = _run(dcfg, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
+            result = _run(dcfg, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"), hydra_cfg)
         except JobFailed as e:
             log.error("error: %s", e)
             print(f"error: {e}", file=sys.stderr)
@@ -213,12 +215,15 @@ def run_job(dcfg: DictConfig) -> float | None:
         return result
 
 
-def prelaunch(dcfg: DictConfig, run_dir: Path, recipe: str | None) -> tuple[Config, Plan, dict[str, str]]:
+def prelaunch(
+    dcfg: DictConfig, run_dir: Path, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> tuple[Config, Plan, dict[str, str]]:
     """Every check that can fail on user input, in order, writing nothing: the typed config with
     its batch resolved, the plan and the NCCL environment. Raises ValueError (one line) on the first
-    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included."""
+    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included. ``hydra_cfg`` (the
+    composed ``hydra`` node) is checked too (framework.recipe_check.check_composed)."""
     try:
-        check_safe(dcfg, recipe)
+        check_safe(dcfg, recipe, hydra_cfg)
         cfg = validate(dcfg)
         cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
         plan = make_plan(cfg)
@@ -230,9 +235,11 @@ def prelaunch(dcfg: DictConfig, run_dir: Path, recipe: str | None) -> tuple[Conf
     return cfg, plan, nccl_env
 
 
-def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+def _run(
+    dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> float | None:
     try:
-        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, recipe)
+        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, recipe, hydra_cfg)
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
 
