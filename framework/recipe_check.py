@@ -139,8 +139,9 @@ def _check_defaults(entries: Any) -> str | None:
             ok = (
                 m is not None
                 and m["group"] in RECIPE_GROUPS
-                and isinstance(value, str)
-                and _OPTION.fullmatch(value) is not None
+                and isinstance(value, (str, int))
+                and not isinstance(value, bool)
+                and _OPTION.fullmatch(str(value)) is not None
             )
         if not ok:
             return (
@@ -182,7 +183,7 @@ def _check_nccl(node: dict[str, Any]) -> str | None:
             try:
                 check_variable_name(str(name), f"nccl.{source}")
             except ValueError as e:
-                return f"it sets {e}"
+                return str(e)
     return None
 
 

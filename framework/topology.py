@@ -307,8 +307,13 @@ def check_variable_name(name: str, source: str = "nccl.env") -> None:
     if not _ENV_NAME.fullmatch(name):
         raise ValueError(f"{source}: {name!r} is not a valid environment variable name")
     if name.startswith(("NCCL_", "TORCH_NCCL_")):
-        near = difflib.get_close_matches(name, known_names(), n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]}?" if near else "see framework/topology.py KNOWN_VARIABLES"
+        near = difflib.get_close_matches(name, [*known_names(), *OWNED_VARIABLES], n=1, cutoff=0.6)
+        if not near:
+            hint = "see KNOWN_VARIABLES in framework/topology.py"
+        elif near[0] in OWNED_VARIABLES:
+            hint = f"did you mean {near[0]}? (set it through {OWNED_VARIABLES[near[0]]})"
+        else:
+            hint = f"did you mean {near[0]}?"
         raise ValueError(f"{source}.{name} is not an NCCL variable this framework knows (NCCL 2.30); {hint}")
     raise ValueError(
         f"{source}.{name} is refused: only NCCL_* / TORCH_NCCL_* variables known to framework/topology.py "
