@@ -350,7 +350,10 @@ class NcclConfig:
     """
 
     preset: str = "default"
+    # The preset's variables (conf/nccl/NAME.yaml). Only NCCL_* / TORCH_NCCL_* names that
+    # framework.topology knows, in both this and ``env``: they are exported into every rank.
     preset_env: dict[str, str] = field(default_factory=dict)
+    # Variables added or overridden for one run, e.g. nccl.env.NCCL_IB_HCA=mlx5 (same names as above).
     env: dict[str, str] = field(default_factory=dict)
     topo_file: Optional[str] = None  # NCCL_TOPO_FILE; its GPU count must match processes per node
     topo_dump_file: Optional[str] = None  # NCCL_TOPO_DUMP_FILE; a relative path lands in the run dir

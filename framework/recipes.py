@@ -9,10 +9,11 @@ Roots: ``FRAMEWORK_RECIPE_PATH`` (``os.pathsep``-separated) lists extra roots, e
 installed package's folder as ``pkg://package.subdir`` (a team's recipes shipped as a wheel). A name
 in an earlier root wins over the same name in a later one; the shipped ``recipes/`` folder comes last.
 
-Safety: a recipe may not touch Hydra itself (a ``hydra:`` key, ``override /hydra/...`` defaults: Hydra
-instantiates callbacks and launchers before any of our code runs) nor widen the instantiation
-allowlist (``run.instantiate_allow``). Such a recipe is registered empty and recorded in ``REFUSED``;
-``framework.entry`` refuses to run it. ``python -m framework.recipes list | validate NAME`` inspects
+Safety: a recipe is untrusted input. Each file is read with a bounded parser and its content checked
+(framework.recipe_check: no Hydra keys or groups, no ``@package`` defaults, no resolvers, bounded
+interpolation, no keys that reach code or the process) before Hydra sees it. A refused recipe is
+registered empty and recorded in ``REFUSED``; ``framework.entry`` refuses to run it, and checks the
+composed result again. ``python -m framework.recipes list | validate NAME`` inspects
 the roots.
 """
 
