@@ -186,22 +186,3 @@ def test_unsafe_recipe_is_refused_before_anything_runs(
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
     assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
     assert not run_dir.exists() and not marker.exists()
-
-
-def test_command_line_nccl_env_is_refused_naming_the_variable(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "+nccl.env.LD_PRELOAD=/tmp/evil.so", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr == (
-        "error: nccl.env.LD_PRELOAD is refused: only NCCL_* / TORCH_NCCL_* variables known to "
-        "framework/topology.py may be set through the nccl group (it exports them into every rank); "
-        "set other variables in the launching environment\n"
-    )
-    assert not run_dir.exists()
