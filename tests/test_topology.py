@@ -437,3 +437,8 @@ def test_presets_compose_through_hydra(tmp_path: Path) -> None:
     assert cfg.mesh.hardware.name == "h200" and cfg.mesh.procs_per_node == 4
     env = env_of(cfg.nccl, tmp_path, cfg.mesh.procs_per_node)
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "1"
+    # From the command line, as from a recipe: only known NCCL names reach the ranks.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_config(compose("config", overrides=["+nccl.env.LD_PRELOAD=/tmp/evil.so"]))
+    with pytest.raises(ValueError, match=r"^nccl\.env\.LD_PRELOAD is refused: only NCCL_\* / TORCH_NCCL_\*"):
+        nccl_environment(cfg.nccl, tmp_path, cfg.mesh.procs_per_node)
