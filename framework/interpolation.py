@@ -117,7 +117,7 @@ def check_expansion(
             return memo[path]
         if path in stack:
             cycle = " -> ".join(_dotted(p) for p in [*stack[stack.index(path) :], path])
-            raise ValueError(f"interpolation cycle: {cycle}")
+            raise ValueError(f"{_dotted(path)}: recursive interpolation (a cycle: {cycle})")
         if len(stack) >= max_depth:
             raise ValueError(
                 f"{_dotted(stack[0])}: interpolation references nest deeper than {max_depth} keys"

@@ -55,8 +55,14 @@ CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
         ({"logger": {"tags": ["${now:%H}"]}}, "logger.tags[0]='${now:%H}' calls the resolver 'now'"),
         ({"model": {"name": "${${which}:HOME}"}}, "a computed resolver name"),
         # Unbounded interpolation.
-        ({"train": {"seq_len": "${train.seq_len}"}}, "interpolation cycle: train.seq_len -> train.seq_len"),
-        ({"model": {"name": "${data.path}"}, "data": {"path": "${model.name}"}}, "interpolation cycle"),
+        (
+            {"train": {"seq_len": "${train.seq_len}"}},
+            "train.seq_len: recursive interpolation (a cycle: train.seq_len -> train.seq_len)",
+        ),
+        (
+            {"model": {"name": "${data.path}"}, "data": {"path": "${model.name}"}},
+            "recursive interpolation (a cycle",
+        ),
         ({"model": {"name": "${"}}, "invalid interpolation"),
     ],
 )
