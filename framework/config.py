@@ -279,9 +279,9 @@ class HardwareConfig:
     name: str = "cpu"
     memory_gib: float = 24.0
     peak_tflops: float = 0.1  # dense bf16 (or fp32 on CPU), TFLOP/s
-    intra_node_gbps: float = 10.0  # GB/s per device, one direction
+    intra_node_gbps: float = 5.0  # GB/s per device, one direction
     inter_node_gbps: float = 1.0
-    intra_node_latency_us: float = 10.0
+    intra_node_latency_us: float = 20.0
     inter_node_latency_us: float = 50.0
     numa_per_host: int = 1
 
@@ -350,7 +350,10 @@ class NcclConfig:
     """
 
     preset: str = "default"
+    # The preset's variables (conf/nccl/NAME.yaml). Only NCCL_* / TORCH_NCCL_* names that
+    # framework.topology knows, in both this and ``env``: they are exported into every rank.
     preset_env: dict[str, str] = field(default_factory=dict)
+    # Variables added or overridden for one run, e.g. nccl.env.NCCL_IB_HCA=mlx5 (same names as above).
     env: dict[str, str] = field(default_factory=dict)
     topo_file: Optional[str] = None  # NCCL_TOPO_FILE; its GPU count must match processes per node
     topo_dump_file: Optional[str] = None  # NCCL_TOPO_DUMP_FILE; a relative path lands in the run dir
@@ -364,7 +367,8 @@ class NcclConfig:
 class FreezeConfig:
     """Static graph (framework.freeze): torch.export artifact, or legacy TorchScript (script/trace)."""
 
-    mode: FreezeMode = FreezeMode.none
+    # export: what `python train.py` composes (conf/config.yaml `freeze: export`); the schema agrees.
+    mode: FreezeMode = FreezeMode.export
     strict: bool = False  # torch.export.export(strict=...): trace with Dynamo instead of running Python
     # Also run the model once under torch._dynamo.explain, so graph breaks that
     # torch.compile(fullgraph=True) would hit are reported at freeze time (export mode).

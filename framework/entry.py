@@ -14,6 +14,7 @@ a job that already completed in a previous run of the same sweep is skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import os
 import shutil
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import float8, sweep
@@ -75,16 +77,18 @@ def discard_run_dir(run_dir: Path) -> None:
             parent.rmdir()
 
 
-def check_safe(dcfg: DictConfig, recipe: str | None) -> None:
-    """Refuse a refused recipe and any ``_target_`` off the allowlist, before anything is built or run."""
-    from framework.instantiate import check_targets
+def check_safe(dcfg: DictConfig, recipe: str | None, hydra_cfg: DictConfig | None = None) -> None:
+    """Refuse a refused recipe, recipe content composed outside the top level, an interpolation that
+    would expand without bound and any ``_target_`` off the allowlist (``hydra.*`` included), before
+    anything resolves, builds or runs (framework.recipe_check.check_composed)."""
+    from framework.recipe_check import check_composed
     from framework.recipes import REFUSED
 
     if recipe in REFUSED:
         raise ValueError(REFUSED[recipe])
     allow = OmegaConf.select(dcfg, "run.instantiate_allow", default=None)
-    allow = list(allow) if allow is not None else RunConfig().instantiate_allow
-    check_targets(dcfg, allow)
+    allow = list(allow) if isinstance(allow, ListConfig) else RunConfig().instantiate_allow
+    check_composed(dcfg, hydra_cfg, allow)
 
 
 def validate(dcfg: DictConfig) -> Config:
@@ -175,22 +179,28 @@ def run_job(dcfg: DictConfig) -> float | None:
     with isolated_environ():
         adopt_submitit_environment()
         rank = int(os.environ.get("RANK", "0")) if joined_torchrun() else 0
-        if multirun:
-            done = sweep.completed(run_dir, overrides)
-            if done is not None:
-                if rank == 0:
-                    sweep.write_job(run_dir, overrides, "skipped")
-                log.info(
-                    "job %s: skipped, it completed in a previous run of this sweep (%s)",
-                    run_dir.name,
-                    run_dir,
-                )
-                return sweep.objective(done)
-            if rank == 0:
-                sweep.set_aside_previous_attempt(run_dir)
-                sweep.write_job(run_dir, overrides, "running")
+        marked = False  # this job's "running" marker is written
         try:
-            result = _run(dcfg, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
+            job = prepare(dcfg, run_dir, hydra_cfg)
+            if multirun:
+                # Keyed on the resolved config: an edited recipe reruns, reordered overrides do not.
+                done = sweep.completed(run_dir, job.config_sha256)
+                if done is not None:
+                    summary, source = done
+                    if rank == 0:
+                        sweep.record_skip(run_dir, overrides, job.config_sha256, source)
+                    log.info(
+                        "job %s: skipped, the same resolved config completed in a previous run of this "
+                        "sweep (%s)",
+                        run_dir.name,
+                        source,
+                    )
+                    return sweep.objective(summary)
+                if rank == 0:
+                    sweep.set_aside_previous_attempt(run_dir)
+                    sweep.write_job(run_dir, overrides, "running", config_sha256=job.config_sha256)
+                marked = True
+            result = _run(job, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
         except JobFailed as e:
             log.error("error: %s", e)
             print(f"error: {e}", file=sys.stderr)
@@ -199,6 +209,8 @@ def run_job(dcfg: DictConfig) -> float | None:
                     discard_run_dir(run_dir)
                 sys.exit(e.code)
             if rank == 0:
+                if not marked:
+                    sweep.set_aside_previous_attempt(run_dir)
                 sweep.write_job(run_dir, overrides, "failed", error=str(e))
             return math.nan
         except Exception as e:  # noqa: BLE001 - a sweep records the failure and goes on to the next job
@@ -206,19 +218,24 @@ def run_job(dcfg: DictConfig) -> float | None:
                 raise
             log.error("job %s failed:\n%s", run_dir.name, traceback.format_exc())
             if rank == 0:
+                if not marked:
+                    sweep.set_aside_previous_attempt(run_dir)
                 sweep.write_job(run_dir, overrides, "failed", error=f"{type(e).__name__}: {e}")
             return math.nan
         if multirun and rank == 0:
-            sweep.write_job(run_dir, overrides, "ok")
+            sweep.write_job(run_dir, overrides, "ok", config_sha256=job.config_sha256)
         return result
 
 
-def prelaunch(dcfg: DictConfig, run_dir: Path, recipe: str | None) -> tuple[Config, Plan, dict[str, str]]:
+def prelaunch(
+    dcfg: DictConfig, run_dir: Path, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> tuple[Config, Plan, dict[str, str]]:
     """Every check that can fail on user input, in order, writing nothing: the typed config with
     its batch resolved, the plan and the NCCL environment. Raises ValueError (one line) on the first
-    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included."""
+    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included. ``hydra_cfg`` (the
+    composed ``hydra`` node) is checked too (framework.recipe_check.check_composed)."""
     try:
-        check_safe(dcfg, recipe)
+        check_safe(dcfg, recipe, hydra_cfg)
         cfg = validate(dcfg)
         cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
         plan = make_plan(cfg)
@@ -230,14 +247,33 @@ def prelaunch(dcfg: DictConfig, run_dir: Path, recipe: str | None) -> tuple[Conf
     return cfg, plan, nccl_env
 
 
-def _run(dcfg: DictConfig, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job's validated inputs (``prelaunch``): everything checked before the run dir gets its files."""
+
+    cfg: Config
+    plan: Plan
+    nccl_env: dict[str, str]
+    config_yaml: str  # what config.yaml holds (the resolved config)
+
+    @property
+    def config_sha256(self) -> str:
+        return hashlib.sha256(self.config_yaml.encode()).hexdigest()
+
+
+def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJob:
+    """``prelaunch`` for a job; a failure is a JobFailed with exit status 2."""
     try:
-        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, recipe)
+        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, hydra_cfg.runtime.choices.get("recipe"), hydra_cfg)
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
+    return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg))
 
+
+def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+    cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
     if rank == 0:
-        config_yaml = to_yaml(cfg)
+        config_yaml = job.config_yaml
         (run_dir / "config.yaml").write_text(config_yaml)
         (run_dir / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
         write_provenance(run_dir, recipe, config_yaml)

@@ -91,21 +91,74 @@ def find_targets(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-def check_targets(cfg: DictConfig | dict[str, Any], allow: list[str]) -> int:
-    """Check every ``_target_`` of a config (the ``hydra`` node excepted); return how many there are.
+# What Hydra itself instantiates under ``hydra.*`` (launchers, sweepers and their samplers,
+# callbacks) and what ``logging.config.dictConfig`` calls for ``hydra.job_logging`` /
+# ``hydra.hydra_logging`` (``class`` and ``()`` name a callable that gets the node's keys).
+# Narrow on purpose: ``hydra.utils.call`` or ``logging.config.fileConfig`` (which evals) would be
+# instantiation of anything.
+HYDRA_ALLOW = ["hydra._internal.core_plugins.", "hydra.experimental.callbacks.", "hydra_plugins.", "optuna."]
+LOGGING_ALLOW = [
+    "logging.StreamHandler", "logging.FileHandler", "logging.NullHandler", "logging.Formatter",
+    "logging.Filter", "logging.handlers.", "colorlog.",
+]  # fmt: skip
+LOGGING_CALLABLE_KEYS = ("()", "class")
 
-    The ``hydra`` node comes only from conf/ and the command line: recipes that set it are refused
-    when they are registered (framework.recipes), so it is not scanned here.
+
+def check_targets(cfg: DictConfig | dict[str, Any], allow: list[str]) -> int:
+    """Check every ``_target_`` of a config, the ``hydra`` node included; return how many there are.
+
+    ``hydra.*`` is checked against ``allow`` plus ``HYDRA_ALLOW`` (Hydra's own plugins), literally
+    (Hydra instantiates it before our code runs, so an interpolated target there is refused), and
+    so are the callables its logging config names. Recipes cannot reach ``hydra.*`` at all
+    (framework.recipe_check); this is the check on the composed result.
     """
     if isinstance(cfg, DictConfig):
-        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        hydra_node = cfg.get("hydra") if "hydra" in cfg else None
+        rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if hydra_node is not None else cfg
+        container = OmegaConf.to_container(rest, resolve=True, throw_on_missing=False)
+        hydra_tree = OmegaConf.to_container(hydra_node, resolve=False) if hydra_node is not None else None
     else:
-        container = cfg
+        container = {k: v for k, v in cfg.items() if k != "hydra"}
+        hydra_tree = cfg.get("hydra")
     assert isinstance(container, dict)
-    targets = [(k, v) for k, v in find_targets(container) if not k.startswith("hydra.")]
+    targets = find_targets(container)
     for key, value in targets:
         check_target(value, allow, where=key)
-    return len(targets)
+    return len(targets) + (check_hydra_targets(hydra_tree, allow) if hydra_tree is not None else 0)
+
+
+def check_hydra_targets(hydra_tree: Any, allow: list[str]) -> int:
+    """Check the unresolved ``hydra`` node's targets and logging callables (see ``check_targets``)."""
+    if isinstance(hydra_tree, DictConfig):
+        hydra_tree = OmegaConf.to_container(hydra_tree, resolve=False)
+    found = [(k, v, HYDRA_ALLOW) for k, v in find_targets(hydra_tree, "hydra")]
+    for section in ("job_logging", "hydra_logging"):
+        node = hydra_tree.get(section) if isinstance(hydra_tree, dict) else None
+        found += [
+            (k, v, LOGGING_ALLOW) for k, v in find_keys(node, LOGGING_CALLABLE_KEYS, f"hydra.{section}")
+        ]
+    for key, value, names in found:
+        if isinstance(value, str) and "${" in value:
+            raise ValueError(f"{key}={value!r}: a target under hydra.* must be a literal dotted path")
+        if isinstance(value, str) and is_allowed_name(value, names):
+            # Hydra's own: every object met while resolving it must still live in its package.
+            check_target(value, [*allow, *(n.split(".")[0] for n in names)], where=key)
+        else:
+            check_target(value, allow, where=key)  # anything else: the user's allowlist, as outside hydra.*
+    return len(found)
+
+
+def find_keys(node: Any, names: tuple[str, ...], prefix: str) -> list[tuple[str, Any]]:
+    """Every value under a key in ``names`` in a nested container, as (key path, value)."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{prefix}.{k}"
+            found += [(key, v)] if k in names else find_keys(v, names, key)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += find_keys(v, names, f"{prefix}[{i}]")
+    return found
 
 
 def safe_instantiate(node: DictConfig | dict[str, Any], allow: list[str], **kwargs: Any) -> Any:

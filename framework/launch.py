@@ -273,8 +273,36 @@ def adopt_submitit_environment() -> bool:
     from submitit.helpers import TorchDistributedEnvironment
 
     # CUDA_VISIBLE_DEVICES is left alone: init_distributed picks cuda:LOCAL_RANK itself.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    dist_env = TorchDistributedEnvironment()
+    dist_env.export(set_cuda_visible_devices=False, overwrite=True)
+    threads = set_task_threads(dist_env.local_world_size)
+    log.info("submitit task %d: %d intra-op threads (OMP_NUM_THREADS)", dist_env.rank, threads)
     return True
+
+
+def task_threads(local_tasks: int, cpus_per_task: str | None = None) -> int:
+    """Intra-op threads for one of ``local_tasks`` ranks on this host: SLURM's ``--cpus-per-task``
+    when it is set, else an equal share of the cores (as torchrun and ``spawn_local`` do)."""
+    if cpus_per_task and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
+        return int(cpus_per_task)
+    return max(1, (os.cpu_count() or 1) // max(1, local_tasks))
+
+
+def set_task_threads(local_tasks: int) -> int:
+    """Set this task's thread count unless OMP_NUM_THREADS was exported; returns the count in use.
+
+    Why: a submitit task is a fresh process that imported torch with one intra-op thread per core;
+    with several tasks on one host they oversubscribe the cores (36x slower steps measured on CPU
+    with ``hydra/launcher=slurm_local``). torch reads OMP_NUM_THREADS when it starts, so the running
+    process is set with ``torch.set_num_threads`` and the variable is exported for what it starts.
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        threads = task_threads(local_tasks, os.environ.get("SLURM_CPUS_PER_TASK"))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

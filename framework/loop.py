@@ -12,7 +12,6 @@ import collections
 import contextlib
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -400,6 +399,12 @@ def train_step(
         optimizer.step()
     elif bool(finite):
         optimizer.step()
+    else:
+        # Skip the update through the optimiser itself, as the fused kernel's found_inf does: with
+        # every gradient dropped, AdamW's step() updates nothing (no parameter, no state, no step
+        # count). The scheduler then follows a step() call, as torch expects (it warns otherwise).
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     timer.stop()
@@ -435,11 +440,11 @@ def _step_in_backward(
     ib.finish()
     norm = ib.norm_sq.sqrt()
     finite = torch.isfinite(norm) & torch.isfinite(total)
-    with warnings.catch_warnings():
-        # The main optimiser's own step() never runs (its per-parameter copies step), which the
-        # scheduler takes for a call order mistake.
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-        scheduler.step()
+    # The per-parameter copies did this step's updates and dropped every gradient, so the main
+    # optimiser's step() updates nothing; it runs so that the step the scheduler follows (and any
+    # step hook) is the main optimiser's, in torch's order (the scheduler warns otherwise).
+    ib.main.step()
+    scheduler.step()
     timer.stop()
     return _result(total, norm, finite, lr, timer, io)
 

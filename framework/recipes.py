@@ -9,10 +9,11 @@ Roots: ``FRAMEWORK_RECIPE_PATH`` (``os.pathsep``-separated) lists extra roots, e
 installed package's folder as ``pkg://package.subdir`` (a team's recipes shipped as a wheel). A name
 in an earlier root wins over the same name in a later one; the shipped ``recipes/`` folder comes last.
 
-Safety: a recipe may not touch Hydra itself (a ``hydra:`` key, ``override /hydra/...`` defaults: Hydra
-instantiates callbacks and launchers before any of our code runs) nor widen the instantiation
-allowlist (``run.instantiate_allow``). Such a recipe is registered empty and recorded in ``REFUSED``;
-``framework.entry`` refuses to run it. ``python -m framework.recipes list | validate NAME`` inspects
+Safety: a recipe is untrusted input. Each file is read with a bounded parser and its content checked
+(framework.recipe_check: no Hydra keys or groups, no ``@package`` defaults, no resolvers, bounded
+interpolation, no keys that reach code or the process) before Hydra sees it. A refused recipe is
+registered empty and recorded in ``REFUSED``; ``framework.entry`` refuses to run it, and checks the
+composed result again. ``python -m framework.recipes list | validate NAME`` inspects
 the roots.
 """
 
@@ -29,13 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from framework import recipe_check
 
 SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "recipes"
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PKG_PREFIX = "pkg://"
+
+
+class RecipeRefused(ValueError):
+    """The composed result of a recipe failed a safety check (framework.recipe_check.check_composed)."""
+
 
 # name -> why it was refused; filled by ``register``.
 REFUSED: dict[str, str] = {}
@@ -95,63 +102,49 @@ def recipe_roots() -> list[tuple[str, Path]]:
 
 
 def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[str, Recipe]:
+    """Every ``*.yaml`` of every root, first root winning; reads at most ``MAX_RECIPE_BYTES`` of each."""
     found: dict[str, Recipe] = {}
     for item in roots if roots is not None else recipe_roots():
         label, root = item if isinstance(item, tuple) else (str(item), item)
         if not root.is_dir():
             raise ValueError(f"recipe root {label!r} is not a directory (check FRAMEWORK_RECIPE_PATH)")
         for path in sorted(root.glob("*.yaml")):
-            if path.stem in found:
+            if path.stem in found or not path.is_file():
                 continue
-            text = path.read_text()
+            with path.open("rb") as f:
+                data = f.read(recipe_check.MAX_RECIPE_BYTES + 1)  # a larger file is refused on load
+            text = data.decode("utf-8", errors="replace")
             first = text.splitlines()[0] if text else ""
             desc = first.lstrip("# ").strip() if first.startswith("#") else ""
-            found[path.stem] = Recipe(path.stem, path, desc, hashlib.sha256(text.encode()).hexdigest(), label)
+            found[path.stem] = Recipe(path.stem, path, desc, hashlib.sha256(data).hexdigest(), label)
     return found
 
 
 def refusal(node: Any) -> str | None:
-    """Why a recipe's content may not be used, or None. See the module docstring."""
-    if not isinstance(node, dict):
-        return "a recipe must be a YAML mapping"
-    if "hydra" in node:
-        return "it sets `hydra:` keys (a recipe may not configure Hydra: callbacks and launchers run code)"
-    for entry in node.get("defaults") or []:
-        text = str(entry)
-        if "hydra/" in text or "/hydra" in text:
-            return f"its defaults select a Hydra option ({text}); a recipe may not configure Hydra"
-    run = node.get("run")
-    if isinstance(run, dict) and "instantiate_allow" in run:
-        return "it sets run.instantiate_allow (only conf/ or the command line may widen the allowlist)"
-    return None
-
-
-def load_yaml(r: Recipe) -> Any:
-    """The recipe's YAML; ValueError naming the file, line and column when it does not parse."""
-    try:
-        return OmegaConf.load(r.path)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"recipe {r.name!r} ({r.path}) is not valid YAML: {problem}{where}") from e
+    """Why a recipe's content may not be used, or None (the rules: framework.recipe_check)."""
+    return recipe_check.refusal(node)
 
 
 def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     """Store every recipe as an option of the ``recipe`` group; returns what was registered.
 
-    A refused recipe is stored empty (so that composing it cannot run anything) and recorded in
-    ``REFUSED``; ``framework.entry`` stops before running it.
+    Each file is read with a bounded parser (framework.recipe_check.load) and checked before Hydra
+    sees it. A refused or unreadable recipe is stored empty (so that composing it cannot run
+    anything) and recorded in ``REFUSED``; ``framework.entry`` stops before running it, and the
+    other recipes of the root are unaffected.
     """
     recipes = discover(roots)
     cs = ConfigStore.instance()
     for r in recipes.values():
-        node = load_yaml(r)
-        reason = refusal(OmegaConf.to_container(node, resolve=False))
+        content, reason = recipe_check.load(r.path)
+        if reason is None:
+            reason = refusal(content)
         if reason is not None:
             REFUSED[r.name] = f"recipe {r.name!r} ({r.path}) is refused: {reason}"
-            node = OmegaConf.create({})
-        cs.store(group="recipe", name=r.name, node=node, package="_global_")
+            content = {}
+        else:
+            REFUSED.pop(r.name, None)
+        cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
     return recipes
 
 
@@ -201,15 +194,22 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
         raise ValueError(REFUSED[name])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         dcfg = compose(
-            "config", overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])])
+            "config",
+            overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])]),
+            return_hydra_config=True,
         )
-    from framework.instantiate import check_targets
+    hydra_cfg = dcfg.hydra
+    task = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
+    allow = OmegaConf.select(task, "run.instantiate_allow", default=None)
+    allow = list(allow) if allow is not None else config.RunConfig().instantiate_allow
+    try:
+        recipe_check.check_composed(task, hydra_cfg, allow)
+    except ValueError as e:
+        raise RecipeRefused(str(e)) from None
     from framework.rules import check_known_keys
 
-    check_known_keys(dcfg)
-    cfg = config.to_config(dcfg)
-    check_targets(dcfg, cfg.run.instantiate_allow)
-    return cfg
+    check_known_keys(task)
+    return config.to_config(task)
 
 
 def _cmd_list() -> int:
@@ -231,12 +231,19 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
     if name not in recipes:
         print(f"error: no recipe {name!r}; known: {sorted(recipes)}", file=sys.stderr)
         return 2
+    register()
+    if name in REFUSED:  # unsafe: a bad input, as for train.py
+        print(f"error: {REFUSED[name]}", file=sys.stderr)
+        return 2
     try:
         cfg = compose_recipe(name, overrides)
         validate_mesh(cfg.mesh)
         check_rules(cfg)
         # Validating plans like a dry run: a layout over the device memory is reported, not refused.
         plan = make_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)))
+    except RecipeRefused as e:
+        print(f"error: recipe {name!r} ({recipes[name].path}) is refused: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - compose, schema and plan errors all mean "invalid"
         print(f"error: recipe {name!r} ({recipes[name].path}) is invalid: {e}", file=sys.stderr)
         return 1

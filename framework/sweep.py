@@ -3,13 +3,16 @@
 ``python train.py -m sharding=ddp,fsdp mesh=2,4`` runs each job as a full multi-rank job (the
 launching process self-launches the job's ranks and waits for them before the next job starts).
 
-- Stable sweep dir: ``multirun/sweep-<hash>``, the hash of the command line's overrides (in order,
-  ``-m`` left out), unless ``hydra.sweep.dir`` is set. Re-running the same command finds the same dir, and
-  jobs keep their numbers (``hydra.job.num``) because Hydra expands a sweep deterministically.
-- Job marker: each job's dir holds ``job.json`` (its overrides and status: running, ok, failed,
-  skipped). A job whose marker says ok (or skipped) for the same overrides, with a ``summary.json``,
-  is skipped on a re-run; failed and missing jobs run again. Start afresh with another
-  ``hydra.sweep.dir`` or by deleting the sweep dir.
+- Stable sweep dir: ``multirun/sweep-<hash>``, the hash of the command line's overrides as a set
+  (``-m`` left out, order ignored), unless ``hydra.sweep.dir`` is set. Re-running the same command,
+  or the same overrides in another order, finds the same dir.
+- Job marker: each job's dir holds ``job.json`` (its overrides, status: running, ok, failed,
+  skipped, and the sha256 of its resolved ``config.yaml``). A job is skipped on a re-run when a job
+  of the sweep dir (or an attempt set aside there) completed with the same resolved config and left
+  a ``summary.json``: an edited recipe, or any change that reaches the config, reruns the job;
+  reordered overrides (which renumber the jobs) rerun nothing, the skipped job's dir gets a copy of
+  the summary and ``result_of`` names where it was computed. Failed and missing jobs run again.
+  Start afresh with another ``hydra.sweep.dir`` or by deleting the sweep dir.
 - ``SweepSummary`` (a Hydra callback, ``hydra.callbacks.sweep_summary`` in conf/config.yaml) writes
   ``sweep_summary.csv``, ``sweep_summary.md`` and ``sweep_summary.png`` into the sweep dir when the
   sweep ends, and exits non-zero when a job failed.
@@ -22,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,14 +53,15 @@ COLUMNS = (
 
 
 def sweep_id(argv: list[str] | None = None) -> str:
-    """``sweep-<hash of the overrides>``: the same command gives the same sweep dir (see module doc).
+    """``sweep-<hash of the overrides>``: the same overrides give the same sweep dir (see module doc).
 
     Set once per launch and exported, so that processes the launcher starts (submitit jobs) agree.
     """
     if argv is None and os.environ.get(SWEEP_ID_ENV):
         return os.environ[SWEEP_ID_ENV]
-    # Order matters: Hydra numbers the jobs of `a=1,2 b=3,4` and `b=3,4 a=1,2` differently.
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("-m", "--multirun")]
+    # Sorted: reordering the overrides renumbers the jobs but changes no job's config, and jobs are
+    # matched by their resolved config (``completed``), not by their number.
+    args = sorted(a for a in (sys.argv[1:] if argv is None else argv) if a not in ("-m", "--multirun"))
     value = "sweep-" + hashlib.sha256("\0".join(args).encode()).hexdigest()[:12]
     if argv is None:
         os.environ[SWEEP_ID_ENV] = value
@@ -81,13 +86,36 @@ def write_job(job_dir: Path, overrides: list[str], status: str, **extra: Any) ->
     tmp.replace(job_dir / JOB_FILE)
 
 
-def completed(job_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
-    """The summary of a job that already completed with these overrides in this dir, else None."""
-    job = read_job(job_dir)
-    summary = job_dir / "summary.json"
-    if job is None or job.get("status") not in ("ok", "skipped") or job.get("overrides") != list(overrides):
-        return None
-    return json.loads(summary.read_text()) if summary.is_file() else None
+def completed(job_dir: Path, config_sha256: str) -> tuple[dict[str, Any], Path] | None:
+    """(summary, where) of a job of this sweep that completed with this resolved config, else None.
+
+    Looks in ``job_dir`` first, then every other job dir of the sweep and the attempts set aside in
+    them (reordered overrides put a config under another job number).
+    """
+    sweep_dir = job_dir.parent
+    dirs = [job_dir, *sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p != job_dir)]
+    for d in dirs:
+        attempts = d / "attempts"
+        for candidate in [d, *(sorted(attempts.iterdir()) if attempts.is_dir() else [])]:
+            job = read_job(candidate)
+            summary = candidate / "summary.json"
+            if (
+                job is not None
+                and job.get("status") in ("ok", "skipped")
+                and job.get("config_sha256") == config_sha256
+                and summary.is_file()
+            ):
+                return json.loads(summary.read_text()), candidate
+    return None
+
+
+def record_skip(job_dir: Path, overrides: list[str], config_sha256: str, source: Path) -> None:
+    """Mark ``job_dir`` skipped; when the result lives elsewhere, set this dir's own earlier results
+    aside (they stay findable) and copy the summary in, so the sweep summary reads it here."""
+    if source != job_dir:
+        set_aside_previous_attempt(job_dir)
+        shutil.copyfile(source / "summary.json", job_dir / "summary.json")
+    write_job(job_dir, overrides, "skipped", config_sha256=config_sha256, result_of=str(source))
 
 
 def set_aside_previous_attempt(job_dir: Path) -> Path | None:

@@ -6,6 +6,9 @@ longer read, a misspelled subsystem logs nothing). Checking each value against w
 accepts turns those into a ``ValueError`` before any rank starts. NCCL's own documentation splits
 its variables into system configuration (fine in scripts) and "debugging" ones that "should not be
 used in production": each debugging variable set is flagged with one ``NcclDebugVariableWarning``.
+Only names in the table pass (``check_variable_name``): the group exports its variables into every
+rank, so ``LD_PRELOAD`` or ``PYTHONPATH`` there would be code execution, and an unknown ``NCCL_*``
+name is a typo NCCL would ignore (refused with the nearest known name).
 
 NVLink multicast stays off on the lent multi-GPU machines (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): a value that would turn it on is
@@ -14,6 +17,7 @@ refused, and ``apply_nccl_environment`` never overrides one that is already set.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -28,10 +32,6 @@ from framework.config import MeshConfig, NcclConfig
 
 class NcclDebugVariableWarning(UserWarning):
     """A variable from NCCL's "Debugging" list is set: fine as a workaround, not for production."""
-
-
-class UnknownNcclVariableWarning(UserWarning):
-    """An NCCL/TORCH_NCCL variable this table does not know: passed on (it may be newer NCCL)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,25 +289,48 @@ def _check_multicast(name: str, value: str) -> None:
         )
 
 
+def known_names() -> list[str]:
+    """Every variable name ``nccl.env`` / ``nccl.preset_env`` may hold (the typed fields' own excepted)."""
+    return sorted(n for n in (*KNOWN_VARIABLES, *MULTICAST_OFF) if n not in OWNED_VARIABLES)
+
+
+def check_variable_name(name: str, source: str = "nccl.env") -> None:
+    """Refuse a name this table does not know, naming it (and the nearest known name for an NCCL one).
+
+    Why an allowlist: the NCCL environment is exported into every rank before the process group
+    starts, so an arbitrary name is a process-level setting (``LD_PRELOAD`` loads a library into every
+    rank, ``PYTHONPATH`` runs a ``sitecustomize``). An unknown ``NCCL_*`` name is refused too: NCCL
+    ignores a misspelled variable silently. The multicast switches are allowed with their "off" value.
+    """
+    if name in KNOWN_VARIABLES or name in MULTICAST_OFF or name in REMOVED_VARIABLES:
+        return
+    if not _ENV_NAME.fullmatch(name):
+        raise ValueError(f"{source}: {name!r} is not a valid environment variable name")
+    if name.startswith(("NCCL_", "TORCH_NCCL_")):
+        near = difflib.get_close_matches(name, [*known_names(), *OWNED_VARIABLES], n=1, cutoff=0.6)
+        if not near:
+            hint = "see KNOWN_VARIABLES in framework/topology.py"
+        elif near[0] in OWNED_VARIABLES:
+            hint = f"did you mean {near[0]}? (set it through {OWNED_VARIABLES[near[0]]})"
+        else:
+            hint = f"did you mean {near[0]}?"
+        raise ValueError(f"{source}.{name} is not an NCCL variable this framework knows (NCCL 2.30); {hint}")
+    raise ValueError(
+        f"{source}.{name} is refused: only NCCL_* / TORCH_NCCL_* variables known to framework/topology.py "
+        "may be set through the nccl group (it exports them into every rank); set other variables in "
+        "the launching environment"
+    )
+
+
 def validate_variable(name: str, value: str) -> str:
     """Check one variable; return the value to set (legacy levels become names). Warns, see module."""
-    if not _ENV_NAME.fullmatch(name):
-        raise ValueError(f"{name!r} is not a valid environment variable name")
+    check_variable_name(name)
     if name in REMOVED_VARIABLES:
         raise ValueError(f"{name} is removed or deprecated; use {REMOVED_VARIABLES[name]}")
     value = str(value)
     _check_multicast(name, value)
     spec = KNOWN_VARIABLES.get(name)
-    if spec is None:
-        if not value:
-            raise _bad(name, value, "a non-empty string")
-        if name.startswith(("NCCL_", "TORCH_NCCL_")):
-            warnings.warn(
-                f"{name} is not in framework.topology's table of NCCL 2.30 variables; passing it on "
-                "unchecked (it may be newer NCCL, or a typo)",
-                UnknownNcclVariableWarning,
-                stacklevel=3,
-            )
+    if spec is None:  # a multicast switch, checked above
         return value
     checked = spec.check(name, value)
     if spec.debugging:
@@ -334,6 +357,7 @@ def nccl_environment(cfg: NcclConfig, run_dir: Path | None, procs_per_node: int)
         for name, value in variables.items():
             if name in OWNED_VARIABLES:
                 raise ValueError(f"{source}.{name} is not allowed: set {OWNED_VARIABLES[name]} instead")
+            check_variable_name(name, source)
             merged[name] = str(value)
 
     if cfg.async_error_handling not in (0, 1, 2, 3):
@@ -398,9 +422,6 @@ def describe_nccl(env: dict[str, str]) -> str:
     for name in sorted(env):
         spec = KNOWN_VARIABLES.get(name)
         tag = "  [debugging]" if spec is not None and spec.debugging else ""
-        tag = (
-            "  [unknown to this table]" if spec is None and name.startswith(("NCCL_", "TORCH_NCCL_")) else tag
-        )
         lines.append(f"  {name}={env[name]}{tag}")
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from framework import config, recipes
@@ -34,6 +35,21 @@ def test_every_group_option_composes(group: str) -> None:
     for option in options:
         cfg = compose_config(f"{group}={option}")
         assert isinstance(cfg, Config)
+
+
+def test_schema_defaults_are_the_composed_defaults() -> None:
+    """The config reference (README, --help) shows the schema's defaults: they must be what
+    ``python train.py`` composes. The recipe-owned groups (model, data, train) are the recipe's."""
+    composed = config.flatten(
+        OmegaConf.to_container(OmegaConf.structured(compose_config()), enum_to_str=True)
+    )
+    schema = config.flatten(OmegaConf.to_container(OmegaConf.structured(Config()), enum_to_str=True))
+    differ = {
+        k: (schema.get(k), composed.get(k))
+        for k in composed.keys() | schema.keys()
+        if not k.startswith(("model.", "data.", "train.")) and composed.get(k) != schema.get(k)
+    }
+    assert differ == {}
 
 
 def test_mesh_shape_and_numeric_choice() -> None:

@@ -268,7 +268,7 @@ def test_trace_freezes_the_llama(tmp_path: Path) -> None:
 
 def test_none_and_write_false_write_nothing(tmp_path: Path) -> None:
     lin = nn.Linear(4, 4)
-    res = freeze(lin, (torch.randn(2, 4),), FreezeConfig(), tmp_path)
+    res = freeze(lin, (torch.randn(2, 4),), FreezeConfig(mode=FreezeMode.none), tmp_path)
     assert res.mode == FreezeMode.none and res.fingerprint is None and res.artifact is None
     res = freeze(lin, (torch.randn(2, 4),), FreezeConfig(mode=FreezeMode.export), tmp_path, write=False)
     assert res.fingerprint is not None and res.artifact is None and list(tmp_path.iterdir()) == []

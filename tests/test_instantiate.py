@@ -51,13 +51,54 @@ def test_scan_finds_nested_and_interpolated_targets() -> None:
             "evil": "os.system",
             "nccl": {"env": {"_target_": "${evil}"}},
             "run": {"things": [{"_target_": "torch.nn.ReLU"}]},
-            "hydra": {"callbacks": {"x": {"_target_": "hydra.experimental.callback.Callback"}}},
+            "hydra": {"callbacks": {"x": {"_target_": "framework.sweep.SweepSummary"}}},
         }
     )
     with pytest.raises(ValueError, match=r"nccl\.env\._target_='os\.system'"):
         check_targets(cfg, ALLOW)
     del cfg["nccl"]
-    assert check_targets(cfg, ALLOW) == 1  # the hydra node is not scanned (recipes cannot set it)
+    assert check_targets(cfg, ALLOW) == 2  # the hydra node is scanned too
+
+
+@pytest.mark.parametrize(
+    "hydra, message",
+    [
+        (
+            {"callbacks": {"pwn": {"_target_": "builtins.open"}}},
+            "hydra.callbacks.pwn._target_='builtins.open'",
+        ),
+        # Hydra's own helpers would instantiate anything.
+        (
+            {"callbacks": {"pwn": {"_target_": "hydra.utils.call"}}},
+            "hydra.callbacks.pwn._target_='hydra.utils.call'",
+        ),
+        ({"launcher": {"_target_": "${oops}"}}, "must be a literal dotted path"),
+        # logging.config.dictConfig calls `()` and `class` with the node's keys; fileConfig evals.
+        (
+            {"job_logging": {"handlers": {"h": {"()": "os.system"}}}},
+            r"hydra.job_logging.handlers.h.\(\)='os.system'",
+        ),
+        (
+            {"job_logging": {"handlers": {"h": {"class": "logging.config.fileConfig"}}}},
+            "logging.config.fileConfig",
+        ),
+    ],
+)
+def test_hydra_node_targets_are_checked(hydra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_targets(OmegaConf.create({"hydra": hydra}), ALLOW)
+
+
+def test_hydra_own_plugins_and_logging_pass() -> None:
+    hydra = {
+        "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
+        "callbacks": {"s": {"_target_": "framework.sweep.SweepSummary"}},
+        "job_logging": {
+            "handlers": {"c": {"class": "logging.StreamHandler"}, "f": {"class": "logging.FileHandler"}}
+        },
+    }
+    assert check_targets(OmegaConf.create({"hydra": hydra}), ALLOW) == 5
 
 
 def test_safe_instantiate_builds_allowed_and_refuses_others() -> None:

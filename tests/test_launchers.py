@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config import RunConfig
-from framework.launch import ALLOC_CONF, apply_allocator_environment, register_resolvers
+from framework.launch import ALLOC_CONF, apply_allocator_environment, register_resolvers, task_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +33,9 @@ def test_slurm_allocation_is_derived_from_the_mesh() -> None:
 )
 def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)
     env.pop("RUN_STAMP", None)
+    env.pop("OMP_NUM_THREADS", None)  # each task must set its own share of the cores
     cmd = [
         sys.executable,
         "train.py",
@@ -62,6 +63,19 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     ]
     with (sweep_dir / "sweep_summary.csv").open() as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok"]
+    share = max(1, (os.cpu_count() or 1) // 2)
+    logs = (
+        "".join(p.read_text() for p in job_folder.glob("*_log.*"))
+        + (sweep_dir / "0" / "train.log").read_text()
+    )
+    for rank in (0, 1):
+        assert f"submitit task {rank}: {share} intra-op threads (OMP_NUM_THREADS)" in logs
+
+
+def test_task_threads_share_the_cores_or_take_slurms_figure() -> None:
+    cores = os.cpu_count() or 1
+    assert task_threads(1) == cores and task_threads(cores * 4) == 1
+    assert task_threads(2, "3") == 3 and task_threads(2, "") == max(1, cores // 2)
 
 
 def test_allocator_environment_is_set_once_and_never_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

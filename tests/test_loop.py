@@ -12,6 +12,10 @@ from framework.model import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from tests.dist import run_ranks
 
+# A skipped (non-finite) step and the optimiser-in-backward step still call the main optimiser's
+# step(), so torch's scheduler never sees its step() first: its warning is an error here.
+pytestmark = pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)`:UserWarning")
+
 CPU = torch.device("cpu")
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 # A learnable stream (a repeating ramp), so a few steps visibly lower the loss.

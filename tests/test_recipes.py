@@ -40,6 +40,38 @@ WIDEN = """# Widens the allowlist for itself.
 run:
   instantiate_allow: ["os."]
 """
+# No `hydra:` key: a defaults entry packages another recipe (the payload) into hydra.callbacks.
+REPACKAGE = """# Looks harmless; its defaults move the payload into hydra.callbacks.
+defaults:
+  - /recipe@hydra.callbacks.pwn: payload
+  - _self_
+model:
+  name: repackaged
+"""
+PAYLOAD = """_target_: shutil.copyfile
+src: {src}
+dst: {marker}
+"""
+PRELOAD = """# Loads a library into every rank.
+nccl:
+  env:
+    LD_PRELOAD: /tmp/evil.so
+"""
+READS_ENV = """# Writes a secret into config.yaml.
+model:
+  name: ${oc.env:FRAMEWORK_TEST_SECRET}
+"""
+# 9 levels of 9 aliases: 9^9 = 387 million strings from 431 bytes.
+ALIAS_BOMB = (
+    '# An alias bomb.\na: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    + "".join(
+        f"{k}: &{k} [{', '.join(['*' + p] * 9)}]\n" for p, k in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+)
+# Schema-valid: every tag doubles the one before it (2^60 characters).
+DOUBLING = "logger:\n  tags:\n    - xx\n" + "".join(
+    f"    - ${{logger.tags[{i}]}}${{logger.tags[{i}]}}\n" for i in range(60)
+)
 
 
 @pytest.fixture
@@ -54,6 +86,12 @@ def team_package(tmp_path: Path) -> tuple[Path, Path]:
     (folder / "evil_callback.yaml").write_text(HYDRA_CALLBACK.format(src=ROOT / "README.md", marker=marker))
     (folder / "evil_target.yaml").write_text(TARGET_IN_DATA)
     (folder / "evil_widen.yaml").write_text(WIDEN)
+    (folder / "evil_repackage.yaml").write_text(REPACKAGE)
+    (folder / "payload.yaml").write_text(PAYLOAD.format(src=ROOT / "README.md", marker=marker))
+    (folder / "evil_preload.yaml").write_text(PRELOAD)
+    (folder / "evil_env.yaml").write_text(READS_ENV)
+    (folder / "evil_alias_bomb.yaml").write_text(ALIAS_BOMB)
+    (folder / "evil_doubling.yaml").write_text(DOUBLING)
     return site, marker
 
 
@@ -95,6 +133,7 @@ def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[
     assert str(site / "teamrecipes" / "llama" / "team_tiny.yaml") in lines["team_tiny"]
     assert "recipes/llama_tiny.yaml" in lines["llama_tiny"]
     assert "REFUSED" in lines["evil_callback"] and "REFUSED" not in lines["team_tiny"]
+    assert "anchors/aliases" in lines["evil_alias_bomb"]  # listed (bounded), the others unaffected
 
 
 def test_validate_prints_the_plan_or_the_error(
@@ -108,31 +147,42 @@ def test_validate_prints_the_plan_or_the_error(
     assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out
     assert recipes.main(["validate", "team_tiny", "mesh=4", "train.global_batch_size=6"]) == 1
     assert "global_batch_size=6" in capsys.readouterr().err
-    assert recipes.main(["validate", "evil_widen"]) == 1
-    assert "run.instantiate_allow" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil_widen"]) == 2
+    assert "is refused: it sets run.instantiate_allow" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil_repackage"]) == 2  # was reported "valid"
+    assert "evil_repackage" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "name, message",
     [
         ("evil_callback", "may not configure Hydra"),
-        ("evil_target", "nccl.env._target_='os.system' is not on the instantiation allowlist"),
+        ("evil_target", "nccl.env._target_ is refused: only NCCL_*"),
         ("evil_widen", "run.instantiate_allow"),
+        ("evil_repackage", "its defaults select a Hydra option ({'/recipe@hydra.callbacks.pwn': 'payload'})"),
+        ("evil_preload", "nccl.env.LD_PRELOAD is refused: only NCCL_* / TORCH_NCCL_* variables"),
+        ("evil_env", "calls the resolver 'oc.env'"),
+        ("evil_alias_bomb", "uses YAML anchors/aliases"),
+        ("evil_doubling", "logger.tags.20 would expand to more than 1048576 characters"),
     ],
 )
 def test_unsafe_recipe_is_refused_before_anything_runs(
     team_package: tuple[Path, Path], tmp_path: Path, name: str, message: str
 ) -> None:
+    """Through train.py and real Hydra: exit 2, one line naming the recipe and why, nothing written,
+    no payload run, within the subprocess timeout (the bombs used to hang with no output)."""
     site, marker = team_package
     run_dir = tmp_path / "run"
+    env = {**_env(site, "pkg://teamrecipes.llama"), "FRAMEWORK_TEST_SECRET": "hunter2"}
     proc = subprocess.run(
         [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
-        env=_env(site, "pkg://teamrecipes.llama"),
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
+    assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
     assert not run_dir.exists() and not marker.exists()

@@ -113,8 +113,14 @@ def test_sweep_id_is_a_function_of_the_command_line() -> None:
     a = sweep_id(["-m", "sharding=ddp,fsdp", "mesh=2"])
     assert a == sweep_id(["sharding=ddp,fsdp", "mesh=2", "--multirun"]) and a.startswith("sweep-")
     assert a != sweep_id(["-m", "sharding=ddp,fsdp", "mesh=4"])
-    # Reordered sweeps number their jobs differently: a different sweep.
-    assert a != sweep_id(["-m", "mesh=2", "sharding=ddp,fsdp"])
+    # Reordered overrides: the same sweep (jobs are matched by their resolved config).
+    assert a == sweep_id(["-m", "mesh=2", "sharding=ddp,fsdp"])
+
+
+RECIPE = (
+    "model:\n  name: NAME\n  dim: 32\n  n_layers: 1\n  n_heads: 2\n  n_kv_heads: 1\n  ffn_dim: 64\n"
+    "train:\n  micro_batch_size: 2\n"
+)
 
 
 def test_isolated_environ_undoes_a_jobs_environment(monkeypatch) -> None:
@@ -125,3 +131,41 @@ def test_isolated_environ_undoes_a_jobs_environment(monkeypatch) -> None:
         del os.environ["KEEP_ME"]
     assert "MASTER_PORT" not in os.environ and "FRAMEWORK_WORKER" not in os.environ
     assert os.environ["KEEP_ME"] == "1"
+
+
+def test_resume_is_keyed_on_the_resolved_config(tmp_path: Path, monkeypatch) -> None:
+    """Rerun with the overrides reordered (which renumbers the jobs) after editing one recipe: the
+    jobs of the unchanged recipe are skipped, each with its own result, those of the edited one run
+    again (the edit makes them fail validation at once, so the test trains nothing twice)."""
+    root = tmp_path / "recipes"
+    root.mkdir()
+    (root / "sweep_a.yaml").write_text(RECIPE.replace("NAME", "sweep_a"))
+    (root / "sweep_b.yaml").write_text(RECIPE.replace("NAME", "sweep_b").replace("dim: 32", "dim: 48"))
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
+    tiny = [a for a in TINY if not a.startswith("train.micro_batch_size")]  # the recipes set it
+    tiny += ["train.steps=1", "train.log_every=1", "logger.plot=false", "logger.progress_bar=false"]
+    proc, _ = multirun(tmp_path, "recipe=sweep_a,sweep_b", "train.seed=0,1", *tiny)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    rows = summary_rows(sweep_dir)
+    first = {frozenset(r["overrides"].split()): r["final_loss"] for r in rows}
+    assert {r["status"] for r in rows} == {"ok"} and len(set(first.values())) == 4
+
+    edited = RECIPE.replace("NAME", "sweep_b").replace("dim: 32", "dim: 48")
+    (root / "sweep_b.yaml").write_text(edited.replace("micro_batch_size: 2", "micro_batch_size: 3"))
+    proc, _ = multirun(tmp_path, "train.seed=0,1", "recipe=sweep_a,sweep_b", *tiny)
+    assert proc.returncode == 1 and "2 sweep job(s) failed" in proc.stderr, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == [sweep_dir.name]  # order ignored
+    rows = summary_rows(sweep_dir)
+    # Seed-major now: job 1 was (sweep_a, seed 1) and is (seed 0, sweep_b); job 2 is (seed 1, sweep_a).
+    assert [(r["overrides"].split()[:2], r["status"]) for r in rows] == [
+        (["train.seed=0", "recipe=sweep_a"], "skipped"),
+        (["train.seed=0", "recipe=sweep_b"], "failed"),
+        (["train.seed=1", "recipe=sweep_a"], "skipped"),
+        (["train.seed=1", "recipe=sweep_b"], "failed"),
+    ]
+    for r in rows[::2]:  # a skipped job reports its own earlier result
+        assert first[frozenset(r["overrides"].split())] == r["final_loss"], r
+    # Computed as job 1 in the first order, set aside when job 1 reran with another config.
+    job2 = json.loads((sweep_dir / "2" / "job.json").read_text())
+    assert job2["result_of"] == str(sweep_dir / "1" / "attempts" / "0")

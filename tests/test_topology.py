@@ -16,7 +16,6 @@ from framework.config import HardwareConfig, MeshConfig, NcclConfig
 from framework.topology import (
     NcclDebugVariableWarning,
     TopologySummary,
-    UnknownNcclVariableWarning,
     apply_nccl_environment,
     check_topology,
     describe_nccl,
@@ -190,18 +189,37 @@ def test_bad_values_are_refused(var: str, value: str, reason: str) -> None:
         env_of(preset("default", env={var: value}))
 
 
-def test_unknown_nccl_names_warn_but_pass_and_others_pass_silently() -> None:
-    with pytest.warns(UnknownNcclVariableWarning, match="NCCL_FUTURE_KNOB"):
-        env = nccl_environment(preset("default", env={"NCCL_FUTURE_KNOB": "7"}), None, 8)
-    assert env["NCCL_FUTURE_KNOB"] == "7"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert (
-            nccl_environment(preset("default", env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}), None, 8)[
-                "CUDA_DEVICE_MAX_CONNECTIONS"
-            ]
-            == "1"
-        )
+@pytest.mark.parametrize(
+    "source, name, message",
+    [
+        (
+            "env",
+            "NCCL_SOCKET_IFNAM",
+            "nccl.env.NCCL_SOCKET_IFNAM is not an NCCL variable.*did you mean NCCL_SOCKET_IFNAME",
+        ),
+        ("env", "NCCL_DEBUGG", "did you mean NCCL_DEBUG\\?"),
+        (
+            "preset_env",
+            "TORCH_NCCL_BLOCKING_WAITT",
+            "nccl.preset_env.TORCH_NCCL_BLOCKING_WAITT .*TORCH_NCCL_BLOCKING_WAIT",
+        ),
+        ("env", "LD_PRELOAD", "nccl.env.LD_PRELOAD is refused: only NCCL_\\* / TORCH_NCCL_\\*"),
+        ("env", "PATH", "nccl.env.PATH is refused"),
+        ("preset_env", "PYTHONPATH", "nccl.preset_env.PYTHONPATH is refused"),
+        ("env", "CUDA_DEVICE_MAX_CONNECTIONS", "nccl.env.CUDA_DEVICE_MAX_CONNECTIONS is refused"),
+    ],
+)
+def test_only_known_nccl_names_pass(source: str, name: str, message: str) -> None:
+    cfg = preset("default", **{source: {name: "1"}})
+    with pytest.raises(ValueError, match=message):
+        nccl_environment(cfg, None, 8)
+
+
+def test_known_names_and_multicast_switches_pass() -> None:
+    env = nccl_environment(
+        preset("default", env={"NCCL_IB_HCA": "mlx5", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}), None, 8
+    )
+    assert env["NCCL_IB_HCA"] == "mlx5" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,3 +437,8 @@ def test_presets_compose_through_hydra(tmp_path: Path) -> None:
     assert cfg.mesh.hardware.name == "h200" and cfg.mesh.procs_per_node == 4
     env = env_of(cfg.nccl, tmp_path, cfg.mesh.procs_per_node)
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "1"
+    # From the command line, as from a recipe: only known NCCL names reach the ranks.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = to_config(compose("config", overrides=["+nccl.env.LD_PRELOAD=/tmp/evil.so"]))
+    with pytest.raises(ValueError, match=r"^nccl\.env\.LD_PRELOAD is refused: only NCCL_\* / TORCH_NCCL_\*"):
+        nccl_environment(cfg.nccl, tmp_path, cfg.mesh.procs_per_node)

@@ -1,0 +1,175 @@
+"""What a recipe may contain: one row per way in that an attacker's recipe tried (framework.recipe_check).
+
+The end-to-end runs through train.py are in tests/test_recipes.py; these are the rules themselves,
+on raw recipe content and on real files, and the check on Hydra's composed result.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from framework import recipe_check, recipes
+
+CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        # Hydra's own keys, written directly.
+        ({"hydra": {"callbacks": CALLBACK}}, "may not configure Hydra"),
+        ({"hydra": {"run": {"dir": "/etc"}}}, "may not configure Hydra"),
+        ({"hydra": {"job": {"env_set": {"PYTHONPATH": "/evil"}}}}, "may not configure Hydra"),
+        ({"hydra": {"searchpath": ["file:///evil/conf"]}}, "may not configure Hydra"),
+        ({"hydra": {"launcher": {"_target_": "os.system"}}}, "may not configure Hydra"),
+        ({"hydra.callbacks.pwn": CALLBACK["pwn"]}, "top-level key(s) ['hydra.callbacks.pwn']"),
+        # Defaults that package content elsewhere, or select a Hydra group.
+        ({"defaults": [{"/recipe@hydra.callbacks.pwn": "payload"}]}, "select a Hydra option"),
+        ({"defaults": [{"/recipe@_global_": "payload"}]}, "is not allowed (a package `@...`"),
+        ({"defaults": [{"override /mesh@model": "2x4"}]}, "is not allowed"),
+        ({"defaults": [{"override /recipe": "other"}]}, "is not allowed"),
+        ({"defaults": [{"override /mesh": "${choice}"}]}, "is not allowed"),
+        ({"defaults": [{"override /hydra/launcher": "slurm"}]}, "select a Hydra option"),
+        ({"defaults": [{"override /hydra/callbacks": "pwn"}]}, "select a Hydra option"),
+        ({"defaults": [{"hydra/job_logging": "disabled"}]}, "select a Hydra option"),
+        ({"defaults": "override /mesh: 2"}, "defaults must be a list"),
+        # Keys that reach code or the process.
+        ({"run": {"instantiate_allow": ["os."]}}, "run.instantiate_allow"),
+        ({"executor": {"cache_dir": "/shared/evil"}}, "executor.cache_dir (a compile cache is compiled code"),
+        ({"nccl": {"env": {"LD_PRELOAD": "/tmp/evil.so"}}}, "nccl.env.LD_PRELOAD is refused"),
+        ({"nccl": {"env": {"PATH": "/evil"}}}, "nccl.env.PATH is refused"),
+        ({"nccl": {"preset_env": {"PYTHONPATH": "/evil"}}}, "nccl.preset_env.PYTHONPATH is refused"),
+        (
+            {"nccl": {"env": {"NCCL_SOCKET_IFNAM": "eth0"}}},
+            "did you mean NCCL_SOCKET_IFNAME? (set it through nccl.socket_ifname)",
+        ),
+        ({"nccl": {"env": {"NCCL_NET_PLUGIN": "/tmp/evil"}}}, "loads a shared library into every rank"),
+        ({"nccl": {"env": {"NCCL_CONF_FILE": "/tmp/vars"}}}, "reads more variables"),
+        # Resolvers read outside the config.
+        ({"model": {"name": "${oc.env:HOME}"}}, "calls the resolver 'oc.env'"),
+        ({"model": {"name": "x-${oc.env:AWS_SECRET_ACCESS_KEY,none}"}}, "calls the resolver 'oc.env'"),
+        ({"model": {"name": "${oc.decode:'${oc.env:HOME}'}"}}, "calls the resolver 'oc.decode'"),
+        ({"logger": {"tags": ["${now:%H}"]}}, "logger.tags[0]='${now:%H}' calls the resolver 'now'"),
+        ({"model": {"name": "${${which}:HOME}"}}, "a computed resolver name"),
+        # Unbounded interpolation.
+        (
+            {"train": {"seq_len": "${train.seq_len}"}},
+            "train.seq_len: recursive interpolation (a cycle: train.seq_len -> train.seq_len)",
+        ),
+        (
+            {"model": {"name": "${data.path}"}, "data": {"path": "${model.name}"}},
+            "recursive interpolation (a cycle",
+        ),
+        ({"model": {"name": "${"}}, "invalid interpolation"),
+    ],
+)
+def test_refused_recipe_content_names_the_reason(content: dict, message: str) -> None:
+    reason = recipe_check.refusal(content)
+    assert reason is not None and message in reason, reason
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"model": {"dim": 64}, "train": {"steps": 4, "seq_len": 32}},
+        {"defaults": [{"override /mesh": "2x4"}, {"override /mesh/hardware": "h100_sxm"}, "_self_"]},
+        {"defaults": [{"override /mesh": 2}]},  # YAML reads 2 as an int
+        {"train": {"seq_len": 64, "global_batch_size": "${train.seq_len}"}},
+        {"model": {"name": "${.dim}-wide", "dim": 64}},
+        {"nccl": {"env": {"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "WARN"}}},
+        {"model": {"name": "costs \\${oc.env:HOME} nothing"}},  # escaped: a literal string
+    ],
+)
+def test_ordinary_recipes_pass(content: dict) -> None:
+    assert recipe_check.refusal(content) is None
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    names = "abcdefghijklmnop"
+    for prev, name in zip(names[: levels - 1], names[1:levels], strict=True):
+        lines.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (_bomb(), "uses YAML anchors/aliases"),
+        ("model: &m {dim: 8}\n", "uses YAML anchors/aliases"),
+        ("model: {dim: 8}\ntrain: {<<: {steps: 1}}\n", None),  # a merge key without an alias is plain data
+        ("model: " + "[" * 40 + "]" * 40 + "\n", "nests deeper than 32 levels"),
+        ("model: {dim: 8\n", "it is not valid YAML"),
+    ],
+)
+def test_yaml_is_parsed_with_bounds(tmp_path: Path, text: str, message: str | None) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    start = time.perf_counter()
+    content, reason = recipe_check.load(path)
+    assert time.perf_counter() - start < 5.0
+    if message is None:
+        assert reason is None and isinstance(content, dict)
+    else:
+        assert content is None and reason is not None and message in reason, reason
+
+
+def test_oversized_and_binary_files_are_refused_without_reading_them_whole(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("model:\n  name: " + "x" * recipe_check.MAX_RECIPE_BYTES + "\n")
+    assert "larger than 1048576 bytes" in recipe_check.load(big)[1]
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"model: \xff\xfe\n")
+    assert "not UTF-8" in recipe_check.load(binary)[1]
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A recipe root holding a good recipe, an alias bomb and the attacker's repackaging pair."""
+    (tmp_path / "good.yaml").write_text("# Good.\nmodel:\n  name: good\ntrain:\n  steps: 2\n")
+    (tmp_path / "bomb.yaml").write_text(_bomb(12))  # 9^12: it would never finish expanding
+    (tmp_path / "evil.yaml").write_text("defaults:\n  - /recipe@hydra.callbacks.pwn: good\n  - _self_\n")
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(tmp_path))
+    return tmp_path
+
+
+def test_validate_refuses_the_attack_and_a_bomb_does_not_touch_other_recipes(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.perf_counter()
+    assert recipes.main(["validate", "good"]) == 0  # the bomb next to it is never expanded
+    assert "recipe good" in capsys.readouterr().out
+    assert recipes.main(["validate", "bomb"]) == 2
+    assert "uses YAML anchors/aliases" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: recipe 'evil'") and "is refused" in err and err.count("\n") == 1
+    assert time.perf_counter() - start < 30.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # The same packaging from the command line: the composed result's choices are checked.
+        (["+recipe@hydra.callbacks.pwn=good"], "the recipe 'good' is composed into 'hydra.callbacks.pwn'"),
+        (["+hydra.callbacks.pwn._target_=builtins.open"], "hydra.callbacks.pwn._target_='builtins.open'"),
+        # A doubling chain typed on the command line is bounded too (the composed config is checked).
+        (
+            [
+                "logger.tags=[ab,'${logger.tags.0}${logger.tags.0}'"
+                + "".join(f",'${{logger.tags.{i}}}${{logger.tags.{i}}}'" for i in range(1, 40))
+                + "]"
+            ],
+            "would expand to more than 1048576 characters",
+        ),
+    ],
+)
+def test_composed_result_is_checked(
+    root: Path, capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+) -> None:
+    assert recipes.main(["validate", "good", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "is refused" in err and message in err, err
