@@ -185,6 +185,10 @@ class ModelConfig:
     # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
     # measured on H100); false converts every Linear whose dims are multiples of 16.
     float8_size_filter: bool = True
+    # Initial weights instead of a random init: a Hugging Face Llama safetensors folder, or a framework
+    # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
+    # shape fields above are taken from it (framework.init_from); a contradicting override is an error.
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -91,11 +91,15 @@ def check_safe(dcfg: DictConfig, recipe: str | None, hydra_cfg: DictConfig | Non
     check_composed(dcfg, hydra_cfg, allow)
 
 
-def validate(dcfg: DictConfig) -> Config:
-    """The typed config, once every key passed its rule (framework.rules) and the local checks."""
+def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
+    """The typed config, once every key passed its rule (framework.rules) and the local checks.
+    ``overrides``: the command line's, which ``model.init_from`` may not contradict
+    (framework.init_from: the shape comes from the checkpoint)."""
+    from framework import init_from
+
     check_torch()
     check_known_keys(dcfg)
-    cfg = to_config(dcfg)
+    cfg = init_from.resolve(to_config(dcfg), overrides or [])
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     device = resolve_device(cfg.run.device)
@@ -233,10 +237,12 @@ def prelaunch(
     """Every check that can fail on user input, in order, writing nothing: the typed config with
     its batch resolved, the plan and the NCCL environment. Raises ValueError (one line) on the first
     failure, an unresolvable interpolation (``train.lr=${train.lr}``) included. ``hydra_cfg`` (the
-    composed ``hydra`` node) is checked too (framework.recipe_check.check_composed)."""
+    composed ``hydra`` node) is checked too (framework.recipe_check.check_composed); its command-line
+    overrides are what ``model.init_from`` may not contradict (framework.init_from)."""
+    overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
     try:
         check_safe(dcfg, recipe, hydra_cfg)
-        cfg = validate(dcfg)
+        cfg = validate(dcfg, overrides)
         cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
         plan = make_plan(cfg)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)

@@ -270,7 +270,9 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
 
 
 def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
-    """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it.
+    """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it:
+    from ``model.init_from`` when set (each rank reads its own shards, framework.init_from), else
+    ``init_weights(seed)``.
 
     ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
     are tied again before init.
@@ -280,4 +282,11 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
         model.stream_dtype = compute_dtype(device)
     if model.cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.init_weights(seed)
+    if model.cfg.init_from is None:
+        model.init_weights(seed)
+        return
+    from framework.init_from import load
+
+    load(model, model.cfg.init_from)
+    # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).
+    model.rope = model._rope_tables(_local_device(model))

@@ -38,6 +38,7 @@ from framework.config import (
     to_yaml,
 )
 from framework.freeze import FrozenResult, freeze
+from framework.init_from import shape_of
 from framework.launch import DistEnv, init_distributed, resolve_device
 from framework.loop import (
     HostIO,
@@ -400,6 +401,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             "data": data.sampler.state_dict(),
             "config_hash": digest,
             "wandb_run_id": metrics.wandb_run_id if env.is_main else None,
+            # The shape, so that model.init_from and export-hf can read this checkpoint on its own.
+            "model": shape_of(cfg.model),
         }
         ckpt.save(step, built.model, built.optimizer, built.scheduler, extra)
         if ckpt.last_error is not None:
@@ -625,11 +628,14 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         ckpt.close()
     if preempt is not None:
         preempt.close()
-    if cfg.checkpoint.export_hf and not stopped:
+    if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
         state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
         if env.is_main:
-            out = export_hf(state, cfg.model, run_dir / "hf", max_position_embeddings=cfg.train.seq_len)
-            log.info("exported a Hugging Face checkpoint to %s", out)
+            from framework.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+            log.info("exported a Hugging Face checkpoint of step %d to %s", summary.steps, out)
     metrics.close()
     write_summary(run_dir, cfg, built.plan, summary, digest, env)
     return summary

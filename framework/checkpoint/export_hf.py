@@ -1,4 +1,6 @@
-"""Export to Hugging Face ``LlamaForCausalLM``: ``model.safetensors`` + ``config.json``.
+"""Export to Hugging Face ``LlamaForCausalLM``: ``model.safetensors``, ``config.json``,
+``generation_config.json`` and the tokenizer's files, so that ``AutoModelForCausalLM`` and
+``AutoTokenizer`` load the folder as it is.
 
 Names map one to one (torchtitan -> HF), except for one numerical subtlety: our RoPE rotates
 interleaved pairs ``(x[2i], x[2i+1])`` as Meta's original code does, while HF rotates halves
@@ -10,6 +12,7 @@ makes HF's attention compute the same scores; this is the permutation of HF's ow
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from framework.config import ModelConfig
+
+log = logging.getLogger("framework")
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -73,7 +78,13 @@ def to_hf_state_dict(model_state: dict[str, torch.Tensor], model_cfg: ModelConfi
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
 
-def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict[str, object]:
+def hf_config(
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    max_position_embeddings: int,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> dict[str, object]:
     """``config.json`` for ``LlamaForCausalLM`` (transformers' LlamaConfig field names)."""
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -86,15 +97,32 @@ def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, max_position_embedding
         "head_dim": model_cfg.dim // model_cfg.n_heads,
         "vocab_size": model_cfg.vocab_size,
         "rms_norm_eps": model_cfg.norm_eps,
-        "rope_theta": model_cfg.rope_theta,
+        "rope_theta": model_cfg.rope_theta,  # transformers < 5 reads this one, >= 5 the next
+        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
         "tie_word_embeddings": model_cfg.tie_embeddings,
         "max_position_embeddings": max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": model_cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def generation_config(bos_id: int | None, eos_id: int | None) -> dict[str, object]:
+    """``generation_config.json`` (transformers' GenerationConfig fields): the special tokens that
+    ``generate`` starts and stops on; sampling settings stay transformers' defaults."""
+    return {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
+
+
+def save_tokenizer(tokenizer: object | None, out_dir: Path) -> list[str]:
+    """The tokenizer's own files (``Tokenizer.save``, which writes what ``AutoTokenizer`` loads);
+    [] when there is no tokenizer or it cannot save itself (then ``AutoTokenizer`` cannot load the
+    folder, and the caller says so)."""
+    save = getattr(tokenizer, "save", None)
+    return list(save(out_dir)) if save is not None else []
 
 
 def export_hf(
@@ -102,12 +130,15 @@ def export_hf(
     model_cfg: ModelConfig,
     out_dir: Path,
     max_position_embeddings: int = 2048,
+    tokenizer: object | None = None,
 ) -> Path:
-    """Write ``out_dir/model.safetensors`` and ``out_dir/config.json``; return ``out_dir``.
+    """Write the model, ``config.json``, ``generation_config.json`` and (when ``tokenizer`` can
+    save itself) its files into ``out_dir``; return ``out_dir``.
 
     ``model_state`` is the full, unsharded state (``full_model_state`` on rank 0); call this on
     rank 0 only. Pass the training ``seq_len`` (or the longest context the model is meant for) as
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``tokenizer`` is a ``framework.tokenizer.Tokenizer``; its
+    ``bos_id``/``eos_id`` go into both configs.
     """
     from safetensors.torch import save_file
 
@@ -116,6 +147,78 @@ def export_hf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_config(model_cfg, dtype, max_position_embeddings)
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = generation_config(bos, eos)
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if not save_tokenizer(tokenizer, out_dir):
+        log.warning(
+            "HF export %s: the %s tokenizer cannot save itself, so AutoTokenizer will not load the folder",
+            out_dir,
+            type(tokenizer).__name__ if tokenizer is not None else "(no)",
+        )
     return out_dir
+
+
+def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a framework (DCP) checkpoint, read in one process without building the
+    model: empty tensors shaped from DCP's metadata, filled by ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from framework.checkpoint.state import SafeReader
+
+    meta = SafeReader(step_dir).read_metadata().state_dict_metadata
+    # The trainer saves {"model": {name: tensor}, "optim": ...}; DCP stores it flat as "model.NAME".
+    state = {
+        k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    dcp.load({"model": state}, storage_reader=SafeReader(step_dir), no_dist=True)
+    return state
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None = None) -> Path:
+    """``python -m framework.checkpoint export-hf``: a framework checkpoint -> a Hugging Face folder.
+
+    ``checkpoint``: a ``step_N`` dir, a checkpoint root or a run dir (its newest complete
+    checkpoint). The model shape comes from the checkpoint (``extra.json``) or the run's
+    ``config.yaml`` (``run_config``, default two levels above the step dir), which also gives the
+    tokenizer and ``max_position_embeddings`` (the training ``seq_len``). Raises ValueError when the
+    path is not a checkpoint or its shape cannot be found.
+    """
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from framework.config import to_config
+    from framework.init_from import framework_checkpoint, saved_shape
+    from framework.tokenizer import load_tokenizer
+
+    checkpoint = Path(checkpoint).expanduser().resolve()
+    step_dir = framework_checkpoint(checkpoint) if checkpoint.is_dir() else None
+    if step_dir is None:
+        raise ValueError(
+            f"CHECKPOINT={str(checkpoint)!r} is not a framework checkpoint; valid: a step_N dir "
+            "(with manifest.json), a checkpoint root or a run dir holding one"
+        )
+    run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
+    cfg = None
+    if run_config.is_file():
+        try:
+            cfg = to_config(OmegaConf.load(run_config))
+        except Exception as e:  # noqa: BLE001 - any schema error: one line
+            raise ValueError(f"--config {run_config}: not a framework run config: {e}") from None
+    shape = saved_shape(step_dir)
+    if cfg is None and shape is None:
+        raise ValueError(
+            f"{step_dir}: no model shape (no 'model' in extra.json, no {run_config}); "
+            "pass --config RUN_DIR/config.yaml of the run that saved it"
+        )
+    model_cfg = cfg.model if cfg is not None else ModelConfig()
+    model_cfg = dataclasses.replace(model_cfg, **(shape or {}), init_from=None)
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg is not None else None
+    seq_len = cfg.train.seq_len if cfg is not None else 2048
+    return export_hf(checkpoint_model_state(step_dir), model_cfg, out_dir, seq_len, tokenizer)

@@ -1,0 +1,252 @@
+"""Import a Hugging Face ``LlamaForCausalLM`` checkpoint (a safetensors folder) into our model.
+
+The inverse of ``export_hf.py``: names map one to one, and HF's rotate-half rows of ``q_proj`` /
+``k_proj`` are permuted back to our interleaved-pair RoPE order inside each head.
+
+Why our own reader rather than DCP's ``HuggingFaceStorageReader`` (torch 2.13 has one): that reader
+copies each requested slice of a tensor as it is stored, and our q/k rows are a permutation of the
+stored ones inside each head. A shard of ``wq`` under FSDP can start or end in the middle of a head,
+so its rows are scattered over the stored head. Reading with ``safe_open(...).get_slice`` directly,
+each rank asks its parameters' local chunk (``DTensor.__create_chunk_list__``, what DCP itself uses)
+and reads only those rows and columns, widened for q/k to the whole heads the chunk touches (at
+most two heads more than the chunk). No rank reads, let alone holds, the full model unless its
+layout holds the full model (DDP, one rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.checkpoint.export_hf import _LAYER_NAMES
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+# ModelConfig field -> LlamaConfig field: the shape that ``model.init_from`` takes from config.json.
+SHAPE_FIELDS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+}
+# LlamaConfig's defaults for the fields a config.json may leave out (transformers' LlamaConfig).
+_HF_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None,  # None means num_attention_heads
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A safetensors folder: its config.json and, per tensor name, the file and shape."""
+
+    path: Path
+    config: dict[str, Any]
+    files: dict[str, str]  # tensor name -> file name inside ``path``
+    shapes: dict[str, tuple[int, ...]]
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    """A folder with a config.json and no DCP metadata: what ``model.init_from`` reads as HF."""
+    return path.is_dir() and (path / CONFIG_FILE).is_file() and not (path / ".metadata").is_file()
+
+
+def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint:
+    """Read config.json and the safetensors headers (no tensor data). ValueError naming ``key``
+    and the path when the folder has no config.json, no safetensors weights, or a broken index."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    where = f"{key}={str(path)!r}"
+    if not path.is_dir():
+        raise ValueError(f"{where} is not a directory (expected a Hugging Face safetensors folder)")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{where} has no {CONFIG_FILE} (expected a Hugging Face model folder)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: {CONFIG_FILE} does not parse: {e}") from None
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: {INDEX_FILE} has no readable weight_map: {e!r}") from None
+        names = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {other}: only safetensors are read; save_pretrained writes them)" if other else ""
+        raise ValueError(f"{where} holds no *.safetensors weights{hint}")
+    files: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in names:
+        if not (path / name).is_file():
+            raise ValueError(f"{where}: {INDEX_FILE} names {name}, which is not in the folder")
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                for t in f.keys():
+                    files[t] = name
+                    shapes[t] = tuple(f.get_slice(t).get_shape())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise ValueError(f"{where}: {name} is not a readable safetensors file: {e}") from None
+    if weight_map is not None:
+        missing = sorted(t for t, f in weight_map.items() if files.get(t) != f)
+        if missing:
+            raise ValueError(f"{where}: {INDEX_FILE} lists tensors its files do not hold: {missing[:5]}")
+    return HFCheckpoint(path, config, files, shapes)
+
+
+def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:
+    """The ``ModelConfig`` shape fields from config.json (LlamaConfig's defaults where absent).
+
+    Raises ValueError for what our Llama does not compute (another architecture, biases, a head_dim
+    other than hidden_size / heads, RoPE scaling, another activation): its logits would differ.
+    """
+    c = ckpt.config
+    where = f"{key}={str(ckpt.path)!r}"
+    if c.get("model_type") != "llama":
+        raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: 'llama'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise ValueError(f"{where}: config.json has {flag}=true; valid: false (our Llama has no biases)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")
+    # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta}; older
+    # releases and Meta's conversions write rope_theta (and rope_scaling) at the top level.
+    rope = c.get("rope_parameters") or {}
+    if c.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        scaling = c.get("rope_scaling") or rope
+        raise ValueError(
+            f"{where}: config.json has RoPE scaling {scaling!r}; valid: the default RoPE "
+            "(scaled RoPE, e.g. Llama 3.1's, is not implemented)"
+        )
+    try:
+        out: dict[str, Any] = {}
+        for ours, theirs in SHAPE_FIELDS.items():
+            if theirs == "rope_theta" and "rope_theta" in rope:
+                out[ours] = rope["rope_theta"]
+            else:
+                out[ours] = c[theirs] if theirs in c else _HF_DEFAULTS[theirs]
+        if out["n_kv_heads"] is None:
+            out["n_kv_heads"] = out["n_heads"]
+        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            out[k] = int(out[k])
+        out["norm_eps"], out["rope_theta"] = float(out["norm_eps"]), float(out["rope_theta"])
+        out["tie_embeddings"] = bool(out["tie_embeddings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: config.json lacks or mangles a Llama shape field: {e!r}") from None
+    head_dim = c.get("head_dim")
+    if head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
+        raise ValueError(
+            f"{where}: config.json has head_dim={head_dim} with hidden_size={out['dim']} and "
+            f"num_attention_heads={out['n_heads']}; valid: head_dim = hidden_size / num_attention_heads"
+        )
+    return out
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> its HF Llama name (``layers.0.attention.wq.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``)."""
+    if name == "tok_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, i, rest = name.split(".", 2)
+    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
+
+
+def check_against(
+    ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], key: str = "model.init_from"
+) -> None:
+    """``expected``: our parameter name -> shape. ValueError naming the first tensor whose shape
+    differs (both shapes), or the tensors missing from the checkpoint / unknown to our model.
+
+    A tied model ignores a stored ``lm_head.weight`` (transformers ties it to the embedding too).
+    """
+    where = f"{key}={str(ckpt.path)!r}"
+    want = {hf_name(n): s for n, s in expected.items()}
+    for name, shape in want.items():
+        got = ckpt.shapes.get(name)
+        if got is not None and tuple(got) != tuple(shape):
+            raise ValueError(f"{where}: tensor {name} has shape {list(got)}, the model expects {list(shape)}")
+    missing = sorted(set(want) - set(ckpt.shapes))
+    unknown = sorted(set(ckpt.shapes) - set(want) - {"lm_head.weight"})
+    if "lm_head.weight" in ckpt.shapes and "lm_head.weight" not in want and "output.weight" in expected:
+        unknown.append("lm_head.weight")
+    # Buffers some exporters add; recomputed here from the shape.
+    unknown = [n for n in unknown if not n.endswith("rotary_emb.inv_freq")]
+    if missing or unknown:
+        raise ValueError(
+            f"{where}: tensor names do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
+        )
+
+
+def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(the local tensor to fill, its offsets in the global tensor, its sizes)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        chunks = p.__create_chunk_list__()
+        assert len(chunks) == 1, f"a DTensor with {len(chunks)} local chunks"
+        return p.to_local(), tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    return p, (0,) * p.ndim, tuple(p.shape)
+
+
+def _read_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+    return sl[index]
+
+
+def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], head_dim: int) -> torch.Tensor:
+    """Rows [r0, r0 + n) of our interleaved q/k layout from HF's rotate-half rows: read the whole
+    heads that the rows touch, un-permute them, cut the chunk out."""
+    (r0, c0), (n, m) = offsets, sizes
+    if n == 0 or m == 0:  # an empty shard (more ranks than rows)
+        return torch.empty(n, m)
+    h0, h1 = r0 // head_dim, math.ceil((r0 + n) / head_dim)
+    stored = sl[h0 * head_dim : h1 * head_dim, c0 : c0 + m]
+    ours = stored.view(h1 - h0, 2, head_dim // 2, m).transpose(1, 2).reshape((h1 - h0) * head_dim, m)
+    start = r0 - h0 * head_dim
+    return ours[start : start + n]
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
+    """Fill every parameter of a materialised (possibly sharded) Llama from ``ckpt``, each rank
+    reading only its local chunk. No collective: every rank calls it on its own."""
+    from safetensors import safe_open
+
+    head_dim = model.cfg.dim // model.cfg.n_heads
+    params = dict(model.named_parameters())
+    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()})
+    by_file: dict[str, list[str]] = {}
+    for n in params:
+        by_file.setdefault(ckpt.files[hf_name(n)], []).append(n)
+    for file, names in sorted(by_file.items()):
+        with safe_open(str(ckpt.path / file), framework="pt") as f:
+            for n in names:
+                local, offsets, sizes = _local_chunk(params[n])
+                sl = f.get_slice(hf_name(n))
+                if n.endswith(("attention.wq.weight", "attention.wk.weight")):
+                    value = _read_rope_rows(sl, offsets, sizes, head_dim)
+                else:
+                    value = _read_rows(sl, offsets, sizes)
+                local.copy_(value.to(device=local.device, dtype=local.dtype))

@@ -1,0 +1,182 @@
+"""Hugging Face -> framework: tiny random ``LlamaForCausalLM`` models made here with transformers
+(no download), loaded through ``model.init_from`` on 1 rank and on 2 gloo ranks (FSDP, TP); the
+logits must equal transformers' within 1e-5 (fp32, CPU).
+
+The four models cover GQA and MHA, tied and untied heads, a sharded save (index json) and a
+3-head model whose FSDP shards of q/k end in the middle of a head (the RoPE rows are permuted per
+head, so that case reads the whole heads a shard touches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from framework.checkpoint import import_hf  # noqa: E402
+from framework.config import Config, ModelConfig, Strategy  # noqa: E402
+from framework.model import build_model, materialize  # noqa: E402
+from framework.parallel import build_mesh, parallelize  # noqa: E402
+from framework.plan import make_plan  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+SEQ, TOL = 16, 1e-5
+# name -> (hidden, heads, kv heads, tied, max_shard_size for save_pretrained or None)
+MODELS = {
+    "gqa_untied": (64, 4, 2, False, "40KB"),  # sharded: model.safetensors.index.json
+    "gqa_tied_3heads": (48, 3, 1, True, None),
+    "mha_tied": (64, 4, 4, True, None),
+    "mha_untied": (64, 4, 4, False, None),
+}
+
+
+def make_hf_model(out: Path, hidden: int, heads: int, kv: int, tied: bool, shard: str | None) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(hash((hidden, heads, kv, tied)) % 1000)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=256,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norms: a swapped norm would show
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(path: Path) -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens()).logits
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """name -> (folder, transformers' logits on ``tokens()``); shared by this module's tests and
+    by tests/test_init_from.py."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, spec in MODELS.items():
+        make_hf_model(root / name, *spec)
+        out[name] = (root / name, hf_logits(root / name))
+    return out
+
+
+def model_cfg(path: Path) -> ModelConfig:
+    shape = import_hf.model_shape(import_hf.read_hf_checkpoint(path))
+    return dataclasses.replace(ModelConfig(), **shape, init_from=str(path))
+
+
+def test_shape_comes_from_config_json(hf_models: dict) -> None:
+    path, _ = hf_models["gqa_untied"]
+    assert (path / import_hf.INDEX_FILE).is_file()
+    assert len({f for f in import_hf.read_hf_checkpoint(path).files.values()}) > 1
+    cfg = model_cfg(path)
+    assert (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 4, 2, 96, 256)
+    assert (cfg.tie_embeddings, cfg.rope_theta, cfg.n_layers) == (False, 500000.0, 2)
+
+
+def test_one_rank_logits_equal_transformers(hf_models: dict) -> None:
+    diffs = {}
+    for name, (path, expected) in hf_models.items():
+        model = build_model(model_cfg(path), SEQ)
+        materialize(model, "cpu", seed=0)
+        with torch.no_grad():
+            diffs[name] = (model(tokens()) - expected).abs().max().item()
+    print("HF -> framework, 1 rank, max |logits diff|:", diffs)
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def _parallel_logits(rank: int, world: int, models: dict, layouts: list[tuple[str, int]]) -> dict:
+    """On each rank: for every model and layout, build as the trainer does and compare logits."""
+    diffs = {}
+    for name, (path, expected) in models.items():
+        for strategy, tp in layouts:
+            cfg = model_cfg(path)
+            if cfg.n_heads % tp or cfg.n_kv_heads % tp:
+                continue
+            full = Config(model=cfg)
+            full.mesh.shape = [world]
+            full.sharding.strategy, full.sharding.tp = Strategy(strategy), tp
+            full.train.seq_len, full.train.global_batch_size = SEQ, 2
+            full.train.micro_batch_size = 2 // (world // tp)
+            plan = make_plan(full)
+            mesh = build_mesh(plan, "cpu")
+            model = parallelize(
+                build_model(cfg, SEQ),
+                mesh,
+                plan,
+                full.sharding,
+                full.bucketing,
+                full.executor,
+                torch.device("cpu"),
+                0,
+            )
+            # Each rank holds (and so read) only its shards: half of the model's elements.
+            local = sum(p.to_local().numel() for p in model.parameters())
+            assert local < sum(p.numel() for p in model.parameters()), (name, strategy)
+            with torch.no_grad():
+                diffs[f"{name}/{strategy}"] = (model(tokens()) - expected).abs().max().item()
+    return diffs
+
+
+def test_two_gloo_ranks_fsdp_and_tp_logits_equal_transformers(hf_models: dict) -> None:
+    layouts = [("fsdp", 1), ("tp", 2)]
+    out = run_ranks(_parallel_logits, 2, hf_models, layouts, timeout_s=300)
+    print("HF -> framework, 2 gloo ranks, max |logits diff| (rank 0):", out[0])
+    assert len(out[0]) == 4 + 3  # TP skips the 3-head model
+    for diffs in out:
+        assert max(diffs.values()) <= TOL, diffs
+
+
+def test_shape_and_name_mismatch_name_the_tensor(hf_models: dict) -> None:
+    path, _ = hf_models["mha_tied"]
+    ckpt = import_hf.read_hf_checkpoint(path)
+    expected = {n: tuple(p.shape) for n, p in build_model(model_cfg(path), SEQ).named_parameters()}
+    wrong = dict(expected, **{"layers.1.feed_forward.w1.weight": (128, 64)})
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.1\.mlp\.gate_proj\.weight has shape \[96, 64\], the model expects \[128, 64\]",
+    ):
+        import_hf.check_against(ckpt, wrong)
+    untied = dict(expected, **{"output.weight": (256, 64)})  # the model wants an lm_head it lacks
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        import_hf.check_against(ckpt, untied)
+
+
+def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> None:
+    src, _ = hf_models["mha_tied"]
+    for change, match in [
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "RoPE scaling"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"attention_bias": True}, "attention_bias=true"),
+    ]:
+        folder = tmp_path / match.split("=")[0].replace(" ", "_")
+        folder.mkdir()
+        (folder / "model.safetensors").symlink_to(src / "model.safetensors")
+        conf = json.loads((src / "config.json").read_text()) | change
+        (folder / "config.json").write_text(json.dumps(conf))
+        with pytest.raises(ValueError, match=match):
+            import_hf.model_shape(import_hf.read_hf_checkpoint(folder))
