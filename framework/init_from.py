@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,16 +118,15 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     if step_dir is None:
         hf = import_hf.read_hf_checkpoint(path, KEY)
         shape = import_hf.model_shape(hf, KEY)
-        source = "config.json"
     else:
         shape = saved_shape(step_dir) or {}
-        source = "the checkpoint's run config"
     set_on_cli = command_line_keys(overrides)
     for k, v in shape.items():
         if k in set_on_cli and getattr(cfg.model, k) != v:
+            theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
             raise ValueError(
                 f"model.{k}={set_on_cli[k]} on the command line contradicts {KEY}={str(path)!r}, whose "
-                f"{source} has {k}={v}; drop the override (init_from sets the shape)"
+                f"{theirs}; drop the override (init_from sets the shape)"
             )
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     expected = expected_shapes(model_cfg)
@@ -178,5 +178,7 @@ def load(model: nn.Module, path: str) -> None:
     msd = get_model_state_dict(model)
     payload = {"model": msd}
     # no_dist: each rank plans and reads its own chunks; the ranks need not agree on anything here.
-    dcp.load(payload, storage_reader=SafeReader(source), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        dcp.load(payload, storage_reader=SafeReader(source), no_dist=True)
     set_model_state_dict(model, payload["model"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -176,7 +177,9 @@ def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
         for k, v in meta.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    dcp.load({"model": state}, storage_reader=SafeReader(step_dir), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        dcp.load({"model": state}, storage_reader=SafeReader(step_dir), no_dist=True)
     return state
 
 

@@ -74,6 +74,11 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
     where = f"{key}={str(path)!r}"
     if not path.is_dir():
         raise ValueError(f"{where} is not a directory (expected a Hugging Face safetensors folder)")
+    if not (path / CONFIG_FILE).is_file() and not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"{where} holds no weights; valid: a Hugging Face folder (config.json + *.safetensors) "
+            "or a framework checkpoint (step dir with manifest.json, checkpoint root or run dir)"
+        )
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:

@@ -1,0 +1,165 @@
+"""``model.init_from`` through ``python train.py``: fine-tune a Hugging Face model, export it, load
+the export with transformers; a framework checkpoint as the initial weights; bad sources.
+
+Parity figures (max |logits difference|, fp32, CPU) are printed with ``pytest -s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("transformers")
+
+from framework import init_from  # noqa: E402
+from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
+from framework.config import Config, ModelConfig  # noqa: E402
+from framework.model import build_model, materialize  # noqa: E402
+from tests.test_checkpoint_import_hf import MODELS, hf_logits, make_hf_model, tokens  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-5
+# Small and fast: bytes of the standard library, 16-token windows, no freeze, no evaluation.
+FAST = [
+    "train.seq_len=16",
+    "train.global_batch_size=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.warmup_steps=1",
+    "freeze=none",
+]
+
+
+def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    for name in ("gqa_untied", "mha_tied"):
+        make_hf_model(root / name, *MODELS[name])
+    return {name: root / name for name in ("gqa_untied", "mha_tied")}
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: dict) -> None:
+    src = str(hf_dirs["gqa_untied"])
+    # The recipe's shape (llama_tiny's dim 128) is replaced; an agreeing override is fine.
+    cfg = Config(model=ModelConfig(init_from=src, dim=64, name="ft"))
+    resolved = init_from.resolve(cfg, ["model.name=ft", "model.dim=64"])
+    assert (resolved.model.dim, resolved.model.n_kv_heads, resolved.model.tie_embeddings) == (64, 2, False)
+    assert (resolved.model.rope_theta, resolved.model.name, resolved.model.init_from) == (500000.0, "ft", src)
+    assert init_from.resolve(Config(model=ModelConfig(init_from=src)), []).model.dim == 64
+    contradicting = Config(model=ModelConfig(init_from=src, n_heads=8))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.n_heads=8 on the command line contradicts .* config.json has num_attention_heads=4",
+    ):
+        init_from.resolve(contradicting, ["model.n_heads=8"])
+
+
+def test_round_trip_zero_steps_is_equal_tensor_for_tensor(tmp_path: Path, hf_dirs: dict) -> None:
+    """HF -> train 0 steps -> export: the same tensors, bit for bit (q/k permuted there and back)."""
+    src = hf_dirs["gqa_untied"]
+    run = tmp_path / "run"
+    ok(train(run, f"model.init_from={src}", "train.steps=0", "checkpoint.export_hf=true", *FAST))
+    before, after = hf_tensors(src), hf_tensors(run / "hf")
+    assert sorted(before) == sorted(after)
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+
+
+def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
+    """HF (tied MHA) -> 3 steps on 2 FSDP ranks -> export: transformers' logits on the export equal
+    ours on the trained checkpoint. The export CLI writes the same folder from the checkpoint, and
+    a second run initialised from the first run's checkpoint on 2 TP ranks exports it unchanged."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    src = hf_dirs["mha_tied"]
+    run = tmp_path / "ft"
+    common = [*FAST, "checkpoint=sync", "checkpoint.export_hf=true"]
+    out = ok(train(run, f"model.init_from={src}", "train.steps=3", "mesh=2", "sharding=fsdp", *common))
+    assert "exported a Hugging Face checkpoint of step 3" in out
+    exported = hf_tensors(run / "hf")
+    assert "lm_head.weight" not in exported  # tied
+    assert not torch.equal(exported["model.norm.weight"], hf_tensors(src)["model.norm.weight"])  # it trained
+
+    # Framework (trained checkpoint, loaded through init_from) vs transformers on the export.
+    cfg = init_from.resolve(Config(model=ModelConfig(init_from=str(run))), [])
+    assert cfg.model.init_from == str(run / "checkpoints" / "step_000003")
+    model = build_model(cfg.model, 16)
+    materialize(model, "cpu", seed=0)
+    with torch.no_grad():
+        diff = (hf_logits(run / "hf") - model(tokens())).abs().max().item()
+    print(f"framework (3 FSDP steps) -> HF, max |logits diff|: {diff:.3g}")
+    assert diff <= TOL
+    auto = AutoModelForCausalLM.from_pretrained(run / "hf")
+    rope = getattr(auto.config, "rope_parameters", None) or {"rope_theta": auto.config.rope_theta}
+    assert type(auto).__name__ == "LlamaForCausalLM" and rope["rope_theta"] == 500000.0
+    assert GenerationConfig.from_pretrained(run / "hf") is not None
+
+    # The CLI on the committed checkpoint writes the same tensors.
+    assert checkpoint_cli(["export-hf", str(run / "checkpoints" / "step_000003"), str(tmp_path / "cli")]) == 0
+    cli = hf_tensors(tmp_path / "cli")
+    assert sorted(cli) == sorted(exported) and all(torch.equal(cli[k], exported[k]) for k in cli)
+    conf = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert conf["max_position_embeddings"] == 16 and conf["num_key_value_heads"] == 4
+
+    # A framework checkpoint as init_from, on another layout: new optimizer, same weights.
+    again = tmp_path / "again"
+    ok(
+        train(
+            again,
+            f"model.init_from={run}",
+            "train.steps=0",
+            "mesh=2",
+            "sharding=tp",
+            *FAST,
+            "checkpoint.export_hf=true",
+        )
+    )
+    second = hf_tensors(again / "hf")
+    assert all(torch.equal(second[k], exported[k]) for k in exported)
+
+
+def test_bad_sources_exit_2_with_one_line_and_no_run_dir(tmp_path: Path, hf_dirs: dict) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    wrong = tmp_path / "wrong"  # config.json of one model, weights of another
+    wrong.mkdir()
+    (wrong / "config.json").write_text((hf_dirs["gqa_untied"] / "config.json").read_text())
+    (wrong / "model.safetensors").symlink_to(hf_dirs["mha_tied"] / "model.safetensors")
+    for source, match in [
+        (empty, "holds no weights"),
+        (
+            wrong,
+            "tensor model.layers.0.self_attn.k_proj.weight has shape [64, 64], the model expects [32, 64]",
+        ),
+    ]:
+        run = tmp_path / f"run_{source.name}"
+        proc = train(run, f"model.init_from={source}", *FAST)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and match in errors[0], proc.stderr[-2000:]
+        assert not run.exists()
