@@ -414,7 +414,9 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | none | <path>
     # sha256: hash every file at commit and verify before resume; size: sizes only (huge checkpoints).
     integrity: Integrity = Integrity.sha256
-    # Write a Hugging Face-style safetensors + config.json of the final model into <run dir>/hf.
+    # Write the final model (or the preempted one) as a Hugging Face folder into <run dir>/hf: safetensors,
+    # config.json, generation_config.json, tokenizer files. Any checkpoint later: python -m
+    # framework.checkpoint export-hf CHECKPOINT OUT.
     export_hf: bool = False
 
 

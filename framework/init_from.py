@@ -128,6 +128,8 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
                 f"model.{k}={set_on_cli[k]} on the command line contradicts {KEY}={str(path)!r}, whose "
                 f"{theirs}; drop the override (init_from sets the shape)"
             )
+    if hf is not None and "name" not in set_on_cli:
+        shape["name"] = path.name  # logs and the plan name the model loaded, not the recipe's
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     expected = expected_shapes(model_cfg)
     if hf is not None:

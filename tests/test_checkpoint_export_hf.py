@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +120,41 @@ def test_logits_match_transformers_llama(tmp_path: Path, cfg: ModelConfig) -> No
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
+    """SIGTERM mid-run with ``checkpoint.export_hf=true``: the run saves, exports that same step
+    (the job may not come back) and exits 0; ``export-hf`` on the checkpoint gives the same tensors."""
+    from framework.checkpoint.__main__ import main as checkpoint_cli
+    from framework.metrics import read_metrics
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    overrides = ["train.steps=100000", "train.log_every=1", "train.eval_every=0", "train.seq_len=16"]
+    overrides += ["train.global_batch_size=4", "freeze=none", "checkpoint=sync", "checkpoint.export_hf=true"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *overrides]
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").is_file() and sum("loss" in r for r in read_metrics(run)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    [stop] = [r["step"] for r in read_metrics(run) if r.get("event") == "preempted"]
+    assert f"exported a Hugging Face checkpoint of step {stop}" in out
+    step = run / "checkpoints" / f"step_{stop:06d}"
+    assert checkpoint_cli(["export-hf", str(step), str(tmp_path / "cli")]) == 0
+    exported, cli = (
+        load_file(str(run / "hf" / "model.safetensors")),
+        load_file(str(tmp_path / "cli" / "model.safetensors")),
+    )
+    assert sorted(exported) == sorted(cli) and all(torch.equal(exported[k], cli[k]) for k in cli)

@@ -66,7 +66,7 @@ def tokens() -> torch.Tensor:
 def hf_logits(path: Path) -> torch.Tensor:
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(path).eval()  # fp32: what the models were saved in
     with torch.no_grad():
         return model(tokens()).logits
 
