@@ -171,6 +171,12 @@ class ModelConfig:
     vocab_size: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1-style RoPE scaling (transformers' rope_type "llama3"; 1 = off): low frequencies are
+    # divided by the factor, high ones kept, the band between interpolated. model.init_from reads them.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     tie_embeddings: bool = True
     init_std: float = 0.02
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.

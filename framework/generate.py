@@ -47,7 +47,7 @@ class KVCache:
         keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         # Tables for the whole capacity: a prompt plus its continuation may be longer than training's seq_len.
-        return cls(keys, values, rope_tables(head_dim, capacity, cfg.rope_theta, p.device))
+        return cls(keys, values, rope_tables(head_dim, capacity, cfg.rope_theta, p.device, cfg))
 
 
 def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:

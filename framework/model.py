@@ -41,13 +41,35 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(
-    head_dim: int, seq_len: int, theta: float, device: torch.device | None = None
+    head_dim: int,
+    seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: ModelConfig | None = None,
 ) -> torch.Tensor:
-    """cos/sin tables, shape (seq_len, head_dim // 2, 2); real-valued so export and compile keep them."""
+    """cos/sin tables, shape (seq_len, head_dim // 2, 2); real-valued so export and compile keep them.
+
+    ``scaling``: a model config whose ``rope_scaling_factor`` != 1 applies Llama 3.1's frequency
+    scaling (transformers' ``_compute_llama3_parameters``, the same operations in the same order).
+    """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None and scaling.rope_scaling_factor != 1.0:
+        inv = _llama3_scaled(inv, scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -145,7 +167,8 @@ class Llama(nn.Module):
         self.register_buffer("rope", self._rope_tables(None), persistent=False)
 
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
-        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
+        head_dim = self.cfg.dim // self.cfg.n_heads
+        return rope_tables(head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab); or, given ``targets``, the mean cross-entropy loss.

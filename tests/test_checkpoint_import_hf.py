@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from framework.checkpoint import import_hf  # noqa: E402
+from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.config import Config, ModelConfig, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
@@ -26,20 +26,28 @@ from framework.plan import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 SEQ, TOL = 16, 1e-5
-# name -> (hidden, heads, kv heads, tied, max_shard_size for save_pretrained or None)
+# Llama 3.1's RoPE scaling, with an original context short enough that every band is exercised.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_ROPE |= {"original_max_position_embeddings": 32, "rope_theta": 500000.0}
+# name -> (hidden, heads, kv heads, tied, max_shard_size for save_pretrained or None, rope parameters)
 MODELS = {
-    "gqa_untied": (64, 4, 2, False, "40KB"),  # sharded: model.safetensors.index.json
-    "gqa_tied_3heads": (48, 3, 1, True, None),
-    "mha_tied": (64, 4, 4, True, None),
-    "mha_untied": (64, 4, 4, False, None),
+    "gqa_untied": (64, 4, 2, False, "40KB", None),  # sharded: model.safetensors.index.json
+    "gqa_tied_3heads": (48, 3, 1, True, None, None),
+    "mha_tied": (64, 4, 4, True, None, None),
+    "mha_untied": (64, 4, 4, False, None, None),
+    "gqa_llama3_rope": (64, 4, 2, True, None, LLAMA3_ROPE),
 }
 
 
-def make_hf_model(out: Path, hidden: int, heads: int, kv: int, tied: bool, shard: str | None) -> None:
+def make_hf_model(
+    out: Path, hidden: int, heads: int, kv: int, tied: bool, shard: str | None, rope: dict | None
+) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(hash((hidden, heads, kv, tied)) % 1000)
+    extra = {"rope_parameters": rope} if rope else {}
     config = LlamaConfig(
+        **extra,
         hidden_size=hidden,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -97,15 +105,29 @@ def test_shape_comes_from_config_json(hf_models: dict) -> None:
     assert (cfg.tie_embeddings, cfg.rope_theta, cfg.n_layers) == (False, 500000.0, 2)
 
 
-def test_one_rank_logits_equal_transformers(hf_models: dict) -> None:
-    diffs = {}
+def test_one_rank_logits_equal_transformers_and_export_back(tmp_path: Path, hf_models: dict) -> None:
+    """Loaded: our logits equal transformers'. Exported again: transformers' logits on the export
+    equal ours (config.json round trip, RoPE scaling included)."""
+    diffs, back = {}, {}
     for name, (path, expected) in hf_models.items():
-        model = build_model(model_cfg(path), SEQ)
+        cfg = model_cfg(path)
+        model = build_model(cfg, SEQ)
         materialize(model, "cpu", seed=0)
         with torch.no_grad():
-            diffs[name] = (model(tokens()) - expected).abs().max().item()
+            ours = model(tokens())
+        diffs[name] = (ours - expected).abs().max().item()
+        export_hf(model.state_dict(), cfg, tmp_path / name, max_position_embeddings=64)
+        back[name] = (hf_logits(tmp_path / name) - ours).abs().max().item()
     print("HF -> framework, 1 rank, max |logits diff|:", diffs)
-    assert max(diffs.values()) <= TOL, diffs
+    print("framework -> HF (same weights), max |logits diff|:", back)
+    assert max(diffs.values()) <= TOL and max(back.values()) <= TOL, (diffs, back)
+    assert model_cfg(hf_models["gqa_llama3_rope"][0]).rope_scaling_factor == 8.0
+    # Without the scaling the llama3 model's logits differ: the test can fail.
+    plain = dataclasses.replace(model_cfg(hf_models["gqa_llama3_rope"][0]), rope_scaling_factor=1.0)
+    model = build_model(plain, SEQ)
+    materialize(model, "cpu", seed=0)
+    with torch.no_grad():
+        assert (model(tokens()) - hf_models["gqa_llama3_rope"][1]).abs().max().item() > 1e-3
 
 
 def _parallel_logits(rank: int, world: int, models: dict, layouts: list[tuple[str, int, list[int]]]) -> dict:
@@ -146,7 +168,7 @@ def test_two_gloo_ranks_fsdp_and_tp_logits_equal_transformers(hf_models: dict) -
     layouts = [("fsdp", 1, [2]), ("tp", 2, [2])]
     out = run_ranks(_parallel_logits, 2, hf_models, layouts, timeout_s=300)
     print("HF -> framework, 2 gloo ranks, max |logits diff| (rank 0):", out[0])
-    assert len(out[0]) == 4 + 3  # TP skips the 3-head model
+    assert len(out[0]) == 2 * len(MODELS) - 1  # TP skips the 3-head model
     for diffs in out:
         assert max(diffs.values()) <= TOL, diffs
 
@@ -169,8 +191,8 @@ def test_shape_and_name_mismatch_name_the_tensor(hf_models: dict) -> None:
 def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> None:
     src, _ = hf_models["mha_tied"]
     for change, match in [
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "RoPE scaling"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}, "RoPE scaling"),
+        ({"rope_scaling": {"type": "linear", "factor": 8.0}}, "linear"),
         ({"model_type": "mistral"}, "model_type='mistral'"),
         ({"attention_bias": True}, "attention_bias=true"),
     ]:

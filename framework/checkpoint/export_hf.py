@@ -87,6 +87,15 @@ def hf_config(
     eos_id: int | None = None,
 ) -> dict[str, object]:
     """``config.json`` for ``LlamaForCausalLM`` (transformers' LlamaConfig field names)."""
+    rope: dict[str, object] = {"rope_type": "default"}
+    if model_cfg.rope_scaling_factor != 1.0:
+        rope = {
+            "rope_type": "llama3",
+            "factor": model_cfg.rope_scaling_factor,
+            "low_freq_factor": model_cfg.rope_low_freq_factor,
+            "high_freq_factor": model_cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": model_cfg.rope_original_max_position,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -98,8 +107,10 @@ def hf_config(
         "head_dim": model_cfg.dim // model_cfg.n_heads,
         "vocab_size": model_cfg.vocab_size,
         "rms_norm_eps": model_cfg.norm_eps,
-        "rope_theta": model_cfg.rope_theta,  # transformers < 5 reads this one, >= 5 the next
-        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        # transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters.
+        "rope_theta": model_cfg.rope_theta,
+        "rope_scaling": rope if rope["rope_type"] != "default" else None,
+        "rope_parameters": {**rope, "rope_theta": model_cfg.rope_theta},
         "tie_word_embeddings": model_cfg.tie_embeddings,
         "max_position_embeddings": max_position_embeddings,
         "hidden_act": "silu",

@@ -40,6 +40,11 @@ SHAPE_FIELDS = {
     "norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
     "tie_embeddings": "tie_word_embeddings",
+    # Llama 3.1's RoPE scaling (rope_type "llama3"), inside rope_parameters (or v4's rope_scaling).
+    "rope_scaling_factor": "rope_parameters.factor",
+    "rope_low_freq_factor": "rope_parameters.low_freq_factor",
+    "rope_high_freq_factor": "rope_parameters.high_freq_factor",
+    "rope_original_max_position": "rope_parameters.original_max_position_embeddings",
 }
 # LlamaConfig's defaults for the fields a config.json may leave out (transformers' LlamaConfig).
 _HF_DEFAULTS: dict[str, Any] = {
@@ -121,7 +126,8 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     """The ``ModelConfig`` shape fields from config.json (LlamaConfig's defaults where absent).
 
     Raises ValueError for what our Llama does not compute (another architecture, biases, a head_dim
-    other than hidden_size / heads, RoPE scaling, another activation): its logits would differ.
+    other than hidden_size / heads, RoPE scaling other than Llama 3.1's, another activation): its
+    logits would differ.
     """
     c = ckpt.config
     where = f"{key}={str(ckpt.path)!r}"
@@ -132,28 +138,42 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
             raise ValueError(f"{where}: config.json has {flag}=true; valid: false (our Llama has no biases)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")
-    # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta}; older
-    # releases and Meta's conversions write rope_theta (and rope_scaling) at the top level.
-    rope = c.get("rope_parameters") or {}
-    if c.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        scaling = c.get("rope_scaling") or rope
+    # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}; older
+    # releases and Meta's conversions write rope_theta and rope_scaling at the top level.
+    params, scaling = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
+    kinds = {d.get("rope_type", d.get("type", "default")) for d in (params, scaling)} - {"default"}
+    rope_type = next(iter(kinds)) if len(kinds) == 1 else "default" if not kinds else "mixed"
+    rope = {**params, **scaling} if scaling and rope_type != "default" else params
+    if rope_type not in ("default", "llama3"):
         raise ValueError(
-            f"{where}: config.json has RoPE scaling {scaling!r}; valid: the default RoPE "
-            "(scaled RoPE, e.g. Llama 3.1's, is not implemented)"
+            f"{where}: config.json has RoPE scaling {scaling or params!r}; valid: rope_type 'default' or 'llama3' "
+            "(Llama 3.1's)"
         )
     try:
         out: dict[str, Any] = {}
         for ours, theirs in SHAPE_FIELDS.items():
-            if theirs == "rope_theta" and "rope_theta" in rope:
+            if theirs.startswith("rope_parameters."):
+                if rope_type == "llama3":
+                    out[ours] = rope[theirs.removeprefix("rope_parameters.")]
+            elif theirs == "rope_theta" and "rope_theta" in rope:
                 out[ours] = rope["rope_theta"]
             else:
                 out[ours] = c[theirs] if theirs in c else _HF_DEFAULTS[theirs]
+        if rope_type == "default":
+            out["rope_scaling_factor"] = 1.0  # off, whatever the recipe said
         if out["n_kv_heads"] is None:
             out["n_kv_heads"] = out["n_heads"]
-        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-            out[k] = int(out[k])
-        out["norm_eps"], out["rope_theta"] = float(out["norm_eps"]), float(out["rope_theta"])
-        out["tie_embeddings"] = bool(out["tie_embeddings"])
+        ints = (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "vocab_size",
+            "rope_original_max_position",
+        )
+        for k, v in out.items():
+            out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a Llama shape field: {e!r}") from None
     head_dim = c.get("head_dim")
