@@ -105,8 +105,8 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     Raises ValueError (one line) for a missing path, a folder with no weights, a contradicting
     command-line override (naming the key and both values), and a tensor of another name or shape.
     """
-    if cfg.model.init_from is None:
-        return cfg
+    if cfg.model.init_from is None or not cfg.model.init_from.strip():
+        return cfg  # unset; an empty string is refused by its rule (framework.rules)
     path = Path(cfg.model.init_from).expanduser().resolve()
     if not path.exists():
         raise ValueError(

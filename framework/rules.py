@@ -204,6 +204,15 @@ RULES: dict[str, Rule] = {
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, lo_open=True),
     "model.rope_theta": number(0, lo_open=True),
+    "model.rope_scaling_factor": number(1, what="1 = no RoPE scaling", bad=(math.nan, math.inf, 0.5)),
+    "model.rope_low_freq_factor": number(0, lo_open=True),
+    # The interpolation divides by (high - low): equal factors would divide by zero.
+    "model.rope_high_freq_factor": Rule(
+        lambda c: f"a finite number > model.rope_low_freq_factor={c.model.rope_low_freq_factor:g}",
+        lambda v, c: _is_number(v) and math.isfinite(v) and v > c.model.rope_low_freq_factor,
+        (1.0, math.nan),
+    ),
+    "model.rope_original_max_position": integer(1),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
     "model.attention": TYPED,
@@ -214,6 +223,7 @@ RULES: dict[str, Rule] = {
         "Linear name fragments (non-empty strings); [] converts every eligible layer"
     ),
     "model.float8_size_filter": TYPED,
+    "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.tokenizer reads the file"),
     "data.source": TYPED,
