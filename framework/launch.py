@@ -206,7 +206,9 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
     Returns the signal number when this process was told to stop (SIGTERM/SIGINT/SIGHUP/SIGQUIT:
     a preemption), else None. The agent forwards the signal to the ranks and waits for them (30 s,
     then SIGKILL); their ``PreemptionHandler`` saves at one agreed step and they exit 0. The agent
-    then raises ``SignalException``, which is the expected end of a preempted job, not a failure.
+    then raises ``SignalException``, the expected end of a preempted job; whether the ranks really
+    saved is read from their ``preempted`` event (framework.entry.stop_report). The ranks die with
+    this process if it is killed (``die_with_launcher``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

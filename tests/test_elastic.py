@@ -431,3 +431,11 @@ def test_every_save_failing_on_a_full_disk_exits_nonzero_and_says_why(tmp_path: 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["checkpoint"]["saved"] == 0, summary
     assert sum("checkpoint_failed" in e for e in summary["events"]) == len(failed)
+
+    # The same run dir again, checkpoints now on a real disk: the earlier launch trained to step 4
+    # and left nothing to resume from. That is said, not passed over.
+    proc = train(run, "mesh=1", "train.steps=2", f"checkpoint.dir={tmp_path / 'real'}")
+    out = ok(proc)
+    assert "RESUME FAILED" in out and "trained to step 4, but no checkpoint is left" in out, out[-3000:]
+    [event] = events(run, "no_usable_checkpoint")
+    assert event["step"] == 0
