@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,6 +280,10 @@ def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJ
 def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> float | None:
     cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
     if rank == 0:
+        try:
+            check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
+        except ValueError as e:
+            raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
         (run_dir / "config.yaml").write_text(config_yaml)
         (run_dir / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
@@ -299,24 +304,37 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
 
     from framework import trainer
 
+    started = time.time()
     if joined_torchrun():
-        from framework.launch import finish
+        from framework.launch import die_with_launcher, finish
 
+        die_with_launcher()
         trainer.run(cfg, run_dir)
+        failed = None
         if rank == 0:
             finish_run(run_dir, cfg)
+            failed = failed_saves(run_dir)
         if os.environ.get("SUBMITIT_EXECUTOR"):
             # A submitit task must return (submitit pickles the result); it ends the group itself.
             _end_in_process_group()
+            if failed:
+                raise JobFailed(failed, 1)
             return _result(run_dir)
-        finish(0)
+        if failed:
+            log.error("error: %s", failed)
+        finish(1 if failed else 0, barrier=True)
     if cfg.mesh.world_size == 1:
         try:
             trainer.run(cfg, run_dir)
         finally:
             _end_in_process_group()
         finish_run(run_dir, cfg)
-        return _result(run_dir)
+        stop = preemption(run_dir, started)
+        if stop is not None:  # a signal to this process (Ctrl-C): the rank saved, or says it could not
+            if not stop.get("saved"):
+                raise JobFailed(stop_report(run_dir, cfg, stop), 1)
+            log.warning("%s", stop_report(run_dir, cfg, stop))
+        return _check_saves(run_dir)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -325,16 +343,79 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1
         ) from e
-    if signum is not None:
-        # Preemption: exit 0 so the scheduler requeues; the same run dir resumes (checkpoint.resume=auto).
-        log.warning(
-            "stopped by signal %d: the ranks saved a checkpoint at their last step (the 'preempted' event "
-            "in metrics.jsonl); run again with hydra.run.dir=%s to resume",
-            signum,
-            run_dir,
-        )
     finish_run(run_dir, cfg)
+    if signum is not None:
+        # Preemption: exit 0 (the scheduler requeues; the same run dir resumes) only when the ranks
+        # really saved at the step they stopped; otherwise say so and exit 128 + signal.
+        stop = preemption(run_dir, started)
+        message = stop_report(run_dir, cfg, stop, signum)
+        if stop is None or not stop.get("saved"):
+            raise JobFailed(message, 128 + signum)
+        log.warning("%s", message)
+    return _check_saves(run_dir)
+
+
+def preemption(run_dir: Path, since: float) -> dict | None:
+    """The ``preempted`` event this launch's ranks logged (None: they stopped without one)."""
+    from framework.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r.get("event") == "preempted" and r.get("time", 0) >= since]
+    return rows[-1] if rows else None
+
+
+def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | None = None) -> str:
+    """The one true line about a stop by a signal: which checkpoint exists now, and how to resume."""
+    from framework.checkpoint import store
+    from framework.trainer import checkpoint_root
+
+    name = f"signal {signum}" if signum is not None else "a signal"
+    root = checkpoint_root(cfg, run_dir)
+    if stop is not None and stop.get("saved"):
+        path = store.step_dir(root, int(stop["step"]))
+        return (
+            f"stopped by {name}: the ranks saved a checkpoint at step {stop['step']} ({path}); "
+            f"run again with hydra.run.dir={run_dir} to resume"
+        )
+    committed = store.committed(root) if cfg.checkpoint.enabled else []
+    latest = f"the latest checkpoint is {committed[-1][1]}" if committed else "there is no checkpoint"
+    if not cfg.checkpoint.enabled:
+        why = "checkpointing is off (checkpoint=sync|async saves on a signal)"
+    elif stop is None:
+        why = "the ranks stopped before they agreed on a step to save"
+    else:
+        why = f"the save at step {stop['step']} failed: {stop.get('detail', '')}"
+    return f"stopped by {name}: no checkpoint was saved at the stop ({why}); {latest}"
+
+
+def failed_saves(run_dir: Path) -> str | None:
+    """Why this run must not exit 0: it checkpointed, and every one of its saves failed."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return None
+    ck = json.loads(summary_path.read_text()).get("checkpoint") or {}
+    if ck.get("failed") and not ck.get("saved"):
+        return (
+            f"every checkpoint save of this run failed ({ck['failed']} of {ck['failed']}; see "
+            f"summary.json): {ck.get('last_error')}"
+        )
+    return None
+
+
+def _check_saves(run_dir: Path) -> float | None:
+    failed = failed_saves(run_dir)
+    if failed:
+        raise JobFailed(failed, 1)
     return _result(run_dir)
+
+
+def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
+    """Before launch: refuse (exit 2, nothing written) when another live run holds the checkpoint dir."""
+    if not cfg.checkpoint.enabled:
+        return
+    from framework.checkpoint import lock
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    lock.check_free(root, str(run_dir))
 
 
 def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:

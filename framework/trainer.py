@@ -51,7 +51,7 @@ from framework.loop import (
     evaluate,
     train_step,
 )
-from framework.metrics import Metrics, make_sinks, perplexity, validation_row
+from framework.metrics import Metrics, format_row, make_sinks, perplexity, read_metrics, validation_row
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.float8 import attach_scale_precompute
@@ -75,13 +75,30 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
 
 
-def check_same_config(cfg: Config, env: DistEnv) -> str:
-    """All ranks must run the same resolved config; stop naming the differing keys otherwise."""
+def check_same_config(cfg: Config, env: DistEnv, run_dir: Path | None = None) -> str:
+    """All ranks must run the same resolved config in the same run dir; stop naming the differing
+    keys, or the ranks' run dirs, otherwise.
+
+    Why the run dir: under torchrun each rank composes its own config, and a ``RUN_STAMP`` that
+    differs between ranks (exported per host) puts them in different run dirs. The configs agree,
+    but rank 0 then writes the run files where the others never look and every checkpoint save
+    fails (each rank's files land in its own ``checkpoints/``)."""
     digest = config_hash(cfg)
     if env.world_size == 1:
         return digest
-    hashes: list[str] = [""] * env.world_size
-    dist.all_gather_object(hashes, digest)
+    mine = (digest, str(run_dir) if run_dir is not None else None)
+    pairs: list[tuple[str, str | None]] = [("", None)] * env.world_size
+    dist.all_gather_object(pairs, mine)
+    dirs = [d for _, d in pairs]
+    if len(set(dirs)) > 1:
+        differ = {r: d for r, d in enumerate(dirs) if d != dirs[0]}
+        raise ValueError(
+            f"ranks {sorted(differ)} run in a different run dir than rank 0 ({dirs[0]}): "
+            f"{', '.join(f'rank {r}: {d}' for r, d in sorted(differ.items())[:4])}. Every rank must share "
+            "one run dir: export the same RUN_STAMP on every host (or none, and pass the same --rdzv-id "
+            "to torchrun)"
+        )
+    hashes = [h for h, _ in pairs]
     if len(set(hashes)) == 1:
         return digest
     flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
@@ -116,7 +133,11 @@ class Summary:
     step_p50_s: float | None = None
     step_p99_s: float | None = None
     executor: str | None = None  # the executor the run ended on (after any fallback)
+    # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
+    # rejected checkpoints, failed saves, preemption.
     events: list[str] = field(default_factory=list)
+    # checkpoint=...: saves committed and failed, and the last failure (None without checkpointing).
+    checkpoint: dict[str, Any] | None = None
     # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
     compile_cache: dict[str, int] | None = None
 
@@ -330,6 +351,13 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
+def trained_before(run_dir: Path) -> int | None:
+    """The last step an earlier launch in this run dir logged a loss for (None: none did). Read before
+    this launch logs its first step."""
+    steps = [int(r["step"]) for r in read_metrics(run_dir) if "loss" in r]
+    return max(steps) if steps else None
+
+
 def resume(
     ckpt: Checkpointer | None,
     cfg: Config,
@@ -338,15 +366,35 @@ def resume(
     digest: str,
     env: DistEnv,
     metrics: Metrics,
+    run_dir: Path,
 ) -> dict[str, Any]:
-    """Load the checkpoint that ``checkpoint.resume`` names; returns its extra state ({} if none)."""
+    """Load the checkpoint that ``checkpoint.resume`` names; returns its extra state ({} if none).
+
+    ``auto`` takes the newest checkpoint that verifies and loads; each newer one is moved to
+    ``corrupt/`` (kept) with a ``checkpoint_rejected`` event. When none is usable but there were
+    checkpoints, or an earlier launch in this run dir trained, the run starts from step 0 *loudly*:
+    an error in the log, a ``no_usable_checkpoint`` event in metrics.jsonl and in summary.json.
+    """
     if ckpt is None:
         return {}
-    path = ckpt.resolve_resume(cfg.checkpoint.resume)
-    if path is None:
-        return {}
     t0 = time.perf_counter()
-    extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)
+    if cfg.checkpoint.resume != "auto":
+        path = ckpt.resolve_resume(cfg.checkpoint.resume)
+        if path is None:
+            return {}
+        extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)
+    else:
+        before = trained_before(run_dir) if env.is_main else None
+        found = ckpt.load_latest(built.model, built.optimizer, built.scheduler)
+        for name, reason in found.rejected:
+            metrics.log({"step": 0, "event": "checkpoint_rejected", "detail": f"{name}: {reason}"})
+        if found.path is None:
+            if found.load_failed:  # a load stopped part-way: start from freshly initialised weights
+                executed_model(cfg, built, built.executor, env.device)
+            if found.rejected or before is not None:
+                report_no_checkpoint(ckpt, found.rejected, before, metrics)
+            return {}
+        path, extra = found.path, found.extra
     if extra.get("config_hash") not in (None, digest) and env.is_main:
         log.warning(
             "resuming %s, saved with a different config (hash %s, now %s)",
@@ -363,6 +411,29 @@ def resume(
     return extra
 
 
+def log_failed_saves(ckpt: Checkpointer, metrics: Metrics) -> None:
+    """A ``checkpoint_failed`` event for each save that failed since the last call (at its own step)."""
+    for step, error in ckpt.take_failures():
+        metrics.log({"step": step, "event": "checkpoint_failed", "detail": error})
+
+
+def report_no_checkpoint(
+    ckpt: Checkpointer, rejected: list[tuple[str, str]], before: int | None, metrics: Metrics
+) -> None:
+    """Say loudly (log error, metrics event, summary) that this run starts over from step 0."""
+    if rejected:
+        names = ", ".join(Path(n).name for n, _ in rejected)
+        what = (
+            f"none of the {len(rejected)} checkpoints under {ckpt.root} is usable ({names}); they were "
+            f"moved to {ckpt.root / 'corrupt'} (kept, with the reason in <name>.why)"
+        )
+    else:
+        what = f"an earlier launch in this run dir trained to step {before}, but no checkpoint is left under {ckpt.root}"
+    detail = f"{what}: training starts from step 0"
+    log.error("RESUME FAILED: %s", detail)
+    metrics.log({"step": 0, "event": "no_usable_checkpoint", "detail": detail})
+
+
 def run(cfg: Config, run_dir: Path) -> Summary:
     """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``."""
     t_start = time.perf_counter()
@@ -372,7 +443,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     device = env.device
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
-    digest = check_same_config(cfg, env)
+    digest = check_same_config(cfg, env, run_dir)
     verifier = Verifier(cfg, run_dir, env.is_main)
     built = build(cfg, env, run_dir, verifier, digest)
     data = make_data(cfg, env, built.dp_rank, built.dp_size)
@@ -383,9 +454,11 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     if use_cache:
         cache.loaded = load_cache(cfg.executor.cache_dir)
     start_executor(cfg, built, data, verifier, device)
-    ckpt = Checkpointer(cfg.checkpoint, checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else None
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        ckpt = Checkpointer(cfg.checkpoint, checkpoint_root(cfg, run_dir), run_id=str(run_dir))
     preempt = PreemptionHandler(ckpt.control_group) if ckpt is not None else None
-    resumed = resume(ckpt, cfg, built, data, digest, env, metrics)
+    resumed = resume(ckpt, cfg, built, data, digest, env, metrics, run_dir)
     start_step, tokens_seen = int(resumed.get("step", 0)), int(resumed.get("tokens_seen", 0))
     if env.is_main:
         plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
@@ -405,8 +478,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             "model": shape_of(cfg.model),
         }
         ckpt.save(step, built.model, built.optimizer, built.scheduler, extra)
-        if ckpt.last_error is not None:
-            metrics.log({"step": step, "event": "checkpoint_failed", "detail": ckpt.last_error})
+        log_failed_saves(ckpt, metrics)
 
     def rollback(step: int) -> int:
         """Back to the latest checkpoint, keeping the data position (past the bad batches).
@@ -598,7 +670,17 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             save(done)
         if stop_now:
             stopped = True
-            metrics.log({"step": done, "event": "preempted", "detail": "signal received: saved, exiting"})
+            assert ckpt is not None and preempt is not None
+            ckpt.wait()  # an async save commits now: the event below says whether it did
+            log_failed_saves(ckpt, metrics)
+            sig = preempt.signal_name()
+            saved = ckpt.last_error is None
+            detail = (
+                f"{sig}: saved step {done}, exiting"
+                if saved
+                else f"{sig}: the save at step {done} failed ({ckpt.last_error}), exiting"
+            )
+            metrics.log({"step": done, "event": "preempted", "detail": detail, "saved": saved})
             break
         step = done
     profiler.__exit__(None, None, None)
@@ -623,9 +705,23 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             summary.compile_s = max(0.0, first_step_s - figures.step_p50_s)
     meta = {"run_dir": str(run_dir), "config_hash": digest}
     verifier.finish(figures, env.world_size, device_name(env), meta, built.executor.mode, can_fall_back=False)
-    summary.events += [f"step {f.step}: {f.trigger}: {f.action}" for f in verifier.report.fallbacks]
     if ckpt is not None:
         ckpt.close()
+        log_failed_saves(ckpt, metrics)
+        summary.checkpoint = {
+            "saved": ckpt.saves_ok,
+            "failed": ckpt.saves_failed,
+            "last_error": ckpt.last_error,
+        }
+        if ckpt.saves_failed and not ckpt.saves_ok and env.is_main:
+            log.error(
+                "every checkpoint save of this run failed (%d of %d): %s",
+                ckpt.saves_failed,
+                ckpt.saves_failed,
+                ckpt.last_error,
+            )
+    # Events, read last: they include the checkpoint failures of the commit ``close`` just waited for.
+    summary.events = [format_row(r) for r in metrics.rows if "event" in r]
     if preempt is not None:
         preempt.close()
     if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back

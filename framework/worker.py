@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.config import to_config
-from framework.launch import finish
+from framework.launch import die_with_launcher, finish
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -37,6 +37,7 @@ def main(run_dir: Path) -> int:
 
     from framework import trainer
 
+    die_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
     try:

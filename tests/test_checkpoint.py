@@ -6,12 +6,17 @@ import hashlib
 import json
 import os
 import resource
+import shlex
+import shutil
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,12 +24,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.checkpoint import Checkpointer, PreemptionHandler
+from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
+from framework.checkpoint.manager import _payload_bytes
 from framework.checkpoint.store import tmp_dir
 from framework.config import AsyncMode, CheckpointConfig, ModelConfig
 from framework.model import build_model, materialize
 from tests.dist import run_ranks
 
+ROOT = Path(__file__).resolve().parent.parent
 SEQ = 16
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128)
 EXTRA = {
@@ -88,7 +95,6 @@ def _save_worker(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     sched = sch.state_dict()
     ck.save(3, model, opt, sch, EXTRA)
     blocked = ck.last_blocked_s
-    committed_before_wait = (Path(root) / "step_000003").exists()
     # Train on while an async save is in flight: the staging copy must keep the checkpoint at step 3.
     _train(model, opt, sch, 1, rank)
     ck.close()
@@ -97,7 +103,6 @@ def _save_worker(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
         "rng": rng,
         "sched": sched,
         "blocked_s": blocked,
-        "committed_before_wait": committed_before_wait,
         "error": ck.last_error,
     }
 
@@ -146,10 +151,9 @@ def test_save_4_ranks_ddp_load_2_fsdp_and_1_plain_bitwise(tmp_path: Path) -> Non
         assert any("saved by 4 ranks and is loaded by" in w for w in loaded[0]["warnings"])
 
 
-def test_async_thread_save_blocks_less_and_commits_on_wait(tmp_path: Path) -> None:
+def test_async_thread_save_blocks_less_and_keeps_the_saved_step(tmp_path: Path) -> None:
     saved = run_ranks(_save_worker, 2, str(tmp_path), "thread")
     assert all(r["error"] is None for r in saved)
-    assert not any(r["committed_before_wait"] for r in saved), "committed before wait()"
     ckpt = tmp_path / "step_000003"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     files = {q.relative_to(ckpt).as_posix() for q in ckpt.rglob("*") if q.is_file()} - {"manifest.json"}
@@ -160,6 +164,33 @@ def test_async_thread_save_blocks_less_and_commits_on_wait(tmp_path: Path) -> No
     loaded = run_ranks(_load_worker, 1, str(tmp_path), "plain")
     assert loaded[0]["digest"] == saved[0]["digest"]
     print(f"async thread save blocked {max(r['blocked_s'] for r in saved) * 1e3:.1f} ms")
+
+
+def _async_commit_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save asynchronously at step 5, then train on without calling the checkpointer at all."""
+    model, opt, sch = _build(0, "ddp")
+    ck = Checkpointer(CheckpointConfig(enabled=True, async_mode=AsyncMode.thread), Path(root))
+    _train(model, opt, sch, 5, rank)
+    ck.save(5, model, opt, sch, EXTRA)
+    step, deadline = 5, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        _train(model, opt, sch, 1, rank)  # DDP all-reduces: both ranks step in lockstep
+        step += 1
+        seen = torch.tensor([int((Path(root) / "step_000005" / "manifest.json").is_file())])
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+        if seen.item():
+            break
+        time.sleep(0.05)
+    # No wait(), save() or close(): a rank killed now loses nothing that was written.
+    return {"committed_at_step": step if seen.item() else None}
+
+
+def test_async_save_commits_as_soon_as_every_rank_wrote(tmp_path: Path) -> None:
+    res = run_ranks(_async_commit_worker, 2, str(tmp_path))
+    at = res[0]["committed_at_step"]
+    assert at is not None, "the step-5 save was never committed while training went on"
+    assert resolve_resume(str(tmp_path / "step_000005"), tmp_path) == tmp_path / "step_000005"
+    print(f"async save at step 5 committed by step {at} (no checkpointer call in between)")
 
 
 def _failing_worker(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -222,3 +253,49 @@ def test_preemption_flag_is_agreed_across_ranks() -> None:
     assert [r[1] for r in res] == [True, True]  # rank 0 got no signal, yet agrees
     assert res[0][2] is None and res[1][2] == signal.SIGUSR1
     assert all(r[3] for r in res), "previous handler not restored"
+
+
+def _tmpfs(mount: Path, size: int, *command: str) -> subprocess.CompletedProcess:
+    """Run ``command`` with a ``size``-byte tmpfs at ``mount``: a real full disk without root, in an
+    unprivileged user + mount namespace (``unshare -rm``); skips where user namespaces are off."""
+    mount.mkdir(parents=True, exist_ok=True)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True
+    )
+    if shutil.which("unshare") is None or probe.returncode != 0:
+        pytest.skip(f"no unprivileged tmpfs here (unshare -rm): {probe.stderr.decode()[:200]}")
+    script = f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(mount))} && exec {shlex.join(command)}"
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+FULL_DISK = """
+import sys, warnings
+from pathlib import Path
+from framework.checkpoint import Checkpointer
+from framework.config import CheckpointConfig
+from tests.test_checkpoint import _build
+model, opt, sch = _build(0, "plain")
+ck = Checkpointer(CheckpointConfig(enabled=True), Path(sys.argv[1]))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    ck.save(1, model, opt, sch, {"step": 1})
+print(ck.last_error)
+"""
+
+
+def test_a_full_disk_mid_write_is_named_with_the_bytes_needed(tmp_path: Path) -> None:
+    """The disk has room for the JSON files and passes the free-space check before the write, then
+    fills up inside DCP's tensor write (torch's C++ writer, which drops the errno)."""
+    model, opt, _ = _build(0, "plain")
+    needed = _payload_bytes(state.tensor_state(model, opt)[0])
+    size = (needed + 64 * 1024 + 4095) // 4096 * 4096
+    mount = tmp_path / "disk"
+    proc = _tmpfs(mount, size, sys.executable, "-c", FULL_DISK, str(mount / "ck"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = proc.stdout.strip().splitlines()[-1]
+    assert (
+        error
+        == f"rank 0: no space left on device, {needed} bytes needed at {mount / 'ck' / 'step_000001.tmp'} (0 bytes free)"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.checkpoint import Checkpointer, resolve_resume
+from framework.checkpoint import Checkpointer, find_latest, resolve_resume, verify
 from framework.checkpoint.state import SafeReader
 from framework.checkpoint.store import retention_victims, step_dir, tmp_dir
 from framework.config import CheckpointConfig, Integrity, ModelConfig
@@ -41,7 +42,8 @@ def _save_steps(root: Path, steps: list[int], **cfg: object) -> Checkpointer:
 def _latest_with_warnings(ck: Checkpointer) -> tuple[Path | None, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        latest = ck.latest()
+        # The read-only search (Checkpointer.latest() also moves rejected ones aside).
+        latest = find_latest(ck.root, ck.channel, ck.cfg.integrity)
     return latest, [str(w.message) for w in caught]
 
 
@@ -62,7 +64,9 @@ def test_retention_on_disk_keeps_last_and_milestones(tmp_path: Path) -> None:
     ck = Checkpointer(CheckpointConfig(enabled=True, keep_last=2, keep_every=4), tmp_path)
     for s in range(1, 11):
         ck.save(s, model, opt, sch, {"step": s})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(tmp_path, s).name for s in (4, 8, 9, 10)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        step_dir(tmp_path, s).name for s in (4, 8, 9, 10)
+    ]
 
 
 def test_corrupt_truncated_and_incomplete_are_skipped_with_warnings(tmp_path: Path) -> None:
@@ -131,7 +135,7 @@ def test_extra_must_be_plain_json_and_nothing_is_written(tmp_path: Path) -> None
     ck = Checkpointer(CheckpointConfig(enabled=True), tmp_path)
     with pytest.raises(ValueError, match="extra must hold plain JSON"):
         ck.save(1, model, opt, sch, {"position": torch.tensor(3)})
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["LOCK"]  # this writer's lock, nothing else
 
 
 def test_should_save_every_steps_and_minutes(tmp_path: Path) -> None:
@@ -157,3 +161,66 @@ def test_metadata_unpickler_refuses_foreign_globals(tmp_path: Path) -> None:
     (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(pickle.UnpicklingError, match="system"):
         SafeReader(tmp_path / "evil").read_metadata()
+
+
+def test_the_manifest_must_cover_every_file_of_a_checkpoint(tmp_path: Path) -> None:
+    ck = _save_steps(tmp_path, [1, 2])
+    assert {"extra.json", ".metadata", "rng/rank_00000.json"} <= set(
+        json.loads((step_dir(tmp_path, 2) / "manifest.json").read_text())["files"]
+    )
+    # step 2 as an interleaving writer committed it: extra.json gone, and the manifest, listing what
+    # was there, does not have it either. Sizes and hashes of what it lists all agree.
+    d2 = step_dir(tmp_path, 2)
+    (d2 / "extra.json").unlink()
+    manifest = json.loads((d2 / "manifest.json").read_text())
+    del manifest["files"]["extra.json"]
+    (d2 / "manifest.json").write_text(json.dumps(manifest))
+    assert "does not list extra.json" in verify(d2, ck.channel, Integrity.sha256)
+    # step 1 with a file the manifest does not list (written into it after the commit).
+    (step_dir(tmp_path, 1) / "__7_0.distcp").write_bytes(b"another run's shard")
+    assert "files not in the manifest: __7_0.distcp" in verify(
+        step_dir(tmp_path, 1), ck.channel, Integrity.sha256
+    )
+
+
+def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(tmp_path: Path) -> None:
+    model, opt, sch = _state(0)
+    ck = Checkpointer(CheckpointConfig(enabled=True, keep_last=1), tmp_path)
+    ck.save(2, model, opt, sch, {"step": 2})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    # step 4: complete and intact, but of another model (another run's save in the same dir).
+    other = build_model(
+        ModelConfig(dim=48, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64), 8
+    )
+    materialize(other, "cpu", 1)
+    other_opt = torch.optim.AdamW(other.parameters())
+    Checkpointer(CheckpointConfig(enabled=True, keep_last=0), tmp_path).save(
+        4, other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, _one), {"step": 4}
+    )
+    # step 6: a flipped byte.
+    ck2 = Checkpointer(CheckpointConfig(enabled=True, keep_last=0), tmp_path)
+    ck2.save(6, model, opt, sch, {"step": 6})
+    shard = _biggest_shard(step_dir(tmp_path, 6))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    fresh, fresh_opt, fresh_sch = _state(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = ck.load_latest(fresh, fresh_opt, fresh_sch)
+    assert found.path == step_dir(tmp_path, 2) and found.extra == {"step": 2}
+    assert found.load_failed
+    assert [Path(n).name for n, _ in found.rejected] == ["step_000006", "step_000004"]
+    assert "sha256" in found.rejected[0][1] and "does not load" in found.rejected[1][1], found.rejected
+    assert all("moved to" in str(w.message) for w in caught if "skipping" in str(w.message))
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    # Moved aside with the reason, never deleted: neither retention nor a new save of step 4 or 6 touches them.
+    aside = sorted(p.name for p in (tmp_path / "corrupt").iterdir())
+    assert [n.split("-")[0] for n in aside] == ["step_000004", "step_000004", "step_000006", "step_000006"]
+    assert sum(n.endswith(".why") for n in aside) == 2
+    ck.save(4, model, opt, sch, {"step": 4})
+    ck.save(6, model, opt, sch, {"step": 6})
+    assert len(list((tmp_path / "corrupt").iterdir())) == 4
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["corrupt", "step_000006"]

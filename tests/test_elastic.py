@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -264,3 +267,175 @@ def test_sigterm_to_the_launcher_saves_at_one_step_exits_zero_and_resumes(tmp_pa
     [resumed] = events(run, "resumed")
     assert resumed["step"] == stop and resumed["restarts"] == 0
     assert [r["step"] for r in loss_rows(run)][-2:] == [stop + 1, stop + 2]
+
+
+def test_every_checkpoint_corrupt_starts_over_loudly_and_keeps_them(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Both checkpoints of a finished run damaged, and a stale lock of a crashed run: the new launch
+    takes the lock over (logged), says in the log, metrics.jsonl and summary.json that it starts
+    from step 0, and moves the damaged checkpoints aside instead of overwriting them."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["base"], run)
+    root = run / "checkpoints"
+    for step in (6, 8):
+        (step_dir(run, step) / "extra.json").write_text("{}")  # what another writer could leave
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    owner = {"user": "bob", "host": socket.gethostname(), "pid": dead.pid, "launcher_pid": dead.pid}
+    (root / "LOCK").write_text(json.dumps(owner | {"run_id": "outputs/crashed", "since": "earlier"}))
+    out = ok(train(run, "train.steps=2"))
+    assert "taking over" in out and "outputs/crashed" in out, out[-3000:]
+    assert "RESUME FAILED" in out and "training starts from step 0" in out, out[-3000:]
+    [event] = events(run, "no_usable_checkpoint")
+    assert "step_000008, step_000006" in event["detail"]
+    assert len(events(run, "checkpoint_rejected")) == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert any("no_usable_checkpoint" in e for e in summary["events"]), summary["events"]
+    assert not events(run, "resumed")
+    aside = sorted(p.name for p in (root / "corrupt").iterdir())
+    assert [n.split("-")[0] for n in aside] == ["step_000006"] * 2 + ["step_000008"] * 2, aside
+    # The kept ones are byte for byte what was there; the new run wrote its own step 2 beside them.
+    kept = next(p for p in (root / "corrupt").iterdir() if p.name.startswith("step_000008") and p.is_dir())
+    assert (kept / "__1_0.distcp").read_bytes() == (step_dir(runs["base"], 8) / "__1_0.distcp").read_bytes()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_000002"]
+    assert not (root / "LOCK").exists(), "the run releases its lock at the end"
+
+
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_naming_the_owner(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        owner = {"user": "alice", "host": socket.gethostname(), "pid": holder.pid, "launcher_pid": None}
+        (shared / "LOCK").write_text(json.dumps(owner | {"run_id": "outputs/first", "since": "08:00"}))
+        proc = train(tmp_path / "second", f"checkpoint.dir={shared}", "mesh=1")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "outputs/first" in line and "user alice" in line and f"pid {holder.pid}" in line, line
+    assert not (tmp_path / "second").exists(), "nothing is written before the refusal"
+
+
+def _start(run: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *TINY, *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_for_steps(proc: subprocess.Popen, run: Path, n: int) -> None:
+    deadline = time.monotonic() + 240  # two ranks importing torch on a loaded 2-core machine
+    while not ((run / "metrics.jsonl").is_file() and len(loss_rows(run)) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_saves_like_sigterm_and_the_stop_line_is_true(tmp_path: Path) -> None:
+    saved, off = tmp_path / "saved", tmp_path / "off"
+    for run, overrides in ((saved, ()), (off, ("checkpoint=none",))):
+        proc = _start(run, "train.steps=400", *overrides, log=tmp_path / f"{run.name}.txt")
+        try:
+            _wait_for_steps(proc, run, 2)
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the launcher
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "saved.txt").read_text()
+    assert proc.returncode == 130  # the second run: nothing to save
+    [pre] = events(saved, "preempted")
+    assert pre["saved"] and "SIGINT" in pre["detail"], pre
+    assert (step_dir(saved, pre["step"]) / "manifest.json").is_file()
+    assert f"stopped by signal 2: the ranks saved a checkpoint at step {pre['step']}" in out, out[-3000:]
+    out = (tmp_path / "off.txt").read_text()
+    assert "stopped by signal 2: no checkpoint was saved at the stop (checkpointing is off" in out, out[
+        -3000:
+    ]
+    assert "the ranks saved a checkpoint" not in out
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status  # a zombie has exited; only its parent has not reaped it
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_ranks_die_with_their_sigkilled_launcher(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _start(run, "train.steps=4000", "checkpoint=none", log=tmp_path / "out.txt")
+    try:
+        _wait_for_steps(proc, run, 2)
+        ranks = [
+            c for c in _children(proc.pid) if b"framework.worker" in Path(f"/proc/{c}/cmdline").read_bytes()
+        ]
+        assert len(ranks) == 2, ranks
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [r for r in ranks if _alive(r)]
+        assert not left, f"ranks {left} outlived their launcher"
+    finally:
+        for r in _children(proc.pid) if proc.poll() is None else []:
+            os.kill(r, signal.SIGKILL)
+
+
+def test_torchrun_ranks_in_different_run_dirs_are_stopped_naming_them(tmp_path: Path) -> None:
+    """A RUN_STAMP exported per host: each rank composes its own run dir. Before, the configs agreed
+    and every save failed; now the ranks compare their run dirs with the config hash and stop."""
+    script = (
+        f"RUN_STAMP=stamp-$LOCAL_RANK exec {shlex.quote(sys.executable)} {ROOT / 'train.py'} "
+        + " ".join(TINY + ["train.steps=2"])
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["--no-python", "sh", "-c", script]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "ranks [1] run in a different run dir than rank 0" in out, out[-3000:]
+    assert "stamp-0" in out and "stamp-1" in out and "RUN_STAMP" in out
+    assert not (tmp_path / "outputs" / "stamp-0" / "checkpoints").exists()
+
+
+def test_every_save_failing_on_a_full_disk_exits_nonzero_and_says_why(tmp_path: Path) -> None:
+    """checkpoint.dir on a 1 MiB tmpfs (a real full disk, in a user + mount namespace): every save
+    fails before writing with the bytes needed; the run trains to the end, records it in
+    summary.json and metrics.jsonl, and exits 1 (a run that checkpointed nothing is not a success)."""
+    from tests.test_checkpoint import _tmpfs
+
+    disk, run = tmp_path / "disk", tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *TINY, "mesh=1", "train.steps=4"]
+    proc = _tmpfs(disk, 1 << 20, *cmd, f"checkpoint.dir={disk}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "every checkpoint save of this run failed (2 of 2" in out, out[-3000:]
+    failed = events(run, "checkpoint_failed")
+    assert [e["step"] for e in failed] == [2, 4], failed
+    assert all(
+        re.search(rf"no space left on device, \d+ bytes needed at {disk}/step_00000\d.tmp", e["detail"])
+        for e in failed
+    ), failed
+    assert "inline_container" not in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"]["saved"] == 0, summary
+    assert sum("checkpoint_failed" in e for e in summary["events"]) == len(failed)
+
+    # The same run dir again, checkpoints now on a real disk: the earlier launch trained to step 4
+    # and left nothing to resume from. That is said, not passed over.
+    proc = train(run, "mesh=1", "train.steps=2", f"checkpoint.dir={tmp_path / 'real'}")
+    out = ok(proc)
+    assert "RESUME FAILED" in out and "trained to step 4, but no checkpoint is left" in out, out[-3000:]
+    [event] = events(run, "no_usable_checkpoint")
+    assert event["step"] == 0

@@ -1,10 +1,13 @@
-"""Preemption: turn SIGTERM/SIGUSR1 into a flag that every rank sees at the same step.
+"""Preemption: turn SIGTERM/SIGUSR1/SIGINT into a flag that every rank sees at the same step.
 
 Why a flag and an agreement: a scheduler (SLURM, Kubernetes, torchelastic) signals ranks at
 slightly different moments. If each rank acted on its own signal, they would try to save at
 different steps and the save's collectives would mismatch. The handler only records the signal;
 ``requested()`` all-reduces the flags (MAX) on the checkpoint's control group, so all ranks get the
 same answer at the same step, save, and exit.
+
+SIGINT (Ctrl-C) is handled like SIGTERM: the launcher forwards it to the ranks, which save and
+exit 0; before, it raised KeyboardInterrupt mid-step and nothing was saved.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.distributed as dist
 
 from framework.checkpoint.group import Channel
 
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class PreemptionHandler:
@@ -38,6 +41,10 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
+
+    def signal_name(self) -> str:
+        """The signal this rank received ("SIGTERM"), or "another rank's signal"."""
+        return signal.Signals(self.signal).name if self.signal is not None else "another rank's signal"
 
     def requested(self) -> bool:
         """True on every rank once any rank got a signal. Collective: call on all ranks each time."""

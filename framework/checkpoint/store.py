@@ -6,6 +6,8 @@ Layout::
       step_000120/          complete: committed by a rename, holds manifest.json
       step_000240.tmp/      being written (or left by a crash): never loaded, removed at start
       step_000060.del/      being deleted by retention: never loaded, removed at start
+      corrupt/              checkpoints that failed verification or loading, moved aside (kept)
+      LOCK                  the run that writes here (framework.checkpoint.lock)
 
 Why a rename: it is atomic on POSIX file systems, so a reader sees either no ``step_000240`` or a
 complete one; a crash at any point leaves the previous checkpoint as the newest complete one. The
@@ -31,6 +33,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 TMP_SUFFIX = ".tmp"
 DEL_SUFFIX = ".del"
+CORRUPT_DIR = "corrupt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _HASH_CHUNK = 8 << 20  # 8 MiB reads: large enough that sha256, not syscalls, sets the speed
 
@@ -233,3 +236,19 @@ def delete(directory: Path) -> None:
     doomed = directory.with_name(directory.name + DEL_SUFFIX)
     directory.rename(doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def set_aside(directory: Path, reason: str) -> Path:
+    """Move a checkpoint that failed verification or loading to ``root/corrupt/`` and return its
+    new path. Never deleted, never overwritten: the name gets a UTC time stamp (and a counter when
+    that exists too), and ``<name>.why`` next to it says why. Call on one rank only."""
+    aside = directory.parent / CORRUPT_DIR
+    aside.mkdir(exist_ok=True)
+    base = f"{directory.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    target, n = aside / base, 1
+    while target.exists() or target.with_name(target.name + ".why").exists():
+        target, n = aside / f"{base}-{n}", n + 1
+    directory.rename(target)
+    target.with_name(target.name + ".why").write_text(reason + "\n")
+    fsync_dir(directory.parent)
+    return target
