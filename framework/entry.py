@@ -98,6 +98,9 @@ def validate(dcfg: DictConfig) -> Config:
     cfg = to_config(dcfg)
     validate_mesh(cfg.mesh)
     check_rules(cfg)
+    from framework.data import check_data
+
+    check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
