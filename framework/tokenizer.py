@@ -230,7 +230,9 @@ class SentencePieceTokenizer:
         except ImportError:
             return written
         AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
-        return sorted({*written, *(p.name for p in out_dir.iterdir() if p.name.startswith(("tokenizer", "special")))})
+        return sorted(
+            {*written, *(p.name for p in out_dir.iterdir() if p.name.startswith(("tokenizer", "special")))}
+        )
 
 
 def _save_hf(tok: Any, out_dir: Path, bos: str | None, eos: str | None, extra: dict[str, Any]) -> list[str]:

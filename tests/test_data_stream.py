@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,7 +53,9 @@ def global_rows(cfg: Config, dp: int, state: dict | None, n: int) -> tuple[list[
         sampler = build_data(cfg, r, dp).sampler
         if state is not None:
             sampler.load_state_dict(json.loads(json.dumps(state)))  # as the checkpoint stores it (JSON)
-        per_rank.append([torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in sampler.next_batch()]) for _ in range(n)])
+        per_rank.append(
+            [torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in sampler.next_batch()]) for _ in range(n)]
+        )
         final = sampler.state_dict()
         sampler.close()
     return [torch.cat([per_rank[r][i] for r in range(dp)]) for i in range(n)], final
@@ -62,7 +65,9 @@ def sources(corpus: Corpus) -> dict[str, DataConfig]:
     return {
         "jsonl": DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)),
         "text": DataConfig(source=DataSource.text, path=str(corpus.text_dir)),
-        "text_epochs": DataConfig(source=DataSource.text, path=str(corpus.root / "small.txt"), val_fraction=0),
+        "text_epochs": DataConfig(
+            source=DataSource.text, path=str(corpus.root / "small.txt"), val_fraction=0
+        ),
         "parquet": DataConfig(source=DataSource.parquet, path=str(corpus.parquet)),
         "hf": DataConfig(source=DataSource.hf, path=str(corpus.jsonl)),
         "hf_streaming": DataConfig(source=DataSource.hf, path=str(corpus.parquet), streaming=True),
@@ -109,7 +114,12 @@ def test_bos_is_added_before_every_document_when_asked(corpus: Corpus) -> None:
     cfg = make_cfg(corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.0))
     cfg = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, add_bos=True))
     sampler = build_data(cfg, 0, 1).sampler
-    flat = [t for _ in range(8) for x, y in sampler.next_batch() for t in torch.cat([x, y[:, -1:]], 1).reshape(-1).tolist()]
+    flat = [
+        t
+        for _ in range(8)
+        for x, y in sampler.next_batch()
+        for t in torch.cat([x, y[:, -1:]], 1).reshape(-1).tolist()
+    ]
     sampler.close()
     assert flat[0] == 0  # <|begin_of_text|>
     after_eos = [flat[i + 1] for i, t in enumerate(flat[:-1]) if t == 1]
@@ -117,7 +127,9 @@ def test_bos_is_added_before_every_document_when_asked(corpus: Corpus) -> None:
 
 
 def test_validation_records_never_reach_training(corpus: Corpus) -> None:
-    cfg = make_cfg(corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.25), eval_every=1)
+    cfg = make_cfg(
+        corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.25), eval_every=1
+    )
     data = build_data(cfg, 0, 1)
     train = torch.cat([torch.cat([x, y[:, -1:]], 1) for _ in range(3) for x, y in data.sampler.next_batch()])
     data.sampler.close()
@@ -172,3 +184,28 @@ def test_mixture_follows_its_weights_and_depends_only_on_seed_and_index() -> Non
     b = compose([Constant(i) for i in range(3)], weights, 0, 17, 64)
     c = compose([Constant(i) for i in range(3)], weights, 1, 17, 64)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_training_on_packed_jsonl_with_document_mask_resumes_exactly(corpus: Corpus, tmp_path: Path) -> None:
+    """Through train.py (in this process): a run stopped at step 3 and resumed to step 6 from its
+    checkpoint (the packer's cursor in extra state, as JSON) ends on the uninterrupted run's loss."""
+    from framework.metrics import read_metrics
+    from tests.test_data_pipeline import train_main
+
+    common = [
+        "data=jsonl", f"data.path={corpus.jsonl}", "data.document_mask=true",
+        "tokenizer=hf", f"tokenizer.path={corpus.bpe}", "model.vocab_size=512", "model.dim=32",
+        "model.n_layers=1", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch_size=4",
+        "train.log_every=1", "train.eval_every=3", "train.eval_batches=1", "freeze=none",
+        "logger.plot=false", "logger.progress_bar=false", "checkpoint=sync",
+    ]  # fmt: skip
+    train_main(tmp_path / "whole", *common, "train.steps=6")
+    train_main(tmp_path / "split", *common, "train.steps=3")
+    train_main(tmp_path / "split", *common, "train.steps=6")
+    whole, split = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    assert any(r.get("event") == "resumed" for r in split)
+    last = [r["loss"] for r in whole if r.get("step") == 6 and "loss" in r]
+    resumed = [r["loss"] for r in split if r.get("step") == 6 and "loss" in r]
+    assert last and last == resumed
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_val_loss"] is not None

@@ -75,7 +75,8 @@ def test_llama3_style_tokenizer_json_bos_eos_from_its_config(corpus: Corpus, tmp
     specials += [f"<|reserved_special_token_{i}|>" for i in range(4)]
     base.add_special_tokens(specials)
     base.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", base.token_to_id("<|begin_of_text|>"))]
+        single="<|begin_of_text|> $A",
+        special_tokens=[("<|begin_of_text|>", base.token_to_id("<|begin_of_text|>"))],
     )
     base.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
@@ -111,7 +112,9 @@ def test_sentencepiece_model_and_its_export(sp_model: Path, tmp_path: Path) -> N
         ("hf", None, "does not exist"),
     ],
 )
-def test_a_tokenizer_file_that_does_not_parse_is_named(tmp_path: Path, kind: str, content: bytes | None, message: str) -> None:
+def test_a_tokenizer_file_that_does_not_parse_is_named(
+    tmp_path: Path, kind: str, content: bytes | None, message: str
+) -> None:
     path = tmp_path / ("tokenizer.json" if kind == "hf" else "tokenizer.model")
     if content is not None:
         path.write_bytes(content)
@@ -130,7 +133,9 @@ def test_folder_without_tokenizer_and_unknown_special_token(corpus: Corpus, tmp_
         load_tokenizer(TokenizerConfig(kind=TokenizerKind.bytes, path="x.json"))
 
 
-def test_vocab_larger_than_the_model_is_refused_smaller_warns(corpus: Corpus, caplog: pytest.LogCaptureFixture) -> None:
+def test_vocab_larger_than_the_model_is_refused_smaller_warns(
+    corpus: Corpus, caplog: pytest.LogCaptureFixture
+) -> None:
     tok = hf(corpus.bpe)
     with pytest.raises(ValueError, match=r"\(512 tokens.*model.vocab_size=256"):
         check_vocab(tok, 256)
@@ -142,5 +147,19 @@ def test_vocab_larger_than_the_model_is_refused_smaller_warns(corpus: Corpus, ca
 def test_tokenizer_train_cli_refuses_a_tiny_vocab(corpus: Corpus, tmp_path: Path) -> None:
     from framework.data import main
 
-    assert main(["tokenizer", "train", str(tmp_path / "t.json"), str(corpus.jsonl), "--vocab-size", "100"]) == 2
-    assert main(["tokenizer", "train", str(tmp_path / "t.json"), str(tmp_path / "missing.txt"), "--vocab-size", "300"]) == 2
+    assert (
+        main(["tokenizer", "train", str(tmp_path / "t.json"), str(corpus.jsonl), "--vocab-size", "100"]) == 2
+    )
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                str(tmp_path / "t.json"),
+                str(tmp_path / "missing.txt"),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 2
+    )
