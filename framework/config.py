@@ -231,6 +231,7 @@ class MixEntry:
 class DataConfig:
     """Where training tokens come from (framework.data). Pick a source with ``data=NAME``."""
 
+    # The source kind; data=NAME sets it (data.source=NAME, the spelling before the group, still works).
     source: DataSource = DataSource.stdlib
     # text/jsonl/parquet/tokens: a file, a folder (its files with the source's suffixes) or a glob;
     # hf: a dataset folder, a data file, or a hub name. tokens: a .bin from `framework.data prepare`.

@@ -180,7 +180,7 @@ class SentencePieceTokenizer:
     kind = TokenizerKind.sentencepiece
 
     def __init__(self, path: Path, bos_token: str | None, eos_token: str | None) -> None:
-        import sentencepiece as spm
+        spm = needs("sentencepiece", "tokenizer=sentencepiece")
 
         self.path = path
         self.sp = spm.SentencePieceProcessor()
@@ -233,6 +233,16 @@ class SentencePieceTokenizer:
         return sorted(
             {*written, *(p.name for p in out_dir.iterdir() if p.name.startswith(("tokenizer", "special")))}
         )
+
+
+def needs(module: str, what: str) -> Any:
+    """Import an optional dependency, or a ValueError that says how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what} needs the {module} package: pip install -e '.[data]'") from e
 
 
 def _save_hf(tok: Any, out_dir: Path, bos: str | None, eos: str | None, extra: dict[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import DataSource
+from framework.tokenizer import needs
 
 Record = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 PIECE_BYTES = 16 * 1024
@@ -117,7 +118,7 @@ def _jsonl_records(path: Path, field: str, key: str) -> Iterator[Record]:
 
 
 def _parquet_file(path: Path, column: str, key: str) -> Any:
-    import pyarrow.parquet as pq
+    pq = needs("pyarrow.parquet", "data=parquet")
 
     try:
         pf = pq.ParquetFile(path)
@@ -181,8 +182,7 @@ def file_records(spec: SourceSpec, files: list[Path], skip: int = 0) -> Iterator
 def load_hf(spec: SourceSpec, path: str | None = None) -> Any:
     """``datasets.load_dataset`` for ``data=hf``: a data file by its suffix, a folder, or a name
     (the local cache, or the hub where the machine can reach it)."""
-    import datasets
-
+    datasets = needs("datasets", "data=hf")
     path = spec.path if path is None else path
     if not path:
         raise ValueError(
