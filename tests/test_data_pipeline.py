@@ -171,6 +171,11 @@ def test_mixture_weights_that_sum_to_zero_or_are_negative(corpus: Corpus) -> Non
     refused(cfg(bad_path, bpe(corpus)), "data.mix[0].path='missing.jsonl' does not exist")
 
 
+def test_out_of_range_data_numbers(corpus: Corpus) -> None:
+    refused(cfg(DataConfig(val_fraction=1.5), vocab=256), "data.val_fraction=1.5 must be in [0, 1)")
+    refused(cfg(DataConfig(prefetch=0), vocab=256), "data.prefetch=0")
+
+
 def test_too_few_records_to_hold_out_validation(corpus: Corpus, tmp_path: Path) -> None:
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"text": corpus.docs[0]}) + "\n")

@@ -98,6 +98,13 @@ def uses_batch_sampler(cfg: Config, tok: Tokenizer) -> bool:
 
 def check_data(cfg: Config) -> None:
     """Every data and tokenizer check, once, before launch; raises ValueError with one clear line."""
+    d = cfg.data
+    if d.prefetch < 1 or d.encode_batch < 1:
+        raise ValueError(
+            f"data.prefetch={d.prefetch} and data.encode_batch={d.encode_batch} must both be >= 1"
+        )
+    if not (0.0 <= d.val_fraction < 1.0):
+        raise ValueError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     tok = load_tokenizer(cfg.tokenizer)
     check_vocab(tok, cfg.model.vocab_size)
     if cfg.tokenizer.add_bos and tok.bos_id is None:
