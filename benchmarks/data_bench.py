@@ -128,7 +128,9 @@ def main() -> int:
         f"{train_s:.1f}s; seq_len {args.seq_len}, global batch {args.global_batch}; "
         f"{os.cpu_count()} CPU cores\n"
     )
-    print(f"| {'source':<30} | {'ranks':<10} | {'tokenized tok/s (one rank)':>27} | {'delivered tok/s per rank':>25} |")
+    print(
+        f"| {'source':<30} | {'ranks':<10} | {'tokenized tok/s (one rank)':>27} | {'delivered tok/s per rank':>25} |"
+    )
     print(f"|{'-' * 32}|{'-' * 12}|{'-' * 29}|{'-' * 27}|")
     for name, what, a, b in rows:
         fa = f"{a:,.0f}" if a == a else "-"
