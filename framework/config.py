@@ -8,6 +8,7 @@ entry point: ``to_config`` converts it once, and library code takes the narrowes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
@@ -109,7 +110,16 @@ class TokenizerKind(Enum):
 
 
 class DataSource(Enum):
+    """``stdlib``: the standard library's source, byte-level (default); ``text`` / ``jsonl`` /
+    ``parquet``: documents from files, tokenized on the fly and packed with EOS; ``hf``: a
+    ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework.data
+    prepare``; ``synthetic``: random tokens (benchmarks)."""
+
     stdlib = "stdlib"
+    text = "text"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    hf = "hf"
     tokens = "tokens"
     synthetic = "synthetic"
 
@@ -204,16 +214,62 @@ class TokenizerConfig:
     kind: TokenizerKind = TokenizerKind.bytes
     # hf: a tokenizer.json or a folder holding one; sentencepiece: a tokenizer.model file.
     path: Optional[str] = None
+    # The BOS / EOS tokens by name (e.g. "<|end_of_text|>"); None = the tokenizer's own (its
+    # tokenizer_config.json, the SentencePiece model's ids, or a well-known name). bytes has neither.
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+    # Put BOS before every document (EOS always follows every document when the tokenizer has one).
+    add_bos: bool = False
+
+
+@dataclass
+class MixEntry:
+    """One source of a ``data.mix``: the same keys as ``data`` for that source, plus its weight."""
+
+    source: DataSource = DataSource.jsonl
+    path: Optional[str] = None
+    field: str = "text"
+    column: str = "text"
+    name: Optional[str] = None
+    split: str = "train"
+    streaming: bool = False
+    # Relative share of the samples (normalised over the mix; > 0).
+    weight: float = 1.0
 
 
 @dataclass
 class DataConfig:
+    """Where training tokens come from (framework.data). Pick a source with ``data=NAME``."""
+
+    # The source kind; data=NAME sets it (data.source=NAME, the spelling before the group, still works).
     source: DataSource = DataSource.stdlib
-    # tokens: path to a token file (.bin, uint16 or uint32) written by ``python -m framework.data prepare``.
+    # text/jsonl/parquet/tokens: a file, a folder (its files with the source's suffixes) or a glob;
+    # hf: a dataset folder, a data file, or a hub name. tokens: a .bin from `framework.data prepare`.
     path: Optional[str] = None
+    # A separate validation set (same kind as path); None = hold out val_fraction of the data.
     val_path: Optional[str] = None
-    # Fraction of the corpus held out for validation (stdlib and tokens without val_path).
+    # Fraction held out for validation: the last files (stdlib), the last tokens (tokens), every
+    # 1/val_fraction-th record (text, jsonl, parquet, hf).
     val_fraction: float = 0.05
+    # jsonl: the key of each line's document text.
+    field: str = "text"
+    # parquet and hf: the column of the document text.
+    column: str = "text"
+    # hf: the dataset's configuration name (load_dataset's `name`) and split.
+    name: Optional[str] = None
+    split: str = "train"
+    # hf: stream records (datasets' IterableDataset) instead of building the Arrow cache: for
+    # corpora larger than disk or RAM. Resume skips records without tokenizing them.
+    streaming: bool = False
+    # Attention stops at document boundaries (EOS): SDPA with a block-diagonal causal mask.
+    document_mask: bool = False
+    # Several sources with weights; when set, it replaces source/path. The source of each sample is a
+    # deterministic function of (train.seed, sample index).
+    mix: list[MixEntry] = dataclasses.field(default_factory=list)
+    # Global batches tokenized ahead in a background thread (text/jsonl/parquet/hf and mixes).
+    prefetch: int = 4
+    # Documents encoded per tokenizer call (hf/sentencepiece encode a batch on their own threads).
+    encode_batch: int = 256
 
 
 @dataclass
@@ -540,6 +596,7 @@ def to_yaml(cfg: Config) -> str:
 GROUPS = (
     "recipe",
     "tokenizer",
+    "data",
     "mesh",
     "mesh/hardware",
     "sharding",

@@ -31,6 +31,7 @@ END = "<!-- config-reference:end -->"
 GROUP_DESCRIPTIONS: dict[str, str] = {
     "recipe": "model shape, data, optimizer, schedule (recipes/ and FRAMEWORK_RECIPE_PATH roots)",
     "tokenizer": "text -> token ids: bytes (default, vocab 256), hf (tokenizer.json), sentencepiece",
+    "data": "training data: stdlib (default), text, jsonl, parquet, hf, tokens, synthetic; data.mix",
     "mesh": "nodes x processes per node (1, 4, 2x4, ...); mesh.shape=[..] for any other",
     "mesh/hardware": "device memory, peak TFLOP/s and link speeds used by the planner",
     "sharding": "parallel layout: ddp, fsdp, hsdp, tp, fsdp_tp; mixed precision; activation checkpointing",

@@ -103,6 +103,9 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     cfg = init_from.resolve(to_config(dcfg), overrides or [])
     validate_mesh(cfg.mesh)
     check_rules(cfg)
+    from framework.data import check_data
+
+    check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
     device = resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 for the head count: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -106,7 +106,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
         # tensor parallelism divides both head counts by the same degree.
-        if self.backend is None:
+        if mask is not None:  # data.document_mask: causal within each document (document_mask())
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
+        elif self.backend is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         else:
             with sdpa_kernel(self.backend):
@@ -134,15 +136,33 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
+        if mask is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def document_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Boolean attention mask (batch, 1, seq, seq): causal, and only within a document.
+
+    Documents are packed back to back with EOS after each (framework.data.stream); an EOS belongs to
+    the document it ends, so the token after it starts a new one. Built from the tokens themselves,
+    so it needs no extra input and is sharded, traced and compiled like them.
+    """
+    is_eos = (tokens == eos_id).to(torch.int32)
+    doc = torch.cumsum(is_eos, dim=1) - is_eos
+    s = tokens.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 class Llama(nn.Module):
     """Decoder-only transformer. ``forward(tokens) -> logits`` (batch, seq, vocab)."""
 
-    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> None:
         super().__init__()
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
@@ -152,6 +172,8 @@ class Llama(nn.Module):
             )
         self.cfg = cfg
         self.max_seq_len = max_seq_len
+        # data.document_mask: the EOS id whose positions end documents (None = plain causal attention).
+        self.document_eos = document_eos
         # The residual stream's dtype: ``materialize`` sets the loop's compute dtype (bf16 on CUDA)
         # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
         # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
@@ -181,8 +203,13 @@ class Llama(nn.Module):
             # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
             # promotes): twice the traffic of every norm, add and saved block input.
             h = h.to(self.stream_dtype)
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if self.document_eos is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            mask = document_mask(tokens, self.document_eos)
+            for layer in self.layers.values():
+                h = layer(h, self.rope, mask=mask)
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)
@@ -255,10 +282,10 @@ def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full.to(device=p.device, dtype=p.dtype))
 
 
-def build_model(cfg: ModelConfig, max_seq_len: int) -> Llama:
+def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> Llama:
     """Build on the meta device: no memory is taken until ``to_empty`` + ``init_weights``."""
     with torch.device("meta"):
-        return Llama(cfg, max_seq_len)
+        return Llama(cfg, max_seq_len, document_eos)
 
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import Config, ExecutorMode
+from framework.config import Config, ExecutorMode, MixEntry
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -105,6 +105,17 @@ def optional_path(what: str = "") -> Rule:
     """None (unset) or a non-empty path; ``what`` names the check that looks at the file itself."""
     text = "unset (null) or a non-empty path" + (f"; {what}" if what else "")
     return Rule(text, lambda v, _c: v is None or (isinstance(v, str) and v.strip() != ""), ("",))
+
+
+def optional_name(what: str) -> Rule:
+    return Rule(what, lambda v, _c: v is None or (isinstance(v, str) and v.strip() != ""), ("",))
+
+
+def _mix_ok(entries: Any) -> bool:
+    weights = [e.weight for e in entries]
+    if not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights):
+        return False
+    return not weights or sum(weights) > 0
 
 
 def names_list(what: str) -> Rule:
@@ -226,10 +237,27 @@ RULES: dict[str, Rule] = {
     "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.tokenizer reads the file"),
+    "tokenizer.bos_token": optional_name("unset (null: the tokenizer's own) or a token of its vocabulary"),
+    "tokenizer.eos_token": optional_name("unset (null: the tokenizer's own) or a token of its vocabulary"),
+    "tokenizer.add_bos": TYPED,
     "data.source": TYPED,
-    "data.path": optional_path("framework.data checks the token file"),
-    "data.val_path": optional_path("framework.data checks the token file"),
+    "data.path": optional_path("framework.data.pipeline.check_data reads the files"),
+    "data.val_path": optional_path("framework.data.pipeline.check_data reads the files"),
     "data.val_fraction": number(0, 1, lo_open=True, hi_open=True, bad=(0.0, 1.0, 1.5, math.nan)),
+    "data.field": name("a non-empty key of each jsonl line"),
+    "data.column": name("a non-empty column name"),
+    "data.name": optional_name("unset (null) or a dataset configuration name"),
+    "data.split": name("a split name (train, validation, ...)"),
+    "data.streaming": TYPED,
+    "data.document_mask": TYPED,  # needs an EOS and a masking kernel: framework.data.pipeline
+    "data.mix": Rule(
+        "[] (no mix) or entries {source, path, weight, ...} whose weights are finite numbers >= 0 "
+        "summing to > 0",
+        lambda v, _c: _mix_ok(v),
+        ([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
+    ),
+    "data.prefetch": integer(1),
+    "data.encode_batch": integer(1),
     # train
     "train.steps": integer(0, what="0 plans, builds and evaluates without training"),
     "train.global_batch_size": integer(1),

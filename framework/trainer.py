@@ -163,7 +163,9 @@ class Built:
 def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
     """(Re)build the executed model for ``executor`` from a fresh meta model, with a new optimiser and
     scheduler; the fallback ladder calls this again with the next rung."""
-    model = build_model(dataclasses.replace(cfg.model, float8=built.float8), cfg.train.seq_len)
+    model = build_model(
+        dataclasses.replace(cfg.model, float8=built.float8), cfg.train.seq_len, data_mod.document_eos(cfg)
+    )
     built.model = parallelize(
         model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
     )
@@ -222,7 +224,7 @@ def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: 
     plan: Plan = make_plan(cfg)
     mesh = build_mesh(plan, env.device.type)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
-    model = build_model(cfg.model, cfg.train.seq_len)
+    model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
@@ -261,7 +263,7 @@ def start_executor(cfg: Config, built: Built, data: Data, verifier: Verifier, de
             executed_model(cfg, built, executor, device)
             if not verifier.enabled:
                 return
-            rows = data.sampler.rank_slice(data.sampler.consumed_batches)[: cfg.train.micro_batch_size]
+            rows = data.sampler.peek()[: cfg.train.micro_batch_size]
             x, y = rows[:, :-1], rows[:, 1:]
             if verifier.vcfg.numerics:
                 compiled = executor.mode is not ExecutorMode.eager
@@ -313,38 +315,14 @@ def fall_back_to_bf16(cfg: Config, built: Built, device: torch.device) -> Float8
     return left
 
 
-@dataclass
-class Data:
-    sampler: data_mod.BatchSampler
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+Data = data_mod.Pipeline
 
 
 def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
-    corpus = data_mod.load_corpus(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
-    sampler = data_mod.BatchSampler(
-        None if corpus is None else corpus.train,
-        cfg.model.vocab_size,
-        cfg.train.seq_len,
-        cfg.train.global_batch_size,
-        cfg.train.micro_batch_size,
-        dp_rank,
-        dp_size,
-        cfg.train.seed,
-    )
-    val = []
-    if cfg.train.eval_every > 0:
-        val = data_mod.validation_batches(
-            corpus,
-            cfg.model.vocab_size,
-            cfg.train.seq_len,
-            cfg.train.micro_batch_size,
-            cfg.train.eval_batches,
-            dp_rank,
-            dp_size,
-        )
-    if env.is_main and corpus is not None:
-        log.info("data: %s, %d train / %d val tokens", corpus.description, corpus.train.size, corpus.val.size)
-    return Data(sampler, val)
+    data = data_mod.build_data(cfg, dp_rank, dp_size)
+    if env.is_main:
+        log.info("data: %s", data.description)
+    return data
 
 
 def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
@@ -645,7 +623,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 if ckpt is not None and ckpt.latest() is not None:
                     # This step ran on the weights the rollback replaces: undo its batch and count,
                     # so the run goes on exactly as if the rollback had come before it.
-                    data.sampler.consumed_batches -= 1
+                    data.sampler.undo_last()
                     since_build -= 1
                     summary.steps = previous[1]
                     step = rollback(previous[1])

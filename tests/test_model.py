@@ -42,3 +42,25 @@ def test_residual_dtype_under_autocast(compiled: bool) -> None:
     # bf16 rounding of the stream moves the loss a little, not a lot.
     assert seen["autocast"][0] != seen["float32"][0]
     assert abs(seen["autocast"][0] - seen["float32"][0]) < 1e-2
+
+
+def test_document_mask_stops_attention_at_eos() -> None:
+    """With a document mask, the second document's logits do not depend on the first's tokens;
+    without one they do. EOS (id 1) ends a document and belongs to it."""
+    from framework.model import Llama, document_mask
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+    eos = 1
+    a = torch.tensor([[5, 6, 7, eos, 9, 10, 11, 12]])
+    b = torch.tensor([[20, 21, 22, eos, 9, 10, 11, 12]])  # another first document, same second one
+    mask = document_mask(a, eos)
+    assert mask.shape == (1, 1, 8, 8) and bool(mask[0, 0, 3, 0]) and not bool(mask[0, 0, 4, 3])
+    masked, plain = Llama(cfg, 8, document_eos=eos), Llama(cfg, 8)
+    torch.manual_seed(0)
+    for m in (masked, plain):
+        m.init_weights(0)
+    with torch.no_grad():
+        assert torch.allclose(masked(a)[:, 4:], masked(b)[:, 4:], atol=1e-6)
+        assert not torch.allclose(plain(a)[:, 4:], plain(b)[:, 4:], atol=1e-3)
+        # The first document sees what a plain causal model sees.
+        assert torch.allclose(masked(a)[:, :4], plain(a)[:, :4], atol=1e-6)

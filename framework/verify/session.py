@@ -135,9 +135,13 @@ class Verifier:
             dtype = TORCH_DTYPES[self.cfg.sharding.param_dtype]
 
             def make_ref() -> nn.Module:
-                return reference_model(
+                ref = reference_model(
                     self.cfg.model, self.cfg.train.seq_len, self.cfg.train.seed, device, dtype
                 )
+                from framework.data import document_eos
+
+                ref.document_eos = document_eos(self.cfg)  # the same attention mask as the run's model
+                return ref
 
         # The loop runs bf16 autocast on CUDA (framework.loop.autocast): rounding differs more;
         # float8 GEMMs (model.float8, in the reference model too) more still.

@@ -1,23 +1,18 @@
-"""Token sources and a deterministic, rank-sharded, resumable batch sampler.
+"""Random windows over a flat token array: the ``stdlib``, ``tokens`` and ``synthetic`` sources.
 
 Every sample is a function of (seed, global batch index, position in the global batch), never of the
 rank or of how many ranks there are. A data-parallel rank takes its contiguous slice of each global
 batch. So the whole data state is one replicated number, ``consumed_batches``: a checkpoint saved
 with 8 data-parallel ranks resumes on 4 or 1 with no sample skipped or repeated.
 
-Sources (``data.source``):
 - ``stdlib``: the Python standard library's own source files, present on every machine; byte-level
   tokens (vocab 256). The last ``val_fraction`` of the files (by sorted path) is held out.
-- ``tokens``: a memory-mapped token file (``.bin`` + ``.json`` sidecar with dtype and vocab size),
-  written by ``python -m framework.data prepare OUT.bin FILE...``.
+- ``tokens``: a memory-mapped token file (framework.data.tokens) from ``python -m framework.data prepare``.
 - ``synthetic``: uniform random tokens, for benchmarks (no I/O, any vocab).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +21,11 @@ import numpy as np
 import torch
 
 from framework.config import DataConfig, DataSource
+from framework.data.records import SourceSpec, resolve_files
+from framework.data.tokens import open_token_paths
 
 # Cap on the stdlib corpus: ~30 MB of source would take seconds to read for no benefit on a tiny model.
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 @dataclass
@@ -71,60 +67,43 @@ def _read_bytes(files: list[Path], max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Write a token file and its sidecar (``path.with_suffix('.json')``)."""
-    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
-    arr = np.asarray(tokens, dtype=TOKEN_DTYPES[dtype])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arr.tofile(path)
-    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": int(arr.size), "tokenizer": "bytes"}
-    path.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+def token_files(spec: SourceSpec, path: str) -> list[Path]:
+    """A token file, or the .bin files of a folder or glob. A missing path goes to open_tokens as it
+    is, for its message naming `prepare`."""
+    p = Path(path).expanduser()
+    if p.suffix == ".bin" and not any(c in path for c in "*?[") and not p.is_dir():
+        return [p]
+    return resolve_files(spec, path)
 
 
-def open_tokens(path: Path) -> tuple[np.ndarray, int]:
-    """Memory-map a token file; returns (tokens, vocab size). Raises ValueError on a bad file."""
-    if not path.is_file():
-        raise ValueError(
-            f"data.path={str(path)!r} does not exist (write one with `python -m framework.data prepare`)"
-        )
-    meta_path = path.with_suffix(".json")
-    if not meta_path.is_file():
-        raise ValueError(f"token file {str(path)!r} has no sidecar {meta_path.name} (dtype and vocab size)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("dtype") not in TOKEN_DTYPES:
-        raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {sorted(TOKEN_DTYPES)}")
-    tokens = np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r")
-    if tokens.size != meta.get("num_tokens", tokens.size):
-        raise ValueError(
-            f"{path}: holds {tokens.size} tokens, its sidecar says {meta['num_tokens']} (truncated?)"
-        )
-    return tokens, int(meta["vocab_size"])
-
-
-def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int) -> Corpus | None:
-    """Load the configured source; ``None`` for synthetic data (batches are drawn, not read)."""
+def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int, scan: bool = False) -> Corpus | None:
+    """Load the configured source; ``None`` for synthetic data (batches are drawn, not read).
+    ``scan`` checks every token id against the vocab (the launcher does, once, before launch)."""
     if cfg.source is DataSource.synthetic:
         return None
     if cfg.source is DataSource.stdlib:
         corpus = load_stdlib(cfg.val_fraction)
     else:
         if cfg.path is None:
-            raise ValueError("data.source=tokens needs data.path=<token file .bin>")
-        train, vocab = open_tokens(Path(cfg.path))
+            raise ValueError("data.source=tokens needs data.path=<token file .bin, a folder or a glob>")
+        spec = SourceSpec(DataSource.tokens, cfg.path)
+        train, vocab = open_token_paths(token_files(spec, cfg.path), scan=scan)
         if cfg.val_path is not None:
-            val, _ = open_tokens(Path(cfg.val_path))
+            val, _ = open_token_paths(token_files(spec, cfg.val_path), "data.val_path", scan=scan)
         else:
             split = int(train.size * (1 - cfg.val_fraction))
             train, val = train[:split], train[split:]
         corpus = Corpus(train, val, vocab, f"token file {cfg.path}")
     if corpus.vocab_size > vocab_size:
         raise ValueError(
-            f"the data needs vocab_size >= {corpus.vocab_size} but model.vocab_size={vocab_size}"
+            f"the data's vocabulary ({corpus.vocab_size} tokens, {corpus.description}) is larger than "
+            f"model.vocab_size={vocab_size}: set model.vocab_size>={corpus.vocab_size}"
         )
     for name, arr in (("train", corpus.train), ("validation", corpus.val)):
         if arr.size <= seq_len + 1:
             raise ValueError(
-                f"the {name} split has {arr.size} tokens, fewer than train.seq_len+2={seq_len + 2}"
+                f"the {name} split of {corpus.description} has {arr.size} tokens, fewer than one sequence "
+                f"(train.seq_len+2={seq_len + 2}): use more data or a smaller train.seq_len"
             )
     return corpus
 
@@ -190,6 +169,17 @@ class BatchSampler:
         self.consumed_batches += 1
         return [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
 
+    def peek(self) -> torch.Tensor:
+        """This rank's rows of the next batch, without consuming it."""
+        return self.rank_slice(self.consumed_batches)
+
+    def undo_last(self) -> None:
+        """Give the last batch back (a step undone by a rollback): the next call returns it again."""
+        self.consumed_batches -= 1
+
+    def close(self) -> None:
+        """Nothing runs in the background here (the interface of StreamSampler)."""
+
     def state_dict(self) -> dict[str, int]:
         return {"consumed_batches": self.consumed_batches, "seed": self.seed}
 
@@ -226,33 +216,3 @@ def validation_batches(
     for _ in range(num_batches):
         out.extend(sampler.next_batch())
     return out
-
-
-def prepare(out: Path, inputs: list[Path]) -> int:
-    """Byte-level tokenize text files into one token file. Returns the number of tokens."""
-    missing = [str(p) for p in inputs if not p.is_file()]
-    if missing:
-        raise ValueError(f"input files not found: {missing}")
-    data = b"".join(p.read_bytes() for p in inputs)
-    write_tokens(out, np.frombuffer(data, dtype=np.uint8), vocab_size=256)
-    return len(data)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.data", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="byte-level tokenize text files into OUT.bin (+ OUT.json)")
-    p.add_argument("out", type=Path)
-    p.add_argument("inputs", type=Path, nargs="+")
-    args = parser.parse_args(argv)
-    try:
-        n = prepare(args.out, args.inputs)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {n} tokens to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from framework.data.cli import main
+
+sys.exit(main())

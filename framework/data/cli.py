@@ -1,0 +1,66 @@
+"""``python -m framework.data``: ``prepare`` (text -> token file) and ``tokenizer train`` (a BPE)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from framework.config import DataSource, TokenizerConfig, TokenizerKind
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser(
+        "prepare", help="tokenize text / jsonl / parquet files into OUT.bin (+ OUT.json sidecar)"
+    )
+    p.add_argument("out", type=Path)
+    p.add_argument("inputs", nargs="+", help="files, folders or globs (.txt/.md: one document per file)")
+    p.add_argument("--tokenizer", default="bytes", choices=[k.value for k in TokenizerKind])
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer.json / tokenizer.model, or a folder")
+    p.add_argument("--source", default=None, choices=["text", "jsonl", "parquet"], help="default: by suffix")
+    p.add_argument("--field", default="text", help="jsonl: the key of the document text")
+    p.add_argument("--column", default="text", help="parquet: the column of the document text")
+    p.add_argument("--workers", type=int, default=0, help="encoding processes (0 = one per core, at most 8)")
+    p.add_argument("--add-bos", action="store_true", help="put BOS before every document")
+    t = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = t.add_subparsers(dest="tcmd", required=True)
+    tr = tsub.add_parser("train", help="train a byte-level BPE (tokenizers) on files; writes OUT.json")
+    tr.add_argument("out", type=Path)
+    tr.add_argument("inputs", nargs="+", help="files, folders or globs (.txt/.md, .jsonl, .parquet)")
+    tr.add_argument("--vocab-size", type=int, required=True)
+    tr.add_argument("--field", default="text")
+    tr.add_argument("--column", default="text")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "prepare":
+            return _prepare(args)
+        return _train(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from framework.data.prepare import prepare
+
+    tok = TokenizerConfig(kind=TokenizerKind(args.tokenizer), path=args.tokenizer_path)
+    source = DataSource(args.source) if args.source else None
+    n = prepare(args.out, args.inputs, tok, source, args.field, args.column, args.workers, args.add_bos)
+    print(f"wrote {n} tokens to {args.out} (sidecar {args.out.with_suffix('.json')})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from framework.data.prepare import input_files, records_of
+    from framework.tokenizer import train_bpe
+
+    files = input_files(args.inputs, None)
+    texts = (text for text, _, _ in records_of(files, args.field, args.column))
+    tok = train_bpe(args.out, texts, args.vocab_size)
+    print(
+        f"wrote {args.out}: a byte-level BPE of {tok.vocab_size} tokens (BOS {tok.bos_token}, EOS {tok.eos_token}); "
+        f"use it with tokenizer=hf tokenizer.path={args.out}"
+    )
+    return 0

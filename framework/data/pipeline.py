@@ -1,0 +1,282 @@
+"""From the typed config to a sampler: which sources, which tokenizer, and every check before launch.
+
+``check_data`` runs in the launcher (framework.entry) before any rank starts and before the run dir
+is written: the tokenizer parses and fits ``model.vocab_size``, every file exists and reads (UTF-8,
+JSON lines with the field, parquet with the column), token files match their sidecar, the vocab and
+this run's tokenizer, mixture weights are valid, and ``data.document_mask`` can work. ``build_data``
+runs on every rank and builds the sampler the checks vouched for.
+
+The embedded default (``stdlib`` with ``tokenizer=bytes``), ``tokens`` and ``synthetic`` keep the
+random-window ``BatchSampler`` (framework.data.sampler), so their batches are those of before;
+document sources and mixtures go through the packing ``StreamSampler`` (framework.data.stream).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from framework.config import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.data.records import Records, SourceSpec, check_source
+from framework.data.sampler import BatchSampler, load_corpus, stdlib_files, token_files, validation_batches
+from framework.data.stream import (
+    PackedWindows,
+    RandomWindows,
+    StreamSampler,
+    WindowSource,
+    fixed_windows,
+    holdout,
+)
+from framework.data.tokens import tokenizer_digest
+from framework.tokenizer import Tokenizer, check_vocab, load_tokenizer
+
+VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
+DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)
+
+
+@dataclass
+class Pipeline:
+    sampler: BatchSampler | StreamSampler
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    description: str
+
+
+def entries(data: DataConfig) -> list[tuple[SourceSpec, float]]:
+    """The sources of a run with their weights: ``data`` itself, or each ``data.mix`` entry."""
+    if not data.mix:
+        spec = SourceSpec(
+            data.source, data.path, data.field, data.column, data.name, data.split, data.streaming
+        )
+        return [(spec, 1.0)]
+    return [
+        (
+            SourceSpec(
+                e.source, e.path, e.field, e.column, e.name, e.split, e.streaming, key=f"data.mix[{i}]"
+            ),
+            e.weight,
+        )
+        for i, e in enumerate(data.mix)
+    ]
+
+
+def check_mix(data: DataConfig) -> None:
+    if not data.mix:
+        return
+    for i, e in enumerate(data.mix):
+        if not math.isfinite(e.weight) or e.weight < 0:
+            raise ValueError(f"data.mix[{i}].weight={e.weight}: a weight must be a finite number >= 0")
+    total = sum(e.weight for e in data.mix)
+    if total <= 0:
+        raise ValueError(
+            f"data.mix weights sum to {total} ({[e.weight for e in data.mix]}): at least one weight must be > 0"
+        )
+    if data.path is not None or data.val_path is not None:
+        raise ValueError(
+            "data.mix replaces data.path / data.val_path: set each source's path inside data.mix"
+        )
+
+
+def val_every(fraction: float) -> int:
+    """Hold out every N-th record for validation (N from data.val_fraction; 0 = none)."""
+    if fraction <= 0:
+        return 0
+    return max(2, round(1 / fraction))
+
+
+def uses_batch_sampler(cfg: Config, tok: Tokenizer) -> bool:
+    """Sources read as one flat token array by random windows (the behaviour before packing)."""
+    source = cfg.data.source
+    return not cfg.data.mix and (
+        source in (DataSource.tokens, DataSource.synthetic)
+        or (source is DataSource.stdlib and tok.kind is TokenizerKind.bytes)
+    )
+
+
+def check_data(cfg: Config) -> None:
+    """Every data and tokenizer check, once, before launch; raises ValueError with one clear line."""
+    d = cfg.data
+    if d.prefetch < 1 or d.encode_batch < 1:
+        raise ValueError(
+            f"data.prefetch={d.prefetch} and data.encode_batch={d.encode_batch} must both be >= 1"
+        )
+    if not (0.0 <= d.val_fraction < 1.0):
+        raise ValueError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    tok = load_tokenizer(cfg.tokenizer)
+    check_vocab(tok, cfg.model.vocab_size)
+    if cfg.tokenizer.add_bos and tok.bos_id is None:
+        raise ValueError(
+            f"tokenizer.add_bos=true, but tokenizer={tok.kind.value} has no BOS token: set tokenizer.bos_token"
+        )
+    check_mix(cfg.data)
+    for spec, _ in entries(cfg.data):
+        _check_entry(spec, tok, cfg)
+    check_document_mask(cfg, tok)
+
+
+def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
+    data, seq_len = cfg.data, cfg.train.seq_len
+    val_path = None if data.mix else data.val_path
+    if spec.source is DataSource.synthetic:
+        return
+    if spec.source is DataSource.tokens or (
+        spec.source is DataSource.stdlib and tok.kind is TokenizerKind.bytes
+    ):
+        one = DataConfig(
+            source=spec.source, path=spec.path, val_path=val_path, val_fraction=data.val_fraction
+        )
+        load_corpus(one, cfg.model.vocab_size, seq_len, scan=True)
+        if spec.source is DataSource.tokens:
+            assert spec.path is not None  # load_corpus refused a missing one
+            paths = token_files(spec, spec.path) + (token_files(spec, val_path) if val_path else [])
+            for f in paths:
+                check_token_digest(f, tok)
+        return
+    if spec.source is DataSource.stdlib:
+        return  # the standard library's files, tokenized as text by this tokenizer
+    n = check_source(spec)
+    if val_path is not None:
+        check_source(spec, val_path)
+    elif cfg.train.eval_every > 0:
+        every = val_every(data.val_fraction)
+        if every == 0:
+            raise ValueError(
+                f"train.eval_every={cfg.train.eval_every} needs validation data: set data.val_path, "
+                "data.val_fraction>0, or train.eval_every=0"
+            )
+        if n is not None and n < every:
+            raise ValueError(
+                f"{spec.key}.path={spec.path!r} has {n} records: too few to hold out every {every}-th "
+                f"for validation (data.val_fraction={data.val_fraction}); set data.val_path, a larger "
+                "data.val_fraction, or train.eval_every=0"
+            )
+
+
+def check_token_digest(path: Path, tok: Tokenizer) -> None:
+    made_with = tokenizer_digest(path)
+    if made_with is None:
+        raise ValueError(
+            f"{path}: its sidecar does not record the tokenizer that wrote it; re-run "
+            "`python -m framework.data prepare` with this run's tokenizer"
+        )
+    if made_with != tok.digest():
+        raise ValueError(
+            f"{path} was made with another tokenizer (digest {made_with[:16]}) than this run's "
+            f"tokenizer={tok.kind.value} (digest {tok.digest()[:16]}): use the tokenizer that prepared it, "
+            "or prepare the data again with this one"
+        )
+
+
+def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
+    if not cfg.data.document_mask:
+        return
+    if tok.eos_id is None:
+        raise ValueError(
+            f"data.document_mask=true needs an EOS token between documents; tokenizer={tok.kind.value} has "
+            "none: use tokenizer=hf|sentencepiece (or set tokenizer.eos_token)"
+        )
+    if not cfg.data.mix and cfg.data.source is DataSource.synthetic:
+        raise ValueError("data.document_mask=true with data=synthetic: random tokens have no documents")
+    if cfg.model.attention is AttentionBackend.flash:
+        raise ValueError(
+            "data.document_mask=true with model.attention=flash: the flash kernel takes no attention mask; "
+            "use model.attention=auto, efficient, cudnn or math"
+        )
+
+
+def document_eos(cfg: Config) -> int | None:
+    """The EOS id the model's document mask splits on (None when data.document_mask is off)."""
+    return load_tokenizer(cfg.tokenizer).eos_id if cfg.data.document_mask else None
+
+
+def _sources(
+    spec: SourceSpec, index: int, tok: Tokenizer, cfg: Config
+) -> tuple[WindowSource, WindowSource, str]:
+    """(train source, validation source, description) for one entry."""
+    data, window, seed = cfg.data, cfg.train.seq_len + 1, cfg.train.seed
+    val_path = None if data.mix else data.val_path
+    if spec.source in (DataSource.synthetic, DataSource.tokens) or (
+        spec.source is DataSource.stdlib and tok.kind is TokenizerKind.bytes
+    ):
+        one = DataConfig(
+            source=spec.source, path=spec.path, val_path=val_path, val_fraction=data.val_fraction
+        )
+        corpus = load_corpus(one, cfg.model.vocab_size, cfg.train.seq_len)
+        train = None if corpus is None else corpus.train
+        val = None if corpus is None else corpus.val
+        desc = "synthetic tokens" if corpus is None else corpus.description
+        return (
+            RandomWindows(train, cfg.model.vocab_size, window, seed, index),
+            RandomWindows(val, cfg.model.vocab_size, window, VAL_SEED, index),
+            desc,
+        )
+    if spec.source is DataSource.stdlib:
+        records = Records(SourceSpec(DataSource.text, None, key=spec.key), files=stdlib_files())
+    else:
+        records = Records(spec)
+    every = 0 if val_path is not None else val_every(data.val_fraction)
+    val_records = Records(spec, val_path) if val_path is not None else records
+    add_bos, batch, label = cfg.tokenizer.add_bos, data.encode_batch, f"{spec.key}.path={spec.path!r}"
+    train = PackedWindows(records, tok, window, holdout(every, False), add_bos, batch, label)
+    val = PackedWindows(
+        val_records, tok, window, holdout(every, True) if every else holdout(0, False), add_bos, batch, label
+    )
+    what = "stdlib source as text" if spec.source is DataSource.stdlib else f"{spec.source.value} {spec.path}"
+    return train, val, f"{what} ({tok.kind.value} tokens, packed with EOS)"
+
+
+def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
+    """The sampler and this rank's fixed validation batches (checked before launch by check_data)."""
+    tok = load_tokenizer(cfg.tokenizer)
+    t = cfg.train
+    if uses_batch_sampler(cfg, tok):
+        corpus = load_corpus(cfg.data, cfg.model.vocab_size, t.seq_len)
+        tokens = None if corpus is None else corpus.train
+        sampler = BatchSampler(
+            tokens,
+            cfg.model.vocab_size,
+            t.seq_len,
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            t.seed,
+        )
+        val = []
+        if t.eval_every > 0:
+            val = validation_batches(
+                corpus, cfg.model.vocab_size, t.seq_len, t.micro_batch_size, t.eval_batches, dp_rank, dp_size
+            )
+        if corpus is None:
+            return Pipeline(sampler, val, "synthetic tokens")
+        desc = f"{corpus.description}, {corpus.train.size} train / {corpus.val.size} val tokens"
+        return Pipeline(sampler, val, desc)
+    built = [_sources(spec, i, tok, cfg) for i, (spec, _) in enumerate(entries(cfg.data))]
+    weights = [w for _, w in entries(cfg.data)]
+    sampler = StreamSampler(
+        [b[0] for b in built],
+        weights,
+        t.seq_len,
+        t.global_batch_size,
+        t.micro_batch_size,
+        dp_rank,
+        dp_size,
+        t.seed,
+        cfg.data.prefetch,
+    )
+    val = []
+    if t.eval_every > 0:
+        per_batch = t.micro_batch_size * dp_size
+        rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
+        for b in range(t.eval_batches):
+            mine = rows[b * per_batch + dp_rank * t.micro_batch_size :][: t.micro_batch_size]
+            m = torch.from_numpy(np.ascontiguousarray(mine))
+            val.append((m[:, :-1], m[:, 1:]))
+    if len(built) == 1:
+        desc = built[0][2]
+    else:
+        desc = "mix of " + ", ".join(f"{w:g} x {b[2]}" for b, w in zip(built, weights, strict=True))
+    return Pipeline(sampler, val, desc)

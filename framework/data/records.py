@@ -1,0 +1,273 @@
+"""Documents from files and datasets, as one ordered stream of text records.
+
+A record is ``(text, starts_document, ends_document)``: a jsonl line, a parquet row and a dataset example are one
+record each, a text file is read in pieces of about ``PIECE_BYTES`` cut at line ends (so a 10 GB file
+streams) and only its last piece ends the document. Records are numbered in a fixed order (files
+sorted, then their records), so "record i" means the same text on every rank and in every run: the
+packer's resumable cursor is a record number (framework.data.stream).
+
+``check_source`` runs before launch and turns every bad input into a ``ValueError`` naming the file
+(and line) and what is valid.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from framework.config import DataSource
+from framework.tokenizer import needs
+
+Record = tuple[str, bool, bool]  # (text, starts a document, ends a document)
+PIECE_BYTES = 16 * 1024
+# Up to this many bytes of input, check_source reads every record before launch (UTF-8, JSON, the
+# field); beyond it, the first CHECK_HEAD_BYTES of each file, and a bad record later stops the run
+# with the same message.
+CHECK_ALL_BYTES = 64 * 1024 * 1024
+CHECK_HEAD_BYTES = 1024 * 1024
+SUFFIXES = {
+    DataSource.text: (".txt", ".md", ".text"),
+    DataSource.jsonl: (".jsonl", ".json"),
+    DataSource.parquet: (".parquet",),
+    DataSource.tokens: (".bin",),
+}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What one stream reads: the typed fields of ``data`` (or of one ``data.mix`` entry) it needs."""
+
+    source: DataSource
+    path: str | None
+    field: str = "text"
+    column: str = "text"
+    name: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    key: str = "data"  # the config key that names it, for messages ("data" or "data.mix[1]")
+
+
+def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
+    """``data.path`` as a file, a folder (its files with the source's suffixes) or a glob."""
+    path = spec.path if path is None else path
+    suffixes = SUFFIXES[spec.source]
+    if not path:
+        raise ValueError(
+            f"{spec.key}.source={spec.source.value} needs {spec.key}.path=<file, folder or glob>"
+        )
+    p = Path(path).expanduser()
+    if any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        if not files:
+            raise ValueError(f"{spec.key}.path={path!r}: the glob matches no files")
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        if not files:
+            raise ValueError(f"{spec.key}.path={path!r} is a folder with no {'/'.join(suffixes)} files")
+    elif p.is_file():
+        files = [p]
+    else:
+        raise ValueError(f"{spec.key}.path={path!r} does not exist (valid: a file, a folder or a glob)")
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"{spec.key}.path: {str(f)!r} is an empty file")
+    return files
+
+
+def _text_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Record]:
+    with path.open("rb") as f:
+        offset = 0
+        pending = f.read(piece_bytes)
+        while pending:
+            chunk = pending + f.readline()  # cut at a line end: no word or UTF-8 sequence is split
+            pending = f.read(piece_bytes)
+            try:
+                text = chunk.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}: not UTF-8 text (byte {offset + e.start}: {chunk[e.start : e.start + 4]!r})"
+                ) from e
+            yield text, offset == 0, not pending
+            offset += len(chunk)
+
+
+def _jsonl_records(path: Path, field: str, key: str) -> Iterator[Record]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from e
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from e
+            if not isinstance(row, dict) or field not in row:
+                keys = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{path}:{lineno}: no field {field!r} (it has {keys}); set {key}.field")
+            text = row[field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{lineno}: {key}.field={field!r} is a {type(text).__name__}, not text"
+                )
+            yield text, True, True
+
+
+def _parquet_file(path: Path, column: str, key: str) -> Any:
+    pq = needs("pyarrow.parquet", "data=parquet")
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError for a corrupt file
+        raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:160]})") from e
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise ValueError(f"{path}: no column {column!r} (columns: {names[:10]}); set {key}.column")
+    return pf
+
+
+def _parquet_records(path: Path, column: str, key: str, skip: int = 0) -> Iterator[Record]:
+    pf = _parquet_file(path, column, key)
+    groups = []
+    for g in range(pf.num_row_groups):  # skip whole row groups from the metadata: no reading
+        rows = pf.metadata.row_group(g).num_rows
+        if skip >= rows:
+            skip -= rows
+            continue
+        groups.append(g)
+    if not groups:
+        return
+    try:
+        for batch in pf.iter_batches(columns=[column], row_groups=groups, batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if skip:
+                    skip -= 1
+                    continue
+                if text is None:
+                    text = ""
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}: {key}.column={column!r} holds {type(text).__name__}, not text")
+                yield text, True, True
+    except OSError as e:  # a corrupt page past the footer
+        raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:160]})") from e
+
+
+def file_records(spec: SourceSpec, files: list[Path], skip: int = 0) -> Iterator[Record]:
+    """Every record of ``files`` in order, after the first ``skip`` (skipped ones are read, never
+    tokenized; parquet skips whole row groups from its metadata)."""
+    for f in files:
+        if spec.source is DataSource.parquet:
+            if skip:
+                n = _parquet_file(f, spec.column, spec.key).metadata.num_rows
+                if skip >= n:
+                    skip -= n
+                    continue
+            it = _parquet_records(f, spec.column, spec.key, skip)
+            skip = 0
+        elif spec.source is DataSource.jsonl:
+            it = _jsonl_records(f, spec.field, spec.key)
+        else:
+            it = _text_pieces(f)
+        for rec in it:
+            if skip:
+                skip -= 1
+                continue
+            yield rec
+
+
+def load_hf(spec: SourceSpec, path: str | None = None) -> Any:
+    """``datasets.load_dataset`` for ``data=hf``: a data file by its suffix, a folder, or a name
+    (the local cache, or the hub where the machine can reach it)."""
+    datasets = needs("datasets", "data=hf")
+    path = spec.path if path is None else path
+    if not path:
+        raise ValueError(
+            f"{spec.key}.source=hf needs {spec.key}.path=<dataset folder, data file or hub name>"
+        )
+    p = Path(path).expanduser()
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+    try:
+        if p.is_file():
+            if p.suffix not in builders:
+                raise ValueError(f"{spec.key}.path={path!r}: valid data files end in {sorted(builders)}")
+            ds = datasets.load_dataset(
+                builders[p.suffix], data_files=str(p), split=spec.split, streaming=spec.streaming
+            )
+        else:
+            ds = datasets.load_dataset(path, spec.name, split=spec.split, streaming=spec.streaming)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"{spec.key}.path={path!r}: datasets.load_dataset failed: {first}") from e
+    names = ds.column_names
+    if names is None:  # some streaming datasets only know their columns once read
+        first_row = next(iter(ds), None)
+        names = list(first_row) if first_row else []
+    if spec.column not in names:
+        raise ValueError(
+            f"{spec.key}.path={path!r}: no column {spec.column!r} (columns: {names[:10]}); set {spec.key}.column"
+        )
+    return ds
+
+
+def hf_records(spec: SourceSpec, ds: Any, skip: int = 0) -> Iterator[Record]:
+    if spec.streaming:
+        rows = iter(ds.skip(skip)) if skip else iter(ds)
+        for row in rows:
+            text = row[spec.column]
+            yield ("" if text is None else str(text)), True, True
+        return
+    column = ds.select_columns([spec.column])
+    for start in range(skip, len(column), 1024):
+        for text in column[start : start + 1024][spec.column]:
+            yield ("" if text is None else str(text)), True, True
+
+
+class Records:
+    """The ordered records of one source: ``iterate(skip)`` yields them from record ``skip`` on."""
+
+    def __init__(self, spec: SourceSpec, path: str | None = None, files: list[Path] | None = None) -> None:
+        self.spec = spec
+        self.ds: Any = None
+        if files is not None:  # the stdlib's files, read as text by a real tokenizer
+            self.files = files
+        elif spec.source is DataSource.hf:
+            self.files = []
+            self.ds = load_hf(spec, path)
+        else:
+            self.files = resolve_files(spec, path)
+
+    def iterate(self, skip: int = 0) -> Iterator[Record]:
+        if self.ds is not None:
+            return hf_records(self.spec, self.ds, skip)
+        return file_records(self.spec, self.files, skip)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def check_source(spec: SourceSpec, path: str | None = None) -> int | None:
+    """Open the source and read its records (all of them up to CHECK_ALL_BYTES of input, else the
+    head of each file); returns the number of records when all were read, else None. Raises
+    ValueError naming the file, line or column."""
+    records = Records(spec, path)
+    if records.ds is not None:
+        if spec.streaming:
+            next(iter(records.iterate()), None)  # the first record opens the stream
+            return None
+        return len(records.ds)
+    if records.total_bytes <= CHECK_ALL_BYTES:
+        return sum(1 for _ in records.iterate())
+    for f in records.files:
+        read = 0
+        for text, _, _ in file_records(spec, [f]):
+            read += len(text)
+            if read >= CHECK_HEAD_BYTES:
+                break
+    return None

@@ -1,0 +1,331 @@
+"""Every bad data or tokenizer input is refused before launch with one line naming the value
+(framework.data.pipeline.check_data), and through train.py: exit 2, nothing written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from framework.config import (
+    AttentionBackend,
+    Config,
+    DataConfig,
+    DataSource,
+    MixEntry,
+    ModelConfig,
+    TokenizerConfig,
+    TokenizerKind,
+    TrainConfig,
+)
+from framework.data import check_data
+from framework.data.tokens import write_tokens
+from tests.corpus import ROOT, Corpus, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def cfg(
+    data: DataConfig, tokenizer: TokenizerConfig | None = None, vocab: int = 512, seq_len: int = 32
+) -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=vocab),
+        tokenizer=tokenizer or TokenizerConfig(),
+        data=data,
+        train=TrainConfig(seq_len=seq_len, global_batch_size=4, micro_batch_size=2),
+    )
+
+
+def bpe(corpus: Corpus) -> TokenizerConfig:
+    return TokenizerConfig(kind=TokenizerKind.hf, path=str(corpus.bpe))
+
+
+def refused(config: Config, *fragments: str) -> str:
+    with pytest.raises(ValueError) as e:
+        check_data(config)
+    message = str(e.value)
+    assert "\n" not in message, message
+    for f in fragments:
+        assert f in message, message
+    return message
+
+
+def test_shipped_sources_pass(corpus: Corpus) -> None:
+    for data in (
+        DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)),
+        DataConfig(source=DataSource.text, path=str(corpus.text_dir / "*.txt")),
+        DataConfig(source=DataSource.parquet, path=str(corpus.root)),
+        DataConfig(source=DataSource.hf, path=str(corpus.parquet)),
+    ):
+        check_data(cfg(data, bpe(corpus)))
+    check_data(cfg(DataConfig(), vocab=256))  # the embedded default
+
+
+def test_missing_empty_and_non_utf8_files(corpus: Corpus, tmp_path: Path) -> None:
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(tmp_path / "nope.jsonl")), bpe(corpus)),
+        "nope.jsonl",
+        "does not exist",
+    )
+    (tmp_path / "empty.jsonl").write_text("")
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(tmp_path / "empty.jsonl")), bpe(corpus)),
+        "empty.jsonl",
+        "empty file",
+    )
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)
+    refused(
+        cfg(DataConfig(source=DataSource.text, path=str(tmp_path / "latin1.txt")), bpe(corpus)),
+        "latin1.txt",
+        "not UTF-8",
+        "byte 3",
+    )
+    refused(
+        cfg(DataConfig(source=DataSource.text, path=str(tmp_path / "*.md")), bpe(corpus)), "matches no files"
+    )
+    refused(
+        cfg(DataConfig(source=DataSource.parquet, path=str(corpus.text_dir)), bpe(corpus)),
+        "no .parquet files",
+    )
+    refused(cfg(DataConfig(source=DataSource.jsonl), bpe(corpus)), "data.source=jsonl needs data.path")
+
+
+def test_jsonl_line_without_the_field(corpus: Corpus, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a fine document"}\n{"body": "no text key"}\n')
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)),
+        f"{bad}:2",
+        "no field 'text'",
+        "['body']",
+        "data.field",
+    )
+    bad.write_text('{"text": "ok"}\n{"text": "unterminated\n')
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), f"{bad}:2", "not a JSON object"
+    )
+    bad.write_text('{"text": 42}\n')
+    refused(cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "is a int, not text")
+
+
+def test_corrupt_parquet_and_missing_column(corpus: Corpus, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(corpus.parquet.read_bytes()[:200])
+    refused(
+        cfg(DataConfig(source=DataSource.parquet, path=str(bad)), bpe(corpus)),
+        "bad.parquet",
+        "not a readable parquet file",
+    )
+    refused(
+        cfg(DataConfig(source=DataSource.parquet, path=str(corpus.parquet), column="body"), bpe(corpus)),
+        "no column 'body'", "['text', 'id']", "data.column",
+    )  # fmt: skip
+
+
+def test_hf_dataset_that_does_not_load_or_lacks_the_column(corpus: Corpus, tmp_path: Path) -> None:
+    refused(
+        cfg(DataConfig(source=DataSource.hf, path=str(tmp_path / "no_such_dataset")), bpe(corpus)),
+        "datasets.load_dataset failed",
+    )
+    refused(
+        cfg(DataConfig(source=DataSource.hf, path=str(corpus.jsonl), column="body"), bpe(corpus)),
+        "no column 'body'",
+    )
+
+
+def test_tokenizer_that_does_not_parse_and_vocab_larger_than_the_model(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    tok = TokenizerConfig(kind=TokenizerKind.hf, path=str(tmp_path))
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), tok),
+        "tokenizer.json",
+        "is not a valid tokenizer.json",
+    )
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), bpe(corpus), vocab=256),
+        "512 tokens",
+        "model.vocab_size=256",
+    )
+
+
+def test_mixture_weights_that_sum_to_zero_or_are_negative(corpus: Corpus) -> None:
+    def mix(*weights: float) -> DataConfig:
+        return DataConfig(
+            mix=[MixEntry(source=DataSource.jsonl, path=str(corpus.jsonl), weight=w) for w in weights]
+        )
+
+    refused(cfg(mix(0.0, 0.0), bpe(corpus)), "data.mix weights sum to 0.0")
+    refused(cfg(mix(1.0, -0.5), bpe(corpus)), "data.mix[1].weight=-0.5")
+    refused(cfg(mix(1.0, float("nan")), bpe(corpus)), "data.mix[1].weight=nan")
+    check_data(cfg(mix(1.0, 0.0), bpe(corpus)))
+    bad_path = DataConfig(mix=[MixEntry(source=DataSource.jsonl, path="missing.jsonl")])
+    refused(cfg(bad_path, bpe(corpus)), "data.mix[0].path='missing.jsonl' does not exist")
+
+
+def test_out_of_range_data_numbers(corpus: Corpus) -> None:
+    refused(cfg(DataConfig(val_fraction=1.5), vocab=256), "data.val_fraction=1.5 must be in [0, 1)")
+    refused(cfg(DataConfig(prefetch=0), vocab=256), "data.prefetch=0")
+
+
+def test_too_few_records_to_hold_out_validation(corpus: Corpus, tmp_path: Path) -> None:
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": corpus.docs[0]}) + "\n")
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(one)), bpe(corpus)), "has 1 records", "data.val_path"
+    )
+
+
+@pytest.fixture()
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tok.bin"
+    write_tokens(path, np.arange(4000) % 256, vocab_size=256)
+    return path
+
+
+def tokens_cfg(path: Path | str, **kw: object) -> Config:
+    return cfg(DataConfig(source=DataSource.tokens, path=str(path)), vocab=kw.pop("vocab", 256), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "case, fragments",
+    [
+        ("missing", ["does not exist", "prepare"]),
+        ("empty", ["is an empty token file"]),
+        ("directory", ["dir.bin' is a folder with no .bin files"]),
+        ("no_sidecar", ["has no sidecar tok.json"]),
+        ("corrupt_sidecar", ["the sidecar is not valid JSON"]),
+        ("unknown_dtype", ["dtype 'float8' is not one of ['uint16', 'uint32']"]),
+        ("ids_above_vocab", ["holds token id 300 >= its sidecar's vocab_size=256"]),
+        ("vocab_above_model", ["(1000 tokens", "model.vocab_size=256"]),
+        ("shorter_than_a_sequence", ["fewer than one sequence", "train.seq_len+2=34"]),
+        ("truncated", ["holds 4000 tokens, its sidecar says 5000"]),
+        ("odd_size", ["not a whole number of uint16 tokens"]),
+    ],
+)
+def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> None:
+    side = token_file.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    path: Path = token_file
+    if case == "missing":
+        path = token_file.with_name("other.bin")
+    elif case == "empty":
+        token_file.write_bytes(b"")
+    elif case == "directory":
+        path = token_file.parent / "dir.bin"
+        path.mkdir()
+    elif case == "no_sidecar":
+        side.unlink()
+    elif case == "corrupt_sidecar":
+        side.write_text('{"dtype": "uint16", ')
+    elif case == "unknown_dtype":
+        side.write_text(json.dumps({**meta, "dtype": "float8"}))
+    elif case == "ids_above_vocab":
+        np.full(4000, 300, dtype=np.uint16).tofile(token_file)
+    elif case == "vocab_above_model":
+        side.write_text(json.dumps({**meta, "vocab_size": 1000}))
+    elif case == "shorter_than_a_sequence":
+        write_tokens(token_file, np.arange(30) % 256, vocab_size=256)
+    elif case == "truncated":
+        side.write_text(json.dumps({**meta, "num_tokens": 5000}))
+    elif case == "odd_size":
+        with token_file.open("ab") as f:
+            f.write(b"\x01")
+    refused(tokens_cfg(path), *fragments)
+
+
+def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) -> None:
+    from framework.data import prepare
+    from framework.tokenizer import ByteTokenizer, load_tokenizer
+
+    out = tmp_path / "bpe.bin"
+    prepare(out, [str(corpus.jsonl)], bpe(corpus), workers=1)
+    ours, theirs = load_tokenizer(bpe(corpus)).digest(), ByteTokenizer().digest()
+    # Trained with the BPE, read with the default bytes tokenizer (vocab 256 < the file's 512 too,
+    # so give the model room: the digest is what must stop it).
+    message = refused(tokens_cfg(out, vocab=512), "made with another tokenizer", ours[:16], theirs[:16])
+    assert "tokenizer=bytes" in message
+    check_data(cfg(DataConfig(source=DataSource.tokens, path=str(out)), bpe(corpus)))
+
+
+def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None:
+    refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes has none")
+    masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
+    check_data(masked)
+    masked.model.attention = AttentionBackend.flash
+    refused(masked, "model.attention=flash", "auto, efficient, cudnn or math")
+
+
+# -- through train.py, in this process: exit 2, one line, no run dir ------------------------------
+
+
+def train_main(run_dir: Path, *overrides: str) -> None:
+    # Named __main__ (not put in sys.modules): Hydra then finds conf/ next to the file, and the
+    # module's own `if __name__ == "__main__": main()` runs it, as `python train.py` does.
+    spec = importlib.util.spec_from_file_location("__main__", ROOT / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    argv = sys.argv
+    sys.argv = ["train.py", f"hydra.run.dir={run_dir}", *overrides]
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [
+                "data=jsonl",
+                "data.path={bad_jsonl}",
+                "tokenizer=hf",
+                "tokenizer.path={bpe}",
+                "model.vocab_size=512",
+            ],
+            ":2: no field 'text'",
+        ),
+        (
+            ["data.source=tokens", "data.path={missing}"],
+            "does not exist",
+        ),  # the spelling from before the group
+        (["tokenizer=hf", "tokenizer.path={bpe}"], "model.vocab_size=256"),
+        (
+            [
+                "data=parquet",
+                "data.path={bad_parquet}",
+                "tokenizer=hf",
+                "tokenizer.path={bpe}",
+                "model.vocab_size=512",
+            ],
+            "not a readable parquet file",
+        ),
+    ],
+)
+def test_train_py_refuses_bad_data_with_exit_2_and_no_run_dir(
+    corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{"body": "y"}\n')
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
+    paths = {
+        "bad_jsonl": tmp_path / "bad.jsonl",
+        "bpe": corpus.bpe,
+        "missing": tmp_path / "none.bin",
+        "bad_parquet": tmp_path / "bad.parquet",
+    }
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train_main(run, *(o.format(**paths) for o in overrides))
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not run.exists()

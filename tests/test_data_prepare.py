@@ -1,0 +1,66 @@
+"""``python -m framework.data prepare``: streamed, multiprocess, any tokenizer, EOS between documents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from framework.config import TokenizerConfig, TokenizerKind
+from framework.data import main, open_tokens, prepare
+from framework.data.tokens import tokenizer_digest
+from framework.tokenizer import ByteTokenizer, load_tokenizer
+from tests.corpus import Corpus, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_two_workers_write_what_one_does_with_eos_after_every_document(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    tok_cfg = TokenizerConfig(kind=TokenizerKind.hf, path=str(corpus.bpe))
+    tok = load_tokenizer(tok_cfg)
+    args = ["--tokenizer", "hf", "--tokenizer-path", str(corpus.bpe)]
+    assert main(["prepare", str(tmp_path / "one.bin"), str(corpus.jsonl), *args, "--workers", "1"]) == 0
+    assert main(["prepare", str(tmp_path / "two.bin"), str(corpus.jsonl), *args, "--workers", "2"]) == 0
+    one, vocab = open_tokens(tmp_path / "one.bin", scan=True)
+    two, _ = open_tokens(tmp_path / "two.bin")
+    assert vocab == 512 and np.array_equal(one, two)
+    expected = np.concatenate([np.array(tok.encode(d) + [tok.eos_id]) for d in corpus.docs])
+    assert np.array_equal(np.asarray(one), expected)
+    meta = json.loads((tmp_path / "two.json").read_text())
+    assert meta["num_documents"] == len(corpus.docs) and meta["eos_id"] == tok.eos_id
+    assert tokenizer_digest(tmp_path / "two.bin") == tok.digest()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_folders_mix_kinds_and_bytes_output_is_unchanged(corpus: Corpus, tmp_path: Path) -> None:
+    # Byte-level, as before the tokenizer option: text files concatenated exactly (no EOS in bytes).
+    files = sorted(corpus.text_dir.glob("*.txt"))[:3]
+    n = prepare(tmp_path / "b.bin", [str(f) for f in files], workers=1)
+    tokens, _ = open_tokens(tmp_path / "b.bin")
+    assert bytes(np.asarray(tokens, dtype=np.uint8)) == b"".join(f.read_bytes() for f in files)
+    assert n == tokens.size and tokenizer_digest(tmp_path / "b.bin") == ByteTokenizer().digest()
+    # A folder holding text, jsonl and parquet: each file read by its kind.
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for f in (files[0], corpus.jsonl, corpus.parquet):
+        (mixed / f.name).write_bytes(f.read_bytes())
+    tok_cfg = TokenizerConfig(kind=TokenizerKind.hf, path=str(corpus.bpe))
+    prepare(tmp_path / "m.bin", [str(mixed)], tok_cfg, workers=2)
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert meta["num_documents"] == 1 + 2 * len(corpus.docs)
+
+
+def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path) -> None:
+    assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "nope.txt")]) == 2
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "latin1.txt"), "--workers", "1"]) == 2
+    (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
+    assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "bad.jsonl"), "--workers", "2"]) == 2
+    assert not list(tmp_path.glob("o.*"))

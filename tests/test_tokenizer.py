@@ -1,0 +1,165 @@
+"""Tokenizers against the real libraries: tokenizers, sentencepiece, and transformers' AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from framework.config import TokenizerConfig, TokenizerKind
+from framework.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
+from tests.corpus import Corpus, documents, write_corpus
+
+TEXT = "def héllo(wörld):\n    return 'ünïcode' + \"\\t\"  # ✓ 🙂\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("sp")
+    (root / "train.txt").write_text("\n".join(documents(40)))
+    spm.SentencePieceTrainer.train(
+        input=str(root / "train.txt"), model_prefix=str(root / "sp"), vocab_size=400,
+        model_type="bpe", num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return root / "sp.model"
+
+
+def hf(path: Path | str, **kw: str) -> object:
+    return load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(path), **kw))
+
+
+def test_bytes_save_loads_in_autotokenizer_with_ids_equal_to_byte_values(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    names = ByteTokenizer().save(tmp_path)
+    assert set(names) <= {p.name for p in tmp_path.iterdir()} and "tokenizer.json" in names
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode(TEXT, add_special_tokens=False) == list(TEXT.encode("utf-8"))
+    assert auto.decode(list(TEXT.encode("utf-8"))) == TEXT
+
+
+def test_trained_bpe_round_trips_and_saves_for_autotokenizer(corpus: Corpus, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = hf(corpus.bpe)
+    assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id) == (0, 1)
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT and len(ids) < len(TEXT.encode())  # real merges
+    assert tok.bos_id not in ids and tok.eos_id not in ids  # encode adds no special tokens
+    tok.save(tmp_path / "out")
+    auto = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert auto.encode(TEXT, add_special_tokens=False) == ids
+    assert (auto.bos_token, auto.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    # ... and what transformers' save_pretrained writes loads back as the same vocabulary.
+    auto.save_pretrained(tmp_path / "tf")
+    again = hf(tmp_path / "tf")
+    assert again.digest() == tok.digest() and again.encode(TEXT) == ids and again.eos_id == 1
+
+
+def test_llama3_style_tokenizer_json_bos_eos_from_its_config(corpus: Corpus, tmp_path: Path) -> None:
+    """Llama-3's layout: special tokens added past the base vocabulary, a post-processor that adds
+    BOS, and tokenizer_config.json naming BOS/EOS (here the instruct model's <|eot_id|>)."""
+    from tokenizers import Tokenizer, processors
+
+    base = Tokenizer.from_file(str(corpus.bpe))
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|eot_id|>"]
+    specials += [f"<|reserved_special_token_{i}|>" for i in range(4)]
+    base.add_special_tokens(specials)
+    base.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        special_tokens=[("<|begin_of_text|>", base.token_to_id("<|begin_of_text|>"))],
+    )
+    base.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}})
+    )
+    tok = hf(tmp_path)
+    assert tok.eos_id == base.token_to_id("<|eot_id|>") and tok.bos_id == 0
+    assert tok.vocab_size == base.get_vocab_size(with_added_tokens=True)
+    assert tok.encode(TEXT)[0] != tok.bos_id  # the post-processor's BOS is not added implicitly
+    # An explicit eos_token wins over the file's config.
+    assert hf(tmp_path, eos_token="<|end_of_text|>").eos_id == 1
+
+
+def test_sentencepiece_model_and_its_export(sp_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer(TokenizerConfig(kind=TokenizerKind.sentencepiece, path=str(sp_model)))
+    assert tok.vocab_size == 400 and (tok.bos_id, tok.eos_id) == (1, 2)
+    text = "def hello(world): return 42"
+    assert tok.decode(tok.encode(text)) == text
+    assert "tokenizer.model" in tok.save(tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert auto.eos_token_id == tok.eos_id
+
+
+@pytest.mark.parametrize(
+    "kind, content, message",
+    [
+        ("hf", b'{"version": "1.0", "model": ', "is not a valid tokenizer.json"),
+        ("hf", b"", "is an empty file"),
+        ("sentencepiece", b"not a model at all", "is not a SentencePiece model"),
+        ("hf", None, "does not exist"),
+    ],
+)
+def test_a_tokenizer_file_that_does_not_parse_is_named(
+    tmp_path: Path, kind: str, content: bytes | None, message: str
+) -> None:
+    path = tmp_path / ("tokenizer.json" if kind == "hf" else "tokenizer.model")
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as e:
+        load_tokenizer(TokenizerConfig(kind=TokenizerKind(kind), path=str(path)))
+    assert str(path) in str(e.value)
+
+
+def test_folder_without_tokenizer_and_unknown_special_token(corpus: Corpus, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.model").write_bytes(b"x")
+    with pytest.raises(ValueError, match="use tokenizer=sentencepiece"):
+        hf(tmp_path)
+    with pytest.raises(ValueError, match="eos_token='<nope>' is not in the vocabulary"):
+        hf(corpus.bpe, eos_token="<nope>")
+    with pytest.raises(ValueError, match="tokenizer=bytes has no file"):
+        load_tokenizer(TokenizerConfig(kind=TokenizerKind.bytes, path="x.json"))
+
+
+def test_vocab_larger_than_the_model_is_refused_smaller_warns(
+    corpus: Corpus, caplog: pytest.LogCaptureFixture
+) -> None:
+    tok = hf(corpus.bpe)
+    with pytest.raises(ValueError, match=r"\(512 tokens.*model.vocab_size=256"):
+        check_vocab(tok, 256)
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_vocab(tok, 1024)
+    assert "512 embedding rows are never used" in caplog.text
+
+
+def test_tokenizer_train_cli_refuses_a_tiny_vocab(corpus: Corpus, tmp_path: Path) -> None:
+    from framework.data import main
+
+    assert (
+        main(["tokenizer", "train", str(tmp_path / "t.json"), str(corpus.jsonl), "--vocab-size", "100"]) == 2
+    )
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                str(tmp_path / "t.json"),
+                str(tmp_path / "missing.txt"),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 2
+    )
