@@ -158,3 +158,9 @@ def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
         load_file(str(tmp_path / "cli" / "model.safetensors")),
     )
     assert sorted(exported) == sorted(cli) and all(torch.equal(exported[k], cli[k]) for k in cli)
+    # The exported folders load with AutoTokenizer as they are (the byte tokenizer: ids = bytes).
+    from transformers import AutoTokenizer
+
+    for folder in (run / "hf", tmp_path / "cli"):
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert tok("def é", add_special_tokens=False)["input_ids"] == list("def é".encode())

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from framework.config import ModelConfig
+from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("framework")
 
@@ -129,12 +130,10 @@ def generation_config(bos_id: int | None, eos_id: int | None) -> dict[str, objec
     return {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
 
 
-def save_tokenizer(tokenizer: object | None, out_dir: Path) -> list[str]:
-    """The tokenizer's own files (``Tokenizer.save``, which writes what ``AutoTokenizer`` loads);
-    [] when there is no tokenizer or it cannot save itself (then ``AutoTokenizer`` cannot load the
-    folder, and the caller says so)."""
-    save = getattr(tokenizer, "save", None)
-    return list(save(out_dir)) if save is not None else []
+def save_tokenizer(tokenizer: Tokenizer | None, out_dir: Path) -> list[str]:
+    """The tokenizer's own files (``Tokenizer.save`` writes what ``AutoTokenizer`` loads); [] when
+    the export has no tokenizer (then ``AutoTokenizer`` cannot load the folder, and the caller says so)."""
+    return list(tokenizer.save(out_dir)) if tokenizer is not None else []
 
 
 def export_hf(
@@ -142,7 +141,7 @@ def export_hf(
     model_cfg: ModelConfig,
     out_dir: Path,
     max_position_embeddings: int = 2048,
-    tokenizer: object | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write the model, ``config.json``, ``generation_config.json`` and (when ``tokenizer`` can
     save itself) its files into ``out_dir``; return ``out_dir``.
@@ -159,16 +158,14 @@ def export_hf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
     cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = generation_config(bos, eos)
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if not save_tokenizer(tokenizer, out_dir):
         log.warning(
-            "HF export %s: the %s tokenizer cannot save itself, so AutoTokenizer will not load the folder",
-            out_dir,
-            type(tokenizer).__name__ if tokenizer is not None else "(no)",
+            "HF export %s: no tokenizer given, so AutoTokenizer will not load the folder", out_dir
         )
     return out_dir
 
