@@ -156,6 +156,35 @@ class WandbMode(Enum):
     offline = "offline"
 
 
+class OptimizerName(Enum):
+    """``adamw`` (fused on CUDA, the default), ``adam``, ``sgd`` (momentum), ``muon``: torch.optim.Muon
+    for the blocks' 2-D weight matrices and AdamW for the rest (embeddings, output head, norms)."""
+
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+    muon = "muon"
+
+
+class MuonAdjustLR(Enum):
+    """torch.optim.Muon's ``adjust_lr_fn``: ``match_rms_adamw`` (Moonshot) scales each matrix's update to
+    AdamW's RMS, so Muon reuses AdamW's train.lr and weight decay; ``original`` is Keller Jordan's."""
+
+    match_rms_adamw = "match_rms_adamw"
+    original = "original"
+
+
+class LRSchedulerName(Enum):
+    """Each warms up linearly over train.warmup_steps, then: ``cosine`` decays to lr * min_lr_ratio at
+    train.steps, ``linear`` decays linearly to it, ``constant`` holds lr, ``wsd`` (warmup-stable-decay)
+    holds lr and decays linearly to lr * min_lr_ratio over the last ``decay_fraction`` of the steps."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+    wsd = "wsd"
+
+
 class ProfileRanks(Enum):
     """Which ranks record a torch.profiler trace: rank 0 only, or every rank (one file each)."""
 
@@ -296,6 +325,36 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer (conf/optimizer/NAME.yaml; framework.loop.build_optimizer). Its learning rate,
+    weight decay and betas stay train.lr, train.weight_decay, train.beta1/beta2."""
+
+    name: OptimizerName = OptimizerName.adamw
+    # The class built, through the allowlist (run.instantiate_allow). Each option names torch's own
+    # class; any other class (optimizer._target_=torch.optim.NAdam) is called as
+    # CLASS(param_groups, lr=train.lr, **optimizer.kwargs) (under muon: for the 2-D block weights).
+    _target_: str = "torch.optim.AdamW"
+    # Keyword arguments added to the class's call (they override the option's own).
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # sgd and muon: momentum factor, and Nesterov momentum.
+    momentum: float = 0.9
+    nesterov: bool = False
+    # muon: how Muon scales each matrix's learning rate (MuonAdjustLR), and its Newton-Schulz steps.
+    muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
+    muon_ns_steps: int = 5
+
+
+@dataclass
+class LRSchedulerConfig:
+    """The learning-rate schedule (conf/lr_scheduler/NAME.yaml; framework.loop.lr_lambda). The peak,
+    the floor and the warmup stay train.lr, train.min_lr_ratio and train.warmup_steps."""
+
+    name: LRSchedulerName = LRSchedulerName.cosine
+    # wsd: the fraction of train.steps, at the end, over which lr decays to lr * min_lr_ratio.
+    decay_fraction: float = 0.2
 
 
 @dataclass
@@ -547,6 +606,8 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
@@ -597,6 +658,8 @@ GROUPS = (
     "recipe",
     "tokenizer",
     "data",
+    "optimizer",
+    "lr_scheduler",
     "mesh",
     "mesh/hardware",
     "sharding",

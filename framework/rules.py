@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import Config, ExecutorMode, MixEntry
+from framework.config import Config, ExecutorMode, MixEntry, OptimizerName, Strategy
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -199,6 +199,37 @@ def _backend_valid(c: Config) -> str:
     return f"a registered torch.compile backend: {', '.join(_compile_backends())}"
 
 
+def _muon_ok(v: Any, c: Config) -> bool:
+    """Muon needs torch.optim.Muon, and whole matrices on each rank (it orthogonalizes each one)."""
+    if v is not OptimizerName.muon:
+        return True
+    import torch
+
+    return hasattr(torch.optim, "Muon") and c.sharding.strategy is Strategy.ddp
+
+
+def _muon_valid(c: Config) -> str:
+    import torch
+
+    if not hasattr(torch.optim, "Muon"):
+        return f"adamw, adam or sgd: the installed torch {torch.__version__} has no torch.optim.Muon"
+    return (
+        f"adamw, adam or sgd with sharding.strategy={c.sharding.strategy.value}; muon orthogonalizes "
+        "whole weight matrices and needs sharding=ddp (each rank holds every matrix)"
+    )
+
+
+def _momentum_ok(v: Any, c: Config) -> bool:
+    return _is_number(v) and 0 <= v < 1 and not (c.optimizer.nesterov and v == 0)
+
+
+def _kwargs_ok(v: Any, _c: Config) -> bool:
+    return all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v)
+
+
+RESERVED_KWARGS = ("params", "_target_", "_partial_", "_convert_", "_recursive_", "_args_")
+
+
 RULES: dict[str, Rule] = {
     # model: the shape is checked here so a bad one never reaches the model code (model.dim=0 was a
     # 253-line traceback from inside a rank).
@@ -275,6 +306,26 @@ RULES: dict[str, Rule] = {
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
     "train.eval_batches": integer(1),
+    # optimizer, lr_scheduler (framework.loop.build_optimizer, lr_lambda)
+    "optimizer.name": Rule(_muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"),)),
+    "optimizer._target_": Rule(
+        "a class under run.instantiate_allow",
+        checked_by="framework.instantiate.check_targets (framework.entry.check_safe)",
+        bad=("os.system", "builtins.exec"),
+    ),
+    "optimizer.kwargs": Rule(
+        f"keyword argument names of the optimizer class (not {', '.join(RESERVED_KWARGS)})",
+        _kwargs_ok,
+        ({"params": 1},),
+    ),
+    "optimizer.momentum": Rule(
+        "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)
+    ),
+    "optimizer.nesterov": TYPED,  # its relation to momentum: optimizer.momentum
+    "optimizer.muon_adjust_lr": TYPED,
+    "optimizer.muon_ns_steps": integer(1, 99, what="torch.optim.Muon refuses 100 or more"),
+    "lr_scheduler.name": TYPED,
+    "lr_scheduler.decay_fraction": number(0, 1, bad=(-0.1, 1.5, math.nan)),
     # run
     "run.device": TYPED,
     "run.expandable_segments": TYPED,

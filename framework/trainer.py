@@ -169,10 +169,12 @@ def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: 
     built.model = parallelize(
         model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
     )
-    built.optimizer = build_optimizer(built.model, cfg.train, device)
+    built.optimizer = build_optimizer(
+        built.model, cfg.train, device, cfg.optimizer, cfg.run.instantiate_allow
+    )
     if built.float8 is not Float8Recipe.none:
         attach_scale_precompute(built.model, built.optimizer)  # FSDP2's float8 all-gather only
-    built.scheduler = build_scheduler(built.optimizer, cfg.train)
+    built.scheduler = build_scheduler(built.optimizer, cfg.train, cfg.lr_scheduler)
     if built.in_backward is not None:
         built.in_backward.remove()  # hooks of the model being replaced
     built.in_backward = attach_in_backward(built.optimizer) if cfg.train.optimizer_in_backward else None

@@ -5,9 +5,26 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from framework.config import BucketingConfig, ModelConfig, TrainConfig
+from framework.config import (
+    BucketingConfig,
+    LRSchedulerConfig,
+    LRSchedulerName,
+    ModelConfig,
+    OptimizerConfig,
+    OptimizerName,
+    TrainConfig,
+)
 from framework.data import BatchSampler
-from framework.loop import HostIO, attach_in_backward, build_optimizer, build_scheduler, lr_lambda, train_step
+from framework.loop import (
+    OWN_CLASS,
+    Combined,
+    HostIO,
+    attach_in_backward,
+    build_optimizer,
+    build_scheduler,
+    lr_lambda,
+    train_step,
+)
 from framework.model import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from tests.dist import run_ranks
@@ -187,3 +204,184 @@ def test_optimizer_in_backward_side_stream_matches_the_plain_step(monkeypatch: p
     assert results[0][0] == results[1][0]
     for a, b in zip(results[0][1], results[1][1], strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer and lr_scheduler groups (framework.config.OptimizerConfig, LRSchedulerConfig).
+# ---------------------------------------------------------------------------------------------
+
+FIXED = TrainConfig(steps=12, global_batch_size=8, seq_len=16, lr=1e-2, warmup_steps=2, grad_clip=1.0)
+
+
+def _fixed_batches(n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    ramp = torch.arange(256).repeat(4)
+    out = []
+    for _ in range(n):
+        starts = torch.randint(0, 256, (8,), generator=g)
+        seq = torch.stack([ramp[s : s + 17] for s in starts])
+        out.append([(seq[:, :-1], seq[:, 1:])])
+    return out
+
+
+def _optimizer_cfg(name: str, **fields) -> OptimizerConfig:
+    return OptimizerConfig(name=OptimizerName(name), _target_=OWN_CLASS[OptimizerName(name)], **fields)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        _optimizer_cfg("adamw"),
+        _optimizer_cfg("adam"),
+        _optimizer_cfg("sgd", momentum=0.9, nesterov=True),
+        _optimizer_cfg("muon", momentum=0.95, nesterov=True),
+        OptimizerConfig(_target_="torch.optim.NAdam", kwargs={"betas": [0.9, 0.95]}),
+    ],
+    ids=["adamw", "adam", "sgd", "muon", "nadam"],
+)
+def test_each_optimizer_lowers_the_loss(opt: OptimizerConfig) -> None:
+    model = _model()
+    lr = 0.3 if opt.name is OptimizerName.sgd else FIXED.lr
+    tcfg = TrainConfig(**{**FIXED.__dict__, "lr": lr})
+    optimizer = build_optimizer(model, tcfg, CPU, opt)
+    sched = build_scheduler(optimizer, tcfg)
+    batch = _fixed_batches(1)[0]
+    losses = [train_step(model, optimizer, sched, batch, 1.0, CPU).loss for _ in range(12)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_default_optimizer_is_adamw_with_the_old_groups() -> None:
+    model = _model()
+    opt = build_optimizer(model, FIXED, CPU, OptimizerConfig())
+    assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.9, 0.95)
+    decay, no_decay = opt.param_groups
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
+    assert decay["weight_decay"] == FIXED.weight_decay and no_decay["weight_decay"] == 0.0
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_rest() -> None:
+    model = _model()
+    opt = build_optimizer(model, FIXED, CPU, _optimizer_cfg("muon"))
+    assert isinstance(opt, Combined)
+    muon, adamw = opt.parts
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert on_muon == {n for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2}
+    rest = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert "tok_embeddings.weight" in rest and "norm.weight" in rest and not rest & on_muon
+    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+
+
+def _muon_run(model, batches, opt=None, sched=None):
+    opt = opt or build_optimizer(model, FIXED, CPU, _optimizer_cfg("muon", momentum=0.95, nesterov=True))
+    sched = sched or build_scheduler(opt, FIXED, LRSchedulerConfig(name=LRSchedulerName.wsd))
+    for b in batches:
+        train_step(model, opt, sched, b, 1.0, CPU)
+    return opt, sched
+
+
+def test_muon_resumes_from_a_dcp_checkpoint_equal_to_an_unbroken_run(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from framework.checkpoint.state import apply_tensor_state, tensor_state
+
+    batches = _fixed_batches(6)
+    unbroken = _model()
+    _muon_run(unbroken, batches)
+
+    first = _model()
+    opt, sched = _muon_run(first, batches[:3])
+    payload, groups = tensor_state(first, opt)
+    dcp.save(payload, checkpoint_id=str(tmp_path / "ck"))
+    sched_state = sched.state_dict()
+
+    resumed = _model()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.zero_()  # nothing carries over but the checkpoint
+    opt2 = build_optimizer(resumed, FIXED, CPU, _optimizer_cfg("muon", momentum=0.95, nesterov=True))
+    sched2 = build_scheduler(opt2, FIXED, LRSchedulerConfig(name=LRSchedulerName.wsd))
+    target, _ = tensor_state(resumed, opt2)
+    dcp.load(target, checkpoint_id=str(tmp_path / "ck"))
+    apply_tensor_state(resumed, opt2, target, groups)
+    sched2.load_state_dict(sched_state)
+    assert "momentum_buffer" in opt2.parts[0].state[opt2.parts[0].param_groups[0]["params"][0]]
+    _muon_run(resumed, batches[3:], opt2, sched2)
+    for (name, a), b in zip(unbroken.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_muon_in_backward_matches_the_plain_step() -> None:
+    tcfg = TrainConfig(**{**FIXED.__dict__, "grad_clip": 0.0})
+    muon = _optimizer_cfg("muon")
+    batches = _fixed_batches(3)
+    plain, inb = _model(), _model()
+    opt = build_optimizer(plain, tcfg, CPU, muon)
+    sched = build_scheduler(opt, tcfg)
+    opt_ib = build_optimizer(inb, tcfg, CPU, muon)
+    sched_ib = build_scheduler(opt_ib, tcfg)
+    ib = attach_in_backward(opt_ib)
+    for b in batches:
+        train_step(plain, opt, sched, b, 0.0, CPU)
+        train_step(inb, opt_ib, sched_ib, b, 0.0, CPU, in_backward=ib)
+    for a, b in zip(plain.parameters(), inb.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _old_cosine(cfg: TrainConfig, step: int) -> float:
+    """The schedule as it was before lr_scheduler existed (the default must stay bitwise this)."""
+    import math
+
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("warmup", [0, 10])
+def test_default_cosine_schedule_is_bitwise_the_old_one(warmup: int) -> None:
+    cfg = TrainConfig(steps=100, warmup_steps=warmup, min_lr_ratio=0.1)
+    f = lr_lambda(cfg, LRSchedulerConfig())
+    assert [f(s) for s in range(120)] == [_old_cosine(cfg, s) for s in range(120)]
+
+
+def test_linear_constant_and_wsd_schedules() -> None:
+    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+
+    def sched(name: str, **kw):
+        return lr_lambda(cfg, LRSchedulerConfig(name=LRSchedulerName(name), **kw))
+
+    linear, constant, wsd = sched("linear"), sched("constant"), sched("wsd", decay_fraction=0.2)
+    for f in (linear, constant, wsd):
+        assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)  # the same warmup
+    assert linear(10) == 1.0 and linear(55) == pytest.approx(0.55) and linear(100) == pytest.approx(0.1)
+    assert {constant(s) for s in range(10, 200)} == {1.0}
+    assert {wsd(s) for s in range(10, 81)} == {1.0}  # stable until the last 20% of the steps
+    assert wsd(90) == pytest.approx(0.55) and wsd(99) == pytest.approx(0.145)
+    assert wsd(100) == pytest.approx(0.1) and wsd(150) == pytest.approx(0.1)
+    # decay_fraction=1: the decay starts right after warmup, i.e. the linear schedule
+    assert [sched("wsd", decay_fraction=1.0)(s) for s in range(100)] == [linear(s) for s in range(100)]
+
+
+def test_a_recipe_names_its_own_optimizer_class_on_the_command_line() -> None:
+    """``optimizer._target_=torch.optim.NAdam`` through real Hydra composition, built via the allowlist."""
+    from hydra import compose, initialize_config_dir
+
+    from framework import config, recipes
+    from framework.launch import register_resolvers
+
+    config.register()
+    recipes.register()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+        dcfg = compose("config", overrides=["optimizer._target_=torch.optim.NAdam", "lr_scheduler=wsd"])
+        default = config.to_config(compose("config"))
+    cfg = config.to_config(dcfg)
+    assert default.optimizer == OptimizerConfig() and default.lr_scheduler == LRSchedulerConfig()
+    opt = build_optimizer(_model(), cfg.train, CPU, cfg.optimizer, cfg.run.instantiate_allow)
+    assert type(opt) is torch.optim.NAdam and opt.defaults["lr"] == cfg.train.lr
+    assert cfg.lr_scheduler.name is LRSchedulerName.wsd
+    with pytest.raises(ValueError, match="optimizer._target_='os.system'"):
+        build_optimizer(_model(), cfg.train, CPU, OptimizerConfig(_target_="os.system"), ["torch.optim."])
