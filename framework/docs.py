@@ -32,6 +32,8 @@ GROUP_DESCRIPTIONS: dict[str, str] = {
     "recipe": "model shape, data, optimizer, schedule (recipes/ and FRAMEWORK_RECIPE_PATH roots)",
     "tokenizer": "text -> token ids: bytes (default, vocab 256), hf (tokenizer.json), sentencepiece",
     "data": "training data: stdlib (default), text, jsonl, parquet, hf, tokens, synthetic; data.mix",
+    "optimizer": "adamw (default, fused on CUDA), adam, sgd, muon (Muon on the block matrices + AdamW); _target_: your own class",
+    "lr_scheduler": "warmup, then cosine (default), linear, constant or wsd (warmup-stable-decay)",
     "mesh": "nodes x processes per node (1, 4, 2x4, ...); mesh.shape=[..] for any other",
     "mesh/hardware": "device memory, peak TFLOP/s and link speeds used by the planner",
     "sharding": "parallel layout: ddp, fsdp, hsdp, tp, fsdp_tp; mixed precision; activation checkpointing",

@@ -196,6 +196,11 @@ E2E = [
     (["train.lr=nan"], {}, "train.lr=nan"),
     (["model.dim=0"], {}, "model.dim=0"),
     (["+train.lrr=0.1"], {}, "did you mean train.lr"),
+    (
+        ["optimizer._target_=os.system"],
+        {},
+        "optimizer._target_='os.system' is not on the instantiation allowlist",
+    ),
     (["hydra.run.dir=pyproject.toml/run"], {}, "is a file, not a directory"),
     ([], {"FRAMEWORK_RECIPE_PATH": "/nonexistent/recipes"}, "is not a directory"),
 ]
