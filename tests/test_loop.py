@@ -273,6 +273,24 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest() -> None:
     assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
 
+@pytest.mark.parametrize("name", ["muon", "sgd"])
+def test_a_non_finite_step_leaves_every_optimizer_untouched(name: str) -> None:
+    model = _model()
+    opt = build_optimizer(model, FIXED, CPU, _optimizer_cfg(name))
+    sched = build_scheduler(opt, FIXED)
+    train_step(model, opt, sched, _fixed_batches(1)[0], 1.0, CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    x = torch.zeros(2, 16, dtype=torch.long)
+    with torch.no_grad():
+        model.tok_embeddings.weight[0, 0] = float("nan")
+    assert not train_step(model, opt, sched, [(x, x)], 1.0, CPU).finite
+    for b, p in zip(before[1:], list(model.parameters())[1:], strict=True):
+        assert torch.equal(b, p)
+    for p, s in opt.state.items():
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+
+
 def _muon_run(model, batches, opt=None, sched=None):
     opt = opt or build_optimizer(model, FIXED, CPU, _optimizer_cfg("muon", momentum=0.95, nesterov=True))
     sched = sched or build_scheduler(opt, FIXED, LRSchedulerConfig(name=LRSchedulerName.wsd))
