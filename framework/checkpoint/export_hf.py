@@ -164,9 +164,7 @@ def export_hf(
     gen = generation_config(bos, eos)
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if not save_tokenizer(tokenizer, out_dir):
-        log.warning(
-            "HF export %s: no tokenizer given, so AutoTokenizer will not load the folder", out_dir
-        )
+        log.warning("HF export %s: no tokenizer given, so AutoTokenizer will not load the folder", out_dir)
     return out_dir
 
 
