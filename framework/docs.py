@@ -31,9 +31,9 @@ END = "<!-- config-reference:end -->"
 GROUP_DESCRIPTIONS: dict[str, str] = {
     "recipe": "model shape, data, optimizer, schedule (recipes/ and FRAMEWORK_RECIPE_PATH roots)",
     "tokenizer": "text -> token ids: bytes (default, vocab 256), hf (tokenizer.json), sentencepiece",
-    "mesh": "nodes x processes per node (1, 4, 2x4, ...); mesh.shape=[..] for any other",
+    "mesh": "nodes x processes per node: any shape as written (mesh=6, mesh=4x8, mesh=2x2x2; listed: shipped files)",
     "mesh/hardware": "device memory, peak TFLOP/s and link speeds used by the planner",
-    "sharding": "parallel layout: ddp, fsdp, hsdp, tp, fsdp_tp; mixed precision; activation checkpointing",
+    "sharding": "parallel layout: auto (default: the planner's choice) or a preset of parallel.* degrees; AC",
     "bucketing": "DDP bucket_cap_mb, gradient_as_bucket_view, static_graph (auto: from the comm model)",
     "nccl": "NCCL environment presets, validated before the process group starts",
     "freeze": "static graph: torch.export (fingerprint, artifact) or legacy TorchScript",

@@ -288,6 +288,20 @@ RULES: dict[str, Rule] = {
     "mesh.hardware.intra_node_latency_us": number(0),
     "mesh.hardware.inter_node_latency_us": number(0),
     "mesh.hardware.numa_per_host": integer(1),
+    "mesh.hardware.gemm_efficiency": number(0, 1, lo_open=True),
+    "mesh.hardware.hbm_gbps": number(0, lo_open=True),
+    "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
+    "mesh.hardware.comm_overlap": number(0, 1),
+    # parallel: the degrees (framework.layout)
+    **{
+        f"parallel.{n}": Rule(
+            "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
+            "(cp and pp: 1, not implemented yet)",
+            checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
+            bad=(-2, 3),
+        )
+        for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    },
     # sharding
     "sharding.strategy": TYPED,
     "sharding.tp": Rule(

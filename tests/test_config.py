@@ -79,7 +79,7 @@ def test_published_shapes() -> None:
 def test_default_recipe_and_typed_values() -> None:
     cfg = compose_config()
     assert cfg.model.name == "llama_tiny"
-    assert cfg.sharding.strategy is Strategy.ddp
+    assert cfg.sharding.strategy is Strategy.auto  # the planner's choice (framework.search)
 
 
 def test_command_line_beats_recipe() -> None:
