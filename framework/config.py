@@ -291,13 +291,13 @@ class HardwareConfig:
     peak_tflops: float = 0.1  # dense bf16 (or fp32 on CPU), TFLOP/s
     intra_node_gbps: float = 5.0  # GB/s per device, one direction
     inter_node_gbps: float = 1.0
-    intra_node_latency_us: float = 20.0
+    intra_node_latency_us: float = 30.0
     inter_node_latency_us: float = 50.0
     numa_per_host: int = 1
     # Step-time model (framework.cost); where each figure comes from is in the profile's YAML file.
-    gemm_efficiency: float = 0.5  # fraction of peak_tflops the model's GEMMs and attention reach
+    gemm_efficiency: float = 0.11  # fraction of peak_tflops the model's GEMMs and attention reach
     hbm_gbps: float = 20.0  # memory bandwidth of the pointwise work and the optimizer step, GB/s
-    link_efficiency: float = 0.5  # fraction of the link bandwidths a collective achieves
+    link_efficiency: float = 0.08  # fraction of the link bandwidths a collective achieves
     comm_overlap: float = 0.0  # fraction of FSDP/DDP communication hidden under compute
 
 
@@ -355,6 +355,7 @@ class ShardingConfig:
     reshard_after_forward: bool = True
     param_dtype: DType = DType.float32
     reduce_dtype: DType = DType.float32
+    # none for the named presets; the default sharding option, auto, sets auto (the planner picks).
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # With activation_checkpointing=budget: the fraction of the compiled default's saved
     # activations to keep (torch._functorch.config.activation_memory_budget; 0 ~ full AC, 1 = off).

@@ -242,7 +242,8 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
     Mirrors the model so the planner needs no model; the dry run checks the two agree. Cached per
     shape: the layout search plans the same model hundreds of times.
     """
-    return list(_param_specs(tuple(dataclasses.astuple(m)), m))
+    key = (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings)
+    return list(_param_specs(key, m))
 
 
 _SPEC_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}

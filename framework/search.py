@@ -187,9 +187,11 @@ def search(cfg: Config) -> SearchResult:
         raise ValueError(f"sharding=auto found no feasible layout: {why}")
     fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.predicted_step_time_s, c.memory_gib))
     others = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)
-    if not fitting:
+    if not fitting and not (cfg.run.dry_run or cfg.run.allow_over_memory):
         raise ValueError(_nothing_fits(cfg, others[0]))
-    best = fitting[0]
+    # A dry run (or run.allow_over_memory) plans even when nothing fits: the smallest layout, and
+    # the plan's memory warning says by how much it misses.
+    best = fitting[0] if fitting else others[0]
     ranked = tuple(
         dataclasses.replace(c, reason="chosen" if c is best else _why(c, best, device_gib))
         for c in (*fitting, *others)
@@ -219,12 +221,13 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
         factor = state / (hw.memory_gib - rest)
         more = f" or about {factor:.1f}x the ranks (mesh of >= {int(world * factor) + 1} ranks)"
     return (
-        f"sharding=auto: nothing fits mesh.hardware.name={hw.name} ({hw.memory_gib:g} GiB per device) on "
-        f"{world} ranks: the smallest layout ({smallest.short()}, activation_checkpointing="
+        f"sharding=auto: nothing fits mesh.hardware.memory_gib={hw.memory_gib:g} (mesh.hardware.name="
+        f"{hw.name}) on {world} ranks: the smallest layout ({smallest.short()}, activation_checkpointing="
         f"{smallest.activation_checkpointing}, micro batch {smallest.micro_batch_size}) needs "
-        f"{smallest.memory_gib:.1f} GiB per rank ({state:.1f} GiB parameters, gradients and optimizer "
-        f"state); it would fit a device with >= {smallest.memory_gib:.1f} GiB{more}, or a smaller "
-        f"train.seq_len / model"
+        f"{smallest.memory_gib:.3g} GiB per rank ({state:.3g} GiB parameters, gradients and optimizer "
+        f"state); it would fit a device with >= {smallest.memory_gib:.3g} GiB{more}, or a smaller "
+        f"train.seq_len / model; or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true "
+        f"to launch anyway"
     )
 
 
