@@ -59,7 +59,8 @@ def test_search_ranks_and_explains() -> None:
 def test_nothing_fits_names_the_smallest_and_the_fix() -> None:
     cfg = compose_recipe("llama70b", ["mesh=8", "mesh/hardware=h100_sxm"])
     with pytest.raises(
-        ValueError, match=r"sharding=auto: nothing fits mesh.hardware.memory_gib=79.6 \(mesh.hardware.name=h100_sxm\)"
+        ValueError,
+        match=r"sharding=auto: nothing fits mesh.hardware.memory_gib=79.6 \(mesh.hardware.name=h100_sxm\)",
     ) as e:
         search(cfg)
     assert "the smallest layout" in str(e.value) and "x the ranks" in str(e.value)
