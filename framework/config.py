@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -25,8 +27,14 @@ class Device(Enum):
 
 
 class Strategy(Enum):
-    """Data/model-parallel layout. ``ddp`` replicates; the others shard (see framework.parallel)."""
+    """A named layout preset: each sets the parallel degrees (``framework.layout.PRESETS``).
 
+    ``auto`` (the default): the planner searches the degrees, activation checkpointing and micro
+    batch that fit the declared topology and picks the fastest (``framework.search``). Explicit
+    ``parallel.*`` degrees win over any preset.
+    """
+
+    auto = "auto"
     ddp = "ddp"
     fsdp = "fsdp"
     hsdp = "hsdp"
@@ -37,12 +45,14 @@ class Strategy(Enum):
 class ActivationCheckpointing(Enum):
     """``selective``: every other block; ``full``: every block (torch.utils.checkpoint);
     ``budget``: no checkpoint wrapper, the compiler's partitioner picks what to recompute so the
-    saved activations stay under ``sharding.activation_memory_budget`` (compiled executors only)."""
+    saved activations stay under ``sharding.activation_memory_budget`` (compiled executors only);
+    ``auto``: the planner picks none, selective or full (the fastest that fits)."""
 
     none = "none"
     selective = "selective"
     full = "full"
     budget = "budget"
+    auto = "auto"
 
 
 class ResidualDtype(Enum):
@@ -406,9 +416,14 @@ class HardwareConfig:
     peak_tflops: float = 0.1  # dense bf16 (or fp32 on CPU), TFLOP/s
     intra_node_gbps: float = 5.0  # GB/s per device, one direction
     inter_node_gbps: float = 1.0
-    intra_node_latency_us: float = 20.0
+    intra_node_latency_us: float = 30.0
     inter_node_latency_us: float = 50.0
     numa_per_host: int = 1
+    # Step-time model (framework.cost); where each figure comes from is in the profile's YAML file.
+    gemm_efficiency: float = 0.11  # fraction of peak_tflops the model's GEMMs and attention reach
+    hbm_gbps: float = 20.0  # memory bandwidth of the pointwise work and the optimizer step, GB/s
+    link_efficiency: float = 0.08  # fraction of the link bandwidths a collective achieves
+    comm_overlap: float = 0.0  # fraction of FSDP/DDP communication hidden under compute
 
 
 @dataclass
@@ -440,12 +455,32 @@ class MeshConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallel degrees over the mesh (framework.layout). Their product is the world size.
+
+    0 = not set: the layout then comes from ``sharding`` (a preset, or ``auto``: the planner's
+    choice). Once any degree is set, these are the layout: an unset ``dp_shard`` takes the rest
+    (as ``-1`` does for any one degree) and the other unset degrees are 1. Mesh axes are ordered
+    pp, dp_replicate, dp_shard, cp, tp (outermost first), so tp groups consecutive ranks (inside a
+    node) and dp_replicate spans nodes.
+    """
+
+    dp_replicate: int = 0  # replicas: gradients all-reduced (DDP, or HSDP's outer axis)
+    dp_shard: int = 0  # FSDP2 shards parameters, gradients and optimizer state over this axis
+    cp: int = 0  # context parallel (sequence split across ranks): not implemented yet, only 1
+    tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
+    pp: int = 0  # pipeline stages: not implemented yet, only 1
+
+
+@dataclass
 class ShardingConfig:
-    strategy: Strategy = Strategy.ddp
+    strategy: Strategy = Strategy.auto
+    # TP degree of the fsdp_tp / tp presets; under auto, a value other than 1 pins the search's TP.
     tp: int = 1
     reshard_after_forward: bool = True
     param_dtype: DType = DType.float32
     reduce_dtype: DType = DType.float32
+    # none for the named presets; the default sharding option, auto, sets auto (the planner picks).
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # With activation_checkpointing=budget: the fraction of the compiled default's saved
     # activations to keep (torch._functorch.config.activation_memory_budget; 0 ~ full AC, 1 = off).
@@ -610,6 +645,7 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
@@ -673,15 +709,41 @@ GROUPS = (
 )
 
 
+MESH_DIR = Path(__file__).resolve().parent.parent / "conf" / "mesh"
+_SHAPE = re.compile(r"[1-9]\d*(x[1-9]\d*)*")
+
+
+def mesh_shape_overrides(args: list[str], shipped: set[str] | None = None) -> list[str]:
+    """Any mesh shape works as written: ``mesh=4x8`` -> ``mesh.shape=[4,8]``, ``mesh=6`` -> ``mesh.shape=[6]``.
+
+    The ``mesh`` group ships a file per common shape (conf/mesh/); any other ``NxM...`` has no file,
+    and Hydra would stop with "Could not find 'mesh/4x8'". A shape without a file becomes the
+    ``mesh.shape`` list it names; a sweep (``mesh=2x4,4x8``) with any such shape becomes a sweep
+    over ``mesh.shape`` lists. Shapes with a file, and anything that is not a shape, pass unchanged.
+    """
+    if shipped is None:
+        shipped = {p.stem for p in MESH_DIR.glob("*.yaml")}
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        parts = value.split(",") if sep and key == "mesh" else []
+        if parts and all(_SHAPE.fullmatch(p) for p in parts) and not set(parts) <= shipped:
+            lists = ",".join("[" + ",".join(p.split("x")) + "]" for p in parts)
+            arg = f"mesh.shape={lists}"
+        out.append(arg)
+    return out
+
+
 def quote_numeric_choices(args: list[str]) -> list[str]:
-    """Quote numeric group choices on the command line: ``mesh=4`` -> ``mesh='4'``.
+    """Quote numeric group choices on the command line: ``mesh=4`` -> ``mesh='4'``, after
+    ``mesh_shape_overrides`` has turned shapes without a file into ``mesh.shape`` lists.
 
     Hydra's override parser reads ``4`` as an int and then refuses it as a group choice ("Config group
     override must be a string or a list. Got int"); our mesh options are named by their shape
     (``1``, ``4``, ``2x4``). Sweeps (``mesh=2,4``) are quoted choice by choice.
     """
     out = []
-    for arg in args:
+    for arg in mesh_shape_overrides(args):
         key, sep, value = arg.partition("=")
         if sep and key.lstrip("+~") in GROUPS and value:
             parts = value.split(",")

@@ -46,9 +46,11 @@ from framework.launch import (
     resolve_device,
     spawn_local,
 )
+from framework.layout import fixed_degrees
 from framework.plan import Plan, format_plan, make_plan, plan_to_dict, resolve_batch
 from framework.rules import check as check_rules
 from framework.rules import check_known_keys
+from framework.search import SearchResult, format_search, maybe_search, search_to_dict
 from framework.topology import (
     apply_nccl_environment,
     describe_nccl,
@@ -125,7 +127,8 @@ def check_float8(cfg: Config, device: torch.device) -> None:
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
-    float8.check_shapes(cfg.model, cfg.sharding.tp if cfg.sharding.strategy.value in ("tp", "fsdp_tp") else 1)
+    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
+    float8.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     float8.check_device(recipe, device.type, capability, name)
@@ -243,18 +246,30 @@ def prelaunch(
     failure, an unresolvable interpolation (``train.lr=${train.lr}``) included. ``hydra_cfg`` (the
     composed ``hydra`` node) is checked too (framework.recipe_check.check_composed); its command-line
     overrides are what ``model.init_from`` may not contradict (framework.init_from)."""
+    cfg, plan, nccl_env, _ = prelaunch_with_search(dcfg, run_dir, recipe, hydra_cfg)
+    return cfg, plan, nccl_env
+
+
+def prelaunch_with_search(
+    dcfg: DictConfig, run_dir: Path, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> tuple[Config, Plan, dict[str, str], SearchResult | None]:
+    """``prelaunch``, and the layout search when the planner chose (``sharding=auto``), for plan.json."""
     overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
     try:
         check_safe(dcfg, recipe, hydra_cfg)
         cfg = validate(dcfg, overrides)
-        cfg = resolve_batch(cfg)  # train.micro_batch_size=0: resolved once, written to config.yaml
+        # The layout (sharding=auto: the planner's search), activation checkpointing under auto and
+        # train.micro_batch_size=0 are resolved once here and written to config.yaml as explicit
+        # values, so every rank plans the same layout without searching again.
+        found = maybe_search(cfg)
+        cfg = found.chosen_cfg if found is not None else resolve_batch(cfg)
         plan = make_plan(cfg)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         msg = str(getattr(e, "msg", None) or e).splitlines()[0]
         raise ValueError(f"{key}: {msg}" if key else f"config cannot be resolved: {msg}") from e
-    return cfg, plan, nccl_env
+    return cfg, plan, nccl_env, found
 
 
 @dataclass(frozen=True)
@@ -265,6 +280,7 @@ class PreparedJob:
     plan: Plan
     nccl_env: dict[str, str]
     config_yaml: str  # what config.yaml holds (the resolved config)
+    search: SearchResult | None = None  # the planner's layout search (sharding=auto), for plan.json
 
     @property
     def config_sha256(self) -> str:
@@ -274,10 +290,12 @@ class PreparedJob:
 def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJob:
     """``prelaunch`` for a job; a failure is a JobFailed with exit status 2."""
     try:
-        cfg, plan, nccl_env = prelaunch(dcfg, run_dir, hydra_cfg.runtime.choices.get("recipe"), hydra_cfg)
+        cfg, plan, nccl_env, found = prelaunch_with_search(
+            dcfg, run_dir, hydra_cfg.runtime.choices.get("recipe"), hydra_cfg
+        )
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
-    return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg))
+    return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg), found)
 
 
 def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> float | None:
@@ -289,7 +307,11 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
             raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
         (run_dir / "config.yaml").write_text(config_yaml)
-        (run_dir / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
+        record = plan_to_dict(plan)
+        if job.search is not None:
+            record["search"] = search_to_dict(job.search)
+            log.info("%s", format_search(job.search))
+        (run_dir / "plan.json").write_text(json.dumps(record, indent=2) + "\n")
         write_provenance(run_dir, recipe, config_yaml)
         log.info("plan:\n%s", format_plan(plan))
         write_nccl_record(run_dir, nccl_env)

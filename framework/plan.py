@@ -5,19 +5,10 @@ is printed by the launcher, written to ``plan.json``, checked by the dry run aga
 model, and compared across runs. It refuses what cannot work with a ``ValueError`` that names the bad
 value, the reason and a fix; the trainer catches it before launching ranks.
 
-Mesh layouts (axis names from ``MeshAxis``; the last axis varies fastest over global ranks, so an
-inner axis stays inside a node when its size times its stride divides the processes per node):
-
-=========  ======================================  ============================================
-strategy   mesh axes (sizes)                       notes
-=========  ======================================  ============================================
-ddp        (dp_replicate=world)                    gradients all-reduced in DDP buckets
-fsdp       (dp_shard=world)                        FSDP2 per block + root
-hsdp       (dp_replicate=nodes, dp_shard=ppn)      shard inside a node, replicate across nodes
-tp         (tp=world)                              requires sharding.tp == world (dp degree 1);
-                                                   data parallel plus TP is ``fsdp_tp``
-fsdp_tp    (dp_shard=world/tp, tp=sharding.tp)     TP inner (inside a node), FSDP outer
-=========  ======================================  ============================================
+The layout is a set of parallel degrees (framework.layout): fixed by ``parallel.*`` or a named
+``sharding`` preset, or searched (``sharding=auto``, framework.search, which evaluates candidates
+with ``plan_for``). Every branch here reads the degrees, never a strategy name. Each plan carries
+its predicted step time (framework.cost), so a forced layout can be compared with the search's.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from framework.config import (
@@ -35,10 +25,21 @@ from framework.config import (
     DType,
     ExecutorMode,
     ModelConfig,
+    ParallelConfig,
     ShardingConfig,
-    Strategy,
 )
+from framework.cost import StepPrediction, predict_step
 from framework.float8 import saved_activation_bytes_per_layer
+from framework.layout import (
+    DP_AXES,
+    Degrees,
+    MeshAxis,
+    Placement,
+    axis_placement,
+    check_degrees,
+    divisors,
+    fixed_degrees,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -52,15 +53,7 @@ _MASTER_BYTES = 4
 _ADAMW_STATES = 2
 
 
-class MeshAxis(Enum):
-    """Named mesh axes ("axis" names a mesh axis, "dim" a tensor dimension)."""
-
-    dp_replicate = "dp_replicate"
-    dp_shard = "dp_shard"
-    tp = "tp"
-
-
-DP_AXES = (MeshAxis.dp_replicate, MeshAxis.dp_shard)
+__all__ = ["DP_AXES", "MeshAxis"]
 
 
 @dataclass(frozen=True)
@@ -106,9 +99,11 @@ class Plan:
     world_size: int
     nodes: int
     procs_per_node: int
-    strategy: str
+    strategy: str  # the layout's name, from its degrees (Degrees.name): ddp, fsdp, hsdp_tp, ...
+    degrees: dict[str, int]  # dp_replicate, dp_shard, cp, tp, pp
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
+    placement: tuple[Placement, ...]  # where each mesh axis lands on the topology
     dp_degree: int
     tp_degree: int
     micro_batch_size: int
@@ -124,7 +119,12 @@ class Plan:
     bucket_cap_mb: float
     bucket_reason: str
     bucket_sizes: tuple[int, ...]  # bytes; DDP buckets in gradient order, or FSDP units (blocks, root)
+    prediction: StepPrediction
     warnings: tuple[str, ...]
+
+    @property
+    def layout(self) -> Degrees:
+        return Degrees(**self.degrees)
 
     def axis_size(self, axis: MeshAxis) -> int:
         return self.mesh_shape[self.mesh_axes.index(axis.value)] if axis.value in self.mesh_axes else 1
@@ -135,39 +135,8 @@ class Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _layout(cfg: Config) -> tuple[tuple[int, ...], tuple[MeshAxis, ...]]:
-    world, nodes, ppn = cfg.mesh.world_size, cfg.mesh.nodes, cfg.mesh.procs_per_node
-    strategy, tp = cfg.sharding.strategy, cfg.sharding.tp
-    if strategy in (Strategy.ddp, Strategy.fsdp, Strategy.hsdp) and tp != 1:
-        raise ValueError(
-            f"sharding.tp={tp} has no effect with sharding.strategy={strategy.value}: "
-            f"use sharding=fsdp_tp (or sharding=tp), or set sharding.tp=1"
-        )
-    if strategy == Strategy.ddp:
-        return (world,), (MeshAxis.dp_replicate,)
-    if strategy == Strategy.fsdp:
-        return (world,), (MeshAxis.dp_shard,)
-    if strategy == Strategy.hsdp:
-        return (nodes, ppn), (MeshAxis.dp_replicate, MeshAxis.dp_shard)
-    if strategy == Strategy.tp:
-        if tp != world:
-            raise ValueError(
-                f"sharding.strategy=tp needs sharding.tp == world size, got sharding.tp={tp} on "
-                f"mesh.shape={list(cfg.mesh.shape)} (world {world}): set sharding.tp={world}, or use "
-                f"sharding=fsdp_tp sharding.tp={tp} to add data parallelism"
-            )
-        return (tp,), (MeshAxis.tp,)
-    assert strategy == Strategy.fsdp_tp
-    if tp < 1 or world % tp:
-        raise ValueError(
-            f"sharding.tp={tp} does not divide the world size {world} (mesh.shape={list(cfg.mesh.shape)}): "
-            f"valid values are {_divisors(world)}"
-        )
-    return (world // tp, tp), (MeshAxis.dp_shard, MeshAxis.tp)
-
-
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return divisors(n)
 
 
 def _check_mesh(cfg: Config) -> None:
@@ -179,22 +148,7 @@ def _check_mesh(cfg: Config) -> None:
         )
 
 
-def _check_tp(cfg: Config, tp: int) -> None:
-    m = cfg.model
-    for field_name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim)):
-        if value % tp:
-            valid = [
-                d
-                for d in _divisors(cfg.mesh.world_size)
-                if m.n_heads % d == 0 and m.n_kv_heads % d == 0 and m.ffn_dim % d == 0
-            ]
-            raise ValueError(
-                f"sharding.tp={tp} does not divide model.{field_name}={value}: each TP rank needs whole "
-                f"heads and an equal FFN slice; valid TP degrees here are {valid}"
-            )
-
-
-def _check_executor(cfg: Config, tp: int) -> None:
+def _check_executor(cfg: Config, d: Degrees) -> None:
     """Refuse compile combinations that fail (or hang) on torch 2.13, found by the parallel tests."""
     ac = cfg.sharding.activation_checkpointing
     budget = cfg.sharding.activation_memory_budget
@@ -211,7 +165,7 @@ def _check_executor(cfg: Config, tp: int) -> None:
                 "sharding.activation_checkpointing=selective|full"
             )
         return
-    strategy = cfg.sharding.strategy
+    tp = d.tp
     if (
         cfg.executor.scope == CompileScope.model
         and tp > 1
@@ -223,13 +177,9 @@ def _check_executor(cfg: Config, tp: int) -> None:
             f"refuses (torch 2.13); use executor.scope=block (checkpointing then wraps each compiled "
             f"block) or sharding.activation_checkpointing=none"
         )
-    if cfg.executor.scope == CompileScope.model and strategy in (
-        Strategy.fsdp,
-        Strategy.hsdp,
-        Strategy.fsdp_tp,
-    ):
+    if cfg.executor.scope == CompileScope.model and d.fsdp:
         raise ValueError(
-            f"executor.scope=model with sharding.strategy={strategy.value}: FSDP2's per-block hooks "
+            f"executor.scope=model with an FSDP layout ({d.name()}: {d.short()}): FSDP2's per-block hooks "
             f"are Dynamo graph breaks (torch._dynamo.disable), so no full graph spans the model; "
             f"use executor.scope=block, which compiles exactly the regions between those hooks"
         )
@@ -289,8 +239,23 @@ def _check_batch(cfg: Config, dp: int) -> int:
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
     """Parameters of framework.model.Llama in ``named_parameters()`` order (tied output omitted).
 
-    Mirrors the model so the planner needs no model; the dry run checks the two agree.
+    Mirrors the model so the planner needs no model; the dry run checks the two agree. Cached per
+    shape: the layout search plans the same model hundreds of times.
     """
+    key = (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings)
+    return list(_param_specs(key, m))
+
+
+_SPEC_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
+
+
+def _param_specs(key: tuple, m: ModelConfig) -> tuple[ParamSpec, ...]:
+    if key not in _SPEC_CACHE:
+        _SPEC_CACHE[key] = tuple(_build_specs(m))
+    return _SPEC_CACHE[key]
+
+
+def _build_specs(m: ModelConfig) -> list[ParamSpec]:
     hd = m.dim // m.n_heads
     specs = [ParamSpec("tok_embeddings.weight", (m.vocab_size, m.dim), 0, "root")]
     for i in range(m.n_layers):
@@ -388,11 +353,23 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
 
 
 def _memory(
-    cfg: Config, specs: list[ParamSpec], tp: int, dp_shard: int, unit_bytes: list[int]
+    cfg: Config,
+    specs: list[ParamSpec],
+    tp: int,
+    dp_shard: int,
+    unit_bytes: list[int],
+    ddp: bool = False,
+    accum: int = 1,
 ) -> MemoryEstimate:
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
+    if dp_shard > 1 and accum > 1:
+        # The loop skips the reduce-scatter on all but the last micro batch
+        # (FSDPModule.set_requires_gradient_sync(False)), so FSDP2 accumulates each unit's
+        # unsharded gradient, in param_dtype, until then: this TP rank's whole gradient.
+        full = sum(local_numel(s, tp, 1) for s in specs)
+        grads += full * _DTYPE_BYTES[cfg.sharding.param_dtype]
     if cfg.train.optimizer_in_backward and not _whole_model_backward(cfg):
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
@@ -405,12 +382,16 @@ def _memory(
         biggest = max(unit_bytes) // _MASTER_BYTES
         p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
         comm_buffers = biggest * (2 * p_el + r_el)
-    elif cfg.sharding.strategy == Strategy.ddp and cfg.mesh.world_size // tp > 1:
+    elif ddp:
         # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
         # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
         # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
         comm_buffers = grads
-    by_mode = {mode.value: _activation_bytes(cfg, tp, mode) for mode in ActivationCheckpointing}
+    by_mode = {
+        mode.value: _activation_bytes(cfg, tp, mode)
+        for mode in ActivationCheckpointing
+        if mode != ActivationCheckpointing.auto
+    }
     if cfg.executor.mode == ExecutorMode.eager:
         del by_mode[ActivationCheckpointing.budget.value]  # compiled executors only
     acts = by_mode[cfg.sharding.activation_checkpointing.value]
@@ -507,10 +488,12 @@ def _comm(
     accum: int,
     num_buckets: int,
     units: list[int],
+    ddp: bool,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
-    in backward, and reduce-scatters its gradient, once per micro batch; replicated gradients are
-    all-reduced once per step (the trainer accumulates under no_sync); TP with sequence parallelism
+    in backward, once per micro batch, and reduce-scatters its gradient once per step (the loop
+    turns gradient sync off on all but the last micro batch); replicated gradients are all-reduced
+    once per step (DDP's no_sync, or HSDP after the reduce-scatter); TP with sequence parallelism
     all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
     ppn = cfg.mesh.procs_per_node
     out: list[CommEstimate] = []
@@ -535,13 +518,13 @@ def _comm(
                 "reduce_scatter",
                 shard,
                 intra[MeshAxis.dp_shard],
-                len(units) * accum,
+                len(units),  # once per step: the loop skips it on all but the last micro batch
                 avg_unit * r_el,
             )
         )
     rep = size.get(MeshAxis.dp_replicate, 1)
     if rep > 1:
-        if cfg.sharding.strategy == Strategy.ddp:
+        if ddp:
             per = full_local * _MASTER_BYTES // num_buckets
             out.append(
                 _collective(
@@ -557,15 +540,20 @@ def _comm(
                     "all_reduce",
                     rep,
                     intra[MeshAxis.dp_replicate],
-                    len(units) * accum,
+                    len(units),  # with the reduce-scatter, on the last micro batch only
                     per,
                 )
             )
     if tp > 1:
-        act = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.dim * p_el
+        elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        act = tokens * cfg.model.dim * elem
         calls = cfg.model.n_layers * 4 * accum  # 2 forward + 2 backward, each kind
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
+        # The output projection gathers the full logits for the loss, once per micro batch.
+        logits = tokens * cfg.model.vocab_size * elem
+        out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
     return out
 
 
@@ -574,53 +562,86 @@ def _comm(
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_batch(cfg: Config) -> Config:
-    """``train.micro_batch_size=0`` (auto) is each data-parallel rank's whole share of the global
-    batch, with no accumulation: the same recipe then runs on 1, 4 or 8 ranks unchanged.
+def with_degrees(cfg: Config, d: Degrees) -> Config:
+    """``cfg`` with its layout written as explicit ``parallel.*`` degrees (what config.yaml records)."""
+    return dataclasses.replace(cfg, parallel=ParallelConfig(**dataclasses.asdict(d)))
 
-    Returns ``cfg`` itself when the micro batch is set, else a copy with it resolved. Raises
-    ValueError when the global batch does not split across the data-parallel ranks.
+
+def needs_search(cfg: Config) -> bool:
+    """Whether the planner chooses part of the layout: the degrees (``sharding=auto`` without
+    ``parallel.*``) or the activation checkpointing (``sharding.activation_checkpointing=auto``)."""
+    return fixed_degrees(cfg) is None or cfg.sharding.activation_checkpointing == ActivationCheckpointing.auto
+
+
+def resolve_batch(cfg: Config) -> Config:
+    """Resolve everything the planner decides, once: the layout (a preset or the search's choice,
+    written as explicit ``parallel.*`` degrees), activation checkpointing under ``auto``, and
+    ``train.micro_batch_size=0``, which with a fixed layout is each data-parallel rank's whole share
+    of the global batch, with no accumulation (the same recipe runs on 1, 4 or 8 ranks unchanged).
+
+    Returns ``cfg`` itself when nothing is left to resolve (what entry.py wrote to config.yaml).
+    Raises ValueError when the global batch does not split across the data-parallel ranks, or as
+    the search does when nothing fits.
     """
-    if cfg.train.micro_batch_size != 0:
-        return cfg
     _check_mesh(cfg)
-    sizes, axes = _layout(cfg)
-    size = dict(zip(axes, sizes, strict=True))
-    dp = size.get(MeshAxis.dp_replicate, 1) * size.get(MeshAxis.dp_shard, 1)
-    gbs = cfg.train.global_batch_size
+    if needs_search(cfg):
+        from framework.search import search
+
+        return search(cfg).chosen_cfg
+    d = fixed_degrees(cfg)
+    assert d is not None
+    out = cfg if explicit_degrees_equal(cfg, d) else with_degrees(cfg, d)
+    if cfg.train.micro_batch_size != 0:
+        return out
+    dp, gbs = d.dp, cfg.train.global_batch_size
     if gbs < dp or gbs % dp:
         raise ValueError(
             f"train.global_batch_size={gbs} does not split across {dp} data-parallel ranks: use a "
             f"multiple of {dp} (e.g. {[dp * k for k in (1, 2, 4, 8)]})"
         )
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=gbs // dp))
+    return dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=gbs // dp))
+
+
+def explicit_degrees_equal(cfg: Config, d: Degrees) -> bool:
+    return all(getattr(cfg.parallel, k) == v for k, v in dataclasses.asdict(d).items())
 
 
 def make_plan(cfg: Config) -> Plan:
-    """Derive degrees, batch split, memory, communication and bucketing; refuse what cannot work.
+    """Resolve the layout (``resolve_batch``), then plan it (``plan_for``); refuse what cannot work.
 
-    Raises ValueError naming the bad value, the reason and a fix: a mesh that does not fit the
-    strategy, a TP degree that does not divide heads / FFN / world, a global batch that does not
-    split across data-parallel ranks and micro batches, or a per-rank memory estimate above the
-    device memory (only a warning under ``run.dry_run`` or ``run.allow_over_memory``).
+    Raises ValueError naming the bad value, the reason and a fix: degrees whose product is not the
+    world size, pp/cp > 1, a TP degree that does not divide heads / FFN / world, a global batch that
+    does not split across data-parallel ranks and micro batches, ``sharding=auto`` with nothing that
+    fits, or a per-rank memory estimate above the device memory (only a warning under
+    ``run.dry_run`` or ``run.allow_over_memory``).
     """
     cfg = resolve_batch(cfg)
+    d = fixed_degrees(cfg)
+    assert d is not None
+    return plan_for(cfg, d)
+
+
+def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
+    """The plan of one concrete layout: ``cfg`` has a micro batch and an activation checkpointing
+    mode; ``d`` are its degrees. ``check_memory=False`` (the search) reports a layout that does not
+    fit instead of refusing it."""
     _check_mesh(cfg)
     warnings: list[str] = []
-    sizes, axes = _layout(cfg)
-    assert math.prod(sizes) == cfg.mesh.world_size, (sizes, cfg.mesh.shape)
+    world = cfg.mesh.world_size
+    assert d.world_size == world, (d, cfg.mesh.shape)
+    check_degrees(d, cfg.model, world)
+    axes_sizes = d.axes()
+    axes = tuple(a for a, _ in axes_sizes)
+    sizes = tuple(n for _, n in axes_sizes)
+    placement = axis_placement(sizes, tuple(a.value for a in axes), cfg.mesh)
     size = dict(zip(axes, sizes, strict=True))
-    tp = size.get(MeshAxis.tp, 1)
-    dp = size.get(MeshAxis.dp_replicate, 1) * size.get(MeshAxis.dp_shard, 1)
-    shard = size.get(MeshAxis.dp_shard, 1)
-    if tp > 1:
-        _check_tp(cfg, tp)
-        if not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
-            warnings.append(
-                f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
-                f"the inter-node link; use sharding.tp <= {cfg.mesh.procs_per_node}"
-            )
-    _check_executor(cfg, tp)
+    tp, dp, shard = d.tp, d.dp, d.dp_shard
+    if tp > 1 and not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
+        warnings.append(
+            f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
+            f"the inter-node link; use a tp degree that divides {cfg.mesh.procs_per_node}"
+        )
+    _check_executor(cfg, d)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)
     if cfg.train.optimizer_in_backward and _whole_model_backward(cfg):
@@ -629,14 +650,14 @@ def make_plan(cfg: Config) -> Plan:
             "out every gradient at once, so no gradient memory is saved and no update overlaps the "
             "backward; use executor.scope=block"
         )
-    strategy = cfg.sharding.strategy
-    if strategy == Strategy.hsdp and cfg.mesh.nodes == 1:
+    if cfg.sharding.strategy.value == "hsdp" and cfg.mesh.nodes == 1 and fixed_degrees(cfg) == d:
         warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")
-    if strategy == Strategy.ddp and (
+    if not d.fsdp and (
         cfg.sharding.param_dtype != DType.float32 or cfg.sharding.reduce_dtype != DType.float32
     ):
         warnings.append(
-            "sharding.param_dtype / reduce_dtype are ignored under ddp (FSDP2 mixed precision only)"
+            f"sharding.param_dtype / reduce_dtype are ignored without FSDP ({d.name()}; FSDP2 mixed "
+            f"precision only)"
         )
     if (
         cfg.sharding.activation_memory_budget != ShardingConfig.activation_memory_budget
@@ -657,11 +678,11 @@ def make_plan(cfg: Config) -> Plan:
 
     specs = param_specs(cfg.model)
     units = _fsdp_units(specs, tp)
-    memory = _memory(cfg, specs, tp, shard, units)
+    memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum)
 
     full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
     rep = size.get(MeshAxis.dp_replicate, 1)
-    if strategy == Strategy.ddp:
+    if not d.fsdp:
         if cfg.bucketing.auto:
             intra = _axis_is_intra_node(sizes, 0, cfg.mesh.procs_per_node)
             cap, reason = _auto_bucket(cfg, full_local_bytes, rep, intra)
@@ -673,37 +694,41 @@ def make_plan(cfg: Config) -> Plan:
         buckets = _ddp_buckets(specs, int(cap * MIB), tp)
     else:
         cap = cfg.bucketing.bucket_cap_mb
-        reason = f"{strategy.value}: FSDP2 communicates per unit (one per block + root); bucket_cap_mb unused"
+        reason = f"{d.name()}: FSDP2 communicates per unit (one per block + root); bucket_cap_mb unused"
         if cfg.bucketing.auto:
-            warnings.append(f"bucketing.auto does nothing under sharding={strategy.value}: {reason}")
+            warnings.append(f"bucketing.auto does nothing under {d.name()} (dp_shard={shard}): {reason}")
         buckets = units
 
-    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units)
+    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp)
+    prediction = predict_step(cfg, d, comm, accum, units)
     mem_msg = (
         f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
         f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
-        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=fsdp "
-        f"(or a larger fsdp/tp degree) or sharding.activation_checkpointing=full, or a smaller "
-        f"train.micro_batch_size"
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
+        f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
+        f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
     )
     if memory.total > memory.device:
         # A dry run is for planning layouts, including ones that do not fit: it reports; a launch
         # would run for minutes toward an out-of-memory kill, so it is refused unless asked for.
-        if not (cfg.run.dry_run or cfg.run.allow_over_memory):
+        # The search (check_memory=False) ranks layouts that do not fit instead of refusing them.
+        if check_memory and not (cfg.run.dry_run or cfg.run.allow_over_memory):
             raise ValueError(
                 f"mesh.hardware.memory_gib={cfg.mesh.hardware.memory_gib:g} "
-                f"(mesh.hardware.name={cfg.mesh.hardware.name}) is too small for this plan: {mem_msg}; "
+                f"(mesh.hardware.name={cfg.mesh.hardware.name}) is too small for {d.short()}: {mem_msg}; "
                 f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
             )
         warnings.append(mem_msg)
 
     return Plan(
-        world_size=cfg.mesh.world_size,
+        world_size=world,
         nodes=cfg.mesh.nodes,
         procs_per_node=cfg.mesh.procs_per_node,
-        strategy=strategy.value,
+        strategy=d.name(),
+        degrees=dataclasses.asdict(d),
         mesh_shape=sizes,
         mesh_axes=tuple(a.value for a in axes),
+        placement=placement,
         dp_degree=dp,
         tp_degree=tp,
         micro_batch_size=cfg.train.micro_batch_size,
@@ -719,6 +744,7 @@ def make_plan(cfg: Config) -> Plan:
         bucket_cap_mb=cap,
         bucket_reason=reason,
         bucket_sizes=tuple(buckets),
+        prediction=prediction,
         warnings=tuple(warnings),
     )
 
@@ -738,17 +764,25 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """JSON-ready dict (tuples become lists); ``plan_from_dict`` inverts it."""
-    return dataclasses.asdict(plan)
+    """JSON-ready dict (tuples become lists); ``plan_from_dict`` inverts it. The prediction's
+    headline figures are repeated at the top, under the names the search's candidates use."""
+    d = dataclasses.asdict(plan)
+    d["predicted_step_time_s"] = plan.prediction.step_time_s
+    d["predicted_mfu"] = plan.prediction.mfu
+    d["memory_gib"] = plan.memory.total / GIB
+    return d
 
 
 def plan_from_dict(d: dict[str, Any]) -> Plan:
     memory = MemoryEstimate(**d["memory"])
     comm = tuple(CommEstimate(**c) for c in d["comm"])
-    rest = {k: v for k, v in d.items() if k not in ("memory", "comm")}
+    placement = tuple(Placement(**p) for p in d["placement"])
+    prediction = StepPrediction(**d["prediction"])
+    derived = ("predicted_step_time_s", "predicted_mfu", "memory_gib", "search")
+    rest = {k: v for k, v in d.items() if k not in ("memory", "comm", "placement", "prediction", *derived)}
     for k in ("mesh_shape", "mesh_axes", "bucket_sizes", "warnings"):
         rest[k] = tuple(rest[k])
-    return Plan(memory=memory, comm=comm, **rest)
+    return Plan(memory=memory, comm=comm, placement=placement, prediction=prediction, **rest)
 
 
 def _gib(b: int) -> str:
@@ -759,10 +793,19 @@ def format_plan(plan: Plan) -> str:
     """The table printed once on rank 0 before training."""
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh_axes, plan.mesh_shape, strict=True))
     m = plan.memory
+    deg = " x ".join(f"{k}={v}" for k, v in plan.degrees.items())
     lines = [
         f"plan: {plan.strategy} on {plan.world_size} ranks ({plan.nodes} node(s) x {plan.procs_per_node})",
+        f"  degrees         {deg}",
         f"  mesh            {mesh}",
-        f"  degrees         dp={plan.dp_degree} tp={plan.tp_degree}",
+    ]
+    for p in plan.placement:
+        lines.append(f"    {p.axis:<13} size {p.size:<5} stride {p.stride:<5} {p.describe()}")
+    pr = plan.prediction
+    lines += [
+        f"  predicted step  {pr.step_time_s * 1e3:.1f} ms (compute {pr.compute_s * 1e3:.1f}, exposed comm "
+        f"{pr.exposed_comm_s * 1e3:.1f}, optimizer {pr.optimizer_s * 1e3:.1f}); MFU {pr.mfu:.1%}, "
+        f"{pr.tokens_per_s:,.0f} tokens/s",
         f"  batch           global {plan.global_batch_size} = dp {plan.dp_degree} x micro "
         f"{plan.micro_batch_size} x accum {plan.grad_accum_steps}; seq {plan.seq_len}",
         f"  params          {plan.num_params:,} total, {plan.params_per_rank:,} per rank",

@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import Config, ExecutorMode, MixEntry, OptimizerName, Strategy
+from framework.config import Config, ExecutorMode, MixEntry, OptimizerName
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -205,7 +205,19 @@ def _muon_ok(v: Any, c: Config) -> bool:
         return True
     import torch
 
-    return hasattr(torch.optim, "Muon") and c.sharding.strategy is Strategy.ddp
+    return hasattr(torch.optim, "Muon") and _replicated_layout(c)
+
+
+def _replicated_layout(c: Config) -> bool:
+    """Every rank holds whole matrices: a fixed layout without dp_shard or tp, or sharding=auto (whose
+    search then keeps to such layouts, framework.search)."""
+    from framework.layout import fixed_degrees
+
+    try:
+        d = fixed_degrees(c)
+    except ValueError:
+        return True  # a bad layout is the layout's own rule to report
+    return d is None or (d.dp_shard == 1 and d.tp == 1)
 
 
 def _muon_valid(c: Config) -> str:
@@ -215,7 +227,7 @@ def _muon_valid(c: Config) -> str:
         return f"adamw, adam or sgd: the installed torch {torch.__version__} has no torch.optim.Muon"
     return (
         f"adamw, adam or sgd with sharding.strategy={c.sharding.strategy.value}; muon orthogonalizes "
-        "whole weight matrices and needs sharding=ddp (each rank holds every matrix)"
+        "whole weight matrices and needs a layout without dp_shard or tp (sharding=ddp, or sharding=auto)"
     )
 
 
@@ -377,6 +389,20 @@ RULES: dict[str, Rule] = {
     "mesh.hardware.intra_node_latency_us": number(0),
     "mesh.hardware.inter_node_latency_us": number(0),
     "mesh.hardware.numa_per_host": integer(1),
+    "mesh.hardware.gemm_efficiency": number(0, 1, lo_open=True),
+    "mesh.hardware.hbm_gbps": number(0, lo_open=True),
+    "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
+    "mesh.hardware.comm_overlap": number(0, 1),
+    # parallel: the degrees (framework.layout)
+    **{
+        f"parallel.{n}": Rule(
+            "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
+            "(cp and pp: 1, not implemented yet)",
+            checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
+            bad=(-2, 3),
+        )
+        for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    },
     # sharding
     "sharding.strategy": TYPED,
     "sharding.tp": Rule(

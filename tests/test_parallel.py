@@ -22,6 +22,7 @@ from framework.config import (
     Config,
     ExecutorConfig,
     ExecutorMode,
+    ParallelConfig,
     Strategy,
 )
 from framework.model import build_model, materialize
@@ -127,6 +128,21 @@ CASES = [
     ("fsdp_tp", [2, 2], 2),
     ("hsdp", [2, 4], 1),  # 8 ranks: 2 "nodes" x 4, replicate x shard (the one world-8 case: budget)
 ]
+
+
+def test_hsdp_tp_3d_matches_single_process(reference: list[float]) -> None:
+    """dp_replicate x dp_shard x tp = 2 x 2 x 2 on 8 gloo ranks (mesh 2x4: TP inside a "node",
+    replicas across the two), set by explicit degrees: the layout no preset could express."""
+    cfg = make_cfg("fsdp", [2, 4])
+    cfg.parallel = ParallelConfig(dp_replicate=2, dp_shard=2, tp=2)
+    cfg.train.micro_batch_size = GLOBAL_BATCH // 4
+    plan = make_plan(cfg)
+    assert (plan.mesh_axes, plan.mesh_shape) == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
+    assert [p.intra_node for p in plan.placement] == [False, True, True]
+    out = run_ranks(_worker, 8, cfg, timeout_s=300)
+    for r in out:
+        torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
+    assert sorted({r["dp"] for r in out}) == [(i, 4) for i in range(4)]
 
 
 @pytest.mark.parametrize(

@@ -136,7 +136,7 @@ def test_memory_refused_unless_allowed_or_dry_run() -> None:
         cfg.mesh.hardware = hardware
         with pytest.raises(
             ValueError,
-            match=r"needs [\d.]+ GiB per rank, device has 80 .*use sharding=fsdp .*"
+            match=r"needs [\d.]+ GiB per rank, device has 80 .*use sharding=auto .*"
             r"activation_checkpointing=full.*run.allow_over_memory=true",
         ):
             make_plan(cfg)
@@ -170,6 +170,7 @@ def test_comm_links_and_tp_warning() -> None:
         ("dp_shard", "reduce_scatter"): "inter",
         ("tp", "all_gather"): "intra",
         ("tp", "reduce_scatter"): "intra",
+        ("tp", "all_gather_logits"): "intra",
     }
     assert not plan.warnings
     plan = make_plan(cfg_for("fsdp_tp", [2, 1], tp=2))
@@ -212,13 +213,13 @@ def test_bucketing_auto() -> None:
     fsdp.bucketing.auto = True
     plan = make_plan(fsdp)
     assert len(plan.bucket_sizes) == fsdp.model.n_layers + 1
-    assert any("bucketing.auto does nothing under sharding=fsdp" in w for w in plan.warnings)
+    assert any("bucketing.auto does nothing under fsdp (dp_shard=4)" in w for w in plan.warnings)
 
 
 def test_compile_combinations_refused() -> None:
     cfg = cfg_for("fsdp", [2])
     cfg.executor.mode, cfg.executor.scope = ExecutorMode.compile, CompileScope.model
-    with pytest.raises(ValueError, match="executor.scope=model with sharding.strategy=fsdp"):
+    with pytest.raises(ValueError, match=r"executor.scope=model with an FSDP layout \(fsdp: r1 s2 t1\)"):
         make_plan(cfg)
     cfg = cfg_for("fsdp_tp", [2, 2], tp=2)  # per-block compile with TP (and 2D) is planned
     cfg.executor.mode = ExecutorMode.compile
@@ -285,8 +286,9 @@ def test_auto_micro_batch_is_the_whole_rank_share() -> None:
         cfg = resolve_batch(cfg_for(strategy, shape, tp, gbs=32, mbs=0))
         assert cfg.train.micro_batch_size == expected
         assert make_plan(cfg).grad_accum_steps == 1
-    explicit = cfg_for("ddp", [2], gbs=32, mbs=4)
-    assert resolve_batch(explicit) is explicit
+    explicit = resolve_batch(cfg_for("ddp", [2], gbs=32, mbs=4))
+    assert explicit.parallel.dp_replicate == 2 and explicit.train.micro_batch_size == 4
+    assert resolve_batch(explicit) is explicit  # resolved once: what config.yaml records
     with pytest.raises(ValueError, match="global_batch_size=6 does not split across 4"):
         resolve_batch(cfg_for("ddp", [4], gbs=6, mbs=0))
 

@@ -48,6 +48,14 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in rows if "val_loss" in r)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["time_to_first_step_s"] > 0
+    # The loss trace of `python train.py` before the planner chose the layout (main at 9badb94,
+    # sharding=ddp on one rank): sharding=auto picks that same single-rank step.
+    assert losses(run) == pytest.approx(
+        [3.9803249835968018, 3.001776695251465, 2.68634033203125, 2.6800055503845215], rel=1e-4
+    )
+    assert val == pytest.approx([5.186244964599609, 2.806875467300415, 2.578624725341797], rel=1e-4)
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["strategy"] == "single" and plan["search"]["chosen"]["activation_checkpointing"] == "none"
 
 
 def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None:
@@ -132,6 +140,13 @@ NO_GPU_CASE = (
             "executor.cache_dir='pyproject.toml' cannot",
         ),
         (["sharding=tp", "sharding.tp=3", "mesh.shape=[3]"], "n_heads"),
+        (
+            ["mesh=2x3", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+            "multiply to 4, not the world size 6",
+        ),
+        (["mesh=4", "parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2"),
+        (["mesh=2", "parallel.pp=2"], "pipeline parallelism is not implemented yet"),
+        (["recipe=llama70b", "mesh/hardware=h100_sxm"], "sharding=auto: nothing fits"),
         (["train.optimizer_in_backward=true"], "train.grad_clip=1.0: a global gradient-norm clip"),
         NO_GPU_CASE,
     ],

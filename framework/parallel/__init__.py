@@ -15,7 +15,6 @@ from framework.config import (
     BucketingConfig,
     ExecutorConfig,
     ShardingConfig,
-    Strategy,
 )
 from framework.model import Llama, materialize
 from framework.parallel.activation import apply_ac
@@ -61,7 +60,9 @@ def parallelize(
       3. Compile (``apply_compile``): per block (or whole model) before FSDP/DDP, so their hooks
          stay outside the compiled graphs (fullgraph) and Dynamo never traces DDP.
       4. FSDP2 / HSDP (``apply_fsdp``): per block, then the root; still on meta, so a 70B shape
-         is sharded before any rank allocates it.
+         is sharded before any rank allocates it. On when ``dp_shard > 1``, and for
+         ``dp_replicate > 1`` with TP (HSDP over a size-1 dp_shard axis: DDP cannot wrap the TP
+         DTensors), so dp_replicate x dp_shard x tp is one 3D mesh.
       5. Materialize (``framework.model.materialize``): ``to_empty`` on the device, re-tie, then
          ``init_weights(seed)``, which draws every full parameter from a per-name generator and
          slices the local shard: every layout starts from the single-process weights. It also
@@ -69,36 +70,37 @@ def parallelize(
          Skipped with ``init_weights=False`` (the dry run measures shapes on meta).
       6. DDP (``apply_ddp``): last, because it verifies, broadcasts and buckets real tensors (it
          cannot wrap meta ones, so ``init_weights=False`` skips it too; DDP shards nothing, so the
-         dry run's measurement does not change). Like every step, it is off when its axis has
-         size 1 (one data-parallel rank), so world size 1 needs no branch of its own.
+         dry run's measurement does not change). On for ``dp_replicate > 1`` without dp_shard or
+         TP. Like every step, it is off when its axis has size 1, so world size 1 needs no branch.
+
+    Every step reads the plan's degrees (``plan.layout``), never a strategy name.
 
     Each step is a no-op when its setting is off. Raises ValueError for ``executor.mode=cudagraphs``
     off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
     """
-    strategy = Strategy(plan.strategy)
-    fsdp = strategy in (Strategy.fsdp, Strategy.hsdp, Strategy.fsdp_tp)
-    apply_float8(model, model.cfg, fsdp_all_gather=fsdp and plan.axis_size(MeshAxis.dp_shard) > 1)
+    layout = plan.layout
+    apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.dp_shard > 1)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
     budget = (
         sharding.activation_memory_budget
         if sharding.activation_checkpointing == ActivationCheckpointing.budget
         else None
     )
-    if plan.tp_degree > 1:
+    if layout.tp > 1:
         apply_compile(model, executor, device, budget)
         apply_ac(model, sharding.activation_checkpointing)
     else:
         apply_ac(model, sharding.activation_checkpointing)
         apply_compile(model, executor, device, budget)
     dp_mesh = sub_mesh(mesh, plan, DP_AXES)
-    if fsdp:
+    if layout.fsdp:
         assert dp_mesh is not None
         apply_fsdp(model, dp_mesh, sharding)
     if init_weights:
         materialize(model, device, seed)
     # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
     # them with itself, and keep its gradient buckets resident through forward: the concern is off.
-    if strategy == Strategy.ddp and init_weights and plan.dp_degree > 1:
+    if layout.ddp and init_weights:
         assert dp_mesh is not None
         return apply_ddp(model, dp_mesh, bucketing, plan.bucket_cap_mb)
     return model

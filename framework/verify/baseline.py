@@ -56,7 +56,13 @@ def perf_figures(
 def baseline_key(cfg: Config, world_size: int, device_name: str, executor: ExecutorMode | None = None) -> str:
     """The store key; ``executor`` is the mode that actually ran (after a fallback), default the configured one."""
     mode = (executor or cfg.executor.mode).value
-    sharding = cfg.sharding.strategy.value + (f"-tp{cfg.sharding.tp}" if cfg.sharding.tp > 1 else "")
+    from framework.layout import fixed_degrees
+    from framework.plan import resolve_batch
+
+    # The layout from its degrees (a no-op resolve for the trainer's config, which is resolved).
+    degrees = fixed_degrees(resolve_batch(cfg))
+    assert degrees is not None
+    sharding = degrees.name() + (f"-tp{degrees.tp}" if degrees.tp > 1 else "")
     mesh = "x".join(str(s) for s in cfg.mesh.shape)
     return "|".join(
         (

@@ -1,0 +1,266 @@
+"""``sharding=auto``: the planner chooses the layout against the declared topology, and says why.
+
+Every feasible (dp_replicate, dp_shard, tp, activation checkpointing, micro batch) for the model and
+the mesh is planned with ``plan_for`` (memory per rank, communication) and costed with
+``framework.cost`` (step time, MFU). The fastest layout that fits the device wins; ties go to the
+smaller memory. ``format_search`` prints the top 10 with the reason each loses against the choice:
+memory (it does not fit), communication, compute (recompute included) or memory-bound work.
+
+What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
+divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
+node; ``sharding.tp`` other than 1 pins it), activation checkpointing under
+``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
+``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch). Anything the
+user set is kept. pp and cp are 1 (not implemented yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName
+from framework.layout import Degrees, divisors, fixed_degrees
+from framework.plan import GIB, Plan, plan_for, with_degrees
+
+SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
+TOP = 10
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated layout and its prediction."""
+
+    degrees: dict[str, int]
+    layout: str  # Degrees.name()
+    activation_checkpointing: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    memory_gib: float
+    fits: bool
+    predicted_step_time_s: float
+    predicted_mfu: float
+    predicted_tokens_per_s: float
+    compute_s: float
+    memory_bound_s: float
+    optimizer_s: float
+    exposed_comm_s: float
+    reason: str = ""  # why it loses against the choice ("chosen" for the choice)
+
+    def short(self) -> str:
+        return Degrees(**self.degrees).short()
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]  # fitting ones fastest first, then the rest by memory
+    chosen_cfg: Config  # the input with the choice written in (explicit degrees, AC, micro batch)
+    device_gib: float
+
+
+def _degree_options(cfg: Config) -> list[Degrees]:
+    fixed = fixed_degrees(cfg)
+    if fixed is not None:
+        return [fixed]
+    m, world, ppn = cfg.model, cfg.mesh.world_size, cfg.mesh.procs_per_node
+    tps = [
+        t
+        for t in divisors(world)
+        if ppn % t == 0 and m.n_heads % t == 0 and m.n_kv_heads % t == 0 and m.ffn_dim % t == 0
+    ]
+    if cfg.sharding.tp != 1:
+        tps = [t for t in tps if t == cfg.sharding.tp]
+        if not tps:
+            raise ValueError(
+                f"sharding=auto with sharding.tp={cfg.sharding.tp}: that TP degree does not divide the "
+                f"processes per node ({ppn}), model.n_heads, model.n_kv_heads and model.ffn_dim; "
+                f"valid: sharding.tp=1 (let the planner choose) or one of "
+                f"{[t for t in divisors(ppn) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]}"
+            )
+    out = []
+    for t in tps:
+        for r in divisors(world // t):
+            out.append(Degrees(dp_replicate=r, dp_shard=world // t // r, tp=t))
+    if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
+        out = [d for d in out if d.dp_shard == 1 and d.tp == 1]
+    return out
+
+
+def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
+    ac = cfg.sharding.activation_checkpointing
+    return list(SEARCHED_AC) if ac == ActivationCheckpointing.auto else [ac]
+
+
+def _micro_options(cfg: Config, d: Degrees) -> list[int]:
+    gbs = cfg.train.global_batch_size
+    if gbs % d.dp:
+        return []
+    if cfg.train.micro_batch_size != 0:
+        return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
+    return sorted(divisors(gbs // d.dp), reverse=True)
+
+
+def _configure(cfg: Config, d: Degrees, ac: ActivationCheckpointing, micro: int) -> Config:
+    out = with_degrees(cfg, d)
+    return dataclasses.replace(
+        out,
+        sharding=dataclasses.replace(out.sharding, activation_checkpointing=ac),
+        train=dataclasses.replace(out.train, micro_batch_size=micro),
+    )
+
+
+def _candidate(plan: Plan, device: int) -> Candidate:
+    p = plan.prediction
+    return Candidate(
+        degrees=dict(plan.degrees),
+        layout=plan.strategy,
+        activation_checkpointing=plan.activation_checkpointing,
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum_steps=plan.grad_accum_steps,
+        memory_gib=plan.memory.total / GIB,
+        fits=plan.memory.total <= device,
+        predicted_step_time_s=p.step_time_s,
+        predicted_mfu=p.mfu,
+        predicted_tokens_per_s=p.tokens_per_s,
+        compute_s=p.compute_s,
+        memory_bound_s=p.memory_s,
+        optimizer_s=p.optimizer_s,
+        exposed_comm_s=p.exposed_comm_s,
+    )
+
+
+def _why(c: Candidate, best: Candidate, device_gib: float) -> str:
+    """The term that costs this candidate the most time against the choice."""
+    if not c.fits:
+        return f"memory: {c.memory_gib:.1f} GiB > {device_gib:.1f} GiB device"
+    terms = {
+        "communication": (c.exposed_comm_s, best.exposed_comm_s, "exposed"),
+        "compute": (
+            c.compute_s,
+            best.compute_s,
+            "recompute and TP split" if c.activation_checkpointing != "none" else "GEMMs",
+        ),
+        "memory-bound": (
+            c.memory_bound_s + c.optimizer_s,
+            best.memory_bound_s + best.optimizer_s,
+            "casts, accumulation, optimizer",
+        ),
+    }
+    name, (mine, theirs, what) = max(terms.items(), key=lambda kv: kv[1][0] - kv[1][1])
+    if mine - theirs <= 0 or c.predicted_step_time_s <= best.predicted_step_time_s:
+        return f"ties: {c.predicted_step_time_s * 1e3:.1f} ms, more memory ({c.memory_gib:.1f} GiB)"
+    return f"{name}: {mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms ({what})"
+
+
+def search(cfg: Config) -> SearchResult:
+    """Plan and cost every feasible layout; choose the fastest that fits.
+
+    Raises ValueError when no layout is feasible (the global batch splits over no data-parallel
+    degree, or no TP degree divides the model), or when none fits the device: the message gives the
+    smallest memory found and what would make it fit.
+    """
+    device = int(cfg.mesh.hardware.memory_gib * GIB)
+    device_gib = cfg.mesh.hardware.memory_gib
+    cands: list[Candidate] = []
+    errors: list[str] = []
+    for d in _degree_options(cfg):
+        for micro in _micro_options(cfg, d):
+            for ac in _ac_options(cfg):
+                if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
+                    continue
+                trial = _configure(cfg, d, ac, micro)
+                try:
+                    plan = plan_for(trial, d, check_memory=False)
+                except ValueError as e:
+                    errors.append(str(e))
+                    continue
+                cands.append(_candidate(plan, device))
+    if not cands:
+        why = (
+            errors[0]
+            if errors
+            else (
+                f"train.global_batch_size={cfg.train.global_batch_size} splits over none of the data-parallel "
+                f"degrees of {cfg.mesh.world_size} ranks"
+            )
+        )
+        raise ValueError(f"sharding=auto found no feasible layout: {why}")
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.predicted_step_time_s, c.memory_gib))
+    others = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)
+    if not fitting and not (cfg.run.dry_run or cfg.run.allow_over_memory):
+        raise ValueError(_nothing_fits(cfg, others[0]))
+    # A dry run (or run.allow_over_memory) plans even when nothing fits: the smallest layout, and
+    # the plan's memory warning says by how much it misses.
+    best = fitting[0] if fitting else others[0]
+    ranked = tuple(
+        dataclasses.replace(c, reason="chosen" if c is best else _why(c, best, device_gib))
+        for c in (*fitting, *others)
+    )
+    chosen_cfg = _configure(
+        cfg,
+        Degrees(**best.degrees),
+        ActivationCheckpointing(best.activation_checkpointing),
+        best.micro_batch_size,
+    )
+    return SearchResult(ranked[0], ranked, chosen_cfg, device_gib)
+
+
+def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
+    hw, world = cfg.mesh.hardware, cfg.mesh.world_size
+    trial = _configure(
+        cfg,
+        Degrees(**smallest.degrees),
+        ActivationCheckpointing(smallest.activation_checkpointing),
+        smallest.micro_batch_size,
+    )
+    m = plan_for(trial, Degrees(**smallest.degrees), check_memory=False).memory
+    state = (m.params + m.grads + m.optimizer) / GIB  # shrinks with more data-parallel ranks
+    rest = smallest.memory_gib - state
+    more = ""
+    if hw.memory_gib > rest:
+        factor = state / (hw.memory_gib - rest)
+        more = f" or about {factor:.1f}x the ranks (mesh of >= {int(world * factor) + 1} ranks)"
+    return (
+        f"sharding=auto: nothing fits mesh.hardware.memory_gib={hw.memory_gib:g} (mesh.hardware.name="
+        f"{hw.name}) on {world} ranks: the smallest layout ({smallest.short()}, activation_checkpointing="
+        f"{smallest.activation_checkpointing}, micro batch {smallest.micro_batch_size}) needs "
+        f"{smallest.memory_gib:.3g} GiB per rank ({state:.3g} GiB parameters, gradients and optimizer "
+        f"state); it would fit a device with >= {smallest.memory_gib:.3g} GiB{more}, or a smaller "
+        f"train.seq_len / model; or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true "
+        f"to launch anyway"
+    )
+
+
+def format_search(result: SearchResult, top: int = TOP) -> str:
+    """The top ``top`` candidates, the choice first, each with its prediction and why it loses."""
+    rows = [
+        f"sharding=auto: {len(result.candidates)} layouts evaluated, "
+        f"{sum(c.fits for c in result.candidates)} fit {result.device_gib:g} GiB; top {top}:",
+        f"  {'#':>2} {'layout':<10} {'r x s x t':<12} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
+        f"{'step ms':>9} {'MFU':>6} {'tokens/s':>12}  why not",
+    ]
+    for i, c in enumerate(result.candidates[:top], 1):
+        rows.append(
+            f"  {i:>2} {c.layout:<10} {c.short():<12} {c.activation_checkpointing:<9} "
+            f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
+            f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
+            f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"
+        )
+    return "\n".join(rows)
+
+
+def search_to_dict(result: SearchResult) -> dict[str, Any]:
+    """What plan.json records under ``search``: the choice and every candidate."""
+    return {
+        "chosen": dataclasses.asdict(result.chosen),
+        "candidates": [dataclasses.asdict(c) for c in result.candidates],
+    }
+
+
+def maybe_search(cfg: Config) -> SearchResult | None:
+    """The search when the planner chooses any part of the layout, else None."""
+    from framework.plan import needs_search
+
+    return search(cfg) if needs_search(cfg) else None

@@ -1,0 +1,107 @@
+"""Parallel degrees: presets, explicit degrees (-1 = the rest), refusals, and where each axis lands."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.config import Config, ModelConfig, ParallelConfig, Strategy
+from framework.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
+from framework.plan import make_plan
+
+
+def cfg_for(shape: list[int], strategy: str = "auto", sharding_tp: int = 1, **degrees: int) -> Config:
+    cfg = Config()
+    cfg.mesh.shape = shape
+    cfg.sharding.strategy = Strategy(strategy)
+    cfg.sharding.tp = sharding_tp
+    cfg.parallel = ParallelConfig(**degrees)
+    cfg.train.global_batch_size = 32
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shape", "tp", "expected"),
+    [
+        ("ddp", [2, 4], 1, Degrees(dp_replicate=8)),
+        ("fsdp", [2, 4], 1, Degrees(dp_shard=8)),
+        ("hsdp", [2, 4], 1, Degrees(dp_replicate=2, dp_shard=4)),
+        ("tp", [2], 2, Degrees(tp=2)),
+        ("fsdp_tp", [2, 4], 2, Degrees(dp_shard=4, tp=2)),
+    ],
+)
+def test_presets_are_degrees(strategy: str, shape: list[int], tp: int, expected: Degrees) -> None:
+    assert fixed_degrees(cfg_for(shape, strategy, tp)) == expected
+    assert fixed_degrees(cfg_for([1], "auto")) is None  # the search decides
+
+
+def test_explicit_degrees_win_and_fill_the_rest() -> None:
+    # A preset is overridden by explicit degrees; an unset dp_shard takes the rest.
+    assert fixed_degrees(cfg_for([2, 4], "ddp", dp_replicate=2, tp=2)) == Degrees(2, 2, 1, 2, 1)
+    assert from_parallel(cfg_for([16, 8], tp=8, dp_shard=-1, dp_replicate=4)) == Degrees(4, 4, 1, 8, 1)
+    assert from_parallel(cfg_for([8], dp_replicate=-1, dp_shard=2)) == Degrees(dp_replicate=4, dp_shard=2)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "message"),
+    [
+        (
+            {"dp_replicate": 3, "dp_shard": 2},
+            r"parallel.dp_replicate=3 x parallel.dp_shard=2 multiply to 6, not the world size 8 "
+            r"\(mesh.shape=\[2, 4\]\)",
+        ),
+        ({"tp": 3}, r"multiply to 3, which does not divide the world size 8"),
+        ({"dp_replicate": -1, "tp": -1}, r"only one degree may take the rest"),
+        ({"pp": 2}, r"parallel.pp=2: pipeline parallelism is not implemented yet; valid: parallel.pp=1"),
+        ({"cp": 2}, r"parallel.cp=2: context parallelism is not implemented yet"),
+        ({"tp": 4}, r"parallel.tp=4 does not divide model.n_kv_heads=2.*valid TP degrees here are \[1, 2\]"),
+        ({"dp_shard": -2}, r"parallel.dp_shard=-2 is not valid"),
+    ],
+)
+def test_bad_degrees_are_refused(degrees: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_plan(cfg_for([2, 4], **degrees))
+
+
+def test_tp_must_split_heads() -> None:
+    cfg = cfg_for([2, 4], tp=2)
+    cfg.model = ModelConfig(n_heads=3, n_kv_heads=1, dim=96)
+    with pytest.raises(ValueError, match="parallel.tp=2 does not divide model.n_heads=3"):
+        make_plan(cfg)
+    cfg.model = ModelConfig(n_heads=6, n_kv_heads=3, dim=96)
+    with pytest.raises(ValueError, match="parallel.tp=2 does not divide model.n_kv_heads=3"):
+        make_plan(cfg)
+
+
+def test_axes_and_placement_on_16x8() -> None:
+    """TP inside a node, dp_shard across 8 nodes (stride 8), dp_replicate across the node pairs."""
+    d = Degrees(dp_replicate=2, dp_shard=8, tp=8)
+    axes = d.axes()
+    assert axes == ((MeshAxis.dp_replicate, 2), (MeshAxis.dp_shard, 8), (MeshAxis.tp, 8))
+    cfg = cfg_for([16, 8])
+    place = axis_placement(tuple(n for _, n in axes), tuple(a.value for a, _ in axes), cfg.mesh)
+    assert [(p.axis, p.stride, p.intra_node, p.nodes_spanned) for p in place] == [
+        ("dp_replicate", 64, False, 2),
+        ("dp_shard", 8, False, 8),
+        ("tp", 1, True, 1),
+    ]
+    assert "inside a node" in place[2].describe() and "across 8 nodes" in place[1].describe()
+
+
+def test_wrappers_follow_the_degrees() -> None:
+    assert Degrees(dp_replicate=4).ddp and not Degrees(dp_replicate=4).fsdp
+    assert Degrees(dp_replicate=2, tp=2).fsdp  # HSDP over a size-1 dp_shard axis (DDP cannot wrap DTensors)
+    assert Degrees(dp_replicate=2, tp=2).axes() == (
+        (MeshAxis.dp_replicate, 2),
+        (MeshAxis.dp_shard, 1),
+        (MeshAxis.tp, 2),
+    )
+    assert Degrees().axes() == ((MeshAxis.dp_replicate, 1),) and Degrees().name() == "single"
+    assert Degrees(dp_replicate=2, dp_shard=2, tp=2).name() == "hsdp_tp"
+    plan = make_plan(cfg_for([2, 4], dp_replicate=2, dp_shard=2, tp=2))
+    assert plan.strategy == "hsdp_tp" and plan.degrees == {
+        "dp_replicate": 2,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+        "pp": 1,
+    }

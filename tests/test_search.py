@@ -1,0 +1,114 @@
+"""sharding=auto: the planner's choice fits, is the fastest that fits, and says why the others lose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.config import ActivationCheckpointing
+from framework.plan import GIB, make_plan, resolve_batch
+from framework.recipes import compose_recipe
+from framework.search import format_search, search
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_recipe_picks_the_single_rank_step_of_today() -> None:
+    """``python train.py``: one CPU rank, no checkpointing, the whole batch in one micro batch."""
+    cfg = compose_recipe("llama_tiny")
+    chosen = resolve_batch(cfg)
+    assert (chosen.parallel.dp_replicate, chosen.parallel.dp_shard, chosen.parallel.tp) == (1, 1, 1)
+    assert chosen.sharding.activation_checkpointing == ActivationCheckpointing.none
+    assert chosen.train.micro_batch_size == cfg.train.global_batch_size
+    plan = make_plan(cfg)
+    assert plan.strategy == "single" and plan.grad_accum_steps == 1
+
+
+def test_search_ranks_and_explains() -> None:
+    cfg = compose_recipe("llama70b", ["mesh=16x8", "mesh/hardware=h100_sxm"])
+    result = search(cfg)
+    best = result.chosen
+    assert best.fits and best.reason == "chosen" and best.memory_gib <= 79.6
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting[0] is best
+    assert all(c.predicted_step_time_s >= best.predicted_step_time_s for c in fitting)
+    losers = [c for c in result.candidates if not c.fits]
+    assert losers and all(c.reason.startswith("memory:") for c in losers)
+    assert all(
+        c.reason.split(":")[0] in ("communication", "compute", "memory-bound", "ties") for c in fitting[1:]
+    )
+    table = format_search(result)
+    assert table.count("\n") == 11 and "chosen" in table  # header, column names, 10 rows
+    # A forced layout is planned with its own prediction, never better than the choice.
+    forced = compose_recipe(
+        "llama70b",
+        ["mesh=16x8", "mesh/hardware=h100_sxm", "parallel.tp=8", "parallel.dp_replicate=2"],
+    )
+    forced.sharding.activation_checkpointing = ActivationCheckpointing.full
+    plan = make_plan(forced)
+    assert plan.degrees["dp_shard"] == 8 and plan.strategy == "hsdp_tp"  # dp_shard took the rest
+    assert plan.prediction.step_time_s >= best.predicted_step_time_s
+
+
+def test_nothing_fits_names_the_smallest_and_the_fix() -> None:
+    cfg = compose_recipe("llama70b", ["mesh=8", "mesh/hardware=h100_sxm"])
+    with pytest.raises(
+        ValueError,
+        match=r"sharding=auto: nothing fits mesh.hardware.memory_gib=79.6 \(mesh.hardware.name=h100_sxm\)",
+    ) as e:
+        search(cfg)
+    assert "the smallest layout" in str(e.value) and "x the ranks" in str(e.value)
+
+
+def test_sharding_tp_pins_the_search() -> None:
+    cfg = compose_recipe("llama7b", ["mesh=2x4", "mesh/hardware=h100_sxm", "sharding.tp=4"])
+    assert {c.degrees["tp"] for c in search(cfg).candidates} == {4}
+
+
+def test_muon_keeps_the_search_to_whole_matrices() -> None:
+    """Muon orthogonalizes whole matrices: under auto only replicated layouts; a sharded preset is refused."""
+    from framework.rules import check
+
+    cfg = compose_recipe("llama_tiny", ["mesh=4", "optimizer=muon"])
+    check(cfg)
+    assert {(c.degrees["dp_shard"], c.degrees["tp"]) for c in search(cfg).candidates} == {(1, 1)}
+    with pytest.raises(ValueError, match="optimizer.name='muon' is not valid"):
+        check(compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"]))
+
+
+def _dry_run(tmp: Path, *overrides: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    cmd = [sys.executable, "train.py", *overrides, "run.dry_run=true", f"hydra.run.dir={tmp}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "plan.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h100_sxm"],
+        ["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h200"],
+        ["recipe=llama70b", "mesh=16x8", "mesh/hardware=h100_sxm"],
+        ["recipe=llama70b", "mesh=16x8", "mesh/hardware=h200"],
+    ],
+    ids=["mission-h100", "mission-h200", "70b-h100", "70b-h200"],
+)
+def test_the_mission_command_plans_a_layout_that_fits(tmp_path: Path, command: list[str]) -> None:
+    """The mission's own command, as written, plus the hardware: the planner's choice, not DDP."""
+    plan = _dry_run(tmp_path / "run", *command)
+    chosen = plan["search"]["chosen"]
+    assert chosen["fits"] and plan["memory"]["total"] <= plan["memory"]["device"]
+    assert plan["degrees"] == chosen["degrees"] and plan["strategy"] != "ddp"
+    assert plan["predicted_step_time_s"] == pytest.approx(chosen["predicted_step_time_s"])
+    assert plan["predicted_mfu"] == pytest.approx(chosen["predicted_mfu"]) and 0 < plan["predicted_mfu"] < 1
+    assert plan["memory_gib"] == pytest.approx(chosen["memory_gib"]) == plan["memory"]["total"] / GIB
+    written = OmegaConf.load(tmp_path / "run" / "config.yaml")  # ranks plan it without searching
+    assert OmegaConf.to_container(written.parallel) == chosen["degrees"]
