@@ -123,7 +123,8 @@ class DataSource(Enum):
     """``stdlib``: the standard library's source, byte-level (default); ``text`` / ``jsonl`` /
     ``parquet``: documents from files, tokenized on the fly and packed with EOS; ``hf``: a
     ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework.data
-    prepare``; ``synthetic``: random tokens (benchmarks)."""
+    prepare``; ``synthetic``: random tokens (benchmarks); ``sft``: chat / instruction records (jsonl)
+    for fine-tuning, one example per row, the loss masked on prompt tokens (framework.data.sft)."""
 
     stdlib = "stdlib"
     text = "text"
@@ -132,6 +133,7 @@ class DataSource(Enum):
     hf = "hf"
     tokens = "tokens"
     synthetic = "synthetic"
+    sft = "sft"
 
 
 class AsyncMode(Enum):
@@ -309,6 +311,12 @@ class DataConfig:
     prefetch: int = 4
     # Documents encoded per tokenizer call (hf/sentencepiece encode a batch on their own threads).
     encode_batch: int = 256
+    # sft: the key of each jsonl line's conversation, a list of {"role", "content"} messages (roles:
+    # system, user, assistant); a line without it is read as a prompt/response pair (the next keys).
+    messages_field: str = "messages"
+    # sft: the keys of a prompt/response line (read as one user and one assistant message).
+    prompt_field: str = "prompt"
+    response_field: str = "response"
 
 
 @dataclass

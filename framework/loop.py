@@ -475,11 +475,15 @@ def train_step(
     device: torch.device,
     in_backward: InBackward | None = None,
     io: HostIO | None = None,
+    scales: list[float] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
 
     Each micro-batch loss is divided by the number of micro-batches, so the accumulated gradient is
     the mean over this rank's share; DDP/FSDP average over ranks, giving the global-batch mean.
+    With masked targets (data=sft) ``scales`` gives each micro-batch's weight instead (the sampler's
+    ``loss_scales``: its share of the global batch's trained targets times the data-parallel degree),
+    so the loss is the mean over every trained target of the global batch.
     A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
     With ``in_backward`` the step happens during backward (one micro-batch, no clip; a non-finite
     loss skips it).
@@ -497,7 +501,7 @@ def train_step(
         x, y = _to_device(x, device, io), _to_device(y, device, io)
         with _no_grad_sync(model, last=i == n - 1):
             with autocast(device):
-                loss = model(x, y) / n
+                loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
             loss.backward()
         total += loss.detach()
     if isinstance(model, nn.parallel.DistributedDataParallel):

@@ -301,6 +301,9 @@ RULES: dict[str, Rule] = {
     ),
     "data.prefetch": integer(1),
     "data.encode_batch": integer(1),
+    "data.messages_field": name("a non-empty key of each jsonl line"),
+    "data.prompt_field": name("a non-empty key of each jsonl line"),
+    "data.response_field": name("a non-empty key of each jsonl line"),
     # train
     "train.steps": integer(0, what="0 plans, builds and evaluates without training"),
     "train.global_batch_size": integer(1),

@@ -37,6 +37,7 @@ from framework.config import (
     flatten,
     to_yaml,
 )
+from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.init_from import shape_of
 from framework.launch import DistEnv, init_distributed, resolve_device
@@ -266,7 +267,7 @@ def start_executor(cfg: Config, built: Built, data: Data, verifier: Verifier, de
             if not verifier.enabled:
                 return
             rows = data.sampler.peek()[: cfg.train.micro_batch_size]
-            x, y = rows[:, :-1], rows[:, 1:]
+            x, y = split_rows(rows)
             if verifier.vcfg.numerics:
                 compiled = executor.mode is not ExecutorMode.eager
                 action = verifier.check_numerics(built.model, (x, y), device, compiled, lower is not None)
@@ -612,6 +613,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 device,
                 built.in_backward,
                 io,
+                data.sampler.loss_scales(),
             )
         tokens_seen += tokens_per_step
         warm = since_build >= built.executor.warmup_steps

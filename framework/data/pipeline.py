@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from framework.config import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
-from framework.data.records import Records, SourceSpec, check_source
+from framework.data.records import CHECK_ALL_BYTES, Records, SourceSpec, check_source, resolve_files
 from framework.data.sampler import BatchSampler, load_corpus, stdlib_files, token_files, validation_batches
+from framework.data.sft import ChatFormat, Fields, SFTWindows, check_sft, split_rows
 from framework.data.stream import (
     PackedWindows,
     RandomWindows,
@@ -69,6 +70,11 @@ def check_mix(data: DataConfig) -> None:
     for i, e in enumerate(data.mix):
         if not math.isfinite(e.weight) or e.weight < 0:
             raise ValueError(f"data.mix[{i}].weight={e.weight}: a weight must be a finite number >= 0")
+    for i, e in enumerate(data.mix):
+        if e.source is DataSource.sft:
+            raise ValueError(
+                f"data.mix[{i}].source=sft: SFT examples cannot be mixed yet; use data=sft on its own"
+            )
     total = sum(e.weight for e in data.mix)
     if total <= 0:
         raise ValueError(
@@ -137,10 +143,16 @@ def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
         return
     if spec.source is DataSource.stdlib:
         return  # the standard library's files, tokenized as text by this tokenizer
-    n = check_source(spec)
-    if val_path is not None:
-        check_source(spec, val_path)
-    elif cfg.train.eval_every > 0:
+    if spec.source is DataSource.sft:
+        fmt, fields, window = ChatFormat(tok, cfg.tokenizer.add_bos), Fields.of(data), seq_len + 1
+        n = check_sft(resolve_files(spec), fields, fmt, window, CHECK_ALL_BYTES)
+        if val_path is not None:
+            check_sft(resolve_files(spec, val_path), fields, fmt, window, CHECK_ALL_BYTES)
+    else:
+        n = check_source(spec)
+        if val_path is not None:
+            check_source(spec, val_path)
+    if val_path is None and cfg.train.eval_every > 0:
         every = val_every(data.val_fraction)
         if every == 0:
             raise ValueError(
@@ -213,6 +225,8 @@ def _sources(
             RandomWindows(val, cfg.model.vocab_size, window, VAL_SEED, index),
             desc,
         )
+    if spec.source is DataSource.sft:
+        return _sft_sources(spec, tok, cfg)
     if spec.source is DataSource.stdlib:
         records = Records(SourceSpec(DataSource.text, None, key=spec.key), files=stdlib_files())
     else:
@@ -226,6 +240,20 @@ def _sources(
     )
     what = "stdlib source as text" if spec.source is DataSource.stdlib else f"{spec.source.value} {spec.path}"
     return train, val, f"{what} ({tok.kind.value} tokens, packed with EOS)"
+
+
+def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowSource, WindowSource, str]:
+    data, window = cfg.data, cfg.train.seq_len + 1
+    fmt, fields = ChatFormat(tok, cfg.tokenizer.add_bos), Fields.of(data)
+    every = 0 if data.val_path is not None else val_every(data.val_fraction)
+    files = resolve_files(spec)
+    val_files = resolve_files(spec, data.val_path) if data.val_path is not None else files
+    label = f"data.path={spec.path!r}"
+    train = SFTWindows(files, fields, fmt, window, holdout(every, False), data.encode_batch, label)
+    keep_val = holdout(every, True) if every else holdout(0, False)
+    val = SFTWindows(val_files, fields, fmt, window, keep_val, data.encode_batch, label)
+    desc = f"sft {spec.path} ({tok.kind.value} tokens, {fmt.description}, loss on responses only)"
+    return train, val, desc
 
 
 def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
@@ -274,7 +302,7 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         for b in range(t.eval_batches):
             mine = rows[b * per_batch + dp_rank * t.micro_batch_size :][: t.micro_batch_size]
             m = torch.from_numpy(np.ascontiguousarray(mine))
-            val.append((m[:, :-1], m[:, 1:]))
+            val.append(split_rows(m))
     if len(built) == 1:
         desc = built[0][2]
     else:

@@ -32,6 +32,7 @@ CHECK_HEAD_BYTES = 1024 * 1024
 SUFFIXES = {
     DataSource.text: (".txt", ".md", ".text"),
     DataSource.jsonl: (".jsonl", ".json"),
+    DataSource.sft: (".jsonl", ".json"),
     DataSource.parquet: (".parquet",),
     DataSource.tokens: (".bin",),
 }

@@ -169,6 +169,10 @@ class BatchSampler:
         self.consumed_batches += 1
         return [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
 
+    def loss_scales(self) -> None:
+        """Every target counts here: micro-batches weigh the same (the interface of StreamSampler)."""
+        return None
+
     def peek(self) -> torch.Tensor:
         """This rank's rows of the next batch, without consuming it."""
         return self.rank_slice(self.consumed_batches)

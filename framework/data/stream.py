@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from framework.data.records import Records
+from framework.data.sft import split_rows
 from framework.tokenizer import Tokenizer
 
 # Mixes the batch index into the source-choice generator's seed (distinct from BatchSampler's stream).
@@ -237,6 +238,7 @@ class StreamSampler:
         self.prefetch = max(1, prefetch)
         self.consumed_batches = 0
         self._after = [s.state() for s in self.sources]  # the state after the last consumed batch
+        self._scales: list[float] | None = None
         self._pushback: list[_Batch] = []
         self._history: list[tuple[_Batch, list[dict[str, int]]]] = []  # for undo_last
         self._queue: queue.Queue[_Batch | BaseException] | None = None
@@ -302,7 +304,24 @@ class StreamSampler:
         self._after = item.after
         self.consumed_batches += 1
         rows = self._rank_rows(item)
-        return [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
+        self._scales = self._token_scales(item, rows)
+        return [split_rows(m) for m in rows.split(self.micro_batch_size)]
+
+    def _token_scales(self, item: _Batch, rows: torch.Tensor) -> list[float] | None:
+        """Where targets are masked (data=sft), each micro-batch's weight in the step: its share of
+        the global batch's trained targets, times the data-parallel degree (DDP/FSDP average over
+        ranks). Then the step's loss and gradient are the mean over every trained target of the global
+        batch, not a mean of per-micro-batch means that would over-weight short responses. Every rank
+        holds the whole global batch, so this needs no communication. None: no target is masked."""
+        trained = item.rows[:, 1:] >= 0
+        if trained.all():
+            return None
+        total = int(trained.sum())
+        return [int((m[:, 1:] >= 0).sum()) * self.dp_size / total for m in rows.split(self.micro_batch_size)]
+
+    def loss_scales(self) -> list[float] | None:
+        """The last batch's micro-batch weights for ``train_step`` (see ``_token_scales``)."""
+        return self._scales
 
     def peek(self) -> torch.Tensor:
         """This rank's rows of the next batch, without consuming it."""

@@ -1,0 +1,380 @@
+"""``data=sft``: chat / instruction records for fine-tuning, the loss masked on prompt tokens.
+
+A jsonl line is a conversation, ``{"messages": [{"role": ..., "content": ...}, ...]}`` (roles
+``system``, ``user``, ``assistant``), or a prompt/response pair ``{"prompt": ..., "response": ...}``
+(read as one user and one assistant message); the keys are ``data.messages_field``,
+``data.prompt_field`` and ``data.response_field``.
+
+How an example becomes tokens:
+- with a chat template (an HF tokenizer folder whose ``tokenizer_config.json`` has
+  ``chat_template``): the template is rendered with jinja2 as ``transformers``' ``apply_chat_template``
+  renders it (a sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
+  ``bos_token``/``eos_token``), one message at a time: the text an assistant message adds after the
+  generation prompt (its content and the template's end-of-turn token) is trained on, everything else
+  (system, user, the assistant header) is masked. A template that does not render a conversation as
+  a prefix of its continuation is refused, naming the message.
+- without one (the plain format): BOS (with ``tokenizer.add_bos=true``), then each non-assistant
+  message's ``content + "\\n"`` (masked) and each assistant message's ``content`` followed by EOS
+  (trained on).
+
+One example per row of ``seq_len + 1`` tokens, padded with EOS whose targets are masked (so attention
+never crosses examples, with or without ``data.document_mask``). An example longer than the row is cut
+(the end of its response is lost; the number cut is logged before launch); an example whose prompt
+alone fills the row (nothing left to learn) is refused.
+
+Rows carry their mask in the sign: token ``t`` whose target is masked is stored as ``~t`` (< 0), so
+the packer, mixtures, prefetch and the replicated data state handle SFT rows as any other rows;
+``split_rows`` turns them into (inputs, targets) with ``IGNORE_INDEX`` where the mask is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from framework.config import DataConfig
+from framework.tokenizer import Tokenizer
+
+log = logging.getLogger("framework")
+
+# F.cross_entropy's default ignore_index, which the model's head_loss uses: these targets add nothing.
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The jsonl keys of an SFT record (data.messages_field / prompt_field / response_field)."""
+
+    messages: str = "messages"
+    prompt: str = "prompt"
+    response: str = "response"
+
+    @classmethod
+    def of(cls, data: DataConfig) -> Fields:
+        return cls(data.messages_field, data.prompt_field, data.response_field)
+
+
+def split_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (batch, seq_len + 1) -> (inputs, targets); a negative entry ``~t`` is token ``t`` whose
+    target is masked (IGNORE_INDEX). Rows with no mask give the same views as ``m[:, :-1], m[:, 1:]``."""
+    if not bool((m < 0).any()):
+        return m[:, :-1], m[:, 1:]
+    ids = torch.where(m < 0, torch.bitwise_not(m), m)
+    return ids[:, :-1], torch.where(m[:, 1:] < 0, IGNORE_INDEX, ids[:, 1:])
+
+
+def parse_example(row: Any, fields: Fields, where: str) -> list[dict[str, str]]:
+    """One jsonl record -> its messages; ValueError naming the line and what is valid."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: an SFT record must be a JSON object, got {type(row).__name__}")
+    if fields.messages in row:
+        messages = row[fields.messages]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(
+                f"{where}: {fields.messages!r} must be a non-empty list of {{role, content}} messages"
+            )
+    elif fields.prompt in row and fields.response in row:
+        messages = [
+            {"role": "user", "content": row[fields.prompt]},
+            {"role": "assistant", "content": row[fields.response]},
+        ]
+    else:
+        raise ValueError(
+            f"{where}: no {fields.messages!r} and no {fields.prompt!r}/{fields.response!r} (it has "
+            f"{sorted(row)[:8]}); set data.messages_field, or data.prompt_field and data.response_field"
+        )
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(
+                f"{where}: message {i} must be an object with 'role' and 'content', got {m!r:.80}"
+            )
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i} has role {m['role']!r}; valid roles: {list(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ValueError(
+                f"{where}: message {i} ({m['role']}) has content of type {type(m['content']).__name__}, "
+                "not a string"
+            )
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise ValueError(f"{where}: no assistant message: nothing to train on")
+    return out
+
+
+def read_records(files: Sequence[Path], fields: Fields, skip: int = 0) -> Iterator[tuple[str, list[dict]]]:
+    """(where, messages) of every non-blank line of ``files`` in order, after the first ``skip``
+    (skipped lines are counted, not parsed)."""
+    n = 0
+    for path in files:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                n += 1
+                if n <= skip:
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(raw)
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{where}: not UTF-8 text") from e
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not a JSON object ({e.msg})") from e
+                yield where, parse_example(row, fields, where)
+
+
+def _chat_env() -> Any:
+    """transformers' chat-template environment (utils/chat_template_utils.py), without its
+    ``{% generation %}`` tracker: a sandbox, since a template from a shared folder is untrusted."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def chat_template(tok: Tokenizer) -> str | None:
+    """The tokenizer's chat template (tokenizer_config.json's ``chat_template``; of a list of named
+    templates, the one named ``default``), or None."""
+    value = getattr(tok, "config", {}).get("chat_template")
+    if isinstance(value, list):
+        value = next(
+            (t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    return value if isinstance(value, str) and value else None
+
+
+class ChatFormat:
+    """Messages -> (token ids, which of them are trained on), by the chat template or the plain format."""
+
+    def __init__(self, tok: Tokenizer, add_bos: bool) -> None:
+        if tok.eos_id is None:
+            raise ValueError(
+                f"data=sft needs an EOS token to end each response (and to pad); tokenizer={tok.kind.value} "
+                "has none: use tokenizer=hf|sentencepiece (or set tokenizer.eos_token)"
+            )
+        self.tok = tok
+        self.bos = tok.bos_id if add_bos else None
+        self.template_text = chat_template(tok)
+        self.template = None
+        if self.template_text is not None:
+            try:
+                self.template = _chat_env().from_string(self.template_text)
+            except Exception as e:  # noqa: BLE001 - jinja2 raises TemplateSyntaxError and others
+                raise ValueError(f"the tokenizer's chat_template does not parse ({e})") from e
+        self.special = {
+            "bos_token": getattr(tok, "bos_token", None) or "",
+            "eos_token": getattr(tok, "eos_token", None) or "",
+        }
+
+    @property
+    def description(self) -> str:
+        return "the tokenizer's chat template" if self.template is not None else "the plain format"
+
+    def _render(self, messages: list[dict], generation: bool, where: str) -> str:
+        assert self.template is not None
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=generation, **self.special)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception, or any jinja2 error
+            raise ValueError(f"{where}: the chat template failed on this conversation ({e})") from e
+
+    def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
+        """(text, trained on) pieces whose concatenation is the rendered conversation."""
+        if self.template is None:
+            return [
+                (m["content"], True) if m["role"] == "assistant" else (m["content"] + "\n", False)
+                for m in messages
+            ]
+        out: list[tuple[str, bool]] = []
+        done = ""
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                head = self._render(messages[:i], True, where)
+                out.append((self._after(done, head, i, where), False))
+                done = head
+            full = self._render(messages[: i + 1], False, where)
+            out.append((self._after(done, full, i, where), m["role"] == "assistant"))
+            done = full
+        return out
+
+    @staticmethod
+    def _after(done: str, text: str, i: int, where: str) -> str:
+        if not text.startswith(done):
+            raise ValueError(
+                f"{where}: the chat template renders message {i} by changing the text before it, so "
+                "its prompt tokens cannot be masked; use a template that renders a conversation as a "
+                "prefix of its continuation (or no template: the plain format)"
+            )
+        return text[len(done) :]
+
+    def encode_many(self, examples: Sequence[tuple[str, list[dict]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, trained-on flags) per example; every segment encoded in one tokenizer call."""
+        segs = [self.segments(msgs, where) for where, msgs in examples]
+        flat = [t for s in segs for t, _ in s]
+        ids = self.tok.encode_batch(flat) if flat else []
+        out, k = [], 0
+        for s in segs:
+            parts: list[list[int]] = []
+            flags: list[np.ndarray] = []
+            if self.bos is not None and self.template is None:
+                parts.append([self.bos])
+                flags.append(np.zeros(1, dtype=bool))
+            for _, target in s:
+                seg = list(ids[k])
+                k += 1
+                if target and self.template is None:
+                    seg.append(self.tok.eos_id)  # type: ignore[arg-type]  # checked in __init__
+                parts.append(seg)
+                flags.append(np.full(len(seg), target, dtype=bool))
+            out.append((np.asarray([i for p in parts for i in p], dtype=np.int64), np.concatenate(flags)))
+        return out
+
+
+def to_row(
+    ids: np.ndarray, trained: np.ndarray, window: int, pad: int, where: str
+) -> tuple[np.ndarray, bool]:
+    """One example -> a signed row of ``window`` tokens (see the module docstring) and whether it was
+    cut. Raises ValueError when no trained token fits (the prompt alone fills the row)."""
+    hits = np.flatnonzero(trained[1:]) + 1  # position 0 is an input only, never a target
+    if hits.size == 0 or hits[0] >= window:
+        prompt = int(hits[0]) if hits.size else int(ids.size)
+        raise ValueError(
+            f"{where}: the prompt is {prompt} tokens, so no response token fits in train.seq_len="
+            f"{window - 1}; raise train.seq_len or shorten the prompt"
+        )
+    cut = ids.size > window
+    ids, trained = ids[:window], trained[:window]
+    row = np.full(window, ~pad, dtype=np.int64)
+    row[: ids.size] = np.where(trained, ids, ~ids)
+    return row, cut
+
+
+class SFTWindows:
+    """A ``WindowSource`` (framework.data.stream) of SFT rows, one example each, in record order;
+    its state is (epoch, record number): two integers, the same on every rank."""
+
+    def __init__(
+        self,
+        files: Sequence[Path],
+        fields: Fields,
+        fmt: ChatFormat,
+        window: int,
+        keep: Callable[[int], bool],
+        encode_batch: int = 256,
+        label: str = "data",
+    ) -> None:
+        self.files, self.fields, self.fmt, self.window = list(files), fields, fmt, window
+        self.keep, self.encode_batch, self.label = keep, max(1, encode_batch), label
+        self.pad = int(fmt.tok.eos_id)  # type: ignore[arg-type]  # ChatFormat refuses a tokenizer without EOS
+        self.seek({"epoch": 0, "record": 0})
+
+    def seek(self, state: dict[str, int]) -> None:
+        self._at = (int(state["epoch"]), int(state["record"]))
+        self._gen = self._rows(*self._at)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self._at[0], "record": self._at[1]}
+
+    def _rows(self, epoch: int, start: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(epoch, next record number, row) for every kept record from ``start`` on, epoch after epoch."""
+        while True:
+            produced = False
+            batch: list[tuple[int, str, list[dict]]] = []
+            records = read_records(self.files, self.fields, skip=start)
+            for n, (where, msgs) in enumerate(records, start):
+                if self.keep(n):
+                    batch.append((n, where, msgs))
+                if len(batch) >= self.encode_batch:
+                    for item in self._encode(batch):
+                        produced = True
+                        yield (epoch, *item)
+                    batch = []
+            for item in self._encode(batch):
+                produced = True
+                yield (epoch, *item)
+            if not produced and start == 0:
+                raise ValueError(f"{self.label}: no SFT examples in this split")
+            epoch, start = epoch + 1, 0
+
+    def _encode(self, batch: list[tuple[int, str, list[dict]]]) -> list[tuple[int, np.ndarray]]:
+        encoded = self.fmt.encode_many([(w, m) for _, w, m in batch])
+        return [
+            (n + 1, to_row(ids, flags, self.window, self.pad, where)[0])
+            for (n, where, _), (ids, flags) in zip(batch, encoded, strict=True)
+        ]
+
+    def take(self, n: int) -> np.ndarray:
+        rows = []
+        for _ in range(n):
+            epoch, after, row = next(self._gen)
+            self._at = (epoch, after)
+            rows.append(row)
+        return np.stack(rows)
+
+
+def check_sft(
+    files: Sequence[Path], fields: Fields, fmt: ChatFormat, window: int, max_bytes: int
+) -> int | None:
+    """Read and encode every record (up to ``max_bytes`` of input; beyond it the first 1,000), so that a
+    bad record is refused before launch; returns the number of records when all were read. Logs how
+    many examples are cut to fit the row."""
+    total = sum(f.stat().st_size for f in files)
+    limit = None if total <= max_bytes else 1000
+    n, cut, batch = 0, 0, []
+    pad = int(fmt.tok.eos_id)  # type: ignore[arg-type]
+    for where, msgs in read_records(files, fields):
+        batch.append((where, msgs))
+        n += 1
+        if len(batch) >= 256 or (limit is not None and n >= limit):
+            cut += _count_cut(batch, fmt, window, pad)
+            batch = []
+        if limit is not None and n >= limit:
+            break
+    cut += _count_cut(batch, fmt, window, pad)
+    if n == 0:
+        raise ValueError(f"data.path: {[str(f) for f in files][:4]} hold no SFT records")
+    if cut:
+        log.warning(
+            "data=sft: %d of %d examples are longer than train.seq_len=%d; their responses are cut "
+            "(the loss sees only what fits)",
+            cut,
+            n,
+            window - 1,
+        )
+    return n if limit is None else None
+
+
+def _count_cut(batch: list[tuple[str, list[dict]]], fmt: ChatFormat, window: int, pad: int) -> int:
+    encoded = fmt.encode_many(batch)
+    return sum(
+        to_row(ids, flags, window, pad, where)[1]
+        for (where, _), (ids, flags) in zip(batch, encoded, strict=True)
+    )
