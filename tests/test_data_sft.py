@@ -162,10 +162,13 @@ def test_bad_records_are_refused_before_launch(tmp_path: Path, line: dict, fragm
     assert fragment in str(e.value)
 
 
-def test_sft_needs_an_eos_and_is_not_mixed(tmp_path: Path) -> None:
+def test_sft_needs_an_eos_no_document_mask_and_no_mix(tmp_path: Path) -> None:
     cfg = make_cfg(SHIPPED / "train.jsonl")
     cfg.tokenizer, cfg.model.vocab_size = TokenizerConfig(), 256
     with pytest.raises(ValueError, match="data=sft needs an EOS token"):
+        check_data(cfg)
+    cfg = make_cfg(SHIPPED / "train.jsonl", document_mask=True)
+    with pytest.raises(ValueError, match="data.document_mask=true with data=sft"):
         check_data(cfg)
     cfg = make_cfg(SHIPPED / "train.jsonl")
     cfg.data.path, cfg.data.mix = None, [MixEntry(source=DataSource.sft, path=str(SHIPPED / "train.jsonl"))]

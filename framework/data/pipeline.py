@@ -190,6 +190,12 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
             f"data.document_mask=true needs an EOS token between documents; tokenizer={tok.kind.value} has "
             "none: use tokenizer=hf|sentencepiece (or set tokenizer.eos_token)"
         )
+    if not cfg.data.mix and cfg.data.source is DataSource.sft:
+        raise ValueError(
+            "data.document_mask=true with data=sft: each row already holds one example (attention never "
+            "crosses examples), and the mask would also cut a conversation at every EOS inside it: "
+            "leave data.document_mask=false"
+        )
     if not cfg.data.mix and cfg.data.source is DataSource.synthetic:
         raise ValueError("data.document_mask=true with data=synthetic: random tokens have no documents")
     if cfg.model.attention is AttentionBackend.flash:

@@ -18,7 +18,8 @@ How an example becomes tokens:
   (trained on).
 
 One example per row of ``seq_len + 1`` tokens, padded with EOS whose targets are masked (so attention
-never crosses examples, with or without ``data.document_mask``). An example longer than the row is cut
+never crosses examples; ``data.document_mask=true`` is refused: it would also cut a conversation at an
+EOS inside it). An example longer than the row is cut
 (the end of its response is lost; the number cut is logged before launch); an example whose prompt
 alone fills the row (nothing left to learn) is refused.
 
