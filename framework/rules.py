@@ -322,7 +322,9 @@ RULES: dict[str, Rule] = {
     "train.eval_every": integer(0, what="0 = no evaluation"),
     "train.eval_batches": integer(1),
     # optimizer, lr_scheduler (framework.loop.build_optimizer, lr_lambda)
-    "optimizer.name": Rule(_muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"),)),
+    "optimizer.name": Rule(
+        _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
+    ),
     "optimizer._target_": Rule(
         "a class under run.instantiate_allow",
         checked_by="framework.instantiate.check_targets (framework.entry.check_safe)",
