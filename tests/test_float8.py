@@ -158,6 +158,24 @@ def test_planner_counts_float8_activation_memory() -> None:
     )
 
 
+def _run_in_process(trainer, cfg: Config, run_dir: Path):  # noqa: ANN001, ANN202 - a module, a Summary
+    """``trainer.run`` in this process sets the launcher's variables (RANK, MASTER_PORT, ...) and a
+    process group, as a rank does; undo both, or later tests' forked ranks and ``train.py``
+    children would inherit them (a child with RANK set thinks it joined torchrun)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    try:
+        return trainer.run(cfg, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
     """Three NaN steps in a row under float8 (with activation checkpointing): the ladder's float8
     rung rebuilds the run in bf16 (same executor, weights and optimiser carried over), records why,
@@ -186,7 +204,7 @@ def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
         verify=VerifyConfig(inject_nan_steps=[2, 3, 4], max_bad_steps=3),
         logger=LoggerConfig(progress_bar=False, plot=False),
     )
-    summary = trainer.run(cfg, tmp_path)
+    summary = _run_in_process(trainer, cfg, tmp_path)
     assert summary.steps == 8 and summary.skipped_steps == 3
     falls = [r for r in read_metrics(tmp_path) if r.get("event") == "fallback/bad_steps"]
     assert "model.float8 tensorwise -> none (bf16)" in falls[0]["detail"], falls
