@@ -398,9 +398,11 @@ class RunConfig:
     # Default-deny allowlist of module prefixes that a config's `_target_` may name (framework.instantiate).
     # Set it in conf/ or on the command line; a recipe that sets it is refused.
     instantiate_allow: list[str] = field(default_factory=lambda: ["framework.", "torch.optim.", "torch.nn."])
-    # Fault injection, to test recovery on your own setup: rank `fault_rank` SIGKILLs itself after
-    # step `fault_kill_at_step` (-1 = off), on the launcher's first attempt only.
+    # Fault injection, to test recovery on your own setup: rank `fault_rank` (-1 = every rank) SIGKILLs
+    # itself after step `fault_kill_at_step` (-1 = off), on the launcher's first attempt only; or
+    # raises from inside the forward of step `fault_raise_at_step` (-1 = off), to test the cleanup.
     fault_kill_at_step: int = -1
+    fault_raise_at_step: int = -1
     fault_rank: int = 0
     # Start more local CPU ranks than framework.rules.cpu_rank_cap() (4 per core, at least 8);
     # above it gloo ranks starve each other and the launch can hang.

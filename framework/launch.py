@@ -159,10 +159,13 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
     small CPU collectives (verification's cross-rank max, object gathers) work next to NCCL; a
     NCCL-only group refuses them ("No backend type associated with device type cpu").
     """
-    if "RANK" not in os.environ:
+    if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if dist.is_initialized():  # a group made by the caller (a test's forked ranks): its ranks rule
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rank_zero_only.rank = rank  # lightning-utilities' rank-zero helpers (``@rank_zero_only``) read it
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
@@ -178,6 +181,37 @@ def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
             device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(rank, world, local_rank, device)
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
+    """``init_distributed`` for the length of a ``with`` block.
+
+    A group this call created is destroyed at the end: after a barrier when the block ended normally
+    (gloo's exit race, see ``finish``), without one after an exception (the other ranks may never
+    reach it; destroying the group ends their pending collectives with an error instead of a hang).
+    The launcher variables it set are removed again. A group that existed before (a test's forked
+    ranks) is the caller's and is left alone.
+    """
+    created = not dist.is_initialized()
+    unset = [k for k in LAUNCH_VARS if k not in os.environ]
+    env = init_distributed(device, timeout_s)
+    ended = False
+    try:
+        yield env
+        ended = True
+    finally:
+        try:
+            if created and dist.is_initialized():
+                if ended:
+                    dist.barrier()
+                dist.destroy_process_group()
+        finally:
+            for key in unset:
+                os.environ.pop(key, None)
 
 
 def finish(code: int, barrier: bool | None = None) -> None:

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -425,6 +426,17 @@ def _to_device(t: torch.Tensor, device: torch.device, io: HostIO | None) -> torc
     return io.to_device(t) if io is not None else t.to(device, non_blocking=True)
 
 
+# DDP modules whose static graph has been recorded (their first synced iteration is done): from then
+# on a micro-batch may skip the gradient sync. Weak: a module replaced by a fallback drops out.
+_GRAPH_RECORDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_graph_recorded(model: nn.Module) -> None:
+    """``model`` (a DDP module; anything else is ignored) has run one synced forward + backward."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        _GRAPH_RECORDED.add(model)
+
+
 def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce on all but the last micro-batch (DDP and FSDP2)."""
     if last:
@@ -432,7 +444,7 @@ def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMan
     if isinstance(model, nn.parallel.DistributedDataParallel):
         # DDP(static_graph=True) records the graph on its first iteration and asserts
         # ("expect_autograd_hooks_") if that iteration skips the sync: sync every micro-batch once.
-        if model.static_graph and not getattr(model, "_framework_graph_recorded", False):
+        if model.static_graph and model not in _GRAPH_RECORDED:
             return contextlib.nullcontext()
         return model.no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)
@@ -504,8 +516,7 @@ def train_step(
                 loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
             loss.backward()
         total += loss.detach()
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model._framework_graph_recorded = True
+    mark_graph_recorded(model)
     norm = global_grad_norm(model, grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(total)
     if getattr(optimizer, "defaults", {}).get("fused"):

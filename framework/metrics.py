@@ -1,7 +1,8 @@
 """Run-dir metrics: ``metrics.jsonl`` (always), a progress bar or plain log lines, and sinks.
 
-Sinks are objects with ``log(row)`` and ``close()``; ``make_sinks`` builds them from ``LoggerConfig``
-(``logger=wandb`` adds ``framework.wandb_sink.WandbSink``). Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
+Sinks are objects with ``log(row)`` and ``close()``; ``Metrics.start_sinks`` builds them from
+``LoggerConfig`` (``logger=wandb`` adds ``framework.wandb_sink.WandbSink``) and ``close`` (or the end
+of its ``with`` block) closes them with the file. Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
 ``val_loss`` and ``val_ppl`` (its perplexity, exp of the mean per-token loss), events (fallbacks, restarts, checkpoint failures) have ``event``.
 """
 
@@ -41,14 +42,20 @@ class Metrics:
         self._file = self.path.open("a") if enabled else None
         use_bar = enabled and progress_bar and sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True) if use_bar else None
-        self.sinks: list[Any] = []  # objects with .log(row) (wandb), added by the trainer
+        self.sinks: list[Any] = []  # objects with .log(row) and .close() (wandb): see start_sinks
+
+    def start_sinks(
+        self, logger: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None
+    ) -> None:
+        """Open the sinks ``logger`` asks for (rank 0 only; see ``make_sinks``)."""
+        if self.enabled:
+            self.sinks = make_sinks(logger, run_dir, config, run_id)
 
     def log(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
+        if self._file is None:  # not rank 0, or closed
             return
         row = {"time": round(time.time(), 3), **row}
         self.rows.append(row)
-        assert self._file is not None
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for sink in self.sinks:
@@ -65,13 +72,22 @@ class Metrics:
             self._bar.update(n)
 
     def close(self) -> None:
+        """Close the progress bar, the file and every sink; a second call does nothing."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._file is not None:
             self._file.close()
-        for sink in self.sinks:
+            self._file = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
             sink.close()
-        self.sinks = []
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def wandb_run_id(self) -> str | None:

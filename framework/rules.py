@@ -162,7 +162,7 @@ def _fault_step_ok(v: Any, c: Config) -> bool:
 
 
 def _fault_rank_ok(v: Any, c: Config) -> bool:
-    return _is_int(v) and 0 <= v < c.mesh.world_size
+    return _is_int(v) and -1 <= v < c.mesh.world_size
 
 
 def _profile_ok(v: Any, c: Config) -> bool:
@@ -372,10 +372,17 @@ RULES: dict[str, Rule] = {
         _fault_step_ok,
         (-2, 0, 10**6),
     ),
+    "run.fault_raise_at_step": Rule(
+        lambda c: f"-1 (off) or a step in 1..train.steps={c.train.steps}",
+        _fault_step_ok,
+        (-2, 0, 10**6),
+    ),
     "run.fault_rank": Rule(
-        lambda c: f"a rank of this mesh: 0..{c.mesh.world_size - 1} (world size {c.mesh.world_size})",
+        lambda c: (
+            f"-1 (every rank) or a rank of this mesh: 0..{c.mesh.world_size - 1} (world size {c.mesh.world_size})"
+        ),
         _fault_rank_ok,
-        (-1, 1, 64),
+        (-2, 1, 64),
     ),
     "run.oversubscribe": TYPED,  # the CPU rank cap: framework.launch.check_local_resources
     "run.allow_over_memory": TYPED,  # the memory refusal: framework.plan.make_plan

@@ -1,11 +1,19 @@
 """The Trainer wires the stages, in one direction: plan -> build -> freeze -> verify -> parallelize -> run.
 
 It does none of their work: each stage is a module of ``framework`` that takes the previous stage's
-plain result. ``run`` executes on every rank, after the process group exists.
+plain result. ``run`` executes on every rank: it builds the parts once (``setup``), each owning its
+state and timing, steps them (``train``, the loop) and writes the summary (``finish``):
+
+- ``StepRunner`` (framework.runner): the executed model, the lag and the warm-up count;
+- ``Verifier`` (framework.verify): bad steps, the latency breaker and the fallback ladder;
+- ``RunCheckpoints`` (framework.checkpoint.session): when to save, preemption, resume, rollback;
+- ``Metrics`` (framework.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
+- ``TrainState`` (framework.train_state): the counters they share, passed, never captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,54 +30,29 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
-from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
-from framework.checkpoint import Checkpointer, PreemptionHandler, export_hf, full_model_state
+from framework.checkpoint import export_hf, full_model_state
+from framework.checkpoint.session import RunCheckpoints
 from framework.compile_cache import CacheStats, cache_counters, load_cache, save_cache
-from framework.config import (
-    Config,
-    ExecutorConfig,
-    ExecutorMode,
-    Float8Recipe,
-    FreezeMode,
-    Policy,
-    flatten,
-    to_yaml,
-)
+from framework.config import Config, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.init_from import shape_of
-from framework.launch import DistEnv, init_distributed, resolve_device
-from framework.loop import (
-    HostIO,
-    InBackward,
-    StepResult,
-    attach_in_backward,
-    autocast,
-    build_optimizer,
-    build_scheduler,
-    evaluate,
-    train_step,
-)
-from framework.metrics import Metrics, format_row, make_sinks, perplexity, read_metrics, validation_row
+from framework.launch import DistEnv, process_group, resolve_device
+from framework.loop import evaluate
+from framework.metrics import Metrics, format_row, perplexity, validation_row
 from framework.model import build_model, flops_per_token, num_params
-from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.parallel.float8 import attach_scale_precompute
+from framework.parallel import build_mesh, dp_mesh_info
 from framework.plan import Plan, make_plan, resolve_batch
-from framework.profiling import format_top_operators, make_profiler
-from framework.verify import (
-    StepAction,
-    Verifier,
-    carry_state,
-    inject_nan,
-    next_float8,
-    next_mode,
-    perf_figures,
-)
-from framework.verify.numerics import batch_logits
+from framework.profiling import NullProfiler, StepProfiler, format_top_operators, make_profiler
+from framework.runner import Step, StepRunner
+from framework.train_state import TrainState
+from framework.verify import StepAction, Verifier, next_mode, perf_figures
+from framework.verify.baseline import device_name
 
 log = logging.getLogger("framework")
+Profiler = StepProfiler | NullProfiler
 
 
 def config_hash(cfg: Config) -> str:
@@ -143,90 +126,166 @@ class Summary:
     compile_cache: dict[str, int] | None = None
 
 
+Data = data_mod.Pipeline
+
+
 @dataclass
-class Built:
-    """Everything the loop needs, from the build stages (plan -> freeze -> parallelize)."""
+class Parts:
+    """What ``setup`` built once, for the loop and ``finish``."""
 
+    cfg: Config
+    env: DistEnv
+    run_dir: Path
+    digest: str
     plan: Plan
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    frozen: FrozenResult
-    dp_rank: int
-    dp_size: int
-    mesh: DeviceMesh | None = None
-    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    in_backward: InBackward | None = None  # train.optimizer_in_backward
-    # model.float8 of the executed model: the configured recipe until a non-finite fallback to bf16.
-    float8: Float8Recipe = Float8Recipe.none
+    runner: StepRunner
+    data: Data
+    metrics: Metrics
+    verifier: Verifier
+    ckpt: RunCheckpoints
+    cache: CacheStats | None  # executor.cache_dir on a compiled executor
+    peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
 
-def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
-    """(Re)build the executed model for ``executor`` from a fresh meta model, with a new optimiser and
-    scheduler; the fallback ladder calls this again with the next rung."""
-    model = build_model(
-        dataclasses.replace(cfg.model, float8=built.float8), cfg.train.seq_len, data_mod.document_eos(cfg)
-    )
-    built.model = parallelize(
-        model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
-    )
-    built.optimizer = build_optimizer(
-        built.model, cfg.train, device, cfg.optimizer, cfg.run.instantiate_allow
-    )
-    if built.float8 is not Float8Recipe.none:
-        attach_scale_precompute(built.model, built.optimizer)  # FSDP2's float8 all-gather only
-    built.scheduler = build_scheduler(built.optimizer, cfg.train, cfg.lr_scheduler)
-    if built.in_backward is not None:
-        built.in_backward.remove()  # hooks of the model being replaced
-    built.in_backward = attach_in_backward(built.optimizer) if cfg.train.optimizer_in_backward else None
-    built.executor = executor
-    settle_ddp_buckets(built.model, cfg.train.micro_batch_size, cfg.train.seq_len, device)
+def run(cfg: Config, run_dir: Path) -> Summary:
+    """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``.
+
+    Every part is closed on the way out, also when a step raises: an async save is finished, the
+    sampler's thread, wandb, the metrics file and the profiler are closed, the signal handlers are
+    restored and the process group (when this call created it) is destroyed."""
+    state = TrainState(0)
+    cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
+    with contextlib.ExitStack() as stack:
+        p = setup(cfg, run_dir, state, stack)
+        with make_profiler(cfg.run, run_dir, p.env.rank) as profiler:
+            train(p, state, profiler)
+        return finish(p, state, profiler)
 
 
-def settle_ddp_buckets(
-    model: torch.nn.Module, micro_batch_size: int, seq_len: int, device: torch.device
-) -> None:
-    """Bring a fresh DDP to the bucket layout it keeps for the whole run, on zero losses, before step 1.
+def train(p: Parts, state: TrainState, profiler: Profiler) -> None:
+    """The loop, to ``train.steps`` or a preemption. Each step: validate when due; queue the step;
+    read the figures that are due (count, verify, log); roll back when the verifier asks; save
+    when the checkpointer decides.
 
-    DDP builds its gradient buckets in parameter order, records the order in which gradients become
-    ready on one synced iteration, and rebuilds the buckets in that order at the next forward, once.
-    Under ``static_graph=True`` the first iteration only records the graph (its gradient hooks return
-    before the ready order is noted), so the ready order comes from the second iteration and the
-    rebuild happens at the third forward; without a static graph, from the first and at the second.
-    The layout decides where each parameter sits in the bucket, so which chunk of the ring all-reduce
-    it falls in and in which order the ranks' values are summed: with more than 2 ranks another order
-    changes the last bits (at 2, a + b == b + a). Each process start (a fresh run, a restart, a
-    resume, a fallback rebuild) must therefore reach the rebuilt layout before its first real step,
-    or that step is summed differently from the unbroken run (issue 19: not bitwise at 8 ranks).
-
-    The static graph's recording iteration must also sync every micro-batch (``loop._no_grad_sync``),
-    which sums accumulated gradients in another order than later steps (avg(g1) + avg(g2) instead of
-    avg(g1 + g2)): one more reason it must not be a real step.
-
-    The zero loss gives zero gradients, which are dropped; weights, optimiser and RNG state are
-    untouched. Cost: one or two forward + backward + all-reduce of one micro-batch per process
-    start, nothing per step (every step after the first already ran on the rebuilt layout).
+    The lag (``StepRunner.defer``): the runner queues step k+1 before the host reads step k, so the
+    device does not idle while the host logs. A bad step found one step late rolls back and undoes
+    the step queued after it, so the run is the same as one read step by step.
     """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return
-    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
-    for _ in range(2 if model.static_graph else 1):
-        if device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        with autocast(device):
-            loss = model(tokens, tokens) * 0.0
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
-    model._framework_graph_recorded = True  # read by loop._no_grad_sync
+    cfg, runner, ckpt = p.cfg, p.runner, p.ckpt
+    while state.step < cfg.train.steps:
+        if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0:
+            validate(p, state, state.step)
+        queued = runner.step(p.data.sampler, state.step + 1)
+        state.step, state.tokens_seen = queued.step, state.tokens_seen + state.tokens_per_step
+        profiler.step()
+        late = runner.take_late()  # the previous step, read now that this one is queued
+        if late is not None and read(p, state, late) is StepAction.rollback:
+            if ckpt.rollback(late.step, rewind=True) is not None:
+                runner.discard(queued)
+                continue
+        # Once per step and in the same order on every rank: it can be a collective.
+        if not ckpt.decide(state.step) and runner.defer(queued):
+            continue
+        if read(p, state, queued) is StepAction.rollback:
+            ckpt.rollback(queued.step, rewind=False)
+            continue
+        kill_if_asked(cfg, p.env, state.step)
+        if ckpt.save_if_due(state.step):  # preempted: saved (or the event says why not)
+            break
 
 
-def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str) -> Built:
-    """Plan, build on meta, freeze, check the graph across ranks (before any training collective),
-    parallelize (which places and initialises), optimiser."""
+def read(p: Parts, state: TrainState, s: Step) -> StepAction:
+    """Read one step's figures: count them, let the verifier judge them (it may change the rung),
+    log the row when one is due. Reading the loss is a collective: every rank reads the same steps."""
+    r, train_cfg = s.result, p.cfg.train
+    if state.time_to_first_step_s is None:
+        state.first_step(r.seconds)
+    if not r.finite:
+        p.metrics.log({"step": s.step, "event": "skipped_step", "detail": "non-finite loss or gradient"})
+    timed = r.seconds if s.warm and r.finite else None  # warm-up steps stay out of throughput
+    state.count(timed, r.finite)
+    action = p.verifier.observe(s.step, r.finite, timed, p.runner)
+    p.metrics.advance()
+    if s.step % train_cfg.log_every == 0 or s.step == train_cfg.steps:
+        tps = state.take_log_rate()
+        row: dict[str, Any] = {
+            "step": s.step,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "tokens_per_s": tps,
+            "step_ms": r.seconds * 1e3,
+        }
+        if p.peak_flops is not None and tps is not None:
+            row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
+        if p.env.device.type == "cuda":
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
+        p.metrics.log(row)
+        # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
+        state.final_loss, state.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
+    return action
+
+
+def validate(p: Parts, state: TrainState, step: int) -> None:
+    state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
+    if state.first_val_loss is None:
+        state.first_val_loss = state.last_val_loss
+    p.metrics.log(validation_row(step, state.last_val_loss))
+
+
+def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
+    """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
+    env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    digest = check_same_config(cfg, env, run_dir)
+    verifier = Verifier(
+        cfg, run_dir, env.is_main, world_size=env.world_size, device_name=device_name(env.device)
+    )
+    plan, runner = build(cfg, env, run_dir, verifier, digest)
+    data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
+    stack.callback(data.sampler.close)
+    metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
+    verifier.attach(metrics.log)
+    cache = None
+    if cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager:
+        cache = CacheStats(loaded=load_cache(cfg.executor.cache_dir))
+    verifier.start(runner, lambda: split_rows(data.sampler.peek()[: cfg.train.micro_batch_size]))
+    state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    ckpt = RunCheckpoints(
+        cfg.checkpoint,
+        cfg.train,
+        checkpoint_root(cfg, run_dir),
+        run_dir,
+        runner,
+        data.sampler,
+        state,
+        metrics,
+        {"config_hash": digest, "model": shape_of(cfg.model)},
+        verifier.fallback,
+        cfg.verify.max_bad_steps,
+    )
+    stack.enter_context(ckpt)
+    resumed = ckpt.resume(cfg.checkpoint.resume, digest, env.is_main)
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    # The wandb run id saved in the checkpoint: the same wandb run continues after a restart.
+    metrics.start_sinks(cfg.logger, run_dir, plain, run_id=resumed.get("wandb_run_id"))
+    peak = peak_tflops(cfg, env.device)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    state.train_started = time.perf_counter()
+    peak_flops = None if peak is None else peak * 1e12 * env.world_size
+    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, cache, peak_flops)
+
+
+def build(
+    cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
+) -> tuple[Plan, StepRunner]:
+    """Plan, build on meta, freeze, check the graph across ranks (before any training collective).
+    The runner parallelizes (which places and initialises) and makes the optimizer when the verifier
+    starts the ladder (``Verifier.start``)."""
     plan: Plan = make_plan(cfg)
     mesh = build_mesh(plan, env.device.type)
-    dp_rank, dp_size = dp_mesh_info(mesh, plan)
     model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
     if env.is_main:
         log.info(
@@ -245,80 +304,68 @@ def build(cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: 
         verifier.fallback(
             0, "graph", f"executor {cfg.executor.mode.value} -> eager", "reference graph differs"
         )
-    # The model, optimiser and scheduler are made by ``start_executor`` (the fallback ladder).
-    return Built(plan, model, None, None, frozen, dp_rank, dp_size, mesh, executor, float8=cfg.model.float8)  # type: ignore[arg-type]
+    # Lag only without verify: with it, every step is read at once (the breaker may swap the
+    # executor before the next step).
+    runner = StepRunner(cfg, plan, mesh, executor, env.device, lag=not verifier.enabled, rank=env.rank)
+    return plan, runner
 
 
-def start_executor(cfg: Config, built: Built, data: Data, verifier: Verifier, device: torch.device) -> None:
-    """Parallelize for the configured executor; with verify on, the start of the fallback ladder.
-
-    The first forward (where torch.compile compiles) and the numerics check run before step 1. A
-    compile/capture error, or a numerics failure under ``policy=fallback``, rebuilds from a fresh
-    meta model with the next rung (cudagraphs -> compile -> eager); nothing has trained yet, so the
-    run restarts cleanly at step 0. The ranks agree on the outcome (one all_gather_object); a
-    compile error that hits only some ranks inside a collective is not covered (it would hang).
-    """
-    executor = built.executor
-    while True:
-        lower = next_mode(executor.mode)
-        error, action = None, None
-        try:
-            executed_model(cfg, built, executor, device)
-            if not verifier.enabled:
-                return
-            rows = data.sampler.peek()[: cfg.train.micro_batch_size]
-            x, y = split_rows(rows)
-            if verifier.vcfg.numerics:
-                compiled = executor.mode is not ExecutorMode.eager
-                action = verifier.check_numerics(built.model, (x, y), device, compiled, lower is not None)
-            else:
-                batch_logits(built.model, x, device)
-        except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
-            if lower is None or not verifier.enabled:
-                raise
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        errors: list[str | None] = [error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-        if not failed and action is not Policy.fallback:
-            return
-        assert lower is not None
-        trigger, detail = ("compile_error", failed[0]) if failed else ("numerics", "executed != eager")
-        verifier.fallback(0, trigger, f"executor {executor.mode.value} -> {lower.value}", detail)
-        executor = dataclasses.replace(executor, mode=lower)
-
-
-def fall_back_mid_run(cfg: Config, built: Built, device: torch.device) -> ExecutorMode | None:
-    """Rebuild with the next rung and carry the trained weights, optimiser and LR schedule over."""
-    lower = next_mode(built.executor.mode)
-    if lower is None:
-        return None
-    old_model, old_opt, old_sched = built.model, built.optimizer, built.scheduler
-    executed_model(cfg, built, dataclasses.replace(built.executor, mode=lower), device)
-    carry_state(old_model, old_opt, built.model, built.optimizer)
-    built.scheduler.load_state_dict(old_sched.state_dict())
-    return lower
+def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
+    """After the loop: the final evaluation, the compile cache, the performance verdict, the last
+    commit, the Hugging Face export and the summary."""
+    cfg, env = p.cfg, p.env
+    if env.is_main and profiler.top_operators():
+        log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
+    if cfg.train.eval_every > 0 and not p.ckpt.preempted:
+        state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
+    s = Summary(
+        steps=state.step,
+        final_loss=state.final_loss,
+        final_val_loss=state.last_val_loss,
+        first_val_loss=state.first_val_loss,
+        tokens_per_s=state.tokens_per_s,
+        peak_mem_gib=state.peak_mem_gib,
+        time_to_first_step_s=state.time_to_first_step_s,
+        train_time_s=time.perf_counter() - state.train_started,
+        skipped_steps=state.skipped_steps,
+        executor=p.runner.mode.value,
+    )
+    if p.peak_flops is not None and s.tokens_per_s is not None:
+        s.mfu = flops_per_token(cfg.model, cfg.train.seq_len) * s.tokens_per_s / p.peak_flops
+    if p.cache is not None:
+        p.cache.hits, p.cache.misses = cache_counters()
+        if env.is_main and p.cache.misses:  # something new was compiled: keep it for the next run
+            p.cache.saved = save_cache(cfg.executor.cache_dir)
+        s.compile_cache = dataclasses.asdict(p.cache)
+    figures = perf_figures(state.step_seconds, state.tokens_per_step, s.mfu, s.peak_mem_gib)
+    if figures is not None:
+        s.step_p50_s, s.step_p99_s = figures.step_p50_s, figures.step_p99_s
+        if p.runner.mode is not ExecutorMode.eager and state.first_step_s is not None:
+            s.compile_s = max(0.0, state.first_step_s - figures.step_p50_s)
+    meta = {"run_dir": str(p.run_dir), "config_hash": p.digest}
+    p.verifier.finish(
+        figures, env.world_size, device_name(env.device), meta, p.runner.mode, can_fall_back=False
+    )
+    p.ckpt.close()  # the last async commit: its failure is an event below
+    s.checkpoint = p.ckpt.summary(env.is_main)
+    s.events = [format_row(r) for r in p.metrics.rows if "event" in r]
+    if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
+        export_model(cfg, p.runner.model, p.run_dir, env, s.steps)
+    p.metrics.close()
+    write_summary(p.run_dir, cfg, p.plan, s, p.digest, env)
+    return s
 
 
-def fall_back_to_bf16(cfg: Config, built: Built, device: torch.device) -> Float8Recipe:
-    """The float8 rung of the ladder: rebuild the same executor without float8 (bf16 autocast) and
-    carry the trained weights, optimiser and LR schedule over; returns the recipe left behind.
+def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
+    """``checkpoint.export_hf``: the trained model as a Hugging Face folder in ``run_dir/hf``."""
+    state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
+    if env.is_main:
+        from framework.tokenizer import load_tokenizer
 
-    The state dicts have the same keys and fp32 values with float8 on or off (Float8Linear keeps the
-    high-precision weights), so the carry-over is the executor rung's.
-    """
-    left = built.float8
-    old_model, old_opt, old_sched = built.model, built.optimizer, built.scheduler
-    built.float8 = Float8Recipe.none
-    executed_model(cfg, built, built.executor, device)
-    carry_state(old_model, old_opt, built.model, built.optimizer)
-    built.scheduler.load_state_dict(old_sched.state_dict())
-    return left
-
-
-Data = data_mod.Pipeline
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+        log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 
 def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
@@ -332,397 +379,11 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
-def trained_before(run_dir: Path) -> int | None:
-    """The last step an earlier launch in this run dir logged a loss for (None: none did). Read before
-    this launch logs its first step."""
-    steps = [int(r["step"]) for r in read_metrics(run_dir) if "loss" in r]
-    return max(steps) if steps else None
-
-
-def resume(
-    ckpt: Checkpointer | None,
-    cfg: Config,
-    built: Built,
-    data: Data,
-    digest: str,
-    env: DistEnv,
-    metrics: Metrics,
-    run_dir: Path,
-) -> dict[str, Any]:
-    """Load the checkpoint that ``checkpoint.resume`` names; returns its extra state ({} if none).
-
-    ``auto`` takes the newest checkpoint that verifies and loads; each newer one is moved to
-    ``corrupt/`` (kept) with a ``checkpoint_rejected`` event. When none is usable but there were
-    checkpoints, or an earlier launch in this run dir trained, the run starts from step 0 *loudly*:
-    an error in the log, a ``no_usable_checkpoint`` event in metrics.jsonl and in summary.json.
-    """
-    if ckpt is None:
-        return {}
-    t0 = time.perf_counter()
-    if cfg.checkpoint.resume != "auto":
-        path = ckpt.resolve_resume(cfg.checkpoint.resume)
-        if path is None:
-            return {}
-        extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)
-    else:
-        before = trained_before(run_dir) if env.is_main else None
-        found = ckpt.load_latest(built.model, built.optimizer, built.scheduler)
-        for name, reason in found.rejected:
-            metrics.log({"step": 0, "event": "checkpoint_rejected", "detail": f"{name}: {reason}"})
-        if found.path is None:
-            if found.load_failed:  # a load stopped part-way: start from freshly initialised weights
-                executed_model(cfg, built, built.executor, env.device)
-            if found.rejected or before is not None:
-                report_no_checkpoint(ckpt, found.rejected, before, metrics)
-            return {}
-        path, extra = found.path, found.extra
-    if extra.get("config_hash") not in (None, digest) and env.is_main:
-        log.warning(
-            "resuming %s, saved with a different config (hash %s, now %s)",
-            path,
-            extra["config_hash"][:12],
-            digest[:12],
-        )
-    data.sampler.load_state_dict(extra["data"])
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    detail = f"from {path} at step {extra['step']} in {time.perf_counter() - t0:.1f}s"
-    if restarts:
-        detail += f" (restart {restarts} of the launcher)"
-    metrics.log({"step": extra["step"], "event": "resumed", "detail": detail, "restarts": restarts})
-    return extra
-
-
-def log_failed_saves(ckpt: Checkpointer, metrics: Metrics) -> None:
-    """A ``checkpoint_failed`` event for each save that failed since the last call (at its own step)."""
-    for step, error in ckpt.take_failures():
-        metrics.log({"step": step, "event": "checkpoint_failed", "detail": error})
-
-
-def report_no_checkpoint(
-    ckpt: Checkpointer, rejected: list[tuple[str, str]], before: int | None, metrics: Metrics
-) -> None:
-    """Say loudly (log error, metrics event, summary) that this run starts over from step 0."""
-    if rejected:
-        names = ", ".join(Path(n).name for n, _ in rejected)
-        what = (
-            f"none of the {len(rejected)} checkpoints under {ckpt.root} is usable ({names}); they were "
-            f"moved to {ckpt.root / 'corrupt'} (kept, with the reason in <name>.why)"
-        )
-    else:
-        what = f"an earlier launch in this run dir trained to step {before}, but no checkpoint is left under {ckpt.root}"
-    detail = f"{what}: training starts from step 0"
-    log.error("RESUME FAILED: %s", detail)
-    metrics.log({"step": 0, "event": "no_usable_checkpoint", "detail": detail})
-
-
-def run(cfg: Config, run_dir: Path) -> Summary:
-    """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``."""
-    t_start = time.perf_counter()
-    cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
-    device = resolve_device(cfg.run.device)
-    env = init_distributed(device, cfg.nccl.timeout_s)
-    device = env.device
-    if cfg.run.deterministic:
-        torch.use_deterministic_algorithms(True)
-    digest = check_same_config(cfg, env, run_dir)
-    verifier = Verifier(cfg, run_dir, env.is_main)
-    built = build(cfg, env, run_dir, verifier, digest)
-    data = make_data(cfg, env, built.dp_rank, built.dp_size)
-    metrics = Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar)
-    verifier.attach(metrics.log)
-    cache = CacheStats()
-    use_cache = cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager
-    if use_cache:
-        cache.loaded = load_cache(cfg.executor.cache_dir)
-    start_executor(cfg, built, data, verifier, device)
-    ckpt = None
-    if cfg.checkpoint.enabled:
-        ckpt = Checkpointer(cfg.checkpoint, checkpoint_root(cfg, run_dir), run_id=str(run_dir))
-    preempt = PreemptionHandler(ckpt.control_group) if ckpt is not None else None
-    resumed = resume(ckpt, cfg, built, data, digest, env, metrics, run_dir)
-    start_step, tokens_seen = int(resumed.get("step", 0)), int(resumed.get("tokens_seen", 0))
-    if env.is_main:
-        plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-        # The wandb run id saved in the checkpoint: the same wandb run continues after a restart.
-        metrics.sinks = make_sinks(cfg.logger, run_dir, plain, run_id=resumed.get("wandb_run_id"))
-    profiler = make_profiler(cfg.run, run_dir, env.rank)
-
-    def save(step: int) -> None:
-        assert ckpt is not None
-        extra = {
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "data": data.sampler.state_dict(),
-            "config_hash": digest,
-            "wandb_run_id": metrics.wandb_run_id if env.is_main else None,
-            # The shape, so that model.init_from and export-hf can read this checkpoint on its own.
-            "model": shape_of(cfg.model),
-        }
-        ckpt.save(step, built.model, built.optimizer, built.scheduler, extra)
-        log_failed_saves(ckpt, metrics)
-
-    def rollback(step: int) -> int:
-        """Back to the latest checkpoint, keeping the data position (past the bad batches).
-
-        A float8 run first steps down to bf16 (``fall_back_to_bf16``): float8's 3 mantissa bits
-        and per-tensor scales are the likeliest cause of a run that goes non-finite and stays so.
-        """
-        nonlocal tokens_seen, since_build
-        if next_float8(built.float8) is not None:
-            left = fall_back_to_bf16(cfg, built, device)
-            since_build = 0
-            verifier.fallback(
-                step,
-                "bad_steps",
-                f"model.float8 {left.value} -> none (bf16)",
-                f"{cfg.verify.max_bad_steps} non-finite steps in a row under float8 {left.value}",
-            )
-        path = ckpt.latest() if ckpt is not None else None
-        if path is None:
-            verifier.fallback(
-                step,
-                "bad_steps",
-                "no checkpoint to roll back to: skipping on",
-                f"{cfg.verify.max_bad_steps} non-finite steps in a row",
-            )
-            return step
-        position = data.sampler.state_dict()
-        extra = ckpt.load(path, built.model, built.optimizer, built.scheduler)  # type: ignore[union-attr]
-        data.sampler.load_state_dict(position)
-        tokens_seen = int(extra.get("tokens_seen", 0))
-        verifier.fallback(
-            step,
-            "bad_steps",
-            f"rollback to step {extra['step']} ({path.name})",
-            f"{cfg.verify.max_bad_steps} non-finite steps in a row; data stays at batch "
-            f"{position['consumed_batches']}",
-        )
-        return int(extra["step"])
-
-    summary = Summary()
-    device_peak = peak_tflops(cfg, device)
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    window_tokens, window_time = 0, 0.0  # since warm-up: the run's throughput (summary)
-    log_tokens, log_time = 0, 0.0  # since the last log row: that row's throughput
-    step_seconds: list[float] = []  # post-warm-up step times, for p50/p99 and the baseline
-    nan_batches = set(cfg.verify.inject_nan_steps)
-    since_build = 0  # steps since the executor was (re)built: each build pays its own warm-up
-    train_t0 = time.perf_counter()
-    last_val: float | None = None
-    stopped = False
-    step = start_step
-    first_step_s: float | None = None
-    io = HostIO(device)
-    # Lag: the host queues step k+1 before it reads step k's figures (HostIO), so the GPU does not
-    # idle between steps while the host logs, counts and prepares the next batch. Only plain steps
-    # lag: a step that ends at a log row, an evaluation, a checkpoint, a fault injection or the end
-    # of the run is read at once. With verify on, every step is read at once (the circuit breaker
-    # may swap the executor before the next step).
-    lag = not verifier.enabled
-    pending: tuple[StepResult, int, bool] | None = None  # (result, its step number, warm)
-
-    def account(result: StepResult, done: int, warm: bool) -> StepAction:
-        """Everything that reads a step's figures: counters, throughput, verify, the log row."""
-        nonlocal window_tokens, window_time, log_tokens, log_time, first_step_s, since_build
-        if summary.time_to_first_step_s is None:
-            summary.time_to_first_step_s = time.perf_counter() - t_start
-            first_step_s = result.seconds
-        if not result.finite:
-            summary.skipped_steps += 1
-            metrics.log({"step": done, "event": "skipped_step", "detail": "non-finite loss or gradient"})
-        # The first steps pay for compilation and allocator warm-up: keep them out of throughput.
-        if warm and result.finite:
-            window_tokens += tokens_per_step
-            window_time += result.seconds
-            log_tokens += tokens_per_step
-            log_time += result.seconds
-            step_seconds.append(result.seconds)
-            if verifier.enabled and verifier.breaker is None:
-                verifier.start_timing(
-                    verifier.baseline_p99(env.world_size, device_name(env), built.executor.mode)
-                )
-        action, tripped = verifier.after_step(
-            result.finite, result.seconds if warm and result.finite else None
-        )
-        metrics.advance()
-        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            tps = log_tokens / log_time if log_time > 0 else None
-            log_tokens, log_time = 0, 0.0
-            row: dict[str, Any] = {
-                "step": done,
-                "loss": result.loss,
-                "lr": result.lr,
-                "grad_norm": result.grad_norm,
-                "tokens_per_s": tps,
-                "step_ms": result.seconds * 1e3,
-            }
-            if device_peak is not None and tps is not None:
-                row["mfu"] = fpt * tps / (device_peak * 1e12 * env.world_size)
-            if device.type == "cuda":
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            metrics.log(row)
-            # row["loss"], not result.loss again: reading it is an all-reduce over ranks.
-            summary.final_loss, summary.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
-        if window_time > 0:
-            summary.tokens_per_s = window_tokens / window_time
-            if device_peak is not None:
-                summary.mfu = fpt * summary.tokens_per_s / (device_peak * 1e12 * env.world_size)
-        if tripped:
-            p99 = verifier.breaker.last_p99_s if verifier.breaker is not None else None
-            lower = fall_back_mid_run(cfg, built, device)
-            what = f"executor {lower and built.executor.mode.value}" if lower else "none (already eager)"
-            verifier.fallback(done, "circuit_breaker", f"fallback: {what}", f"window p99 {p99}")
-            if verifier.breaker is not None:
-                verifier.breaker.reset()
-            since_build = 0
-        return action
-
-    def boundary(done: int) -> bool:
-        """Does anything at the end of step ``done`` need its figures first? (Checkpoints and
-        preemption are decided by the caller, once per step: they are collectives.)"""
-        return (
-            not lag
-            or summary.time_to_first_step_s is None
-            or done % cfg.train.log_every == 0
-            or done >= cfg.train.steps
-            or (cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0)
-            or done == cfg.run.fault_kill_at_step
-        )
-
-    profiler.__enter__()
-    while step < cfg.train.steps:
-        if cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0:
-            last_val = evaluate(built.model, data.val_batches, device)
-            summary.first_val_loss = (
-                summary.first_val_loss if summary.first_val_loss is not None else last_val
-            )
-            metrics.log(validation_row(step, last_val))
-        poison = (
-            data.sampler.consumed_batches in nan_batches
-        )  # a batch index: fires once, even after a rollback
-        with inject_nan(built.model, poison):
-            result = train_step(
-                built.model,
-                built.optimizer,
-                built.scheduler,
-                data.sampler.next_batch(),
-                cfg.train.grad_clip,
-                device,
-                built.in_backward,
-                io,
-                data.sampler.loss_scales(),
-            )
-        tokens_seen += tokens_per_step
-        warm = since_build >= built.executor.warmup_steps
-        since_build += 1
-        profiler.step()
-        done = step + 1
-        summary.steps = done
-        if pending is not None:  # the previous step, read now that this one is queued
-            previous, pending = pending, None
-            if account(*previous) is StepAction.rollback:
-                if ckpt is not None and ckpt.latest() is not None:
-                    # This step ran on the weights the rollback replaces: undo its batch and count,
-                    # so the run goes on exactly as if the rollback had come before it.
-                    data.sampler.undo_last()
-                    since_build -= 1
-                    summary.steps = previous[1]
-                    step = rollback(previous[1])
-                    continue
-                rollback(previous[1])  # no checkpoint: records that, and the run skips on
-        # Once per step and in the same order on every rank: both can be collectives.
-        stop_now = preempt is not None and preempt.requested()
-        save_now = ckpt is not None and (
-            stop_now
-            or (done == cfg.train.steps and cfg.checkpoint.at_end)
-            or ckpt.should_save(done, time.monotonic())
-        )
-        if not (save_now or stop_now or boundary(done)):
-            pending = (result, done, warm)
-            step = done
-            continue
-        if account(result, done, warm) is StepAction.rollback:
-            step = rollback(done)
-            continue
-        maybe_inject_fault(cfg, env, done)
-        if save_now:
-            save(done)
-        if stop_now:
-            stopped = True
-            assert ckpt is not None and preempt is not None
-            ckpt.wait()  # an async save commits now: the event below says whether it did
-            log_failed_saves(ckpt, metrics)
-            sig = preempt.signal_name()
-            saved = ckpt.last_error is None
-            detail = (
-                f"{sig}: saved step {done}, exiting"
-                if saved
-                else f"{sig}: the save at step {done} failed ({ckpt.last_error}), exiting"
-            )
-            metrics.log({"step": done, "event": "preempted", "detail": detail, "saved": saved})
-            break
-        step = done
-    profiler.__exit__(None, None, None)
-    if env.is_main and profiler.top_operators():
-        log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
-    model = built.model
-    if cfg.train.eval_every > 0 and not stopped:
-        last_val = evaluate(model, data.val_batches, device)
-        metrics.log(validation_row(cfg.train.steps, last_val))
-    summary.final_val_loss = last_val
-    summary.train_time_s = time.perf_counter() - train_t0
-    if use_cache:
-        cache.hits, cache.misses = cache_counters()
-        if env.is_main and cache.misses:  # something new was compiled: keep it for the next run
-            cache.saved = save_cache(cfg.executor.cache_dir)
-        summary.compile_cache = dataclasses.asdict(cache)
-    summary.executor = built.executor.mode.value
-    figures = perf_figures(step_seconds, tokens_per_step, summary.mfu, summary.peak_mem_gib)
-    if figures is not None:
-        summary.step_p50_s, summary.step_p99_s = figures.step_p50_s, figures.step_p99_s
-        if built.executor.mode is not ExecutorMode.eager and first_step_s is not None:
-            summary.compile_s = max(0.0, first_step_s - figures.step_p50_s)
-    meta = {"run_dir": str(run_dir), "config_hash": digest}
-    verifier.finish(figures, env.world_size, device_name(env), meta, built.executor.mode, can_fall_back=False)
-    if ckpt is not None:
-        ckpt.close()
-        log_failed_saves(ckpt, metrics)
-        summary.checkpoint = {
-            "saved": ckpt.saves_ok,
-            "failed": ckpt.saves_failed,
-            "last_error": ckpt.last_error,
-        }
-        if ckpt.saves_failed and not ckpt.saves_ok and env.is_main:
-            log.error(
-                "every checkpoint save of this run failed (%d of %d): %s",
-                ckpt.saves_failed,
-                ckpt.saves_failed,
-                ckpt.last_error,
-            )
-    # Events, read last: they include the checkpoint failures of the commit ``close`` just waited for.
-    summary.events = [format_row(r) for r in metrics.rows if "event" in r]
-    if preempt is not None:
-        preempt.close()
-    if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
-        state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
-        if env.is_main:
-            from framework.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(cfg.tokenizer)
-            out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
-            log.info("exported a Hugging Face checkpoint of step %d to %s", summary.steps, out)
-    metrics.close()
-    write_summary(run_dir, cfg, built.plan, summary, digest, env)
-    return summary
-
-
-def maybe_inject_fault(cfg: Config, env: DistEnv, step: int) -> None:
-    """``run.fault_kill_at_step``: SIGKILL this rank (no cleanup, like a node failure) on the first attempt."""
+def kill_if_asked(cfg: Config, env: DistEnv, step: int) -> None:
+    """``run.fault_kill_at_step``: SIGKILL this rank (no cleanup, like a node failure) on the first
+    attempt; ``run.fault_rank=-1``: every rank."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if step == cfg.run.fault_kill_at_step and env.rank == cfg.run.fault_rank and first_attempt:
+    if step == cfg.run.fault_kill_at_step and cfg.run.fault_rank in (-1, env.rank) and first_attempt:
         log.warning("run.fault_kill_at_step=%d: rank %d kills itself", step, env.rank)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -753,13 +414,6 @@ def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEn
     return result
 
 
-def device_name(env: DistEnv) -> str:
-    """The device model, part of a performance baseline's key."""
-    if env.device.type == "cuda":
-        return torch.cuda.get_device_name(env.device)
-    return platform.processor() or platform.machine()
-
-
 @rank_zero_only
 def write_summary(
     run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv
@@ -769,7 +423,7 @@ def write_summary(
         "config_hash": digest,
         "world_size": env.world_size,
         "device": str(env.device),
-        "device_name": device_name(env),
+        "device_name": device_name(env.device),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -18,16 +19,23 @@ import torch
 import torch.distributed as dist
 
 
-def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple, q: Any) -> None:
+def _entry(
+    rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple, q: Any, port: int | None
+) -> None:
     torch.set_num_threads(1)
     code = 0
     try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        if port is None:
+            store = dist.FileStore(store_path, world)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        else:  # the code under test makes the group itself, as a launched rank does (env://)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         out = fn(rank, world, *args)
         q.put((rank, out, None))
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         q.put((rank, None, traceback.format_exc()))
         code = 1
@@ -38,16 +46,23 @@ def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
         os._exit(code)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0, init: bool = True
+) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in order.
 
+    ``init=False``: no process group is made for ``fn``; the launcher's variables (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are set instead, so that ``fn`` makes (and ends) its own.
     Raises RuntimeError with the first failing rank's traceback, or on timeout (workers killed).
     """
     ctx = mp.get_context("fork")
     q = ctx.Queue()
+    port = None if init else _free_port()
     with tempfile.TemporaryDirectory() as d:
         store_path = os.path.join(d, "store")
-        procs = [ctx.Process(target=_entry, args=(r, world, store_path, fn, args, q)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, store_path, fn, args, q, port)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
@@ -71,3 +86,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             rank, err = next(iter(errors.items()))
             raise RuntimeError(f"rank {rank} failed:\n{err}")
         return [results[r] for r in range(world)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -149,7 +149,7 @@ def test_peek_and_undo_give_the_same_batch_again(corpus: Corpus) -> None:
     first = sampler.next_batch()
     assert torch.equal(peeked[:MBS, :-1], first[0][0])
     state = sampler.state_dict()
-    sampler.undo_last()
+    sampler.rewind()
     assert sampler.consumed_batches == 0
     again = sampler.next_batch()
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from framework.config import LoggerConfig, LoggerKind, WandbMode
-from framework.metrics import Metrics, make_sinks, perplexity, read_metrics, validation_row
+from framework.metrics import Metrics, perplexity, read_metrics, validation_row
 from framework.wandb_sink import REDACTED, has_api_key, resolve_mode, strip_secrets
 
 
 def test_jsonl_always_written_and_console_has_no_sink(tmp_path: Path) -> None:
     m = Metrics(tmp_path, enabled=True, total_steps=2, start_step=0, progress_bar=False)
-    m.sinks = make_sinks(LoggerConfig(), tmp_path, {})
+    m.start_sinks(LoggerConfig(), tmp_path, {})
     assert m.sinks == [] and m.wandb_run_id is None
     m.log({"step": 1, "loss": 2.5})
     m.log({"step": 1, "event": "skipped_step", "detail": "x"})
@@ -59,7 +59,7 @@ def test_wandb_offline_run_writes_files_and_resumes_the_same_run(
     config = {"train": {"lr": 0.01}, "logger": {"api_key": "hunter2"}}
 
     m = Metrics(tmp_path, enabled=True, total_steps=4, start_step=0, progress_bar=False)
-    m.sinks = make_sinks(logger, tmp_path, config)
+    m.start_sinks(logger, tmp_path, config)
     run_id = m.wandb_run_id
     assert run_id
     run = m.sinks[0].run
@@ -75,7 +75,7 @@ def test_wandb_offline_run_writes_files_and_resumes_the_same_run(
     other = tmp_path / "restart"
     other.mkdir()
     m2 = Metrics(other, enabled=True, total_steps=4, start_step=2, progress_bar=False)
-    m2.sinks = make_sinks(logger, other, config, run_id=run_id)
+    m2.start_sinks(logger, other, config, run_id=run_id)
     assert m2.wandb_run_id == run_id
     m2.log({"step": 4, "loss": 2.0})
     m2.close()

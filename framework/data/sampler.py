@@ -177,7 +177,7 @@ class BatchSampler:
         """This rank's rows of the next batch, without consuming it."""
         return self.rank_slice(self.consumed_batches)
 
-    def undo_last(self) -> None:
+    def rewind(self) -> None:
         """Give the last batch back (a step undone by a rollback): the next call returns it again."""
         self.consumed_batches -= 1
 

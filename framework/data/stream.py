@@ -208,7 +208,7 @@ def compose(
 
 
 class StreamSampler:
-    """Same interface as ``BatchSampler`` (next_batch, peek, undo_last, state_dict, load_state_dict)
+    """Same interface as ``BatchSampler`` (next_batch, peek, rewind, state_dict, load_state_dict)
     over packed and mixed sources; see the module docstring for why the state is rank-independent."""
 
     def __init__(
@@ -240,7 +240,7 @@ class StreamSampler:
         self._after = [s.state() for s in self.sources]  # the state after the last consumed batch
         self._scales: list[float] | None = None
         self._pushback: list[_Batch] = []
-        self._history: list[tuple[_Batch, list[dict[str, int]]]] = []  # for undo_last
+        self._history: list[tuple[_Batch, list[dict[str, int]]]] = []  # for rewind
         self._queue: queue.Queue[_Batch | BaseException] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -329,7 +329,7 @@ class StreamSampler:
         self._pushback.append(item)
         return self._rank_rows(item)
 
-    def undo_last(self) -> None:
+    def rewind(self) -> None:
         """Give the last batch back (a step undone by a rollback): the next call returns it again."""
         item, before = self._history.pop()
         self._pushback.append(item)

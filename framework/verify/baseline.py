@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from framework.config import Config, ExecutorMode, VerifyConfig
 from framework.verify.report import CheckResult
@@ -32,6 +35,13 @@ class PerfFigures:
     tokens_per_s: float
     mfu: float | None = None
     peak_mem_gib: float | None = None
+
+
+def device_name(device: torch.device) -> str:
+    """The device model, part of a baseline's key."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,22 @@ def next_mode(mode: ExecutorMode) -> ExecutorMode | None:
     """The next rung down the ladder, or None on eager (the last rung)."""
     i = LADDER.index(mode)
     return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+class Rungs(Protocol):
+    """What the ladder acts on (``framework.runner.StepRunner``): the executed model, its executor
+    and float8 rungs, and a rebuild for another rung (``carry``: keep the trained state)."""
+
+    model: nn.Module
+    float8: Float8Recipe
+    device: torch.device
+
+    @property
+    def mode(self) -> ExecutorMode: ...
+
+    def build(
+        self, mode: ExecutorMode | None = None, float8: Float8Recipe | None = None, carry: bool = False
+    ) -> None: ...
 
 
 def max_over_ranks(value: float) -> float:

@@ -1,14 +1,18 @@
 """``Verifier``: one run's verification state and the hooks the trainer calls, in run order.
 
   check_graph      after freeze, before parallelize (so before DDP's broadcast / FSDP's all-gather)
-  check_numerics   after parallelize, before step 1 (its first forward is where compilation happens)
-  after_step       every step: bad-step policy, latency circuit breaker
+  start            the start of the ladder: build each rung until one compiles (and passes numerics)
+    check_numerics   after parallelize, before step 1 (its first forward is where compilation happens)
+  observe          every step read: bad-step policy (and the float8 rung), latency circuit breaker
+                   (and the executor rungs)
   fallback         records a change of course (event row in metrics.jsonl, printed, in the report)
   finish           performance vs the baseline, optional baseline save, the report files
 
-The logic lives in the sibling modules; this class only keeps the state between the hooks and
-applies ``verify.policy``. With ``verify.enabled=false`` every hook is a cheap no-op except
-``after_step``'s bad-step tracking and ``fallback``'s recording, which the trainer always needs.
+The logic lives in the sibling modules; this class keeps the state between the hooks (the bad-step
+tracker, the breaker), applies ``verify.policy`` and decides the ladder's rungs; the runner
+(``fallback.Rungs``) builds them. With ``verify.enabled=false`` every hook is a cheap no-op except
+the bad-step tracking (with the float8 rung) and ``fallback``'s recording, which the trainer always
+needs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from framework.config import Config, ExecutorMode, Float8Recipe, Policy
@@ -26,8 +31,16 @@ from framework.freeze import FrozenResult
 from framework.model import Llama
 from framework.verify import baseline as baseline_mod
 from framework.verify.consistency import check_ranks, check_reference, export_fingerprint, meta_example
-from framework.verify.fallback import BadStepTracker, CircuitBreaker, StepAction, max_over_ranks
-from framework.verify.numerics import check_numerics, reference_model, wants_reference
+from framework.verify.fallback import (
+    BadStepTracker,
+    CircuitBreaker,
+    Rungs,
+    StepAction,
+    max_over_ranks,
+    next_float8,
+    next_mode,
+)
+from framework.verify.numerics import batch_logits, check_numerics, reference_model, wants_reference
 from framework.verify.policy import VerificationError, apply_policy
 from framework.verify.report import CheckResult, FallbackEvent, VerificationReport, write_report
 
@@ -36,8 +49,18 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 class Verifier:
-    def __init__(self, cfg: Config, run_dir: Path, is_main: bool, emit: Emit | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        is_main: bool,
+        emit: Emit | None = None,
+        world_size: int = 1,
+        device_name: str = "",
+    ) -> None:
         self.cfg = cfg
+        self.world_size = world_size
+        self.device_name = device_name  # with world_size, part of the performance baseline's key
         self.vcfg = cfg.verify
         self.enabled = cfg.verify.enabled
         self.run_dir = Path(run_dir)
@@ -153,6 +176,80 @@ class Verifier:
         self.report.checks = [c for c in self.report.checks if c.name != check.name]
         self.report.add(check)
         return self._decide(check, can_fall_back)
+
+    def start(self, rungs: Rungs, first_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Build the configured rung; with verify on, the start of the fallback ladder.
+
+        The first forward (where torch.compile compiles) and the numerics check run before step 1. A
+        compile/capture error, or a numerics failure under ``policy=fallback``, rebuilds from a fresh
+        meta model with the next rung (cudagraphs -> compile -> eager); nothing has trained yet, so
+        the run restarts cleanly at step 0. The ranks agree on the outcome (one all_gather_object); a
+        compile error that hits only some ranks inside a collective is not covered (it would hang).
+        """
+        mode = rungs.mode
+        while True:
+            lower = next_mode(mode)
+            error, action = None, None
+            try:
+                rungs.build(mode)
+                if not self.enabled:
+                    return
+                x, y = first_batch()
+                if self.vcfg.numerics:
+                    compiled = mode is not ExecutorMode.eager
+                    action = self.check_numerics(
+                        rungs.model, (x, y), rungs.device, compiled, lower is not None
+                    )
+                else:
+                    batch_logits(rungs.model, x, rungs.device)
+            except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
+                if lower is None or not self.enabled:
+                    raise
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            errors: list[str | None] = [error]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                errors = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+            if not failed and action is not Policy.fallback:
+                return
+            assert lower is not None
+            trigger, detail = ("compile_error", failed[0]) if failed else ("numerics", "executed != eager")
+            self.fallback(0, trigger, f"executor {mode.value} -> {lower.value}", detail)
+            mode = lower
+
+    def observe(self, step: int, finite: bool, seconds: float | None, rungs: Rungs) -> StepAction:
+        """Judge one step read; ``seconds`` is its time, None during warm-up or when non-finite.
+
+        Bad steps: the ``max_bad_steps``-th non-finite step in a row asks the caller for a rollback;
+        a float8 run first steps down to bf16 (float8's 3 mantissa bits and per-tensor scales are
+        the likeliest cause of a run that goes non-finite and stays so). The breaker, armed at the
+        first timed step, trips on slow windows: the run steps down the executor ladder, keeping its
+        trained state, and the breaker starts afresh.
+        """
+        if seconds is not None and self.enabled and self.breaker is None:
+            self.start_timing(self.baseline_p99(self.world_size, self.device_name, rungs.mode))
+        action, tripped = self.after_step(finite, seconds)
+        if action is StepAction.rollback and next_float8(rungs.float8) is not None:
+            left = rungs.float8
+            rungs.build(float8=next_float8(left), carry=True)
+            self.fallback(
+                step,
+                "bad_steps",
+                f"model.float8 {left.value} -> none (bf16)",
+                f"{self.vcfg.max_bad_steps} non-finite steps in a row under float8 {left.value}",
+            )
+        if tripped:
+            assert self.breaker is not None
+            lower = next_mode(rungs.mode)
+            if lower is not None:
+                rungs.build(lower, carry=True)
+            what = f"executor {lower.value}" if lower else "none (already eager)"
+            self.fallback(
+                step, "circuit_breaker", f"fallback: {what}", f"window p99 {self.breaker.last_p99_s}"
+            )
+            self.breaker.reset()
+        return action
 
     def start_timing(self, baseline_p99_s: float | None) -> None:
         """Arm the circuit breaker (after warm-up): reference p99 from the baseline, else the first window."""
