@@ -204,6 +204,36 @@ class ProfileRanks(Enum):
     all = "all"
 
 
+def only_with(
+    selector: str, *options: Enum | bool, default: Any = dataclasses.MISSING, factory: Any = None
+) -> Any:
+    """A field of one option (or a few): it means something only while ``selector`` (a config key)
+    is one of ``options``. Set to anything but its default under another option, it would do
+    nothing, so the launcher refuses it (``framework.rules.check_option_fields``, one line naming
+    the option) and the config reference says which option it belongs to."""
+    meta = {"only_with": (selector, options)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def option_fields(cls: type = None, prefix: str = "") -> dict[str, tuple[str, tuple[Any, ...], Any]]:  # type: ignore[assignment]
+    """Every ``only_with`` field of the schema: key -> (selector key, its options, the default)."""
+    out: dict[str, tuple[str, tuple[Any, ...], Any]] = {}
+    for f in dataclasses.fields(cls or Config):
+        key = f"{prefix}{f.name}"
+        if "only_with" in f.metadata:
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            out[key] = (*f.metadata["only_with"], default)
+        tp = f.type if not isinstance(f.type, str) else None
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if tp is None and nested is not None and dataclasses.is_dataclass(nested):
+            tp = nested
+        if tp is not None and dataclasses.is_dataclass(tp):
+            out.update(option_fields(tp, f"{key}."))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Recipe-owned groups: model, data, train. A recipe (recipes/NAME.yaml) pins these.
 # ----------------------------------------------------------------------------------------------
@@ -293,15 +323,15 @@ class DataConfig:
     # 1/val_fraction-th record (text, jsonl, parquet, hf).
     val_fraction: float = 0.05
     # jsonl: the key of each line's document text.
-    field: str = "text"
+    field: str = only_with("data.source", DataSource.jsonl, default="text")
     # parquet and hf: the column of the document text.
-    column: str = "text"
+    column: str = only_with("data.source", DataSource.parquet, DataSource.hf, default="text")
     # hf: the dataset's configuration name (load_dataset's `name`) and split.
-    name: Optional[str] = None
-    split: str = "train"
+    name: Optional[str] = only_with("data.source", DataSource.hf, default=None)
+    split: str = only_with("data.source", DataSource.hf, default="train")
     # hf: stream records (datasets' IterableDataset) instead of building the Arrow cache: for
     # corpora larger than disk or RAM. Resume skips records without tokenizing them.
-    streaming: bool = False
+    streaming: bool = only_with("data.source", DataSource.hf, default=False)
     # Attention stops at document boundaries (EOS): SDPA with a block-diagonal causal mask.
     document_mask: bool = False
     # Several sources with weights; when set, it replaces source/path. The source of each sample is a
@@ -313,10 +343,10 @@ class DataConfig:
     encode_batch: int = 256
     # sft: the key of each jsonl line's conversation, a list of {"role", "content"} messages (roles:
     # system, user, assistant); a line without it is read as a prompt/response pair (the next keys).
-    messages_field: str = "messages"
+    messages_field: str = only_with("data.source", DataSource.sft, default="messages")
     # sft: the keys of a prompt/response line (read as one user and one assistant message).
-    prompt_field: str = "prompt"
-    response_field: str = "response"
+    prompt_field: str = only_with("data.source", DataSource.sft, default="prompt")
+    response_field: str = only_with("data.source", DataSource.sft, default="response")
 
 
 @dataclass
@@ -358,11 +388,13 @@ class OptimizerConfig:
     # Keyword arguments added to the class's call (they override the option's own).
     kwargs: dict[str, Any] = field(default_factory=dict)
     # sgd and muon: momentum factor, and Nesterov momentum.
-    momentum: float = 0.9
-    nesterov: bool = False
+    momentum: float = only_with("optimizer.name", OptimizerName.sgd, OptimizerName.muon, default=0.9)
+    nesterov: bool = only_with("optimizer.name", OptimizerName.sgd, OptimizerName.muon, default=False)
     # muon: how Muon scales each matrix's learning rate (MuonAdjustLR), and its Newton-Schulz steps.
-    muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
-    muon_ns_steps: int = 5
+    muon_adjust_lr: MuonAdjustLR = only_with(
+        "optimizer.name", OptimizerName.muon, default=MuonAdjustLR.match_rms_adamw
+    )
+    muon_ns_steps: int = only_with("optimizer.name", OptimizerName.muon, default=5)
 
 
 @dataclass
@@ -372,7 +404,7 @@ class LRSchedulerConfig:
 
     name: LRSchedulerName = LRSchedulerName.cosine
     # wsd: the fraction of train.steps, at the end, over which lr decays to lr * min_lr_ratio.
-    decay_fraction: float = 0.2
+    decay_fraction: float = only_with("lr_scheduler.name", LRSchedulerName.wsd, default=0.2)
 
 
 @dataclass
@@ -390,11 +422,11 @@ class RunConfig:
     max_restarts: int = 0
     # Record a torch.profiler trace (Chrome JSON) of a window of steps into <run dir>/profile.
     profile: bool = False
-    profile_ranks: ProfileRanks = ProfileRanks.rank0
+    profile_ranks: ProfileRanks = only_with("run.profile", True, default=ProfileRanks.rank0)
     # torch.profiler.schedule: skip `wait` steps, warm up `warmup` steps, record `active` steps, once.
-    profile_wait: int = 1
-    profile_warmup: int = 1
-    profile_active: int = 3
+    profile_wait: int = only_with("run.profile", True, default=1)
+    profile_warmup: int = only_with("run.profile", True, default=1)
+    profile_active: int = only_with("run.profile", True, default=3)
     # Default-deny allowlist of module prefixes that a config's `_target_` may name (framework.instantiate).
     # Set it in conf/ or on the command line; a recipe that sets it is refused.
     instantiate_allow: list[str] = field(default_factory=lambda: ["framework.", "torch.optim.", "torch.nn."])
@@ -494,7 +526,9 @@ class ShardingConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # With activation_checkpointing=budget: the fraction of the compiled default's saved
     # activations to keep (torch._functorch.config.activation_memory_budget; 0 ~ full AC, 1 = off).
-    activation_memory_budget: float = 0.5
+    activation_memory_budget: float = only_with(
+        "sharding.activation_checkpointing", ActivationCheckpointing.budget, default=0.5
+    )
 
 
 @dataclass
@@ -539,30 +573,40 @@ class FreezeConfig:
 
     # export: what `python train.py` composes (conf/config.yaml `freeze: export`); the schema agrees.
     mode: FreezeMode = FreezeMode.export
-    strict: bool = False  # torch.export.export(strict=...): trace with Dynamo instead of running Python
+    # torch.export.export(strict=...): trace with Dynamo instead of running Python.
+    strict: bool = only_with("freeze.mode", FreezeMode.export, default=False)
     # Also run the model once under torch._dynamo.explain, so graph breaks that
     # torch.compile(fullgraph=True) would hit are reported at freeze time (export mode).
-    check_graph_breaks: bool = True
+    check_graph_breaks: bool = only_with("freeze.mode", FreezeMode.export, default=True)
     # script only: submodule paths ("layers.0.feed_forward") or methods ("helper", "layers.0.attention.fn")
     # left as Python, as @torch.jit.ignore does. Such a module runs but cannot be saved.
-    ignore: list[str] = field(default_factory=list)
+    ignore: list[str] = only_with("freeze.mode", FreezeMode.script, factory=list)
     # script only: extra methods compiled (and kept by torch.jit.freeze), as @torch.jit.export does.
-    export_methods: list[str] = field(default_factory=list)
+    export_methods: list[str] = only_with("freeze.mode", FreezeMode.script, factory=list)
+
+
+_COMPILED = (ExecutorMode.compile, ExecutorMode.cudagraphs)
 
 
 @dataclass
 class ExecutorConfig:
     mode: ExecutorMode = ExecutorMode.eager
-    scope: CompileScope = CompileScope.block
-    backend: str = "inductor"
+    # compile and cudagraphs: compile each block, or the whole model; torch.compile's backend.
+    scope: CompileScope = only_with("executor.mode", *_COMPILED, default=CompileScope.block)
+    backend: str = only_with("executor.mode", *_COMPILED, default="inductor")
     warmup_steps: int = 3
     # Inductor's max-autotune: benchmark GEMM/conv kernel choices at compile time (minutes longer
     # to compile; mode="max-autotune-no-cudagraphs", or "max-autotune" with cudagraphs).
-    autotune: bool = False
+    autotune: bool = only_with("executor.mode", *_COMPILED, default=False)
     # A portable compile cache (torch.compiler cache artifacts) in a directory, e.g. on shared
     # storage next to the checkpoints: loaded by every rank before compiling, extended by rank 0
     # after training, so a fresh node starts warm (framework.compile_cache). None = off.
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = only_with("executor.mode", *_COMPILED, default=None)
+
+
+def _saving(default: Any) -> Any:
+    """A checkpoint field: it means something with checkpoint.enabled=true (checkpoint=sync|async|large)."""
+    return only_with("checkpoint.enabled", True, default=default)
 
 
 @dataclass
@@ -570,20 +614,25 @@ class CheckpointConfig:
     """Fault-tolerant DCP checkpoints (framework.checkpoint): atomic commit, manifest, retention."""
 
     enabled: bool = False
-    dir: Optional[str] = None  # default: <run dir>/checkpoints
-    every_steps: int = 0  # 0 = off
-    every_minutes: float = 0.0  # 0 = off; rank 0's clock decides, all ranks follow
-    at_end: bool = True
-    async_mode: AsyncMode = AsyncMode.none
-    keep_last: int = 2  # 0 = keep all; the newest complete checkpoint is never deleted
-    keep_every: int = 0  # also keep steps that are multiples of this forever (0 = none)
+    dir: Optional[str] = _saving(None)  # default: <run dir>/checkpoints
+    every_steps: int = _saving(0)  # 0 = off
+    every_minutes: float = _saving(0.0)  # 0 = off; rank 0's clock decides, all ranks follow
+    at_end: bool = _saving(True)
+    async_mode: AsyncMode = _saving(AsyncMode.none)
+    keep_last: int = _saving(2)  # 0 = keep all; the newest complete checkpoint is never deleted
+    keep_every: int = _saving(0)  # also keep steps that are multiples of this forever (0 = none)
     resume: str = "auto"  # auto | none | <path>
     # sha256: hash every file at commit and verify before resume; size: sizes only (huge checkpoints).
-    integrity: Integrity = Integrity.sha256
+    integrity: Integrity = _saving(Integrity.sha256)
     # Write the final model (or the preempted one) as a Hugging Face folder into <run dir>/hf: safetensors,
     # config.json, generation_config.json, tokenizer files. Any checkpoint later: python -m
     # framework.checkpoint export-hf CHECKPOINT OUT.
     export_hf: bool = False
+
+
+def _verifying(default: Any) -> Any:
+    """A verification field: it means something with verify.enabled=true (verify=on)."""
+    return only_with("verify.enabled", True, default=default)
 
 
 @dataclass
@@ -596,36 +645,36 @@ class VerifyConfig:
     """
 
     enabled: bool = False
-    policy: Policy = Policy.warn
+    policy: Policy = _verifying(Policy.warn)
     # Cross-rank graph fingerprint + config hash before the first training collective.
-    graph: bool = True
+    graph: bool = _verifying(True)
     # A fingerprint.json file or an earlier run dir (its frozen/fingerprint.json) to compare the graph with.
-    reference: Optional[str] = None
+    reference: Optional[str] = _verifying(None)
     # Executed (compiled / parallelized) model vs eager on the first batch: relative loss difference.
-    numerics: bool = True
-    loss_rtol: float = 1e-4
+    numerics: bool = _verifying(True)
+    loss_rtol: float = _verifying(1e-4)
     # ... and the logits: max |difference| / max |logit| (0 = off). fp32 agrees to ~1e-6; under bf16
     # autocast (CUDA) compiled vs eager differ by rounding alone: 2.4e-2 measured for llama1b on an
     # H200, so the bf16 bound is looser. A miscompile shows up far above either.
-    logits_rtol: float = 1e-2
-    logits_rtol_bf16: float = 6e-2
+    logits_rtol: float = _verifying(1e-2)
+    logits_rtol_bf16: float = _verifying(6e-2)
     # ... and under model.float8 (the reference model is float8 too; compiled and eager casts can
     # round an element to neighbouring float8 values, 3 mantissa bits, so the bound is looser still).
-    logits_rtol_float8: float = 0.15
+    logits_rtol_float8: float = _verifying(0.15)
     # Also compare with an unsharded eager model built from the same config and seed, up to this size.
-    reference_model_max_params: int = 50_000_000
+    reference_model_max_params: int = _verifying(50_000_000)
     # Baseline store (JSON); default outputs/baselines.json. ``save_baseline`` records this run in it.
-    baseline: Optional[str] = None
-    save_baseline: bool = False
+    baseline: Optional[str] = _verifying(None)
+    save_baseline: bool = _verifying(False)
     # Regression thresholds against the baseline (fractions): tokens/s drop, p99 step time, peak memory.
-    max_tokens_per_s_drop: float = 0.10
-    max_p99_increase: float = 0.20
-    max_memory_increase: float = 0.10
+    max_tokens_per_s_drop: float = _verifying(0.10)
+    max_p99_increase: float = _verifying(0.20)
+    max_memory_increase: float = _verifying(0.10)
     # Latency circuit breaker: p99 of each window of ``breaker_window`` steps above ``breaker_factor`` x
     # the baseline p99 (or this run's first window) for ``breaker_patience`` windows in a row.
-    breaker_factor: float = 3.0
-    breaker_window: int = 10
-    breaker_patience: int = 2
+    breaker_factor: float = _verifying(3.0)
+    breaker_window: int = _verifying(10)
+    breaker_patience: int = _verifying(2)
     # Non-finite steps are skipped; this many in a row roll back to the last checkpoint.
     max_bad_steps: int = 3
     # Debugging knob: make the forward output NaN at these (0-based) steps, to test the bad-step policy.

@@ -116,6 +116,10 @@ def render_fields(cls: type, prefix: str) -> list[str]:
             nested.append((tp, f"{prefix}.{f.name}"))
             continue
         desc = comments.get(f.name, "").replace("|", "\\|")
+        if "only_with" in f.metadata:  # a field of one option (framework.config.only_with)
+            selector, options = f.metadata["only_with"]
+            wanted = "\\|".join(str(o).lower() if isinstance(o, bool) else o.value for o in options)
+            desc = f"Only with `{selector}={wanted}`. {desc}".rstrip()
         rows.append(f"| `{prefix}.{f.name}` | {type_name(tp)} | {default_text(f)} | {desc} |")
     lines = ["| key | type | default | what it is |", "|---|---|---|---|", *rows]
     for tp, sub in nested:

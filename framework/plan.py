@@ -26,7 +26,6 @@ from framework.config import (
     ExecutorMode,
     ModelConfig,
     ParallelConfig,
-    ShardingConfig,
 )
 from framework.cost import StepPrediction, predict_step
 from framework.float8 import saved_activation_bytes_per_layer
@@ -659,23 +658,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
             f"sharding.param_dtype / reduce_dtype are ignored without FSDP ({d.name()}; FSDP2 mixed "
             f"precision only)"
         )
-    if (
-        cfg.sharding.activation_memory_budget != ShardingConfig.activation_memory_budget
-        and cfg.sharding.activation_checkpointing != ActivationCheckpointing.budget
-    ):
-        warnings.append(
-            f"sharding.activation_memory_budget={cfg.sharding.activation_memory_budget} does nothing with "
-            f"sharding.activation_checkpointing={cfg.sharding.activation_checkpointing.value}: set "
-            f"sharding.activation_checkpointing=budget to use it"
-        )
-    if cfg.executor.mode == ExecutorMode.eager:
-        for key, on in (
-            ("autotune=true", cfg.executor.autotune),
-            (f"cache_dir={cfg.executor.cache_dir}", cfg.executor.cache_dir),
-        ):
-            if on:
-                warnings.append(f"executor.{key} does nothing with executor=eager: use executor=compile")
-
+    # Fields of another option (activation_memory_budget without budget, executor.autotune or
+    # cache_dir on eager) are refused before launch: framework.rules.check_option_fields.
     specs = param_specs(cfg.model)
     units = _fsdp_units(specs, tp)
     memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum)

@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import Config, ExecutorMode, MixEntry, OptimizerName
+from framework.config import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -569,7 +569,7 @@ def check(cfg: Config) -> None:
     """Raise ValueError (one line: key, value, what is valid) at the first key whose rule fails.
 
     Rules run in table order, so a relation (``model.n_kv_heads`` divides ``model.n_heads``) only
-    runs after the keys it reads passed their own rule.
+    runs after the keys it reads passed their own rule; then ``check_option_fields``.
     """
     for key, rule in RULES.items():
         if rule.ok is None:
@@ -578,6 +578,31 @@ def check(cfg: Config) -> None:
         if not rule.ok(value, cfg):
             valid = rule.valid(cfg) if callable(rule.valid) else rule.valid
             raise ValueError(f"{key}={show(value)} is not valid; valid: {valid}")
+    check_option_fields(cfg)
+
+
+def _choice(value: Any) -> str:
+    return (
+        str(value).lower()
+        if isinstance(value, bool)
+        else value.value
+        if isinstance(value, Enum)
+        else str(value)
+    )
+
+
+def check_option_fields(cfg: Config) -> None:
+    """Refuse a field of one option set under another (``framework.config.only_with``): it would do
+    nothing. A field left at its default passes, so a group's other options need not mention it."""
+    for key, (selector, options, default) in option_fields().items():
+        value, chosen = value_at(cfg, key), value_at(cfg, selector)
+        if value == default or chosen in options:
+            continue
+        wanted = "|".join(_choice(o) for o in options)
+        raise ValueError(
+            f"{key}={show(value)} does nothing with {selector}={_choice(chosen)}: it belongs to "
+            f"{selector}={wanted}; set that, or leave {key} at its default ({show(default)})"
+        )
 
 
 def _schema_tree() -> dict[str, Any]:

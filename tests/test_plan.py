@@ -27,6 +27,7 @@ from framework.plan import (
     plan_from_dict,
     plan_to_dict,
 )
+from framework.rules import check_option_fields
 
 GPU = HardwareConfig(
     name="h100_sxm",
@@ -248,17 +249,18 @@ def test_memory_budget_checks_and_estimate() -> None:
     assert acts["full"] < acts["budget"] < acts["none"]
     cfg.sharding.activation_memory_budget = 1.0
     assert make_plan(cfg).memory.activations_by_mode["budget"] == acts["none"]
-    # Settings that do nothing on this path are named, not silently ignored.
+    # Settings that do nothing on this path are refused before launch, in one line.
     cfg.sharding.activation_checkpointing = ActivationCheckpointing.full
-    cfg.executor.mode, cfg.executor.autotune = ExecutorMode.eager, True
-    cfg.executor.cache_dir = "cc"
-    warnings = make_plan(cfg).warnings
-    assert any("executor.cache_dir=cc does nothing with executor=eager" in w for w in warnings)
-    assert any(
-        "activation_memory_budget=1.0 does nothing with sharding.activation_checkpointing=full" in w
-        for w in warnings
-    )
-    assert any("executor.autotune=true does nothing with executor=eager" in w for w in warnings)
+    with pytest.raises(
+        ValueError,
+        match=r"^sharding.activation_memory_budget=1.0 does nothing with sharding.activation_checkpointing"
+        r"=full: it belongs to sharding.activation_checkpointing=budget; set that, or leave",
+    ):
+        check_option_fields(cfg)
+    cfg.sharding.activation_memory_budget = 0.5
+    cfg.executor.mode, cfg.executor.cache_dir = ExecutorMode.eager, "cc"
+    with pytest.raises(ValueError, match=r"^executor.cache_dir='cc' does nothing with executor.mode=eager"):
+        check_option_fields(cfg)
 
 
 def test_json_round_trip_and_table() -> None:

@@ -11,7 +11,6 @@ parallelize; only rank 0 passes ``write=True``.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,16 +60,6 @@ class FrozenResult:
     artifact: Path | None
     seconds: float
     program: ExportedProgram | torch.jit.ScriptModule | None = None
-
-
-def _warn_unused(cfg: FreezeConfig) -> None:
-    if cfg.mode in (FreezeMode.none, FreezeMode.export) and (cfg.ignore or cfg.export_methods):
-        warnings.warn(
-            f"freeze.ignore / freeze.export_methods do nothing with freeze.mode={cfg.mode.value} "
-            "(TorchScript only)",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _freeze_export(
@@ -130,7 +119,6 @@ def freeze(
     ``out_dir/frozen`` only when ``out_dir`` is set and ``write`` is true (rank 0).
     Raises StaticGraphError / ValueError naming what cannot be frozen.
     """
-    _warn_unused(cfg)
     start = time.perf_counter()
     if cfg.mode == FreezeMode.none:
         return FrozenResult(cfg.mode, None, None, None, 0.0)
