@@ -33,9 +33,10 @@ if TYPE_CHECKING:
     from framework.layout import Degrees
     from framework.plan import CommEstimate
 
-# Fitted to the one-H200 profile of llama1b (benchmarks/PERF.md round 5: b16 compile, 476 ms step:
-# GEMMs 345 ms + attention 55 ms = 400 ms of compute -> gemm_efficiency 0.68 in h200.yaml; Inductor's
-# pointwise kernels 66 ms; fused AdamW 10 ms): the pointwise kernels less the loss head's and the
+# Fitted to the one-H200 profile of llama1b (b16 compile, 476 ms step: GEMMs 345 ms + attention
+# 55 ms = 400 ms of compute -> gemm_efficiency 0.68 in h200.yaml; Inductor's pointwise kernels 66 ms;
+# fused AdamW 10 ms; benchmarks/PERF.md, "Where the code's constants and choices come from"): the
+# pointwise kernels less the loss head's and the
 # weight casts' share, over tokens x layers x (2 dim + ffn_dim) elements, is 40 bytes per element
 # at the H200's 4.8 TB/s.
 _POINTWISE_BYTES = 40.0
@@ -50,9 +51,8 @@ _ADAMW_BYTES = 38.0
 _CAST_BYTES = 6.0
 # Accumulating a micro batch's fp32 gradient into the previous ones: read both, write one.
 _ACCUM_BYTES = 12.0
-# Eager runs each pointwise op as its own kernel: the hand-written eager loop of PERF.md round 1
-# was 80 ms (1B, b8) and 57 ms (125M, b16) slower than the compiled one, 3.4x and 4.8x their
-# compiled pointwise time; we take 4.
+# Eager runs each pointwise op as its own kernel: the eager loop spent 3.4x (1B) and 4.8x (125M)
+# the compiled loop's pointwise time (benchmarks/PERF.md, same section); we take 4.
 _EAGER_POINTWISE = 4.0
 # A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
 # checkpointing recomputes every other block.

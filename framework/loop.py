@@ -42,9 +42,10 @@ class HostIO:
     device value (``float(t)``) waits for everything queued, including the next step. Through
     pinned buffers both copies are queued like kernels and a step's figures are read by waiting on
     that step's own event, so the host can queue step k+1 before it reads step k (the trainer does,
-    see ``trainer.run``): the GPU never idles between steps. Preallocated and reused: allocating
-    pinned memory every step (``Tensor.pin_memory()``) measured 10% slower than pageable copies on
-    the 125M (benchmarks/PERF.md, round 9). On the CPU it does nothing.
+    see ``runner.StepRunner.defer``): the GPU never idles between steps. Preallocated and reused:
+    allocating pinned memory every step (``Tensor.pin_memory()``) costs more than pageable copies
+    (benchmarks/PERF.md, "Where the code's constants and choices come from"). On the CPU it does
+    nothing.
 
     A buffer is reused at the earliest ``slots`` uses later, once its previous copy is done; a
     :class:`StepResult` must therefore be read within ``slots`` steps (the trainer reads each one
