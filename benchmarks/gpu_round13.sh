@@ -28,9 +28,6 @@ for phase in "$@"; do
         --title "llama_125m, stdlib bytes, b16x2048, lr 6e-4 / warmup 10: what closes the float8 gap" \
         bf16=$d/v00-llama_125m-compile tensorwise=$d/v01-llama_125m-compile \
         tensorwise_grad_e4m3=$d/v02-llama_125m-compile tensorwise_no_fast_accum=$d/v03-llama_125m-compile | tee "$OUT/parity.md"
-      python3 benchmarks/float8_parity.py --out "$OUT/parity_warmup50.png" \
-        --title "llama_125m, lr 6e-4 / warmup 50" \
-        bf16_warmup50=$d/v04-llama_125m-compile tensorwise_warmup50=$d/v05-llama_125m-compile | tee -a "$OUT/parity.md"
       tar czf "$OUT/logs_parity.tgz" -C $d $(cd $d && ls *.log *.json) $(cd $d && ls -d v0*/metrics.jsonl)
       ;;
   esac
