@@ -1,6 +1,6 @@
 """Pipeline parallelism on real gloo ranks reproduces one process (framework.parallel.pipeline).
 
-Each case trains the tiny Llama (untied embeddings, seq 16) for 3 steps of the framework's own
+Each case trains the tiny Llama (untied embeddings, seq 16) for 4 steps of the framework's own
 ``train_step`` (AdamW, gradient clipping that does clip: train.grad_clip=0.3) on the same global
 batch of 8 sequences, and compares the loss and the gradient norm of every step with one process
 training on the whole batch: rtol 1e-5 (fp32; micro batches and the reductions sum in another order).
@@ -23,7 +23,7 @@ from framework.parallel.pipeline import PipelineModel
 from framework.plan import make_plan
 from tests.dist import run_ranks
 
-SEQ, GLOBAL_BATCH, STEPS, RTOL = 16, 8, 3, 1e-5
+SEQ, GLOBAL_BATCH, STEPS, RTOL = 16, 8, 4, 1e-5
 CPU = torch.device("cpu")
 
 
@@ -47,16 +47,36 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def run_steps(model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, micro: int) -> list[tuple]:
+def run_steps(
+    model: torch.nn.Module,
+    cfg: Config,
+    dp_rank: int,
+    dp_size: int,
+    micro: int,
+    steps: slice = slice(None),
+    ckpt: tuple[str, str] | None = None,
+) -> list[tuple]:
+    """The framework's train_step over ``batches()[steps]``; ``ckpt=("load"|"save", root)`` resumes
+    from the latest checkpoint under root before, or saves one after."""
     opt = build_optimizer(model, cfg.train, CPU)
     sched = build_scheduler(opt, cfg.train)
+    checkpointer = Checkpointer(cfg.checkpoint, Path(ckpt[1])) if ckpt else None
+    if ckpt and ckpt[0] == "load":
+        assert checkpointer is not None and checkpointer.latest() is not None
+        checkpointer.load(checkpointer.latest(), model, opt, sched)
     out = []
     n = GLOBAL_BATCH // dp_size
-    for b in batches():
+    for b in batches()[steps]:
         mine = b[dp_rank * n : (dp_rank + 1) * n]
         mbs = [(mine[i : i + micro, :-1], mine[i : i + micro, 1:]) for i in range(0, n, micro)]
         r = train_step(model, opt, sched, mbs, cfg.train.grad_clip, CPU)
         out.append((r.loss, r.grad_norm))
+    if ckpt and ckpt[0] == "save":
+        assert checkpointer is not None
+        checkpointer.save(len(batches()[steps]), model, opt, sched, {"step": 0})
+        assert checkpointer.last_error is None, checkpointer.last_error
+    if checkpointer is not None:
+        checkpointer.close()
     return out
 
 
@@ -68,14 +88,22 @@ def reference() -> list[tuple]:
     return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
 
 
-def _worker(rank: int, world: int, cfg: Config) -> dict:
+def _worker(
+    rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
+) -> dict:
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
-    model = parallelize(build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, CPU, 0)
-    assert isinstance(model, PipelineModel)
+    model = parallelize(
+        build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, CPU, 0
+    )
+    assert isinstance(model, PipelineModel) == (plan.layout.pp > 1)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
-    steps = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size)
-    return {"steps": steps, "stages": model.stage_ids, "params": sorted(n for n, _ in model.named_parameters())}
+    steps = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
+    return {
+        "steps": steps,
+        "stages": getattr(model, "stage_ids", None),
+        "params": sorted(n for n, _ in model.named_parameters()),
+    }
 
 
 def _check(results: list[dict], reference: list[tuple]) -> float:
@@ -98,7 +126,9 @@ SCHEDULE_CASES = [
 
 
 @pytest.mark.parametrize(("schedule", "spr", "microbatches"), SCHEDULE_CASES)
-def test_pp2_schedules_match_one_process(reference: list[tuple], schedule: str, spr: int, microbatches: int) -> None:
+def test_pp2_schedules_match_one_process(
+    reference: list[tuple], schedule: str, spr: int, microbatches: int
+) -> None:
     cfg = make_cfg(2, pp=2, pp_schedule=schedule, pp_stages_per_rank=spr, pp_microbatches=microbatches)
     results = run_ranks(_worker, 2, cfg)
     # Every parameter lives on exactly one pp rank, under its single-process name.
@@ -112,3 +142,12 @@ def test_pp_with_fsdp_or_tp_matches_one_process(reference: list[tuple], other: s
     cfg = make_cfg(4, pp=2, **{other: degree})
     results = run_ranks(_worker, 4, cfg)
     print(f"pp=2 x {other}={degree}: max rel diff {_check(results, reference):.2e}")
+
+
+def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference: list[tuple], tmp_path: Path) -> None:
+    """DCP by parameter name: 2 steps at pp=2 (1f1b), saved; steps 3-4 resumed on one process (pp=1)
+    continues exactly as the unbroken single-process run (weights, AdamW moments, LR schedule)."""
+    saved = run_ranks(_worker, 2, make_cfg(2, pp=2), slice(0, 2), ("save", str(tmp_path)))
+    _check([{**saved[0], "steps": saved[0]["steps"]}], reference[:2])
+    resumed = run_ranks(_worker, 1, make_cfg(1), slice(2, 4), ("load", str(tmp_path)))
+    print(f"pp=2 -> pp=1 resume: max rel diff {_check(resumed, reference[2:]):.2e}")
