@@ -707,6 +707,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
                 warnings.append(f"executor.{key} does nothing with executor=eager: use executor=compile")
 
     specs = param_specs(cfg.model)
+    num_params = sum(math.prod(s.shape) for s in specs)
     pipe = _pipeline(cfg, d, specs, tp, shard, accum) if d.pp > 1 else None
     if pipe is not None:  # the busiest pp rank's parameters, blocks and activations
         specs, memory = pipe.specs, pipe.memory
@@ -774,7 +775,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         global_batch_size=cfg.train.global_batch_size,
         grad_accum_steps=accum,
         seq_len=cfg.train.seq_len,
-        num_params=sum(math.prod(s.shape) for s in specs),
+        num_params=num_params,
         params_per_rank=sum(local_numel(s, tp, shard) for s in specs),  # the busiest pp rank's
         activation_checkpointing=cfg.sharding.activation_checkpointing.value,
         memory=memory,

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from framework import stages as pipeline_stages
 from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName
 from framework.layout import Degrees, divisors, fixed_degrees
 from framework.plan import GIB, Plan, plan_for, with_degrees
@@ -97,6 +98,10 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     gbs = cfg.train.global_batch_size
     if gbs % d.dp:
         return []
+    if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.stages)
+        pieces = pipeline_stages.microbatches(cfg, d.pp)
+        # one option; one that does not divide is refused by plan_for, naming the valid counts
+        return [max(1, gbs // d.dp // pieces)]
     if cfg.train.micro_batch_size != 0:
         return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
     return sorted(divisors(gbs // d.dp), reverse=True)

@@ -100,8 +100,8 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"parallel.pp={pp} x parallel.pp_stages_per_rank={spr} = {pp * spr} stages but model.n_layers="
             f"{m.n_layers}: each stage needs at least one block; use at most {m.n_layers // pp} stages per rank"
         )
-    _check_microbatches(cfg, pp, dp)
     _check_features(cfg, pp)
+    _check_microbatches(cfg, pp, dp)
 
 
 def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:

@@ -151,3 +151,84 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference: list[tuple], tmp_path
     _check([{**saved[0], "steps": saved[0]["steps"]}], reference[:2])
     resumed = run_ranks(_worker, 1, make_cfg(1), slice(2, 4), ("load", str(tmp_path)))
     print(f"pp=2 -> pp=1 resume: max rel diff {_check(resumed, reference[2:]):.2e}")
+
+
+# Bad input: one line naming the value and what is valid, refused before launch, nothing written.
+ROOT = Path(__file__).resolve().parent.parent
+PP2 = {"mesh.shape": [2], "parallel.pp": 2, "model.tie_embeddings": False}
+BAD = [
+    ({**PP2, "model.n_layers": 1}, "parallel.pp=2 is greater than model.n_layers=1"),
+    (
+        {**PP2, "parallel.pp_schedule": "interleaved_1f1b"},
+        "needs virtual stages (parallel.pp_stages_per_rank >= 2",
+    ),
+    (
+        {**PP2, "parallel.pp_schedule": "zbv", "parallel.pp_stages_per_rank": 3},
+        "exactly 2 stages on each rank",
+    ),
+    (
+        {**PP2, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_stages_per_rank": 4},
+        "= 8 stages but model.n_layers=4",
+    ),
+    (
+        {**PP2, "parallel.pp_microbatches": 3},
+        "parallel.pp_microbatches=3 does not divide the data-parallel rank's batch 16",
+    ),
+    ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
+    ({**PP2, "model.tie_embeddings": True}, "model.tie_embeddings=true does not work with parallel.pp=2"),
+]
+
+
+@pytest.fixture(scope="module")
+def composed() -> object:
+    from hydra import compose, initialize_config_dir
+
+    from framework import config, recipes
+    from framework.launch import register_resolvers
+
+    config.register()
+    recipes.register()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+        return compose("config")
+
+
+@pytest.mark.parametrize(("values", "message"), BAD, ids=[m for _, m in BAD])
+def test_bad_pipeline_refused_before_launch(
+    composed: object, tmp_path: Path, values: dict, message: str
+) -> None:
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from framework.entry import prelaunch
+
+    d = copy.deepcopy(composed)
+    for k, v in values.items():
+        OmegaConf.update(d, k, v, merge=False)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError) as info:
+        prelaunch(d, run, "llama_tiny")
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert not run.exists()
+
+
+def test_train_py_refuses_a_schedule_without_virtual_stages(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run}", "mesh=2", "parallel.pp=2"]
+        + ["parallel.pp_schedule=interleaved_1f1b", "model.tie_embeddings=false"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "parallel.pp_schedule=interleaved_1f1b needs virtual stages" in errors[0]
+    assert not run.exists()
