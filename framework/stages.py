@@ -100,7 +100,7 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"parallel.pp={pp} x parallel.pp_stages_per_rank={spr} = {pp * spr} stages but model.n_layers="
             f"{m.n_layers}: each stage needs at least one block; use at most {m.n_layers // pp} stages per rank"
         )
-    _check_features(cfg, pp)
+    check_features(cfg, pp)
     _check_microbatches(cfg, pp, dp)
 
 
@@ -130,7 +130,8 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
         )
 
 
-def _check_features(cfg: Config, pp: int) -> None:
+def check_features(cfg: Config, pp: int) -> None:
+    """The features that do not go through a pipeline yet (ValueError naming the key)."""
     why = {
         "model.tie_embeddings=true": (
             cfg.model.tie_embeddings,

@@ -8,7 +8,6 @@ training on the whole batch: rtol 1e-5 (fp32; micro batches and the reductions s
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
