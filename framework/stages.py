@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 
-from framework.config import Config, DataSource, PPSchedule
+from framework.config import Config, DataSource, FusedCrossEntropy, PPSchedule
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Bytes per token of the embedding's forward gather and backward scatter-add of one row (fp32: read
@@ -153,6 +153,10 @@ def check_features(cfg: Config, pp: int) -> None:
         "checkpoint.export_hf=true": (
             cfg.checkpoint.export_hf,
             "export the saved checkpoint afterwards instead (python -m framework.checkpoint export-hf)",
+        ),
+        f"model.fused_cross_entropy={cfg.model.fused_cross_entropy.value}": (
+            cfg.model.fused_cross_entropy is not FusedCrossEntropy.none,
+            "the schedule computes the loss from the last stage's logits; set model.fused_cross_entropy=none",
         ),
         "train.optimizer_in_backward=true": (
             cfg.train.optimizer_in_backward,
