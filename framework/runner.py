@@ -50,6 +50,7 @@ class Step:
     step: int
     warm: bool
     build: int  # which build of the runner ran it (a rebuild starts a new warm-up)
+    wait_s: float = 0.0  # how long the sampler kept the loop waiting for this step's batch
 
 
 class InjectedFault(RuntimeError):
@@ -148,15 +149,16 @@ class StepRunner:
     def step(self, sampler: data_mod.BatchSampler | data_mod.StreamSampler, number: int) -> Step:
         """Queue optimizer step ``number`` on the sampler's next batch (``verify.inject_nan_steps``
         and ``run.fault_raise_at_step`` apply here); its figures are read later, see ``defer``."""
-        poison = (
-            sampler.consumed_batches in self._nan_batches
-        )  # a batch index: fires once, even after a rollback
+        # A batch index: fires once, even after a rollback.
+        poison = sampler.consumed_batches in self._nan_batches
+        batch = sampler.next_batch()
+        wait_s = sampler.last_wait_s  # the sampler times its own wait
         with inject_nan(self.model, poison), self._fault(number):
             result = train_step(
                 self.model,
                 self.optimizer,
                 self.scheduler,
-                sampler.next_batch(),
+                batch,
                 self.cfg.train.grad_clip,
                 self.device,
                 self.in_backward,
@@ -165,7 +167,7 @@ class StepRunner:
             )
         warm = self._since_build >= self.executor.warmup_steps
         self._since_build += 1
-        return Step(result, number, warm, self._builds)
+        return Step(result, number, warm, self._builds, wait_s)
 
     def defer(self, s: Step) -> bool:
         """Leave ``s`` unread until the next step is queued (True), so the device does not idle while

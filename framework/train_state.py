@@ -24,6 +24,10 @@ class TrainState:
     window_s: float = 0.0
     log_tokens: int = 0
     log_s: float = 0.0
+    # The time the loop waited for its batches (the sampler's ``last_wait_s``), over the same steps.
+    window_wait_s: float = 0.0
+    log_wait_s: float = 0.0
+    log_steps: int = 0
     step_seconds: list[float] = field(default_factory=list)  # post-warm-up step times: p50/p99, baseline
     time_to_first_step_s: float | None = None
     first_step_s: float | None = None  # the first step's own time (compile time = it less a median step)
@@ -38,8 +42,9 @@ class TrainState:
         self.time_to_first_step_s = time.perf_counter() - self.started
         self.first_step_s = seconds
 
-    def count(self, seconds: float | None, finite: bool) -> None:
-        """One step read; ``seconds`` is its time when it counts for throughput (warm and finite)."""
+    def count(self, seconds: float | None, finite: bool, wait_s: float) -> None:
+        """One step read; ``seconds`` is its time when it counts for throughput (warm and finite),
+        ``wait_s`` the time its batch kept the loop waiting."""
         if not finite:
             self.skipped_steps += 1
         if seconds is not None:
@@ -47,14 +52,32 @@ class TrainState:
             self.window_s += seconds
             self.log_tokens += self.tokens_per_step
             self.log_s += seconds
+            self.window_wait_s += wait_s
+            self.log_wait_s += wait_s
+            self.log_steps += 1
             self.step_seconds.append(seconds)
 
-    def take_log_rate(self) -> float | None:
-        """Tokens/s since the last log row (None: no timed step since), and start a new window."""
-        rate = self.log_tokens / self.log_s if self.log_s > 0 else None
-        self.log_tokens, self.log_s = 0, 0.0
-        return rate
+    def take_log_window(self) -> dict[str, float | None]:
+        """The log row's figures since the last row (tokens/s; data wait per step and as a share of
+        the step time, when a timed step ran), and start a new window."""
+        row: dict[str, float | None] = {
+            "tokens_per_s": self.log_tokens / self.log_s if self.log_s > 0 else None
+        }
+        if self.log_steps:
+            row["data_wait_ms"] = self.log_wait_s / self.log_steps * 1e3
+            row["data_wait_share"] = self.log_wait_s / self.log_s
+        self.log_tokens, self.log_s, self.log_wait_s, self.log_steps = 0, 0.0, 0.0, 0
+        return row
 
     @property
     def tokens_per_s(self) -> float | None:
         return self.window_tokens / self.window_s if self.window_s > 0 else None
+
+    @property
+    def data_wait(self) -> tuple[float | None, float | None]:
+        """The run's data wait per timed step (ms) and as a share of the step time (None: no timed
+        step). An upper bound of the device's idle time: on CUDA the host waits while the previous
+        step still runs."""
+        if self.window_s <= 0:
+            return None, None
+        return self.window_wait_s / len(self.step_seconds) * 1e3, self.window_wait_s / self.window_s

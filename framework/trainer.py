@@ -116,6 +116,11 @@ class Summary:
     skipped_steps: int = 0
     step_p50_s: float | None = None
     step_p99_s: float | None = None
+    # The time the loop waited for its batches (framework.data's ``last_wait_s``) over the warm steps:
+    # per step, and as a share of the step time (an upper bound of the device's idle time: on CUDA
+    # the host waits while the previous step still runs).
+    data_wait_ms: float | None = None
+    data_wait_share: float | None = None
     executor: str | None = None  # the executor the run ended on (after any fallback)
     # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
     # rejected checkpoints, failed saves, preemption.
@@ -203,11 +208,12 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
     if not r.finite:
         p.metrics.log({"step": s.step, "event": "skipped_step", "detail": "non-finite loss or gradient"})
     timed = r.seconds if s.warm and r.finite else None  # warm-up steps stay out of throughput
-    state.count(timed, r.finite)
+    state.count(timed, r.finite, s.wait_s)
     action = p.verifier.observe(s.step, r.finite, timed, p.runner)
     p.metrics.advance()
     if s.step % train_cfg.log_every == 0 or s.step == train_cfg.steps:
-        tps = state.take_log_rate()
+        window = state.take_log_window()
+        tps = window.pop("tokens_per_s")
         row: dict[str, Any] = {
             "step": s.step,
             "loss": r.loss,
@@ -215,6 +221,7 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             "grad_norm": r.grad_norm,
             "tokens_per_s": tps,
             "step_ms": r.seconds * 1e3,
+            **window,  # data_wait_ms and data_wait_share, when a timed step ran
         }
         if p.peak_flops is not None and tps is not None:
             row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
@@ -331,6 +338,7 @@ def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
         skipped_steps=state.skipped_steps,
         executor=p.runner.mode.value,
     )
+    s.data_wait_ms, s.data_wait_share = state.data_wait
     if p.peak_flops is not None and s.tokens_per_s is not None:
         s.mfu = flops_per_token(cfg.model, cfg.train.seq_len) * s.tokens_per_s / p.peak_flops
     if p.cache is not None:
@@ -438,6 +446,10 @@ def write_summary(
         lines.append(f"final train loss: {summary.final_loss:.4f}")
     if summary.tokens_per_s:
         lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
+    if summary.data_wait_share is not None:
+        lines.append(
+            f"data wait: {summary.data_wait_ms:.2f} ms/step ({summary.data_wait_share:.2%} of the step time)"
+        )
     if summary.mfu is not None:
         lines.append(f"MFU: {summary.mfu:.1%}")
     if summary.time_to_first_step_s is not None:
