@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from framework.config import ActivationCheckpointing
 from framework.plan import GIB, make_plan, resolve_batch
 from framework.recipes import compose_recipe
 from framework.search import format_search, search
+from tests.entry import train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,11 +81,9 @@ def test_muon_keeps_the_search_to_whole_matrices() -> None:
 
 
 def _dry_run(tmp: Path, *overrides: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    cmd = [sys.executable, "train.py", *overrides, "run.dry_run=true", f"hydra.run.dir={tmp}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """``python train.py ... run.dry_run=true``, its entry point in this process (tests/entry.py):
+    a dry run starts no rank, and an interpreter importing torch costs more than the plan."""
+    assert train_main(*overrides, "run.dry_run=true", f"hydra.run.dir={tmp}") == 0
     return json.loads((tmp / "plan.json").read_text())
 
 
