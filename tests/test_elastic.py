@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from framework.checkpoint import resolve_resume
@@ -115,12 +116,26 @@ def losses_by_step(run: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An unbroken 8-step run and the same run with rank 1 SIGKILLed after step 5."""
+    """An unbroken 8-step run and the same run with rank 1 SIGKILLed after step 5.
+
+    The killed run is a real ``train.py`` launch; the unbroken one runs its config.yaml with fault
+    injection off on 2 ranks forked from this process (see ``unbroken_run``)."""
     tmp = tmp_path_factory.mktemp("elastic")
     base, killed = tmp / "base", tmp / "killed"
-    ok(train(base, "train.steps=8"))
     ok(train(killed, "train.steps=8", *KILL))
+    unbroken_run(killed, base, 2)
     return {"base": base, "killed": killed}
+
+
+def unbroken_run(killed: Path, base: Path, world: int) -> None:
+    """The killed run's config, fault injection and restarts off, trained in ``base`` on ``world``
+    ranks forked from this process: what each worker runs, without the launcher and ``world``
+    interpreters importing torch (~5 s of CPU each). The killed run's launch covers those."""
+    unbroken = OmegaConf.load(killed / "config.yaml")
+    unbroken.run.max_restarts, unbroken.run.fault_kill_at_step = 0, -1
+    base.mkdir()
+    OmegaConf.save(unbroken, base / "config.yaml")
+    run_ranks(_worker_rank, world, str(base), timeout_s=300)
 
 
 def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, Path]) -> None:
@@ -144,12 +159,15 @@ def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, 
 
 def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:
     """Beyond two ranks: FSDP over 4 gloo ranks, rank 3 SIGKILLed after step 5; the launcher
-    restarts all four, they load their shards of step 4 and end bitwise equal to the unbroken run."""
+    restarts all four, they load their shards of step 4 and end bitwise equal to the unbroken run.
+
+    The killed run is a real ``train.py`` launch (the restart is the point); the unbroken one runs
+    its config.yaml on 4 forked ranks (``unbroken_run``)."""
     four = ["mesh=4", "sharding=fsdp"]
     base, killed = tmp_path / "base", tmp_path / "killed"
-    ok(train(base, "train.steps=6", *four, timeout=180))
     kill = ["run.max_restarts=1", "run.fault_kill_at_step=5", "run.fault_rank=3"]
     ok(train(killed, "train.steps=6", *four, *kill, timeout=180))
+    unbroken_run(killed, base, 4)
     [resumed] = events(killed, "resumed")
     assert resumed["step"] == 4 and resumed["restarts"] == 1, resumed
     assert losses_by_step(killed) == losses_by_step(base)
@@ -187,8 +205,6 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
 
 def _worker_rank(rank: int, world: int, run_dir: str) -> None:
     """A rank as ``framework.worker`` runs it, minus the interpreter start: the process group exists."""
-    from omegaconf import OmegaConf
-
     from framework import trainer
     from framework.config import to_config
 
