@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from framework.config import (
     TrainConfig,
 )
 from framework.data import build_data
-from framework.data.stream import compose
+from framework.data.stream import StreamSampler, compose
 from framework.tokenizer import load_tokenizer
 from tests.corpus import Corpus, write_corpus
 
@@ -174,6 +175,30 @@ class Constant:
         self.drawn = state["drawn"]
 
 
+class Slow(Constant):
+    """A source that takes ``delay`` seconds per call: the packer falls behind the loop."""
+
+    def __init__(self, i: int, delay: float) -> None:
+        super().__init__(i)
+        self.delay = delay
+
+    def take(self, n: int) -> np.ndarray:
+        time.sleep(self.delay)
+        return super().take(n)
+
+
+def test_the_sampler_times_how_long_the_loop_waits_for_each_batch() -> None:
+    """``last_wait_s`` (reported per step as data_wait_ms / data_wait_share) is the time next_batch
+    blocked: about the packer's time per batch while it is behind, near 0 once it is ahead."""
+    sampler = StreamSampler([Slow(0, 0.2)], [1.0], 3, 4, 2, 0, 1, seed=0, prefetch=2)
+    sampler.next_batch()
+    assert sampler.last_wait_s >= 0.15  # the first batch: nothing was ready
+    time.sleep(0.5)  # the packer fills its queue while the "step" runs
+    sampler.next_batch()
+    assert sampler.last_wait_s < 0.1
+    sampler.close()
+
+
 def test_mixture_follows_its_weights_and_depends_only_on_seed_and_index() -> None:
     weights = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
     srcs = [Constant(i) for i in range(3)]
@@ -209,3 +234,45 @@ def test_training_on_packed_jsonl_with_document_mask_resumes_exactly(corpus: Cor
     assert last and last == resumed
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_val_loss"] is not None
+
+
+def test_two_rank_run_on_packed_jsonl_resumes_on_one_rank_with_the_same_samples(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """End to end: train.py on 2 data-parallel ranks (DDP over gloo) packs jsonl on the fly with the
+    BPE and checkpoints at steps 3 and 6; a new run resumes step 3's checkpoint on 1 rank. It trains
+    steps 4-6 on the same samples (same losses: another sample gives another loss) and ends at the
+    same data position (batches consumed, record and offset in the stream), so none was skipped or
+    repeated across the change of degree."""
+    from framework.metrics import read_metrics
+    from tests.test_data_pipeline import train_main
+    from tests.test_train import train
+
+    common = [
+        "data=jsonl", f"data.path={corpus.jsonl}", "tokenizer=hf", f"tokenizer.path={corpus.bpe}",
+        "model.vocab_size=512", "model.dim=32", "model.n_layers=1", "model.ffn_dim=64",
+        "train.seq_len=32", "train.global_batch_size=8", "train.steps=6", "train.log_every=1",
+        "train.eval_every=0", "freeze=none", "logger.plot=false", "logger.progress_bar=false",
+        "checkpoint=sync", "checkpoint.every_steps=3", "checkpoint.keep_last=0",
+    ]  # fmt: skip
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = train(two, *common, "mesh=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step3 = two / "checkpoints" / "step_000003"
+    train_main(one, *common, f"checkpoint.resume={step3}")
+
+    def trained(run: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+    def data_state(run: Path) -> dict:
+        return json.loads((run / "checkpoints" / "step_000006" / "extra.json").read_text())["extra"]["data"]
+
+    assert json.loads((two / "summary.json").read_text())["world_size"] == 2
+    assert json.loads((one / "summary.json").read_text())["world_size"] == 1
+    assert any(r.get("event") == "resumed" for r in read_metrics(one))
+    a, b = trained(two), trained(one)
+    assert sorted(b) == [4, 5, 6]
+    assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)], rel=1e-5)
+    end = data_state(two)
+    assert end["consumed_batches"] == 6 and end["sources"][0]["record"] > 0
+    assert data_state(one) == end
