@@ -402,8 +402,8 @@ RULES: dict[str, Rule] = {
     **{
         f"parallel.{n}": Rule(
             "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
-            "(cp and pp: 1, not implemented yet)",
-            checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
+            "(pp: 1, not implemented yet; cp: 2 x cp divides train.seq_len, CUDA launches or dry runs)",
+            checked_by="framework.layout.from_parallel / check_degrees / check_cp (via the planner)",
             bad=(-2, 3),
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")

@@ -11,7 +11,7 @@ divisors of the processes per node that split the heads, KV heads and FFN, so TP
 node; ``sharding.tp`` other than 1 pins it), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch). Anything the
-user set is kept. pp and cp are 1 (not implemented yet).
+user set is kept. cp is searched for long sequences (``_cp_options``); pp is 1 (not implemented yet).
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ from typing import Any
 
 from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName
 from framework.layout import Degrees, divisors, fixed_degrees
-from framework.plan import GIB, Plan, plan_for, with_degrees
+from framework.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
 
+# Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
+# sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
+# its 8K pre-training without CP and its 128K stage with CP 16: arXiv 2407.21783, table 4). Each
+# rank keeps at least CP_MIN_CHUNK tokens, so every ring step's attention has work to hide a pass.
+CP_MIN_SEQ = 16384
+CP_MIN_CHUNK = 2048
+CP_MAX = 32
 SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
 TOP = 10
 
@@ -81,11 +88,23 @@ def _degree_options(cfg: Config) -> list[Degrees]:
             )
     out = []
     for t in tps:
-        for r in divisors(world // t):
-            out.append(Degrees(dp_replicate=r, dp_shard=world // t // r, tp=t))
+        for c in _cp_options(cfg, world // t):
+            for r in divisors(world // t // c):
+                out.append(Degrees(dp_replicate=r, dp_shard=world // t // c // r, cp=c, tp=t))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
-        out = [d for d in out if d.dp_shard == 1 and d.tp == 1]
+        out = [d for d in out if d.dp_shard == 1 and d.tp == 1 and d.cp == 1]
     return out
+
+
+def _cp_options(cfg: Config, ranks: int) -> list[int]:
+    """CP degrees worth searching over ``ranks`` (the world over TP): 1, and for long sequences
+    (``train.seq_len >= CP_MIN_SEQ``) each degree up to ``CP_MAX`` whose load-balanced chunks
+    (2 x cp of them) split the sequence into pieces of at least ``CP_MIN_CHUNK`` tokens; never
+    where CP cannot run (a CPU launch: framework.layout.check_cp)."""
+    seq = cfg.train.seq_len
+    if seq < CP_MIN_SEQ or (runs_on_cpu(cfg) and not cfg.run.dry_run):
+        return [1]
+    return [c for c in divisors(ranks) if c <= CP_MAX and seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK]
 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
@@ -177,6 +196,8 @@ def search(cfg: Config) -> SearchResult:
                     errors.append(str(e))
                     continue
                 cands.append(_candidate(plan, device))
+    if not cands and errors and fixed_degrees(cfg) is not None:
+        raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
         why = (
             errors[0]
@@ -238,12 +259,12 @@ def format_search(result: SearchResult, top: int = TOP) -> str:
     rows = [
         f"sharding=auto: {len(result.candidates)} layouts evaluated, "
         f"{sum(c.fits for c in result.candidates)} fit {result.device_gib:g} GiB; top {top}:",
-        f"  {'#':>2} {'layout':<10} {'r x s x t':<12} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
+        f"  {'#':>2} {'layout':<10} {'degrees':<16} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
         f"{'step ms':>9} {'MFU':>6} {'tokens/s':>12}  why not",
     ]
     for i, c in enumerate(result.candidates[:top], 1):
         rows.append(
-            f"  {i:>2} {c.layout:<10} {c.short():<12} {c.activation_checkpointing:<9} "
+            f"  {i:>2} {c.layout:<10} {c.short():<16} {c.activation_checkpointing:<9} "
             f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
             f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
             f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"
