@@ -86,11 +86,12 @@ class Degrees:
 
     def name(self) -> str:
         """Human name from the degrees: ``ddp``, ``fsdp``, ``hsdp``, ``tp``, ``fsdp_tp``, ``hsdp_tp``, ``single``."""
+        shard = self.fsdp_shard  # with CP, FSDP2 shards over dp_shard x cp
         data = (
             "hsdp"
-            if self.dp_replicate > 1 and self.dp_shard > 1
+            if self.dp_replicate > 1 and shard > 1
             else "fsdp"
-            if self.dp_shard > 1
+            if shard > 1
             else "ddp"
             if self.dp_replicate > 1
             else ""

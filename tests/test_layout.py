@@ -140,6 +140,7 @@ def test_wrappers_follow_the_degrees() -> None:
     assert Degrees(dp_replicate=2, dp_shard=2, tp=2).name() == "hsdp_tp"
     # CP ranks share parameters: FSDP2 over dp_shard x cp (a size-1 dp_shard axis names it).
     assert Degrees(cp=2).fsdp and Degrees(dp_shard=2, cp=2).fsdp_shard == 4
+    assert Degrees(cp=2).name() == "fsdp_cp" and Degrees(dp_replicate=2, cp=2).name() == "hsdp_cp"
     assert Degrees(cp=2).axes() == ((MeshAxis.dp_shard, 1), (MeshAxis.cp, 2))
     plan = make_plan(cfg_for([2, 4], dp_replicate=2, dp_shard=2, tp=2))
     assert plan.strategy == "hsdp_tp" and plan.degrees == {
