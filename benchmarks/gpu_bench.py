@@ -115,7 +115,7 @@ def framework_run(
 ) -> dict:
     from framework import trainer
 
-    overrides = [
+    base = [
         f"recipe={recipe}",
         f"executor={mode}",
         f"train.steps={steps}",
@@ -123,8 +123,10 @@ def framework_run(
         "train.eval_every=0",
         "run.device=cuda",
         "mesh/hardware=h200",
-        *extra,
     ]
+    # A key in ``extra`` replaces the default here (Hydra refuses a key given twice).
+    given = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in base if o.split("=", 1)[0] not in given] + extra
     cfg = compose_cfg(overrides)
     apply_allocator_environment(cfg.run)  # as train.py does, before the first CUDA allocation
     run_dir = out / (name or f"{recipe}-{mode}")
@@ -236,6 +238,34 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
     }
 
 
+def float8_diagnostics(marks: list[str]) -> None:
+    """Diagnostic float8 numerics for the parity rounds (PERF.md round 13), not config options:
+    ``bench:go_e4m3`` casts the output gradients to e4m3 (3 mantissa bits) instead of tensorwise's
+    e5m2 (2); ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision."""
+    wanted = {m.removeprefix("bench:") for m in marks} & {"go_e4m3", "no_fast_accum"}
+    if not wanted:
+        return
+    import framework.parallel.float8 as f8
+
+    plain = f8.float8_config
+
+    def patched(recipe: Float8Recipe, fsdp_all_gather: bool):  # noqa: ANN202 - torchao's config
+        from torchao.float8.config import CastConfig, Float8GemmConfig
+
+        config = plain(recipe, fsdp_all_gather)
+        if "go_e4m3" in wanted:
+            e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
+            config = dataclasses.replace(
+                config, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3
+            )
+        if "no_fast_accum" in wanted:
+            config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=False))
+        print(f"float8 diagnostics {sorted(wanted)}: {config}", flush=True)
+        return config
+
+    f8.float8_config = patched
+
+
 def fmt(rows: list[dict]) -> str:
     head = (
         "| recipe | what | tok/s (p50) | tok/s (mean) | step ms (p50) | MFU (p50) | peak GiB | planned GiB "
@@ -307,6 +337,7 @@ def main() -> None:
             import framework.loop
 
             framework.loop.OPTIMIZER_SIDE_STREAM = False
+        float8_diagnostics([e for e in extra if e.startswith("bench:")])
         extra = [e for e in extra if not e.startswith("bench:")]
         name = f"{args.row.stem}-{recipe}-{mode.replace(':', '_')}"
         if mode.startswith("hand:"):

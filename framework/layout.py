@@ -60,9 +60,10 @@ class Degrees:
     def fsdp(self) -> bool:
         """FSDP2 wraps the model: it shards (dp_shard > 1), or it replicates TP-sharded DTensor
         parameters across dp_replicate (HSDP with a dp_shard axis of size 1: DDP cannot wrap
-        DTensors), or CP is on (the CP ranks hold the same parameters and must average their
-        gradients: FSDP2 shards over dp_shard x cp, as torchtitan does)."""
-        return self.dp_shard > 1 or self.cp > 1 or (self.dp_replicate > 1 and self.tp > 1)
+        DTensors), replicates pipeline stages (the schedule syncs FSDP's gradients per stage), or CP
+        is on (the CP ranks hold the same parameters and must average their gradients: FSDP2 shards
+        over dp_shard x cp, as torchtitan does)."""
+        return self.dp_shard > 1 or self.cp > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
 
     @property
     def fsdp_shard(self) -> int:
@@ -221,15 +222,14 @@ def fixed_degrees(cfg: Config) -> Degrees | None:
 
 
 def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "parallel.tp") -> None:
-    """Refuse what the model or this version cannot run: pp > 1 (not implemented yet), a TP degree
-    that does not split the heads, the KV heads and the FFN evenly."""
-    for name in ("pp",):
-        if getattr(d, name) > 1:
-            what = "pipeline parallelism"
-            raise ValueError(
-                f"parallel.{name}={getattr(d, name)}: {what} is not implemented yet; valid: "
-                f"parallel.{name}=1 (layouts today: dp_replicate x dp_shard x cp x tp)"
-            )
+    """Refuse what the model or this version cannot run: pp above the number of blocks, a TP degree
+    that does not split the heads, the KV heads and the FFN evenly (the rest of the pipeline's
+    rules: framework.stages.check_pipeline; CP's: check_cp)."""
+    if d.pp > model.n_layers:
+        raise ValueError(
+            f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "
+            f"needs at least one block; valid: parallel.pp <= {model.n_layers}"
+        )
     tp = d.tp
     for field_name, value in (
         ("n_heads", model.n_heads),
@@ -262,7 +262,8 @@ CP_CPU_ERROR = (
 def check_cp(d: Degrees, cfg: Config, on_cpu: bool) -> None:
     """Refuse a CP degree that cannot run: one whose load-balanced shards (2 x cp chunks of the
     sequence, rank i holding chunks i and 2cp-1-i, so causal work is equal) do not split
-    ``train.seq_len``, document masks (ring attention takes no attention mask), masked targets
+    ``train.seq_len``, pipelines (their schedule runs the micro batches), document masks (ring
+    attention takes no attention mask), masked targets
     (data=sft: the CP ranks' losses would not average to the batch mean), and CP on a CPU
     launch (``CP_CPU_ERROR``; a dry run plans it for any device)."""
     if d.cp <= 1:
@@ -279,6 +280,11 @@ def check_cp(d: Degrees, cfg: Config, on_cpu: bool) -> None:
         raise ValueError(
             f"parallel.cp={d.cp} with data.document_mask=true: ring attention takes no attention mask; "
             f"set data.document_mask=false or parallel.cp=1"
+        )
+    if d.pp > 1:
+        raise ValueError(
+            f"parallel.cp={d.cp} with parallel.pp={d.pp}: the pipeline schedule runs its micro batches "
+            f"itself, outside the per-micro-batch sequence sharding; use parallel.cp=1 or parallel.pp=1"
         )
     if cfg.data.source.value == "sft":
         raise ValueError(

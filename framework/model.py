@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from framework.config import AttentionBackend, ModelConfig, ResidualDtype
+from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
 
 _SDPA_BACKENDS = {
     AttentionBackend.flash: SDPBackend.FLASH_ATTENTION,
@@ -198,7 +198,9 @@ class Llama(nn.Module):
         Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
+        # previous stage's hidden states) and the head (it then returns its hidden states).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.stream_dtype is not None:
             # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
             # promotes): twice the traffic of every norm, add and saved block input.
@@ -210,6 +212,8 @@ class Llama(nn.Module):
             mask = document_mask(tokens, self.document_eos)
             for layer in self.layers.values():
                 h = layer(h, self.rope, mask=mask)
+        if self.output is None:
+            return h
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)
@@ -217,7 +221,14 @@ class Llama(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
         executor can compile it as its own region: with a 128K vocabulary it is a large share of
-        the step)."""
+        the step). ``model.fused_cross_entropy`` replaces the projection and the loss with one fused
+        kernel (framework.fused_ce) that never writes the logits."""
+        if self.cfg.fused_cross_entropy is not FusedCrossEntropy.none:
+            from framework.fused_ce import linear_cross_entropy
+
+            return linear_cross_entropy(
+                self.cfg.fused_cross_entropy, self.norm(h), self.output.weight, targets
+            )
         logits = self.output(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

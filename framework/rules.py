@@ -277,6 +277,8 @@ RULES: dict[str, Rule] = {
         "Linear name fragments (non-empty strings); [] converts every eligible layer"
     ),
     "model.float8_size_filter": TYPED,
+    # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
+    "model.fused_cross_entropy": TYPED,
     "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.tokenizer reads the file"),
@@ -402,12 +404,27 @@ RULES: dict[str, Rule] = {
     **{
         f"parallel.{n}": Rule(
             "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
-            "(pp: 1, not implemented yet; cp: 2 x cp divides train.seq_len, CUDA launches or dry runs)",
+            "(pp: at most model.n_layers; cp: 2 x cp divides train.seq_len, on CUDA or in a dry run)",
             checked_by="framework.layout.from_parallel / check_degrees / check_cp (via the planner)",
             bad=(-2, 3),
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
+    # the pipeline (framework.stages): bad values are refused under a 2-stage pipeline
+    "parallel.pp_schedule": TYPED,
+    "parallel.pp_microbatches": Rule(
+        "0 (= parallel.pp) or an integer >= parallel.pp that divides the data-parallel rank's batch",
+        checked_by="framework.stages.check_pipeline (via the planner)",
+        bad=(-1, 1, 3),
+        context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),
+    ),
+    "parallel.pp_stages_per_rank": Rule(
+        "an integer >= 1: 1 for gpipe / 1f1b, >= 2 for interleaved_1f1b / interleaved_zb, 2 for zbv; "
+        "parallel.pp x it <= model.n_layers",
+        checked_by="framework.stages.check_pipeline (via the planner)",
+        bad=(0, 2),
+        context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),
+    ),
     # sharding
     "sharding.strategy": TYPED,
     "sharding.tp": Rule(

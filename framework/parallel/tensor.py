@@ -38,17 +38,14 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     """
     if tp_mesh is None or tp_mesh.size() == 1:
         return
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
-            ),
-        },
-    )
+    # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
+    # and output are then the residual stream's local sequence shard, as between two blocks.
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+    }
+    parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
     recipe = model.cfg.float8
 
     def col(block: nn.Module, path: str) -> ColwiseParallel:
@@ -89,7 +86,8 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     # reaches the embedding's redistribute as a plain tensor, skipping ``to_local``'s backward
     # (torch 2.13: "'Tensor' object has no attribute '_local_tensor'"). A copy makes the residual
     # stream a fresh tensor: batch x seq/tp x dim elements once per step.
-    model.tok_embeddings.register_forward_hook(_fresh_output)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_fresh_output)
     if model.cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if not any(isinstance(p, DTensor) for p in model.parameters()):
