@@ -17,9 +17,11 @@ How an example becomes tokens:
   message's ``content + "\\n"`` (masked) and each assistant message's ``content`` followed by EOS
   (trained on).
 
-One example per row of ``seq_len + 1`` tokens, padded with EOS whose targets are masked (so attention
-never crosses examples; ``data.document_mask=true`` is refused: it would also cut a conversation at an
-EOS inside it). An example longer than the row is cut
+Whole examples are packed back to back into rows of ``seq_len + 1`` tokens (``data.sft_pack``;
+false: one example per row), padded with EOS whose targets are masked. Each example's first token
+carries ``DOC_START`` (framework.model): the model starts a document there, so attention and RoPE
+positions stay within the example (``data.document_mask=true`` is refused: an EOS mask would also
+cut a conversation at an EOS inside it). An example longer than the row is cut
 (the end of its response is lost; the number cut is logged before launch); an example whose prompt
 alone fills the row (nothing left to learn) is refused.
 
