@@ -379,6 +379,10 @@ class DataConfig:
     # sft: the keys of a prompt/response line (read as one user and one assistant message).
     prompt_field: str = only_with("data.source", DataSource.sft, default="prompt")
     response_field: str = only_with("data.source", DataSource.sft, default="response")
+    # sft: pack several whole examples per row (up to train.seq_len), each one attending only to
+    # itself with its own RoPE positions (document masking) and the loss still on responses only;
+    # false: one example per row, padded.
+    sft_pack: bool = only_with("data.source", DataSource.sft, default=True)
 
 
 @dataclass
@@ -541,7 +545,7 @@ class ParallelConfig:
 
     dp_replicate: int = 0  # replicas: gradients all-reduced (DDP, or HSDP's outer axis)
     dp_shard: int = 0  # FSDP2 shards parameters, gradients and optimizer state over this axis
-    cp: int = 0  # context parallel (sequence split across ranks): not implemented yet, only 1
+    cp: int = 0  # context parallel: ring attention over sequence shards (CUDA; 2 x cp divides seq_len)
     tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
     pp: int = 0  # pipeline stages (torch.distributed.pipelining), the outermost axis
     # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need

@@ -294,6 +294,7 @@ RULES: dict[str, Rule] = {
     "data.name": optional_name("unset (null) or a dataset configuration name"),
     "data.split": name("a split name (train, validation, ...)"),
     "data.streaming": TYPED,
+    "data.sft_pack": TYPED,  # data=sft only; packing marks examples itself (framework.data.sft)
     "data.document_mask": TYPED,  # needs an EOS and a masking kernel: framework.data.pipeline
     "data.mix": Rule(
         "[] (no mix) or entries {source, path, weight, ...} whose weights are finite numbers >= 0 "
@@ -411,8 +412,8 @@ RULES: dict[str, Rule] = {
     **{
         f"parallel.{n}": Rule(
             "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
-            "(cp: 1, not implemented yet; pp: at most model.n_layers)",
-            checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
+            "(pp: at most model.n_layers; cp: 2 x cp divides train.seq_len, on CUDA or in a dry run)",
+            checked_by="framework.layout.from_parallel / check_degrees / check_cp (via the planner)",
             bad=(-2, 3),
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")

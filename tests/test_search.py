@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from framework.config import ActivationCheckpointing
 from framework.plan import GIB, make_plan, resolve_batch
 from framework.recipes import compose_recipe
 from framework.search import format_search, search
+from tests.entry import train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +35,7 @@ def test_search_ranks_and_explains() -> None:
     assert best.fits and best.reason == "chosen" and best.memory_gib <= 79.6
     fitting = [c for c in result.candidates if c.fits]
     assert fitting[0] is best
+    assert {c.degrees["cp"] for c in result.candidates} == {1}  # 8192 tokens: no CP searched
     assert all(c.predicted_step_time_s >= best.predicted_step_time_s for c in fitting)
     losers = [c for c in result.candidates if not c.fits]
     assert losers and all(c.reason.startswith("memory:") for c in losers)
@@ -82,12 +81,24 @@ def test_muon_keeps_the_search_to_whole_matrices() -> None:
         check(compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"]))
 
 
+def test_cp_is_searched_for_long_sequences() -> None:
+    """cp joins the candidates from CP_MIN_SEQ tokens on, where it can run: planned for H100s in a
+    dry run, never for a launch on this CPU machine (torch's ring attention is CUDA only)."""
+    long = ["mesh=2x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "train.global_batch_size=16"]
+    result = search(compose_recipe("llama7b", [*long, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in result.candidates} == {1, 2, 4, 8, 16}
+    cp = [c for c in result.candidates if c.degrees["cp"] > 1 and c.fits]
+    assert cp and all(c.reason and c.memory_gib <= 79.6 for c in cp)
+    tiny = ["mesh=4", "train.seq_len=16384", "train.global_batch_size=4", "run.device=cpu"]
+    assert {c.degrees["cp"] for c in search(compose_recipe("llama_tiny", tiny)).candidates} == {1}
+    planned = search(compose_recipe("llama_tiny", [*tiny, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in planned.candidates} == {1, 2, 4}
+
+
 def _dry_run(tmp: Path, *overrides: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    cmd = [sys.executable, "train.py", *overrides, "run.dry_run=true", f"hydra.run.dir={tmp}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """``python train.py ... run.dry_run=true``, its entry point in this process (tests/entry.py):
+    a dry run starts no rank, and an interpreter importing torch costs more than the plan."""
+    assert train_main(*overrides, "run.dry_run=true", f"hydra.run.dir={tmp}") == 0
     return json.loads((tmp / "plan.json").read_text())
 
 
