@@ -34,6 +34,7 @@ from framework.loop import (
 )
 from framework.model import build_model
 from framework.parallel import parallelize
+from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
 from framework.plan import Plan
 from framework.verify import carry_state, inject_nan
@@ -86,6 +87,7 @@ class StepRunner:
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.scheduler: torch.optim.lr_scheduler.LambdaLR = None  # type: ignore[assignment]
         self.in_backward: InBackward | None = None
+        self.seq_shard: SequenceShard | None = None
         self.io = HostIO(device)
         self._builds = 0
         self._since_build = 0  # steps queued since the last build: each build pays its own warm-up
@@ -128,6 +130,8 @@ class StepRunner:
             self.device,
             cfg.train.seed,
         )
+        # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
+        self.seq_shard = sequence_shard(self.model, self.mesh, self.plan) if self.mesh is not None else None
         self.optimizer = build_optimizer(
             self.model, cfg.train, self.device, cfg.optimizer, cfg.run.instantiate_allow
         )
@@ -164,6 +168,7 @@ class StepRunner:
                 self.in_backward,
                 self.io,
                 sampler.loss_scales(),
+                self.seq_shard,
             )
         warm = self._since_build >= self.executor.warmup_steps
         self._since_build += 1
