@@ -30,6 +30,7 @@ from torch import nn
 
 from framework.checkpoint import import_hf
 from framework.config import Config, Integrity, ModelConfig
+from framework.models import model_spec
 
 KEY = "model.init_from"
 RUN_CONFIG = "config.yaml"
@@ -133,7 +134,7 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     expected = expected_shapes(model_cfg)
     if hf is not None:
-        import_hf.check_against(hf, expected, KEY)
+        import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from framework.config import AttentionBackend, ModelConfig, ResidualDtype
+from framework.models import model_spec
 
 _SDPA_BACKENDS = {
     AttentionBackend.flash: SDPBackend.FLASH_ATTENTION,
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = model_spec(cfg).head_dim
         self.gqa = cfg.n_heads != cfg.n_kv_heads
         self.backend = _SDPA_BACKENDS.get(cfg.attention)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
@@ -189,7 +190,7 @@ class Llama(nn.Module):
         self.register_buffer("rope", self._rope_tables(None), persistent=False)
 
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
-        head_dim = self.cfg.dim // self.cfg.n_heads
+        head_dim = model_spec(self.cfg).head_dim
         return rope_tables(head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,15 +290,9 @@ def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = N
 
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameter count from the shape alone (tied embeddings counted once)."""
-    head_dim = cfg.dim // cfg.n_heads
-    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    per_layer = attn + ffn + 2 * cfg.dim
-    emb = cfg.vocab_size * cfg.dim
-    out = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    n = cfg.n_layers * per_layer + cfg.dim + out
-    return n + emb if include_embedding else n
+    """Parameter count from the shape alone (its spec; tied embeddings counted once)."""
+    n = sum(math.prod(w.shape) for _, w, _ in model_spec(cfg).params())
+    return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -310,7 +305,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.tie_embeddings:
         # The tied output projection is a matmul of vocab x dim even though its weight is shared.
         n += cfg.vocab_size * cfg.dim
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = model_spec(cfg).head_dim
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 

@@ -316,7 +316,8 @@ RULES: dict[str, Rule] = {
     "train.beta1": number(0, 1, hi_open=True, bad=(1.0, -0.1, math.nan)),
     "train.beta2": number(0, 1, hi_open=True, bad=(1.0, 1.5, math.nan)),
     "train.grad_clip": number(0, what="0 = no clipping, the norm is still logged"),
-    "train.optimizer_in_backward": TYPED,  # its relations to the mesh and the batch: framework.plan
+    # One device, one micro-batch, no clip: framework.plan._check_in_backward (the loop asserts it).
+    "train.optimizer_in_backward": TYPED,
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
@@ -419,7 +420,7 @@ RULES: dict[str, Rule] = {
     "sharding.reshard_after_forward": TYPED,
     "sharding.param_dtype": TYPED,
     "sharding.reduce_dtype": TYPED,
-    "sharding.activation_checkpointing": TYPED,
+    "sharding.activation_checkpointing": TYPED,  # budget needs a compiled executor: framework.plan
     "sharding.activation_memory_budget": Rule(
         "0.0 to 1.0, a fraction of the compiled default's saved activations",
         checked_by="framework.plan (with activation_checkpointing=budget; else a warning)",
@@ -464,7 +465,7 @@ RULES: dict[str, Rule] = {
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),
     "freeze.export_methods": names_list("method names (non-empty strings)"),
     # executor
-    "executor.mode": TYPED,
+    "executor.mode": TYPED,  # cudagraphs needs CUDA: framework.entry.validate (the resolved device)
     "executor.scope": TYPED,
     "executor.backend": Rule(
         _backend_valid, _backend_ok, ("no_such_backend",), context=(("executor.mode", "compile"),)

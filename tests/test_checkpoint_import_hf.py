@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.config import Config, ModelConfig, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
+from framework.models import model_spec  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.plan import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -177,15 +178,16 @@ def test_shape_and_name_mismatch_name_the_tensor(hf_models: dict) -> None:
     path, _ = hf_models["mha_tied"]
     ckpt = import_hf.read_hf_checkpoint(path)
     expected = {n: tuple(p.shape) for n, p in build_model(model_cfg(path), SEQ).named_parameters()}
+    names = model_spec(model_cfg(path)).hf_names()
     wrong = dict(expected, **{"layers.1.feed_forward.w1.weight": (128, 64)})
     with pytest.raises(
         ValueError,
         match=r"model\.layers\.1\.mlp\.gate_proj\.weight has shape \[96, 64\], the model expects \[128, 64\]",
     ):
-        import_hf.check_against(ckpt, wrong)
+        import_hf.check_against(ckpt, wrong, names)
     untied = dict(expected, **{"output.weight": (256, 64)})  # the model wants an lm_head it lacks
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
-        import_hf.check_against(ckpt, untied)
+        import_hf.check_against(ckpt, untied, names)
 
 
 def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> None:

@@ -261,10 +261,9 @@ def test_ac_modes_count_blocks() -> None:
     assert "layers.0.attention.wq.weight" in names  # names unchanged by checkpointing
 
 
-def test_cudagraphs_refused_on_cpu() -> None:
+def test_eager_compiles_nothing() -> None:
+    """(cudagraphs off CUDA is refused before launch, in framework.entry: tests/test_train.py.)"""
     model = build_model(Config().model, SEQ)
-    with pytest.raises(ValueError, match="executor.mode=cudagraphs needs a CUDA device, got cpu"):
-        apply_compile(model, ExecutorConfig(mode=ExecutorMode.cudagraphs), torch.device("cpu"))
     assert apply_compile(model, ExecutorConfig(mode=ExecutorMode.eager), torch.device("cpu")) == 0
 
 

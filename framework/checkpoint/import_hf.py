@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.checkpoint.export_hf import _LAYER_NAMES
+from framework.models import model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -185,29 +185,20 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     return out
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> its HF Llama name (``layers.0.attention.wq.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``)."""
-    if name == "tok_embeddings.weight":
-        return "model.embed_tokens.weight"
-    if name == "norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    _, i, rest = name.split(".", 2)
-    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
-
-
 def check_against(
-    ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], key: str = "model.init_from"
+    ckpt: HFCheckpoint,
+    expected: dict[str, tuple[int, ...]],
+    names: dict[str, str],
+    key: str = "model.init_from",
 ) -> None:
-    """``expected``: our parameter name -> shape. ValueError naming the first tensor whose shape
-    differs (both shapes), or the tensors missing from the checkpoint / unknown to our model.
+    """``expected``: our parameter name -> shape; ``names``: ours -> HF's (the spec's ``hf_names``).
+    ValueError naming the first tensor whose shape differs (both shapes), or the tensors missing
+    from the checkpoint / unknown to our model.
 
     A tied model ignores a stored ``lm_head.weight`` (transformers ties it to the embedding too).
     """
     where = f"{key}={str(ckpt.path)!r}"
-    want = {hf_name(n): s for n, s in expected.items()}
+    want = {names[n]: s for n, s in expected.items()}
     for name, shape in want.items():
         got = ckpt.shapes.get(name)
         if got is not None and tuple(got) != tuple(shape):
@@ -241,14 +232,17 @@ def _read_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tor
 
 
 def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], head_dim: int) -> torch.Tensor:
-    """Rows [r0, r0 + n) of our interleaved q/k layout from HF's rotate-half rows: read the whole
-    heads that the rows touch, un-permute them, cut the chunk out."""
-    (r0, c0), (n, m) = offsets, sizes
-    if n == 0 or m == 0:  # an empty shard (more ranks than rows)
-        return torch.empty(n, m)
+    """Rows [r0, r0 + n) of our interleaved q/k layout (a projection, or a per-head norm's entries)
+    from HF's rotate-half rows: read the whole heads that the rows touch, un-permute them, cut the
+    chunk out."""
+    r0, n = offsets[0], sizes[0]
+    if 0 in sizes:  # an empty shard (more ranks than rows)
+        return torch.empty(sizes)
     h0, h1 = r0 // head_dim, math.ceil((r0 + n) / head_dim)
-    stored = sl[h0 * head_dim : h1 * head_dim, c0 : c0 + m]
-    ours = stored.view(h1 - h0, 2, head_dim // 2, m).transpose(1, 2).reshape((h1 - h0) * head_dim, m)
+    cols = tuple(slice(o, o + m) for o, m in zip(offsets[1:], sizes[1:], strict=True))
+    stored = sl[(slice(h0 * head_dim, h1 * head_dim), *cols)]
+    heads = stored.reshape(h1 - h0, 2, head_dim // 2, *stored.shape[1:])
+    ours = heads.transpose(1, 2).reshape(stored.shape)
     start = r0 - h0 * head_dim
     return ours[start : start + n]
 
@@ -259,19 +253,20 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
     reading only its local chunk. No collective: every rank calls it on its own."""
     from safetensors import safe_open
 
-    head_dim = model.cfg.dim // model.cfg.n_heads
+    spec = model_spec(model.cfg)
+    names, rope = spec.hf_names(), spec.rope_heads()
     params = dict(model.named_parameters())
-    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()})
+    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()}, names)
     by_file: dict[str, list[str]] = {}
     for n in params:
-        by_file.setdefault(ckpt.files[hf_name(n)], []).append(n)
-    for file, names in sorted(by_file.items()):
+        by_file.setdefault(ckpt.files[names[n]], []).append(n)
+    for file, in_file in sorted(by_file.items()):
         with safe_open(str(ckpt.path / file), framework="pt") as f:
-            for n in names:
+            for n in in_file:
                 local, offsets, sizes = _local_chunk(params[n])
-                sl = f.get_slice(hf_name(n))
-                if n.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    value = _read_rope_rows(sl, offsets, sizes, head_dim)
+                sl = f.get_slice(names[n])
+                if n in rope:
+                    value = _read_rope_rows(sl, offsets, sizes, params[n].shape[0] // rope[n])
                 else:
                     value = _read_rows(sl, offsets, sizes)
                 local.copy_(value.to(device=local.device, dtype=local.dtype))

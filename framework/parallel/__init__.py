@@ -75,8 +75,8 @@ def parallelize(
 
     Every step reads the plan's degrees (``plan.layout``), never a strategy name.
 
-    Each step is a no-op when its setting is off. Raises ValueError for ``executor.mode=cudagraphs``
-    off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
+    Each step is a no-op when its setting is off. Raises RuntimeError when a wrapper that should have
+    sharded something sharded nothing.
     """
     layout = plan.layout
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.dp_shard > 1)
