@@ -54,9 +54,7 @@ class KVCache:
 def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
     b, s, _ = x.shape
     start, end = cache.length, cache.length + s
-    q = attn.wq(x).view(b, s, -1, attn.head_dim)
-    k = attn.wk(x).view(b, s, -1, attn.head_dim)
-    v = attn.wv(x).view(b, s, -1, attn.head_dim)
+    q, k, v = attn.heads(x)
     rope = cache.rope[start:end]
     q, k = apply_rope(q, rope), apply_rope(k, rope)
     cache.keys[layer][:, :, start:end] = k.transpose(1, 2)

@@ -96,13 +96,26 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.qk_norm = model_spec(cfg).qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as (batch, seq, heads, head_dim), before RoPE (q/k normalised per head when the
+        family has qk_norm). -1 for the head count: under tensor parallelism each rank holds only
+        its share of heads."""
         b, s, _ = x.shape
-        # -1 for the head count: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(x)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
@@ -165,7 +178,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> None:
         super().__init__()
-        if cfg.dim % cfg.n_heads:
+        if not cfg.head_dim and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(

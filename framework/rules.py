@@ -127,11 +127,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def _head_dim_ok(v: Any, c: Config) -> bool:
-    return _is_int(v) and 1 <= v <= INT64_MAX and v % c.model.n_heads == 0 and (v // c.model.n_heads) % 2 == 0
+    if not _is_int(v) or not 1 <= v <= INT64_MAX:
+        return False
+    return c.model.head_dim > 0 or (v % c.model.n_heads == 0 and (v // c.model.n_heads) % 2 == 0)
 
 
 def _dim_valid(c: Config) -> str:
     h = c.model.n_heads
+    if c.model.head_dim > 0:
+        return "a positive integer"
     return (
         f"a positive multiple of model.n_heads={h} whose head dim (dim / n_heads) is even for rotary "
         f"embeddings, e.g. {[2 * h * k for k in (16, 32, 64)]}"
@@ -246,6 +250,13 @@ RULES: dict[str, Rule] = {
     # model: the shape is checked here so a bad one never reaches the model code (model.dim=0 was a
     # 253-line traceback from inside a rank).
     "model.name": name(),
+    "model.family": TYPED,
+    # Before model.dim, whose rule reads it. RoPE rotates pairs of features: an even size.
+    "model.head_dim": Rule(
+        "0 (= model.dim / model.n_heads) or an even integer >= 2",
+        lambda v, _c: _is_int(v) and 0 <= v <= 2**20 and v % 2 == 0,
+        (-2, 3),
+    ),
     "model.n_heads": integer(1),  # before model.dim and model.n_kv_heads, whose rules divide by it
     "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132)),
     "model.n_layers": integer(1),

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, ModelFamily
 from framework.model import build_model
 from framework.models import TPStyle, blocks, model_spec
 
 SHAPES = {
     "tiny_tied": ModelConfig(),
     "gqa_untied": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=False),
+    # Qwen3: q/k norms, and heads wider than dim / n_heads (4 x 32 = 128 > 64).
+    "qwen3_hd32": ModelConfig(
+        family=ModelFamily.qwen3, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96
+    ),
 }
 
 
@@ -33,6 +37,7 @@ def test_spec_is_the_model(cfg: ModelConfig) -> None:
     names = spec.hf_names()
     assert len(set(names.values())) == len(names)
     assert ("output.weight" in dict((n, 0) for n, _, _ in spec.params())) is not cfg.tie_embeddings
+    rotated = ("wq", "wk", "q_norm", "k_norm") if cfg.family is ModelFamily.qwen3 else ("wq", "wk")
     assert set(spec.rope_heads()) == {
-        f"layers.{i}.attention.{w}.weight" for i in range(cfg.n_layers) for w in ("wq", "wk")
+        f"layers.{i}.attention.{w}.weight" for i in range(cfg.n_layers) for w in rotated
     }

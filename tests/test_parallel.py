@@ -8,6 +8,8 @@ below 2e-7; DDP/FSDP reduce in a different order than one process, so not bitwis
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from framework.config import (
     Config,
     ExecutorConfig,
     ExecutorMode,
+    ModelFamily,
     ParallelConfig,
     Strategy,
 )
@@ -155,6 +158,19 @@ def test_matches_single_process(strategy: str, shape: list[int], tp: int, refere
         torch.testing.assert_close(r["losses"], reference, rtol=RTOL, atol=0)
     dp = cfg.mesh.world_size // tp
     assert sorted({r["dp"] for r in out}) == [(i, dp) for i in range(dp)]  # TP ranks of a dp group share it
+
+
+@pytest.mark.parametrize(("strategy", "shape", "tp"), [("fsdp", [2], 1), ("fsdp_tp", [2, 2], 2)])
+def test_qwen3_matches_single_process(strategy: str, shape: list[int], tp: int) -> None:
+    """Qwen3 (q/k norms replicated over TP, sharded by FSDP; heads of 64 on a width of 128)."""
+    qwen3 = {"family": ModelFamily.qwen3, "head_dim": 64}
+    single = make_cfg("ddp", [1])
+    single.model = dataclasses.replace(single.model, **qwen3)
+    cfg = make_cfg(strategy, shape, tp)
+    cfg.model = single.model
+    out, expected = run_ranks(_worker, cfg.mesh.world_size, cfg), reference_losses(single)
+    for r in out:
+        torch.testing.assert_close(r["losses"], expected, rtol=RTOL, atol=0)
 
 
 def test_ac_and_compile_match_eager(reference: list[float]) -> None:

@@ -1,4 +1,4 @@
-"""Import a Hugging Face ``LlamaForCausalLM`` checkpoint (a safetensors folder) into our model.
+"""Import a Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` checkpoint (a safetensors folder) into our model.
 
 The inverse of ``export_hf.py``: names map one to one, and HF's rotate-half rows of ``q_proj`` /
 ``k_proj`` are permuted back to our interleaved-pair RoPE order inside each head.
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.config import ModelFamily
 from framework.models import model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,10 +32,12 @@ CONFIG_FILE = "config.json"
 
 # ModelConfig field -> LlamaConfig field: the shape that ``model.init_from`` takes from config.json.
 SHAPE_FIELDS = {
+    "family": "model_type",
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "ffn_dim": "intermediate_size",
     "vocab_size": "vocab_size",
     "norm_eps": "rms_norm_eps",
@@ -49,6 +52,7 @@ SHAPE_FIELDS = {
 # LlamaConfig's defaults for the fields a config.json may leave out (transformers' LlamaConfig).
 _HF_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": None,  # None means num_attention_heads
+    "head_dim": None,  # None means hidden_size / num_attention_heads
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -125,17 +129,18 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:
     """The ``ModelConfig`` shape fields from config.json (LlamaConfig's defaults where absent).
 
-    Raises ValueError for what our Llama does not compute (another architecture, biases, a head_dim
-    other than hidden_size / heads, RoPE scaling other than Llama 3.1's, another activation): its
-    logits would differ.
+    The family is the ``model_type`` (framework.models). Raises ValueError for what our model does
+    not compute (another architecture, biases, sliding-window attention, RoPE scaling other than
+    Llama 3.1's, another activation): its logits would differ.
     """
     c = ckpt.config
     where = f"{key}={str(ckpt.path)!r}"
-    if c.get("model_type") != "llama":
-        raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: 'llama'")
-    for flag in ("attention_bias", "mlp_bias"):
+    families = [f.value for f in ModelFamily]
+    if c.get("model_type") not in families:
+        raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: {families}")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if c.get(flag):
-            raise ValueError(f"{where}: config.json has {flag}=true; valid: false (our Llama has no biases)")
+            raise ValueError(f"{where}: config.json has {flag}=true; valid: false (not in our models)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")
     # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}; older
@@ -163,25 +168,24 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
             out["rope_scaling_factor"] = 1.0  # off, whatever the recipe said
         if out["n_kv_heads"] is None:
             out["n_kv_heads"] = out["n_heads"]
+        if out["head_dim"] is None or out["head_dim"] * out["n_heads"] == out["dim"]:
+            out["head_dim"] = 0  # hidden_size / heads: the default
         ints = (
             "dim",
             "n_layers",
             "n_heads",
             "n_kv_heads",
+            "head_dim",
             "ffn_dim",
             "vocab_size",
             "rope_original_max_position",
         )
         for k, v in out.items():
-            out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
+            if k != "family":
+                out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: config.json lacks or mangles a Llama shape field: {e!r}") from None
-    head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
-        raise ValueError(
-            f"{where}: config.json has head_dim={head_dim} with hidden_size={out['dim']} and "
-            f"num_attention_heads={out['n_heads']}; valid: head_dim = hidden_size / num_attention_heads"
-        )
+        raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
+    out["family"] = ModelFamily(out["family"])
     return out
 
 

@@ -10,8 +10,9 @@ import functools
 
 from torch import nn
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, ModelFamily
 from framework.models.llama import llama_spec
+from framework.models.qwen3 import qwen3_spec
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 __all__ = ["ModelSpec", "TPStyle", "Weight", "blocks", "model_spec"]
@@ -19,7 +20,11 @@ __all__ = ["ModelSpec", "TPStyle", "Weight", "blocks", "model_spec"]
 
 @functools.lru_cache(maxsize=256)
 def _spec(key: tuple) -> ModelSpec:
-    return llama_spec(ModelConfig(**dict(key)))
+    m = ModelConfig(**dict(key))
+    return FAMILIES[m.family](m)
+
+
+FAMILIES = {ModelFamily.llama: llama_spec, ModelFamily.qwen3: qwen3_spec}
 
 
 def model_spec(m: ModelConfig) -> ModelSpec:
@@ -29,7 +34,17 @@ def model_spec(m: ModelConfig) -> ModelSpec:
 
 
 # The ModelConfig fields a spec depends on (the cache key).
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+SHAPE_KEYS = (
+    "family",
+    "head_dim",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -7,7 +7,7 @@ from framework.models.spec import ModelSpec, TPStyle, Weight
 
 
 def head_dim(m: ModelConfig) -> int:
-    return m.dim // m.n_heads
+    return m.head_dim or m.dim // m.n_heads
 
 
 def attention(m: ModelConfig, hd: int) -> tuple[Weight, ...]:

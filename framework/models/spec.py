@@ -74,6 +74,7 @@ class ModelSpec:
     block: tuple[Weight, ...]
     last: tuple[Weight, ...]
     sublayers: dict[str, int] = field(default_factory=dict)
+    qk_norm: bool = False  # an RMSNorm over each query and key head, before RoPE (Qwen3)
     blocks: str = "layers"
 
     def units(self) -> list[str]:
