@@ -12,11 +12,20 @@ MFU (vs 989 TFLOP/s dense bf16, flops/token = 6N + 12·L·H·Q·T) from the medi
 beside it), peak memory, the planner's
 predicted peak, time to first step and compile time (the first step less a median step); writes the table as JSON and markdown under ``--out``.
 Measure ratios side by side in one run: the machines are noisy.
+
+``--data jsonl|text`` trains the framework runs on real packed text instead of the recipe's data:
+the standard library's source written as documents (``--data-mb``), tokenized on the fly by a
+byte-level BPE that ``python -m framework.data tokenizer train`` builds here first (no download).
+The "data wait" column is the loader's wait as a share of the step time (framework.data times
+each ``next_batch``; the trainer reports it in metrics.jsonl and summary.json):
+
+    python benchmarks/gpu_bench.py --models llama1b --modes compile --hand '' --data jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -24,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -58,12 +68,54 @@ def reset() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def write_documents(out: Path, kind: str, megabytes: float) -> Path:
+    """The standard library's source as documents (real text every machine has), cycled to the size
+    asked for: one jsonl file (``{"text": ...}`` per line), or a folder of .txt files."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    path = out / ("docs.jsonl" if kind == "jsonl" else "docs")
+    written, n = 0, 0
+    (path if kind == "text" else out).mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(path.open("w")) if kind == "jsonl" else None
+        while written < megabytes * 1e6:
+            for src in files:
+                text = src.read_text(encoding="utf-8", errors="replace")
+                if f is not None:
+                    written += f.write(json.dumps({"text": text}) + "\n")
+                else:
+                    written += (path / f"{n:06d}.txt").write_text(text)
+                n += 1
+                if written >= megabytes * 1e6:
+                    break
+    return path
+
+
+def packed_source(out: Path, kind: str, megabytes: float, vocab_size: int) -> list[str]:
+    """Documents and a BPE trained on a 4 MB sample of them by the framework's own command; the
+    overrides that train on them, packed on the fly."""
+    out.mkdir(parents=True, exist_ok=True)
+    docs = write_documents(out, kind, megabytes)
+    sample = write_documents(out / "sample", "jsonl", min(4.0, megabytes))
+    bpe = out / "bpe.json"
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "framework.data", "tokenizer", "train", str(bpe), str(sample)]
+    subprocess.run([*cmd, "--vocab-size", str(vocab_size)], check=True, cwd=ROOT)
+    print(f"data: {megabytes:g} MB of {kind} at {docs}; BPE of {vocab_size} trained in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
+    return [
+        f"data={kind}",
+        f"data.path={docs}",
+        "tokenizer=hf",
+        f"tokenizer.path={bpe}",
+    ]
+
+
 def framework_run(
     recipe: str, mode: str, steps: int, out: Path, extra: list[str], name: str | None = None
 ) -> dict:
     from framework import trainer
 
-    overrides = [
+    base = [
         f"recipe={recipe}",
         f"executor={mode}",
         f"train.steps={steps}",
@@ -71,8 +123,10 @@ def framework_run(
         "train.eval_every=0",
         "run.device=cuda",
         "mesh/hardware=h200",
-        *extra,
     ]
+    # A key in ``extra`` replaces the default here (Hydra refuses a key given twice).
+    given = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in base if o.split("=", 1)[0] not in given] + extra
     cfg = compose_cfg(overrides)
     apply_allocator_environment(cfg.run)  # as train.py does, before the first CUDA allocation
     run_dir = out / (name or f"{recipe}-{mode}")
@@ -85,7 +139,8 @@ def framework_run(
     p50 = summary.step_p50_s
     tps = tokens / p50 if p50 else 0.0
     return {
-        "what": f"framework {mode}" + (f" {' '.join(extra)}" if extra else ""),
+        # Paths stay out of the label (the data's kind is in it: data=jsonl).
+        "what": " ".join([f"framework {mode}", *(e for e in extra if "path=" not in e)]),
         "recipe": recipe,
         "tokens_per_s": tps,
         "tokens_per_s_mean": summary.tokens_per_s,
@@ -96,6 +151,8 @@ def framework_run(
         "first_step_s": summary.time_to_first_step_s,
         "compile_s": summary.compile_s,
         "final_loss": summary.final_loss,
+        "data_wait_ms": summary.data_wait_ms,
+        "data_wait_share": summary.data_wait_share,
     }
 
 
@@ -181,12 +238,40 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
     }
 
 
+def float8_diagnostics(marks: list[str]) -> None:
+    """Diagnostic float8 numerics for the parity rounds (PERF.md round 13), not config options:
+    ``bench:go_e4m3`` casts the output gradients to e4m3 (3 mantissa bits) instead of tensorwise's
+    e5m2 (2); ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision."""
+    wanted = {m.removeprefix("bench:") for m in marks} & {"go_e4m3", "no_fast_accum"}
+    if not wanted:
+        return
+    import framework.parallel.float8 as f8
+
+    plain = f8.float8_config
+
+    def patched(recipe: Float8Recipe, fsdp_all_gather: bool):  # noqa: ANN202 - torchao's config
+        from torchao.float8.config import CastConfig, Float8GemmConfig
+
+        config = plain(recipe, fsdp_all_gather)
+        if "go_e4m3" in wanted:
+            e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
+            config = dataclasses.replace(
+                config, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3
+            )
+        if "no_fast_accum" in wanted:
+            config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=False))
+        print(f"float8 diagnostics {sorted(wanted)}: {config}", flush=True)
+        return config
+
+    f8.float8_config = patched
+
+
 def fmt(rows: list[dict]) -> str:
     head = (
         "| recipe | what | tok/s (p50) | tok/s (mean) | step ms (p50) | MFU (p50) | peak GiB | planned GiB "
-        "| first step s | compile s | loss |"
+        "| first step s | compile s | loss | data wait ms | data wait % |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
 
         def f(key: str, spec: str, r: dict = r) -> str:
@@ -197,7 +282,8 @@ def fmt(rows: list[dict]) -> str:
             f"| {r['recipe']} | {r['what']} | {f('tokens_per_s', ',.0f')} | {f('tokens_per_s_mean', ',.0f')} "
             f"| {f('step_ms', '.1f')} | "
             f"{f('mfu', '.1%')} | {f('peak_gib', '.1f')} | {f('predicted_gib', '.1f')} | "
-            f"{f('first_step_s', '.1f')} | {f('compile_s', '.1f')} | {f('final_loss', '.3f')} |"
+            f"{f('first_step_s', '.1f')} | {f('compile_s', '.1f')} | {f('final_loss', '.3f')} | "
+            f"{f('data_wait_ms', '.2f')} | {f('data_wait_share', '.2%')} |"
         )
     return "\n".join(lines)
 
@@ -222,6 +308,15 @@ def main() -> None:
         "replaces --models/--modes/--hand. Each line runs in its own process, so one that runs out of "
         "memory leaves nothing behind for the next",
     )
+    p.add_argument(
+        "--data",
+        default="recipe",
+        choices=["recipe", "jsonl", "text"],
+        help="the framework runs' data: the recipe's own (llama1b: synthetic), or the stdlib's source "
+        "as jsonl / text packed on the fly with a BPE trained here",
+    )
+    p.add_argument("--data-mb", type=float, default=20.0, help="--data: megabytes of documents")
+    p.add_argument("--vocab-size", type=int, default=32000, help="--data: the BPE's vocabulary")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant line, write --row
     p.add_argument("--row", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -233,12 +328,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    data_overrides: list[str] = []
+    if args.data != "recipe" and args.one is None:
+        data_overrides = packed_source(args.out / "data", args.data, args.data_mb, args.vocab_size)
     if args.one is not None:  # a child of --variants
         recipe, mode, *extra = args.one.split()
         if "bench:same_stream" in extra:  # diagnostic: the optimiser in backward without its own stream
             import framework.loop
 
             framework.loop.OPTIMIZER_SIDE_STREAM = False
+        float8_diagnostics([e for e in extra if e.startswith("bench:")])
         extra = [e for e in extra if not e.startswith("bench:")]
         name = f"{args.row.stem}-{recipe}-{mode.replace(':', '_')}"
         if mode.startswith("hand:"):
@@ -255,7 +354,7 @@ def main() -> None:
                 sys.executable,
                 __file__,
                 "--one",
-                line,
+                line if line.split()[1].startswith("hand:") else " ".join([line, *data_overrides]),
                 "--row",
                 str(row_file),
                 "--steps",
@@ -280,7 +379,8 @@ def main() -> None:
             print(fmt(rows[-1:]), flush=True)
         for mode in args.modes.split(","):
             try:
-                rows.append(framework_run(recipe, mode, args.steps, args.out, args.extra.split()))
+                extra = [*args.extra.split(), *data_overrides]
+                rows.append(framework_run(recipe, mode, args.steps, args.out, extra))
             except Exception as e:  # noqa: BLE001 - a failed variant is a row, not the end of the benchmark
                 rows.append(
                     {"what": f"framework {mode} FAILED: {type(e).__name__}: {str(e)[:200]}", "recipe": recipe}

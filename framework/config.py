@@ -85,6 +85,16 @@ class AttentionBackend(Enum):
     math = "math"
 
 
+class FusedCrossEntropy(Enum):
+    """The loss head's kernel: ``none`` (the output projection, then cross-entropy in fp32; compiled
+    by the executor), or a fused linear cross-entropy that never writes the (tokens x vocab) logits:
+    ``liger`` (liger-kernel's chunked Triton kernel) or ``cce`` (Apple's cut-cross-entropy)."""
+
+    none = "none"
+    liger = "liger"
+    cce = "cce"
+
+
 class Float8Recipe(Enum):
     """Float8 training of the Linear layers (torchao.float8): ``tensorwise`` scales each tensor once
     (the faster recipe), ``rowwise`` scales each row (finer, closer to bf16); ``none``: bf16 autocast."""
@@ -254,6 +264,9 @@ class ModelConfig:
     # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
     # measured on H100); false converts every Linear whose dims are multiples of 16.
     float8_size_filter: bool = True
+    # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
+    # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.
+    fused_cross_entropy: FusedCrossEntropy = FusedCrossEntropy.none
     # Initial weights instead of a random init: a Hugging Face Llama/Qwen3 safetensors folder, or a framework
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
     # shape fields above are taken from it (framework.init_from); a contradicting override is an error.

@@ -34,7 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import float8, sweep
+from framework import float8, fused_ce, sweep
 from framework.config import Config, ExecutorMode, Float8Recipe, RunConfig, to_config, to_yaml
 from framework.launch import (
     adopt_submitit_environment,
@@ -119,6 +119,8 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
             "use executor=compile or executor=eager"
         )
     check_float8(cfg, device)
+    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
+    fused_ce.check(cfg, device.type, layout.tp if layout is not None else cfg.sharding.tp)
     return cfg
 
 

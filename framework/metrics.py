@@ -105,6 +105,7 @@ def format_row(row: dict[str, Any]) -> str:
         ("lr", "lr {:.2e}"),
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "{:,.0f} tok/s"),
+        ("data_wait_share", "data wait {:.1%}"),
         ("mfu", "mfu {:.1%}"),
         ("peak_mem_gib", "mem {:.2f} GiB"),
     ):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from framework.config import AttentionBackend, ModelConfig, ResidualDtype
+from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
 from framework.models import model_spec
 
 _SDPA_BACKENDS = {
@@ -231,7 +231,14 @@ class Llama(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
         executor can compile it as its own region: with a 128K vocabulary it is a large share of
-        the step)."""
+        the step). ``model.fused_cross_entropy`` replaces the projection and the loss with one fused
+        kernel (framework.fused_ce) that never writes the logits."""
+        if self.cfg.fused_cross_entropy is not FusedCrossEntropy.none:
+            from framework.fused_ce import linear_cross_entropy
+
+            return linear_cross_entropy(
+                self.cfg.fused_cross_entropy, self.norm(h), self.output.weight, targets
+            )
         logits = self.output(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

@@ -24,6 +24,7 @@ from framework.config import (
     Config,
     DType,
     ExecutorMode,
+    FusedCrossEntropy,
     ModelConfig,
     ParallelConfig,
     ShardingConfig,
@@ -302,6 +303,11 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
     per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
     block_input = tokens * m.dim * elem // tp
     logits = int(tokens * m.vocab_size * (logit_bytes + (_TP_LOGIT_EXTRA_BYTES if tp > 1 else 0)))
+    if m.fused_cross_entropy is not FusedCrossEntropy.none:
+        # framework.fused_ce keeps no logits: a chunk of them (about tokens x dim), the input
+        # gradient, and (liger) the fp32 weight gradient and its bf16 copy until backward. An
+        # estimate from the kernels' code, not a fit.
+        logits = tokens * m.dim * 2 * elem + m.vocab_size * m.dim * 6
     n = m.n_layers
     if mode == ActivationCheckpointing.none:
         layers = n * per_layer

@@ -288,6 +288,8 @@ RULES: dict[str, Rule] = {
         "Linear name fragments (non-empty strings); [] converts every eligible layer"
     ),
     "model.float8_size_filter": TYPED,
+    # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
+    "model.fused_cross_entropy": TYPED,
     "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.tokenizer reads the file"),

@@ -133,6 +133,11 @@ class Summary:
     skipped_steps: int = 0
     step_p50_s: float | None = None
     step_p99_s: float | None = None
+    # The time the loop waited for its batches (framework.data's ``last_wait_s``) over the warm steps:
+    # per step, and as a share of the step time (an upper bound of the device's idle time: on CUDA
+    # the host waits while the previous step still runs).
+    data_wait_ms: float | None = None
+    data_wait_share: float | None = None
     executor: str | None = None  # the executor the run ended on (after any fallback)
     # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
     # rejected checkpoints, failed saves, preemption.
@@ -507,6 +512,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         torch.cuda.reset_peak_memory_stats(device)
     window_tokens, window_time = 0, 0.0  # since warm-up: the run's throughput (summary)
     log_tokens, log_time = 0, 0.0  # since the last log row: that row's throughput
+    window_wait, log_wait, log_steps = 0.0, 0.0, 0  # the loader's wait for its batches (warm steps)
     step_seconds: list[float] = []  # post-warm-up step times, for p50/p99 and the baseline
     nan_batches = set(cfg.verify.inject_nan_steps)
     since_build = 0  # steps since the executor was (re)built: each build pays its own warm-up
@@ -522,11 +528,12 @@ def run(cfg: Config, run_dir: Path) -> Summary:
     # of the run is read at once. With verify on, every step is read at once (the circuit breaker
     # may swap the executor before the next step).
     lag = not verifier.enabled
-    pending: tuple[StepResult, int, bool] | None = None  # (result, its step number, warm)
+    pending: tuple[StepResult, int, bool, float] | None = None  # (result, its step, warm, data wait)
 
-    def account(result: StepResult, done: int, warm: bool) -> StepAction:
-        """Everything that reads a step's figures: counters, throughput, verify, the log row."""
+    def account(result: StepResult, done: int, warm: bool, wait_s: float) -> StepAction:
+        """Everything that reads a step's figures: counters, throughput, data wait, verify, the log row."""
         nonlocal window_tokens, window_time, log_tokens, log_time, first_step_s, since_build
+        nonlocal window_wait, log_wait, log_steps
         if summary.time_to_first_step_s is None:
             summary.time_to_first_step_s = time.perf_counter() - t_start
             first_step_s = result.seconds
@@ -539,6 +546,9 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             window_time += result.seconds
             log_tokens += tokens_per_step
             log_time += result.seconds
+            window_wait += wait_s
+            log_wait += wait_s
+            log_steps += 1
             step_seconds.append(result.seconds)
             if verifier.enabled and verifier.breaker is None:
                 verifier.start_timing(
@@ -550,7 +560,6 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         metrics.advance()
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
             tps = log_tokens / log_time if log_time > 0 else None
-            log_tokens, log_time = 0, 0.0
             row: dict[str, Any] = {
                 "step": done,
                 "loss": result.loss,
@@ -559,6 +568,10 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 "tokens_per_s": tps,
                 "step_ms": result.seconds * 1e3,
             }
+            if log_steps:
+                row["data_wait_ms"] = log_wait / log_steps * 1e3
+                row["data_wait_share"] = log_wait / log_time
+            log_tokens, log_time, log_wait, log_steps = 0, 0.0, 0.0, 0
             if device_peak is not None and tps is not None:
                 row["mfu"] = fpt * tps / (device_peak * 1e12 * env.world_size)
             if device.type == "cuda":
@@ -568,6 +581,8 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             summary.final_loss, summary.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
         if window_time > 0:
             summary.tokens_per_s = window_tokens / window_time
+            summary.data_wait_ms = window_wait / len(step_seconds) * 1e3
+            summary.data_wait_share = window_wait / window_time
             if device_peak is not None:
                 summary.mfu = fpt * summary.tokens_per_s / (device_peak * 1e12 * env.world_size)
         if tripped:
@@ -603,12 +618,14 @@ def run(cfg: Config, run_dir: Path) -> Summary:
         poison = (
             data.sampler.consumed_batches in nan_batches
         )  # a batch index: fires once, even after a rollback
+        batch = data.sampler.next_batch()
+        wait_s = data.sampler.last_wait_s  # the sampler times its own wait
         with inject_nan(built.model, poison):
             result = train_step(
                 built.model,
                 built.optimizer,
                 built.scheduler,
-                data.sampler.next_batch(),
+                batch,
                 cfg.train.grad_clip,
                 device,
                 built.in_backward,
@@ -641,10 +658,10 @@ def run(cfg: Config, run_dir: Path) -> Summary:
             or ckpt.should_save(done, time.monotonic())
         )
         if not (save_now or stop_now or boundary(done)):
-            pending = (result, done, warm)
+            pending = (result, done, warm, wait_s)
             step = done
             continue
-        if account(result, done, warm) is StepAction.rollback:
+        if account(result, done, warm, wait_s) is StepAction.rollback:
             step = rollback(done)
             continue
         maybe_inject_fault(cfg, env, done)
@@ -784,6 +801,10 @@ def write_summary(
         lines.append(f"final train loss: {summary.final_loss:.4f}")
     if summary.tokens_per_s:
         lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
+    if summary.data_wait_share is not None:
+        lines.append(
+            f"data wait: {summary.data_wait_ms:.2f} ms/step ({summary.data_wait_share:.2%} of the step time)"
+        )
     if summary.mfu is not None:
         lines.append(f"MFU: {summary.mfu:.1%}")
     if summary.time_to_first_step_s is not None:

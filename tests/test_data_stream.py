@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from framework.config import (
     TrainConfig,
 )
 from framework.data import build_data
-from framework.data.stream import compose
+from framework.data.stream import StreamSampler, compose
 from framework.tokenizer import load_tokenizer
 from tests.corpus import Corpus, write_corpus
 
@@ -172,6 +173,30 @@ class Constant:
 
     def seek(self, state: dict[str, int]) -> None:
         self.drawn = state["drawn"]
+
+
+class Slow(Constant):
+    """A source that takes ``delay`` seconds per call: the packer falls behind the loop."""
+
+    def __init__(self, i: int, delay: float) -> None:
+        super().__init__(i)
+        self.delay = delay
+
+    def take(self, n: int) -> np.ndarray:
+        time.sleep(self.delay)
+        return super().take(n)
+
+
+def test_the_sampler_times_how_long_the_loop_waits_for_each_batch() -> None:
+    """``last_wait_s`` (reported per step as data_wait_ms / data_wait_share) is the time next_batch
+    blocked: about the packer's time per batch while it is behind, near 0 once it is ahead."""
+    sampler = StreamSampler([Slow(0, 0.2)], [1.0], 3, 4, 2, 0, 1, seed=0, prefetch=2)
+    sampler.next_batch()
+    assert sampler.last_wait_s >= 0.15  # the first batch: nothing was ready
+    time.sleep(0.5)  # the packer fills its queue while the "step" runs
+    sampler.next_batch()
+    assert sampler.last_wait_s < 0.1
+    sampler.close()
 
 
 def test_mixture_follows_its_weights_and_depends_only_on_seed_and_index() -> None:

@@ -48,6 +48,10 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in rows if "val_loss" in r)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["time_to_first_step_s"] > 0
+    # The loader's wait (the sampler times each next_batch): per log row and over the run.
+    waits = [r["data_wait_share"] for r in rows if "loss" in r and r["step"] > 10]
+    assert len(waits) == 3 and all(0 <= w < 0.5 for w in waits), waits
+    assert 0 < summary["data_wait_ms"] and 0 <= summary["data_wait_share"] < 0.5
     # The loss trace of `python train.py` before the planner chose the layout (main at 9badb94,
     # sharding=ddp on one rank): sharding=auto picks that same single-rank step.
     assert losses(run) == pytest.approx(

@@ -14,6 +14,7 @@ with 8 data-parallel ranks resumes on 4 or 1 with no sample skipped or repeated.
 from __future__ import annotations
 
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +141,9 @@ class BatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.consumed_batches = 0
+        # How long the last ``next_batch`` kept the training loop waiting (seconds): the loop reports
+        # it per step as ``data_wait_ms`` and as a share of the step time.
+        self.last_wait_s = 0.0
 
     def global_batch(self, index: int) -> torch.Tensor:
         """All sequences (global_batch_size, seq_len + 1) of global batch ``index``."""
@@ -165,9 +169,12 @@ class BatchSampler:
         return torch.from_numpy(rows.astype(np.int64))
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t0 = time.perf_counter()
         rows = self.rank_slice(self.consumed_batches)
         self.consumed_batches += 1
-        return [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
+        out = [(m[:, :-1], m[:, 1:]) for m in rows.split(self.micro_batch_size)]
+        self.last_wait_s = time.perf_counter() - t0  # read synchronously: all of it is a wait
+        return out
 
     def loss_scales(self) -> None:
         """Every target counts here: micro-batches weigh the same (the interface of StreamSampler)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -237,6 +238,9 @@ class StreamSampler:
         self.seed = seed
         self.prefetch = max(1, prefetch)
         self.consumed_batches = 0
+        # How long the last ``next_batch`` kept the training loop waiting (seconds): near 0 while the
+        # background packer stays ``prefetch`` batches ahead; the loop reports it per step.
+        self.last_wait_s = 0.0
         self._after = [s.state() for s in self.sources]  # the state after the last consumed batch
         self._scales: list[float] | None = None
         self._pushback: list[_Batch] = []
@@ -298,6 +302,7 @@ class StreamSampler:
         return torch.from_numpy(np.ascontiguousarray(item.rows[lo : lo + per_rank]))
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t0 = time.perf_counter()
         item = self._get()
         assert item.index == self.consumed_batches, (item.index, self.consumed_batches)
         self._history = [(item, self._after)]
@@ -305,7 +310,9 @@ class StreamSampler:
         self.consumed_batches += 1
         rows = self._rank_rows(item)
         self._scales = self._token_scales(item, rows)
-        return [split_rows(m) for m in rows.split(self.micro_batch_size)]
+        out = [split_rows(m) for m in rows.split(self.micro_batch_size)]
+        self.last_wait_s = time.perf_counter() - t0
+        return out
 
     def _token_scales(self, item: _Batch, rows: torch.Tensor) -> list[float] | None:
         """Where targets are masked (data=sft), each micro-batch's weight in the step: its share of

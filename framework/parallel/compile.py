@@ -15,7 +15,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-from framework.config import CompileScope, ExecutorConfig, ExecutorMode
+from framework.config import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy
 from framework.model import Llama
 from framework.models import blocks
 
@@ -69,6 +69,10 @@ def apply_compile(
         block.forward = _compile(block.forward, executor, mode)
     # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
-    # log-softmax instead of materialising fp32 logits.
-    model.head_loss = _compile(model.head_loss, executor, mode)
+    # log-softmax instead of materialising fp32 logits. A fused cross-entropy kernel (framework.fused_ce)
+    # cannot be traced (it reads the targets on the host): then only the final norm is compiled.
+    if model.cfg.fused_cross_entropy is FusedCrossEntropy.none:
+        model.head_loss = _compile(model.head_loss, executor, mode)
+    else:
+        model.norm.forward = _compile(model.norm.forward, executor, mode)
     return len(units) + 1
