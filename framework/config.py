@@ -55,6 +55,23 @@ class ActivationCheckpointing(Enum):
     auto = "auto"
 
 
+# Pipeline schedules (``parallel.pp_schedule``), each a torch.distributed.pipelining schedule
+# (framework.parallel.pipeline.SCHEDULES). The functional form because ``1f1b`` is not an identifier
+# and OmegaConf matches an Enum by member name: ``PPSchedule["1f1b"]``.
+PPSchedule = Enum(
+    "PPSchedule",
+    [(n, n) for n in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")],
+    module=__name__,
+)
+PPSchedule.__doc__ = (
+    "gpipe: all forwards, then all backwards (holds every micro batch's activations); 1f1b: one "
+    "forward, one backward (at most pp micro batches in flight); interleaved_1f1b: 1f1b over "
+    "parallel.pp_stages_per_rank >= 2 virtual stages per rank (smaller bubble); interleaved_zb: "
+    "interleaved with the weight gradients deferred into the bubble (zero bubble); zbv: zero bubble "
+    "over exactly 2 stages per rank placed in a V"
+)
+
+
 class ResidualDtype(Enum):
     """dtype of the residual stream (the embedding output that every block adds into).
 
@@ -502,7 +519,17 @@ class ParallelConfig:
     dp_shard: int = 0  # FSDP2 shards parameters, gradients and optimizer state over this axis
     cp: int = 0  # context parallel (sequence split across ranks): not implemented yet, only 1
     tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
-    pp: int = 0  # pipeline stages: not implemented yet, only 1
+    pp: int = 0  # pipeline stages (torch.distributed.pipelining), the outermost axis
+    # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need
+    # pp_stages_per_rank >= 2 (zbv: exactly 2).
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
+    # Micro batches per step that the schedule pipelines: 0 = pp (the fewest that fill the
+    # pipeline). Each is train.micro_batch_size rows: micro_batch_size x pp_microbatches is the
+    # data-parallel rank's share of the global batch (no other gradient accumulation under pp).
+    pp_microbatches: int = 0
+    # Virtual stages per rank (interleaving): the model is cut into pp x pp_stages_per_rank stages,
+    # rank r holds stages r, r + pp, ... (zbv: r and 2 pp - 1 - r).
+    pp_stages_per_rank: int = 1
 
 
 @dataclass

@@ -72,6 +72,7 @@ class StepPrediction:
     step_time_s: float
     tokens_per_s: float  # whole job
     mfu: float  # 6N + 12LHQT flops per token (no recompute) over world x peak
+    bubble_s: float = 0.0  # pipeline: the busiest rank's idle time in the schedule's fill and drain
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -87,9 +88,20 @@ def _recompute_flops_per_token(cfg: Config) -> float:
 
 
 def predict_step(
-    cfg: Config, d: Degrees, comm: list[CommEstimate], accum: int, unit_bytes: list[int]
+    cfg: Config,
+    d: Degrees,
+    comm: list[CommEstimate],
+    accum: int,
+    unit_bytes: list[int],
+    pipeline: tuple[float, float] | None = None,
 ) -> StepPrediction:
-    """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode)."""
+    """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode).
+
+    ``pipeline`` (pp > 1): (the busiest rank's share of the model's cost, the schedule's bubble as a
+    fraction of that rank's compute; framework.stages). The rank computes its share of the model's
+    work and then idles for the bubble; ``unit_bytes`` and ``comm`` are that rank's already. The
+    point-to-point sends between stages are on the critical path (like TP's collectives).
+    """
     hw, m = cfg.mesh.hardware, cfg.model
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
     hbm = hw.hbm_gbps * 1e9
@@ -114,12 +126,19 @@ def predict_step(
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate) / hbm
     optimizer_s = local * _ADAMW_BYTES / hbm
+    bubble_s = 0.0
+    if pipeline is not None:
+        fraction, bubble = pipeline
+        # casts and accumulation above already count only this rank's parameters (unit_bytes)
+        compute_s *= fraction
+        memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
+        bubble_s = (compute_s + memory_s) * bubble
 
-    blocking = sum(c.time_s for c in comm if c.axis == "tp") / hw.link_efficiency
-    overlappable = sum(c.time_s for c in comm if c.axis != "tp") / hw.link_efficiency
+    blocking = sum(c.time_s for c in comm if c.axis in ("tp", "pp")) / hw.link_efficiency
+    overlappable = sum(c.time_s for c in comm if c.axis not in ("tp", "pp")) / hw.link_efficiency
     window = compute_s + memory_s
     exposed = blocking + max(overlappable * (1.0 - hw.comm_overlap), overlappable - window)
-    step = compute_s + memory_s + optimizer_s + exposed
+    step = compute_s + memory_s + optimizer_s + exposed + bubble_s
     job_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops_per_token(m, cfg.train.seq_len) * job_tokens / (step * hw.peak_tflops * 1e12 * d.world_size)
     return StepPrediction(
@@ -131,4 +150,5 @@ def predict_step(
         step_time_s=step,
         tokens_per_s=job_tokens / step,
         mfu=mfu,
+        bubble_s=bubble_s,
     )

@@ -60,8 +60,8 @@ class Degrees:
     def fsdp(self) -> bool:
         """FSDP2 wraps the model: it shards (dp_shard > 1), or it replicates TP-sharded DTensor
         parameters across dp_replicate (HSDP with a dp_shard axis of size 1: DDP cannot wrap
-        DTensors)."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and self.tp > 1)
+        DTensors), or replicates pipeline stages (the schedule syncs FSDP's gradients per stage)."""
+        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
 
     @property
     def ddp(self) -> bool:
@@ -214,14 +214,20 @@ def fixed_degrees(cfg: Config) -> Degrees | None:
 
 
 def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "parallel.tp") -> None:
-    """Refuse what the model or this version cannot run: pp/cp > 1 (not implemented yet), a TP degree
-    that does not split the heads, the KV heads and the FFN evenly."""
-    for name in ("pp", "cp"):
+    """Refuse what the model or this version cannot run: cp > 1 (not implemented yet), pp above the
+    number of blocks, a TP degree that does not split the heads, the KV heads and the FFN evenly
+    (the rest of the pipeline's rules: framework.stages.check_pipeline)."""
+    if d.pp > model.n_layers:
+        raise ValueError(
+            f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "
+            f"needs at least one block; valid: parallel.pp <= {model.n_layers}"
+        )
+    for name in ("cp",):
         if getattr(d, name) > 1:
-            what = "pipeline parallelism" if name == "pp" else "context parallelism"
+            what = "context parallelism"
             raise ValueError(
                 f"parallel.{name}={getattr(d, name)}: {what} is not implemented yet; valid: "
-                f"parallel.{name}=1 (layouts today: dp_replicate x dp_shard x tp)"
+                f"parallel.{name}=1 (layouts today: pp x dp_replicate x dp_shard x tp)"
             )
     tp = d.tp
     for field_name, value in (

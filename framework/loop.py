@@ -490,6 +490,10 @@ def train_step(
     """
     if in_backward is not None:
         return _step_in_backward(model, in_backward, scheduler, micro_batches, device, io)
+    if getattr(model, "schedule", None) is not None:  # pipeline parallel: the schedule runs the step
+        from framework.parallel.pipeline import pipeline_step
+
+        return pipeline_step(model, optimizer, scheduler, micro_batches, grad_clip, device, io)  # type: ignore[arg-type]
     timer = _StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
@@ -566,6 +570,10 @@ def evaluate(
     model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
 ) -> float:
     """Mean loss over this rank's validation batches, averaged over ranks."""
+    if getattr(model, "schedule", None) is not None:  # pipeline parallel: through the schedule
+        from framework.parallel.pipeline import pipeline_evaluate
+
+        return _mean_over_ranks(pipeline_evaluate(model, batches, device))  # type: ignore[arg-type]
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)

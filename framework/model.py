@@ -212,7 +212,9 @@ class Llama(nn.Module):
         Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
+        # previous stage's hidden states) and the head (it then returns its hidden states).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.stream_dtype is not None:
             # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
             # promotes): twice the traffic of every norm, add and saved block input.
@@ -224,6 +226,8 @@ class Llama(nn.Module):
             mask = document_mask(tokens, self.document_eos)
             for layer in self.layers.values():
                 h = layer(h, self.rope, mask=mask)
+        if self.output is None:
+            return h
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)

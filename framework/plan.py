@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from framework import stages as pipeline_stages
 from framework.config import (
     ActivationCheckpointing,
     CompileScope,
@@ -26,7 +27,6 @@ from framework.config import (
     ExecutorMode,
     FusedCrossEntropy,
     ModelConfig,
-    ParallelConfig,
     ShardingConfig,
 )
 from framework.cost import StepPrediction, predict_step
@@ -123,6 +123,15 @@ class Plan:
     bucket_sizes: tuple[int, ...]  # bytes; DDP buckets in gradient order, or FSDP units (blocks, root)
     prediction: StepPrediction
     warnings: tuple[str, ...]
+    # Pipeline (pp > 1; framework.stages): the schedule, its micro batches, the virtual stages per
+    # rank, each stage's [start, stop) blocks (split by the per-layer cost model), the stages each pp
+    # rank holds, and the bubble as a fraction of the busiest rank's compute.
+    pp_schedule: str = ""
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1
+    pp_split: tuple[tuple[int, int], ...] = ()
+    pp_ranks: tuple[tuple[int, ...], ...] = ()
+    pp_bubble: float = 0.0
 
     @property
     def layout(self) -> Degrees:
@@ -278,7 +287,14 @@ def autocast_bf16(cfg: Config) -> bool:
     return cfg.mesh.hardware.name != "cpu"
 
 
-def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> int:
+def _activation_bytes(
+    cfg: Config,
+    tp: int,
+    mode: ActivationCheckpointing,
+    layers: int | None = None,
+    in_flight: float = 1.0,
+    head: bool = True,
+) -> int:
     """Saved activations of one micro batch, per rank.
 
     Per token and layer the block saves on the order of 10*dim + 3*kv_dim + 4*ffn_dim values (norm
@@ -288,6 +304,9 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
     recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
     gathered to every TP rank.
+
+    A pipeline rank holds ``layers`` blocks for ``in_flight`` micro batches (framework.stages), and
+    the logits of one micro batch only if it runs the ``head`` (its loss and backward follow at once).
     """
     m = cfg.model
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
@@ -308,7 +327,8 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
         # gradient, and (liger) the fp32 weight gradient and its bf16 copy until backward. An
         # estimate from the kernels' code, not a fit.
         logits = tokens * m.dim * 2 * elem + m.vocab_size * m.dim * 6
-    n = m.n_layers
+    n = m.n_layers if layers is None else layers
+    logits = logits if head else 0
     if mode == ActivationCheckpointing.none:
         layers = n * per_layer
     elif mode == ActivationCheckpointing.full:
@@ -321,7 +341,7 @@ def _activation_bytes(cfg: Config, tp: int, mode: ActivationCheckpointing) -> in
     else:
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
         layers = kept * per_layer + (n - kept) * block_input + per_layer
-    return layers + logits
+    return int(layers * in_flight) + logits
 
 
 def _memory(
@@ -332,6 +352,7 @@ def _memory(
     unit_bytes: list[int],
     ddp: bool = False,
     accum: int = 1,
+    pipeline: tuple[int, float, bool] | None = None,
 ) -> MemoryEstimate:
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
@@ -359,8 +380,9 @@ def _memory(
         # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
         # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
         comm_buffers = grads
+    layers, in_flight, head = pipeline if pipeline is not None else (None, 1.0, True)
     by_mode = {
-        mode.value: _activation_bytes(cfg, tp, mode)
+        mode.value: _activation_bytes(cfg, tp, mode, layers, in_flight, head)
         for mode in ActivationCheckpointing
         if mode != ActivationCheckpointing.auto
     }
@@ -425,8 +447,8 @@ def _fsdp_units(specs: list[ParamSpec], tp: int) -> list[int]:
     units: dict[str, int] = {}
     for s in specs:
         units[s.unit] = units.get(s.unit, 0) + local_numel(s, tp, 1) * _MASTER_BYTES
-    root = units.pop("root")
-    return [*units.values(), root]
+    root = units.pop("root", 0)
+    return [*units.values(), root] if root else list(units.values())
 
 
 def _auto_bucket(cfg: Config, grad_bytes: int, n: int, intra: bool) -> tuple[float, str]:
@@ -461,6 +483,7 @@ def _comm(
     num_buckets: int,
     units: list[int],
     ddp: bool,
+    layers: int | None = None,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
     in backward, once per micro batch, and reduce-scatters its gradient once per step (the loop
@@ -520,7 +543,8 @@ def _comm(
         elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
         tokens = cfg.train.micro_batch_size * cfg.train.seq_len
         act = tokens * cfg.model.dim * elem
-        calls = cfg.model.n_layers * 4 * accum  # 2 forward + 2 backward, each kind
+        # 2 forward + 2 backward, each kind; a pipeline rank runs only its own blocks.
+        calls = (cfg.model.n_layers if layers is None else layers) * 4 * accum
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
         # The output projection gathers the full logits for the loss, once per micro batch.
@@ -536,7 +560,7 @@ def _comm(
 
 def with_degrees(cfg: Config, d: Degrees) -> Config:
     """``cfg`` with its layout written as explicit ``parallel.*`` degrees (what config.yaml records)."""
-    return dataclasses.replace(cfg, parallel=ParallelConfig(**dataclasses.asdict(d)))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **dataclasses.asdict(d)))
 
 
 def needs_search(cfg: Config) -> bool:
@@ -571,7 +595,12 @@ def resolve_batch(cfg: Config) -> Config:
             f"train.global_batch_size={gbs} does not split across {dp} data-parallel ranks: use a "
             f"multiple of {dp} (e.g. {[dp * k for k in (1, 2, 4, 8)]})"
         )
-    return dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=gbs // dp))
+    # Under a pipeline the rank's batch is cut into the schedule's micro batches.
+    pieces = pipeline_stages.microbatches(cfg, d.pp) if d.pp > 1 else 1
+    if (gbs // dp) % pieces:
+        pipeline_stages.check_pipeline(cfg, d.pp, dp)  # names the micro batches that would divide it
+    micro = gbs // dp // pieces
+    return dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=micro))
 
 
 def explicit_degrees_equal(cfg: Config, d: Degrees) -> bool:
@@ -614,6 +643,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
             f"the inter-node link; use a tp degree that divides {cfg.mesh.procs_per_node}"
         )
     _check_executor(cfg, d)
+    pipeline_stages.check_pipeline(cfg, d.pp, dp)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)
     if cfg.train.optimizer_in_backward and _whole_model_backward(cfg):
@@ -649,8 +679,14 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
                 warnings.append(f"executor.{key} does nothing with executor=eager: use executor=compile")
 
     specs = param_specs(cfg.model)
-    units = _fsdp_units(specs, tp)
-    memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum)
+    num_params = sum(math.prod(s.shape) for s in specs)
+    pipe = _pipeline(cfg, d, specs, tp, shard, accum) if d.pp > 1 else None
+    if pipe is not None:  # the busiest pp rank's parameters, blocks and activations
+        specs, memory = pipe.specs, pipe.memory
+        units = _fsdp_units(specs, tp)
+    else:
+        units = _fsdp_units(specs, tp)
+        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum)
 
     full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
     rep = size.get(MeshAxis.dp_replicate, 1)
@@ -671,8 +707,12 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
             warnings.append(f"bucketing.auto does nothing under {d.name()} (dp_shard={shard}): {reason}")
         buckets = units
 
-    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp)
-    prediction = predict_step(cfg, d, comm, accum, units)
+    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers)
+    if pipe is not None:
+        comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
+    prediction = predict_step(
+        cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
+    )
     mem_msg = (
         f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
         f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
@@ -707,8 +747,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         global_batch_size=cfg.train.global_batch_size,
         grad_accum_steps=accum,
         seq_len=cfg.train.seq_len,
-        num_params=sum(math.prod(s.shape) for s in specs),
-        params_per_rank=sum(local_numel(s, tp, shard) for s in specs),
+        num_params=num_params,
+        params_per_rank=sum(local_numel(s, tp, shard) for s in specs),  # the busiest pp rank's
         activation_checkpointing=cfg.sharding.activation_checkpointing.value,
         memory=memory,
         comm=tuple(comm),
@@ -718,6 +758,103 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         bucket_sizes=tuple(buckets),
         prediction=prediction,
         warnings=tuple(warnings),
+        **(pipe.fields() if pipe is not None else {}),
+    )
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """The planned pipeline of one layout, and its busiest rank (framework.stages)."""
+
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    split: tuple[tuple[int, int], ...]
+    ranks: tuple[tuple[int, ...], ...]
+    specs: list[ParamSpec]  # the busiest rank's parameters
+    layers: int  # its blocks
+    memory: MemoryEstimate  # the rank with the most memory
+    fraction: float  # the busiest rank's share of the model's cost
+    bubble: float
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "pp_schedule": self.schedule,
+            "pp_microbatches": self.microbatches,
+            "pp_stages_per_rank": self.stages_per_rank,
+            "pp_split": self.split,
+            "pp_ranks": self.ranks,
+            "pp_bubble": self.bubble,
+        }
+
+
+def _rank_specs(
+    specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int]
+) -> list[ParamSpec]:
+    """The parameters of the stages ``ids``: their blocks, the embedding with stage 0, the final norm
+    and output projection with the last stage."""
+    blocks = {i for s in ids for i in range(*split[s])}
+    last = len(split) - 1
+    out = []
+    for spec in specs:
+        if spec.unit.startswith("layers."):
+            keep = int(spec.unit.split(".")[1]) in blocks
+        elif spec.name.startswith("tok_embeddings"):
+            keep = 0 in ids
+        else:
+            keep = last in ids
+        if keep:
+            out.append(spec)
+    return out
+
+
+def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: int, accum: int) -> _Pipeline:
+    p = cfg.parallel
+    spr, sched = p.pp_stages_per_rank, p.pp_schedule
+    m = pipeline_stages.microbatches(cfg, d.pp)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp
+    split = pipeline_stages.split_layers(cfg, d.pp * spr, tokens)
+    ranks = pipeline_stages.rank_stages(d.pp, spr, sched)
+    flight = pipeline_stages.in_flight(sched, d.pp, spr, m)
+    last = len(split) - 1
+    per_rank = []
+    for ids in ranks:
+        mine = _rank_specs(specs, split, ids)
+        layers = sum(split[s][1] - split[s][0] for s in ids)
+        # The first rank holds the most micro batches in flight; every rank is costed at that peak.
+        mem = _memory(
+            cfg, mine, tp, shard, _fsdp_units(mine, tp), accum=accum, pipeline=(layers, flight, last in ids)
+        )
+        per_rank.append((mem.total, mine, layers, mem))
+    _, mine, layers, memory = max(per_rank, key=lambda t: t[0])
+    fraction = pipeline_stages.stage_cost_fraction(split, ranks, cfg, tokens)
+    return _Pipeline(
+        schedule=sched.value,
+        microbatches=m,
+        stages_per_rank=spr,
+        split=split,
+        ranks=tuple(tuple(r) for r in ranks),
+        specs=mine,
+        layers=layers,
+        memory=memory,
+        fraction=fraction,
+        bubble=pipeline_stages.bubble_fraction(sched, d.pp, spr, m),
+    )
+
+
+def _pp_send_recv(
+    cfg: Config, d: Degrees, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int
+) -> CommEstimate:
+    """Point-to-point between neighbouring stages: each micro batch's activations forward and their
+    gradient backward, once per stage a rank holds (micro batch x seq/tp x dim each)."""
+    intra = _axis_is_intra_node(sizes, axes.index(MeshAxis.pp), cfg.mesh.procs_per_node)
+    alpha, beta = _link(cfg, intra)
+    elem = 2 if autocast_bf16(cfg) else 4
+    payload = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.dim * elem // d.tp
+    calls = 2 * accum * cfg.parallel.pp_stages_per_rank
+    per = alpha + payload / beta
+    return CommEstimate(
+        "pp", "send_recv", d.pp, "intra" if intra else "inter", calls, payload, payload * calls, per * calls
     )
 
 
@@ -754,6 +891,8 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
     rest = {k: v for k, v in d.items() if k not in ("memory", "comm", "placement", "prediction", *derived)}
     for k in ("mesh_shape", "mesh_axes", "bucket_sizes", "warnings"):
         rest[k] = tuple(rest[k])
+    for k in ("pp_split", "pp_ranks"):
+        rest[k] = tuple(tuple(x) for x in rest.get(k, ()))
     return Plan(memory=memory, comm=comm, placement=placement, prediction=prediction, **rest)
 
 
@@ -802,5 +941,16 @@ def format_plan(plan: Plan) -> str:
     shown = sizes if len(sizes) <= 6 else [*sizes[:3], "...", *sizes[-2:]]
     lines.append(f"  buckets         {len(sizes)} of {shown} MiB; bucket_cap_mb={plan.bucket_cap_mb:g}")
     lines.append(f"                  {plan.bucket_reason}")
+    if plan.degrees.get("pp", 1) > 1:
+        lines.append(
+            f"  pipeline        {plan.pp_schedule}, {plan.pp_microbatches} micro batches, "
+            f"{plan.pp_stages_per_rank} stage(s) per rank, bubble {plan.pp_bubble:.1%} of compute "
+            f"({plan.prediction.bubble_s * 1e3:.1f} ms)"
+        )
+        lines.append(f"  stages          {_describe_split(plan)}")
     lines += [f"  WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _describe_split(plan: Plan) -> str:
+    return pipeline_stages.describe_split(plan.pp_split, [list(r) for r in plan.pp_ranks])

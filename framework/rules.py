@@ -416,12 +416,27 @@ RULES: dict[str, Rule] = {
     **{
         f"parallel.{n}": Rule(
             "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
-            "(cp and pp: 1, not implemented yet)",
+            "(cp: 1, not implemented yet; pp: at most model.n_layers)",
             checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
             bad=(-2, 3),
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
+    # the pipeline (framework.stages): bad values are refused under a 2-stage pipeline
+    "parallel.pp_schedule": TYPED,
+    "parallel.pp_microbatches": Rule(
+        "0 (= parallel.pp) or an integer >= parallel.pp that divides the data-parallel rank's batch",
+        checked_by="framework.stages.check_pipeline (via the planner)",
+        bad=(-1, 1, 3),
+        context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),
+    ),
+    "parallel.pp_stages_per_rank": Rule(
+        "an integer >= 1: 1 for gpipe / 1f1b, >= 2 for interleaved_1f1b / interleaved_zb, 2 for zbv; "
+        "parallel.pp x it <= model.n_layers",
+        checked_by="framework.stages.check_pipeline (via the planner)",
+        bad=(0, 2),
+        context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),
+    ),
     # sharding
     "sharding.strategy": TYPED,
     "sharding.tp": Rule(

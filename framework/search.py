@@ -20,12 +20,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName
+from framework import stages as pipeline_stages
+from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName, PPSchedule
 from framework.layout import Degrees, divisors, fixed_degrees
 from framework.plan import GIB, Plan, plan_for, with_degrees
 
 SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
 TOP = 10
+# The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
+MAX_PP = 16
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,15 @@ class Candidate:
     optimizer_s: float
     exposed_comm_s: float
     reason: str = ""  # why it loses against the choice ("chosen" for the choice)
+    # Pipeline (pp > 1): the schedule, its micro batches, virtual stages per rank, the bubble.
+    pp_schedule: str = ""
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1
+    bubble_s: float = 0.0
 
     def short(self) -> str:
-        return Degrees(**self.degrees).short()
+        pp = f" {self.pp_schedule}/{self.pp_microbatches}" if self.pp_schedule else ""
+        return Degrees(**self.degrees).short() + pp
 
 
 @dataclass(frozen=True)
@@ -80,12 +89,47 @@ def _degree_options(cfg: Config) -> list[Degrees]:
                 f"{[t for t in divisors(ppn) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]}"
             )
     out = []
+    pps = [1] + [p for p in divisors(world) if 1 < p <= min(m.n_layers, MAX_PP) and _pipeline_ok(cfg, p)]
     for t in tps:
-        for r in divisors(world // t):
-            out.append(Degrees(dp_replicate=r, dp_shard=world // t // r, tp=t))
+        for p in (q for q in pps if (world // t) % q == 0):
+            for r in divisors(world // t // p):
+                out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // r, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
         out = [d for d in out if d.dp_shard == 1 and d.tp == 1]
     return out
+
+
+def _pipeline_ok(cfg: Config, pp: int) -> bool:
+    """Whether a pipeline of ``pp`` stages can run this config at all (tied embeddings, document
+    masks, ... cannot: framework.stages); the search then leaves pp out rather than list failures."""
+    try:
+        pipeline_stages.check_features(cfg, pp)
+    except ValueError:
+        return False
+    return True
+
+
+def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, int]]:
+    """(schedule, virtual stages per rank, micro batches) to try for ``d``: the user's when the degrees
+    are theirs, else 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank where the blocks
+    allow), each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp
+    and 4 pp micro batches that divide the rank's batch."""
+    p = cfg.parallel
+    if d.pp == 1:
+        return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
+    if fixed_degrees(cfg) is not None:
+        return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
+    local = cfg.train.global_batch_size // d.dp
+    counts = [k * d.pp for k in (1, 2, 4) if local % (k * d.pp) == 0]
+    mbs = cfg.train.micro_batch_size
+    if mbs and local % mbs == 0 and local // mbs >= d.pp:  # the user's micro batch, pipelined
+        counts = [local // mbs]
+    if p.pp_microbatches:
+        counts = [p.pp_microbatches]
+    scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
+    if 2 * d.pp <= cfg.model.n_layers:
+        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
+    return [(s, v, m) for s, v in scheds for m in counts]
 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
@@ -97,18 +141,38 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     gbs = cfg.train.global_batch_size
     if gbs % d.dp:
         return []
+    if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.stages)
+        pieces = pipeline_stages.microbatches(cfg, d.pp)
+        # one option; one that does not divide is refused by plan_for, naming the valid counts
+        return [max(1, gbs // d.dp // pieces)]
     if cfg.train.micro_batch_size != 0:
         return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
     return sorted(divisors(gbs // d.dp), reverse=True)
 
 
-def _configure(cfg: Config, d: Degrees, ac: ActivationCheckpointing, micro: int) -> Config:
+def _configure(
+    cfg: Config,
+    d: Degrees,
+    ac: ActivationCheckpointing,
+    micro: int,
+    pipeline: tuple[PPSchedule, int, int] | None = None,
+) -> Config:
     out = with_degrees(cfg, d)
+    if pipeline is not None and d.pp > 1:
+        sched, spr, m = pipeline
+        parallel = dataclasses.replace(
+            out.parallel, pp_schedule=sched, pp_stages_per_rank=spr, pp_microbatches=m
+        )
+        out = dataclasses.replace(out, parallel=parallel)
     return dataclasses.replace(
         out,
         sharding=dataclasses.replace(out.sharding, activation_checkpointing=ac),
         train=dataclasses.replace(out.train, micro_batch_size=micro),
     )
+
+
+def _pipeline_of(c: Candidate) -> tuple[PPSchedule, int, int] | None:
+    return (PPSchedule[c.pp_schedule], c.pp_stages_per_rank, c.pp_microbatches) if c.pp_schedule else None
 
 
 def _candidate(plan: Plan, device: int) -> Candidate:
@@ -128,6 +192,10 @@ def _candidate(plan: Plan, device: int) -> Candidate:
         memory_bound_s=p.memory_s,
         optimizer_s=p.optimizer_s,
         exposed_comm_s=p.exposed_comm_s,
+        pp_schedule=plan.pp_schedule,
+        pp_microbatches=plan.pp_microbatches,
+        pp_stages_per_rank=plan.pp_stages_per_rank,
+        bubble_s=p.bubble_s,
     )
 
 
@@ -147,6 +215,7 @@ def _why(c: Candidate, best: Candidate, device_gib: float) -> str:
             best.memory_bound_s + best.optimizer_s,
             "casts, accumulation, optimizer",
         ),
+        "bubble": (c.bubble_s, best.bubble_s, f"pipeline fill and drain, {c.pp_schedule or 'no pp'}"),
     }
     name, (mine, theirs, what) = max(terms.items(), key=lambda kv: kv[1][0] - kv[1][1])
     if mine - theirs <= 0 or c.predicted_step_time_s <= best.predicted_step_time_s:
@@ -166,17 +235,21 @@ def search(cfg: Config) -> SearchResult:
     cands: list[Candidate] = []
     errors: list[str] = []
     for d in _degree_options(cfg):
-        for micro in _micro_options(cfg, d):
-            for ac in _ac_options(cfg):
-                if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
-                    continue
-                trial = _configure(cfg, d, ac, micro)
-                try:
-                    plan = plan_for(trial, d, check_memory=False)
-                except ValueError as e:
-                    errors.append(str(e))
-                    continue
-                cands.append(_candidate(plan, device))
+        for pipe in _schedule_options(cfg, d):
+            trial_cfg = _configure(
+                cfg, d, cfg.sharding.activation_checkpointing, cfg.train.micro_batch_size, pipe
+            )
+            for micro in _micro_options(trial_cfg, d):
+                for ac in _ac_options(cfg):
+                    if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
+                        continue
+                    trial = _configure(cfg, d, ac, micro, pipe)
+                    try:
+                        plan = plan_for(trial, d, check_memory=False)
+                    except ValueError as e:
+                        errors.append(str(e))
+                        continue
+                    cands.append(_candidate(plan, device))
     if not cands:
         why = (
             errors[0]
@@ -203,6 +276,7 @@ def search(cfg: Config) -> SearchResult:
         Degrees(**best.degrees),
         ActivationCheckpointing(best.activation_checkpointing),
         best.micro_batch_size,
+        _pipeline_of(best),
     )
     return SearchResult(ranked[0], ranked, chosen_cfg, device_gib)
 
@@ -214,6 +288,7 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
         Degrees(**smallest.degrees),
         ActivationCheckpointing(smallest.activation_checkpointing),
         smallest.micro_batch_size,
+        _pipeline_of(smallest),
     )
     m = plan_for(trial, Degrees(**smallest.degrees), check_memory=False).memory
     state = (m.params + m.grads + m.optimizer) / GIB  # shrinks with more data-parallel ranks
@@ -238,12 +313,12 @@ def format_search(result: SearchResult, top: int = TOP) -> str:
     rows = [
         f"sharding=auto: {len(result.candidates)} layouts evaluated, "
         f"{sum(c.fits for c in result.candidates)} fit {result.device_gib:g} GiB; top {top}:",
-        f"  {'#':>2} {'layout':<10} {'r x s x t':<12} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
+        f"  {'#':>2} {'layout':<10} {'r x s x t':<28} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
         f"{'step ms':>9} {'MFU':>6} {'tokens/s':>12}  why not",
     ]
     for i, c in enumerate(result.candidates[:top], 1):
         rows.append(
-            f"  {i:>2} {c.layout:<10} {c.short():<12} {c.activation_checkpointing:<9} "
+            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<9} "
             f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
             f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
             f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"

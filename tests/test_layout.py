@@ -51,7 +51,7 @@ def test_explicit_degrees_win_and_fill_the_rest() -> None:
         ),
         ({"tp": 3}, r"multiply to 3, which does not divide the world size 8"),
         ({"dp_replicate": -1, "tp": -1}, r"only one degree may take the rest"),
-        ({"pp": 2}, r"parallel.pp=2: pipeline parallelism is not implemented yet; valid: parallel.pp=1"),
+        ({"pp": 8}, r"parallel.pp=8 is greater than model.n_layers=4: each pipeline stage needs"),
         ({"cp": 2}, r"parallel.cp=2: context parallelism is not implemented yet"),
         ({"tp": 4}, r"parallel.tp=4 does not divide model.n_kv_heads=2.*valid TP degrees here are \[1, 2\]"),
         ({"dp_shard": -2}, r"parallel.dp_shard=-2 is not valid"),

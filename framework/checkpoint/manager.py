@@ -518,14 +518,14 @@ class Checkpointer:
         doc = self.channel.broadcast(doc)
         if not isinstance(doc, dict):
             raise ValueError(f"cannot load checkpoint {path}: {doc}")
-        payload, _ = state.tensor_state(model, optimizer)
+        payload, names = state.tensor_state(model, optimizer)
         dcp.load(
             payload,
             storage_reader=state.SafeReader(path),
             process_group=self._save_pg,
             no_dist=not dist_ready(),
         )
-        state.apply_tensor_state(model, optimizer, payload, doc["param_groups"])
+        state.apply_tensor_state(model, optimizer, payload, doc["param_groups"], names)
         scheduler.load_state_dict(doc["scheduler"])
         rng = path / state.rng_file(self.channel.rank)
         if rng.is_file():

@@ -55,15 +55,27 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
 
 
 def apply_tensor_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, payload: dict[str, Any], param_groups: list[dict]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    payload: dict[str, Any],
+    param_groups: list[dict],
+    names: list[dict] | None = None,
 ) -> None:
-    """Load a filled DCP payload and the saved ``param_groups`` into the model and optimizer."""
+    """Load a filled DCP payload and the saved ``param_groups`` into the model and optimizer.
+
+    ``names``: this rank's own groups from ``tensor_state`` (parameter names). The saved groups are
+    rank 0's; their hyper-parameters hold on every rank, but under pipeline parallelism each rank's
+    groups list other parameters (its own stages'), and a resume on another pp degree regroups them,
+    so each group takes this rank's parameter names.
+    """
     current = optimizer.state_dict()["param_groups"]
     if len(current) != len(param_groups):
         raise ValueError(
             f"checkpoint has {len(param_groups)} optimizer param groups, the optimizer has {len(current)}"
         )
     groups = [_retype_like(saved, now) for saved, now in zip(param_groups, current, strict=True)]
+    if names is not None:
+        groups = [{**g, "params": own["params"]} for g, own in zip(groups, names, strict=True)]
     osd = {"state": payload["optim"]["state"], "param_groups": groups}
     set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=osd)
 

@@ -1,7 +1,8 @@
 """Parallelize a meta-device Llama per the plan: ``parallelize`` applies each concern in order.
 
-One module per concern: float8.py (float8 Linear layers), tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 /
-HSDP, DDP), mesh.py (the named device mesh).
+One module per concern: pipeline.py (pipeline stages and schedule), float8.py (float8 Linear layers),
+tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 / HSDP, DDP), mesh.py (the
+named device mesh).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from framework.config import (
     ActivationCheckpointing,
     BucketingConfig,
     ExecutorConfig,
+    PPSchedule,
     ShardingConfig,
 )
 from framework.model import Llama, materialize
@@ -22,8 +24,10 @@ from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.float8 import apply_float8
 from framework.parallel.mesh import build_mesh, dp_mesh_info, sub_mesh
+from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage
 from framework.parallel.tensor import apply_tp
 from framework.plan import DP_AXES, MeshAxis, Plan
+from framework.stages import stage_ids
 
 __all__ = ["build_mesh", "dp_mesh_info", "parallelize"]
 
@@ -43,6 +47,13 @@ def parallelize(
     """Shard, checkpoint, compile, place and initialise a model built on the meta device.
 
     Order, and why:
+      P. Pipeline split (``pp > 1``, framework.parallel.pipeline): first, on the whole meta model,
+         because every later step applies to each stage on its own: this rank's stages are cut
+         (copies without the other stages' blocks, embedding or head; the single-process parameter
+         names), steps 0-5 run on each stage (TP and FSDP inside the stage, AC and compile per stage;
+         under pp, dp_replicate is FSDP's replicate axis, never DDP: ``Degrees.fsdp``), and the
+         schedule wraps them last, over real tensors. Returns a ``PipelineModel``: the rank's stages
+         under the single-process names, with the schedule that runs them.
       0. Float8 (``apply_float8``, ``model.float8``): swaps the chosen Linear layers for torchao's
          Float8Linear, first, as torchao requires: TP shards the float8 modules (torchao's float8
          styles under tensorwise), compile traces their casts, FSDP2 all-gathers their weights in
@@ -78,6 +89,51 @@ def parallelize(
     Each step is a no-op when its setting is off. Raises RuntimeError when a wrapper that should have
     sharded something sharded nothing.
     """
+    if plan.layout.pp > 1:
+        return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights)
+    return _parallelize_stage(model, mesh, plan, sharding, bucketing, executor, device, seed, init_weights)
+
+
+def _pipeline(
+    model: Llama,
+    mesh: DeviceMesh,
+    plan: Plan,
+    sharding: ShardingConfig,
+    executor: ExecutorConfig,
+    device: torch.device,
+    seed: int,
+    init_weights: bool,
+) -> PipelineModel:
+    """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule."""
+    from framework.loop import loss_fn
+
+    pp_mesh = sub_mesh(mesh, plan, (MeshAxis.pp,))
+    assert pp_mesh is not None
+    schedule = PPSchedule[plan.pp_schedule]
+    n = len(plan.pp_split)
+    ids = stage_ids(pp_mesh.get_local_rank(), plan.layout.pp, plan.pp_stages_per_rank, schedule)
+    stages = [cut_stage(model, range(*plan.pp_split[i]), i == 0, i == n - 1) for i in ids]
+    for stage in stages:
+        out = _parallelize_stage(stage, mesh, plan, sharding, None, executor, device, seed, init_weights)
+        assert out is stage, "under pp, data parallelism is FSDP (in place), never a DDP wrapper"
+    piped = PipelineModel(stages, ids, n)
+    if init_weights:
+        build_schedule(piped, pp_mesh, schedule, plan.pp_microbatches, device, loss_fn)
+    return piped
+
+
+def _parallelize_stage(
+    model: Llama,
+    mesh: DeviceMesh,
+    plan: Plan,
+    sharding: ShardingConfig,
+    bucketing: BucketingConfig | None,
+    executor: ExecutorConfig,
+    device: torch.device,
+    seed: int,
+    init_weights: bool,
+) -> nn.Module:
+    """Steps 0-6 of ``parallelize`` on one model (the whole model, or one pipeline stage)."""
     layout = plan.layout
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.dp_shard > 1)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
@@ -101,6 +157,6 @@ def parallelize(
     # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
     # them with itself, and keep its gradient buckets resident through forward: the concern is off.
     if layout.ddp and init_weights:
-        assert dp_mesh is not None
+        assert dp_mesh is not None and bucketing is not None
         return apply_ddp(model, dp_mesh, bucketing, plan.bucket_cap_mb)
     return model

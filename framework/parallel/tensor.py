@@ -83,7 +83,11 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     if tp_mesh is None or tp_mesh.size() == 1:
         return
     spec = model_spec(model.cfg)
-    root = {w.module: _root_style(w) for w in (*spec.first, *spec.last)}
+    # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
+    # and output are then the residual stream's local sequence shard, as between two blocks.
+    root = {
+        w.module: _root_style(w) for w in (*spec.first, *spec.last) if getattr(model, w.module) is not None
+    }
     parallelize_module(model, tp_mesh, root)
     for block in blocks(model):
         parallelize_module(block, tp_mesh, block_plan(spec, block, model.cfg.float8))
@@ -92,7 +96,8 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     # reaches the embedding's redistribute as a plain tensor, skipping ``to_local``'s backward
     # (torch 2.13: "'Tensor' object has no attribute '_local_tensor'"). A copy makes the residual
     # stream a fresh tensor: batch x seq/tp x dim elements once per step.
-    model.tok_embeddings.register_forward_hook(_fresh_output)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_fresh_output)
     if model.cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if not any(isinstance(p, DTensor) for p in model.parameters()):
