@@ -344,7 +344,9 @@ class DataConfig:
     # hf: stream records (datasets' IterableDataset) instead of building the Arrow cache: for
     # corpora larger than disk or RAM. Resume skips records without tokenizing them.
     streaming: bool = False
-    # Attention stops at document boundaries (EOS): SDPA with a block-diagonal causal mask.
+    # Attention stops at document boundaries (EOS) and RoPE positions restart at each document:
+    # FlexAttention with a block mask on CUDA (model.attention=auto), else SDPA with a dense mask
+    # (CPU: FlexAttention has no backward there).
     document_mask: bool = False
     # Several sources with weights; when set, it replaces source/path. The source of each sample is a
     # deterministic function of (train.seed, sample index).

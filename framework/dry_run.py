@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from framework.config import Config
 from framework.model import build_model
 from framework.parallel import build_mesh, parallelize
-from framework.plan import GIB, Plan, make_plan
+from framework.plan import GIB, Plan, make_plan, pp_rank_param_bytes
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,10 @@ def dry_run(cfg: Config) -> DryRunReport:
     return DryRunReport(
         plan=plan,
         measured_param_bytes=measured,
-        estimated_param_bytes=plan.memory.params,
+        # Under pp the fake rank 0 holds pp rank 0's stages; the plan's memory is the busiest rank's.
+        estimated_param_bytes=plan.memory.params
+        if plan.layout.pp == 1
+        else pp_rank_param_bytes(cfg, plan, 0),
         num_sharded_params=sharded,
         num_params=count,
         wall_s=time.perf_counter() - start,

@@ -8,11 +8,13 @@ after placement (``init_weights``), so a 70B shape never materialises on one hos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
 from framework.models import model_spec
@@ -74,11 +76,15 @@ def _llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim)."""
+    """Rotate pairs (x[2i], x[2i+1]); x is (batch, seq, heads, head_dim). ``tables`` is (seq, ...)
+    for positions 0..seq-1, or (batch, seq, ...) for each token's own position (document masking)."""
     b, s, h, d = x.shape
     xf = x.float().reshape(b, s, h, d // 2, 2)
-    cos = tables[:s, None, :, 0]
-    sin = tables[:s, None, :, 1]
+    if tables.dim() == 4:  # per-token positions: (batch, seq, head_dim // 2, 2)
+        cos, sin = tables[:, :s, None, :, 0], tables[:, :s, None, :, 1]
+    else:
+        cos = tables[:s, None, :, 0]
+        sin = tables[:s, None, :, 1]
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.reshape(b, s, h, d).type_as(x)
@@ -113,14 +119,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.heads(x)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
         # tensor parallelism divides both head counts by the same degree.
-        if mask is not None:  # data.document_mask: causal within each document (document_mask())
+        if isinstance(mask, BlockMask):  # data.document_mask through FlexAttention (document_attention_mask)
+            out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=self.gqa)
+        elif mask is not None:  # data.document_mask: causal within each document (document_mask())
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
         elif self.backend is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
@@ -150,7 +160,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
         # The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
         if mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
@@ -159,18 +171,69 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def document_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Boolean attention mask (batch, 1, seq, seq): causal, and only within a document.
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Which document each token belongs to, (batch, seq) int32, counted from 0 in each row.
 
     Documents are packed back to back with EOS after each (framework.data.stream); an EOS belongs to
     the document it ends, so the token after it starts a new one. Built from the tokens themselves,
     so it needs no extra input and is sharded, traced and compiled like them.
     """
     is_eos = (tokens == eos_id).to(torch.int32)
-    doc = torch.cumsum(is_eos, dim=1) - is_eos
-    s = tokens.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+    return torch.cumsum(is_eos, dim=1) - is_eos
+
+
+def document_positions(doc: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document, (batch, seq) int64: RoPE restarts at every
+    document, so a document packed after others is rotated as it would be alone."""
+    idx = torch.arange(doc.shape[1], device=doc.device).expand(doc.shape)
+    starts = torch.cat([torch.ones_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], dim=1)
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def document_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Boolean attention mask (batch, 1, seq, seq) for SDPA: causal, and only within a document
+    (``document_ids``). Dense: seq x seq per row, the fallback where FlexAttention cannot train."""
+    return dense_document_mask(document_ids(tokens, eos_id))
+
+
+def dense_document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """``document_mask`` from ``document_ids``."""
+    s = doc.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_block_mask(doc: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask of ``document_ids``: causal within each document. Blocks wholly
+    outside every document are skipped, and no seq x seq tensor is kept."""
+
+    def same_document_causal(
+        b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    b, s = doc.shape
+    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
+
+
+def flex_trains_on(device: torch.device) -> bool:
+    """Whether FlexAttention runs forward and backward here. CUDA: yes. CPU (torch 2.13, eager and
+    compiled): forward only ("FlexAttention does not support backward on CPU"), so training on CPU
+    takes SDPA with the dense mask; meta (freezing) traces the dense path too."""
+    return device.type == "cuda"
+
+
+_FLEX_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def _flex(q: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled once on CUDA (eager flex materializes the scores: the unfused
+    reference), as torchtitan does; under a compiled block Dynamo traces through it."""
+    if not q.is_cuda:
+        return flex_attention
+    if not _FLEX_COMPILED:
+        _FLEX_COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX_COMPILED[0]
 
 
 class Llama(nn.Module):
@@ -188,6 +251,9 @@ class Llama(nn.Module):
         self.max_seq_len = max_seq_len
         # data.document_mask: the EOS id whose positions end documents (None = plain causal attention).
         self.document_eos = document_eos
+        # The document mask's kernel: None = FlexAttention where it trains (``flex_trains_on``) and
+        # model.attention=auto, else SDPA with the dense mask; True / False force one (tests).
+        self.document_flex: bool | None = None
         # The residual stream's dtype: ``materialize`` sets the loop's compute dtype (bf16 on CUDA)
         # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
         # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
@@ -223,14 +289,23 @@ class Llama(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, self.rope)
         else:
-            mask = document_mask(tokens, self.document_eos)
+            doc = document_ids(tokens, self.document_eos)
+            rope = self.rope[document_positions(doc)]  # (batch, seq, head_dim // 2, 2)
+            mask = self.document_attention_mask(tokens, doc)
             for layer in self.layers.values():
-                h = layer(h, self.rope, mask=mask)
+                h = layer(h, rope, mask=mask)
         if self.output is None:
             return h
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)
+
+    def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor | BlockMask:
+        """FlexAttention's block mask, or SDPA's dense one (see ``document_flex``)."""
+        flex = self.document_flex
+        if flex is None:
+            flex = flex_trains_on(tokens.device) and self.cfg.attention is AttentionBackend.auto
+        return document_block_mask(doc) if flex else dense_document_mask(doc)
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection + cross-entropy in fp32 (a separate method so that the

@@ -808,6 +808,14 @@ def _rank_specs(
     return out
 
 
+def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
+    """Bytes of the parameter shards one rank of pipeline rank ``pp_rank`` holds (its stages'), as
+    ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
+    mine = _rank_specs(param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]))
+    shard = plan.degrees["dp_shard"]
+    return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
+
+
 def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: int, accum: int) -> _Pipeline:
     p = cfg.parallel
     spr, sched = p.pp_stages_per_rank, p.pp_schedule

@@ -60,7 +60,8 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     block); a schedule that needs virtual stages without them (or zbv with other than 2); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
     do not go through a pipeline yet (tied embeddings, document masks, sft's token-weighted loss,
-    the verifier's numerics check, HF export, optimizer-in-backward).
+    the verifier's numerics check and NaN injection, HF export, fused cross-entropy,
+    optimizer-in-backward).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -150,6 +151,10 @@ def check_features(cfg: Config, pp: int) -> None:
         "verify.enabled=true": (
             cfg.verify.enabled,
             "its numerics check calls the whole model on one rank; set verify.enabled=false",
+        ),
+        f"verify.inject_nan_steps={list(cfg.verify.inject_nan_steps)}": (
+            bool(cfg.verify.inject_nan_steps),
+            "its hook poisons the whole model's output, which no stage produces; leave it empty",
         ),
         "checkpoint.export_hf=true": (
             cfg.checkpoint.export_hf,

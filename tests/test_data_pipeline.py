@@ -261,7 +261,7 @@ def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
     masked.model.attention = AttentionBackend.flash
-    refused(masked, "model.attention=flash", "auto, efficient, cudnn or math")
+    refused(masked, "model.attention=flash", "model.attention=auto (FlexAttention on CUDA")
 
 
 # -- through train.py, in this process: exit 2, one line, no run dir ------------------------------

@@ -234,3 +234,45 @@ def test_training_on_packed_jsonl_with_document_mask_resumes_exactly(corpus: Cor
     assert last and last == resumed
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_val_loss"] is not None
+
+
+def test_two_rank_run_on_packed_jsonl_resumes_on_one_rank_with_the_same_samples(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """End to end: train.py on 2 data-parallel ranks (DDP over gloo) packs jsonl on the fly with the
+    BPE and checkpoints at steps 3 and 6; a new run resumes step 3's checkpoint on 1 rank. It trains
+    steps 4-6 on the same samples (same losses: another sample gives another loss) and ends at the
+    same data position (batches consumed, record and offset in the stream), so none was skipped or
+    repeated across the change of degree."""
+    from framework.metrics import read_metrics
+    from tests.test_data_pipeline import train_main
+    from tests.test_train import train
+
+    common = [
+        "data=jsonl", f"data.path={corpus.jsonl}", "tokenizer=hf", f"tokenizer.path={corpus.bpe}",
+        "model.vocab_size=512", "model.dim=32", "model.n_layers=1", "model.ffn_dim=64",
+        "train.seq_len=32", "train.global_batch_size=8", "train.steps=6", "train.log_every=1",
+        "train.eval_every=0", "freeze=none", "logger.plot=false", "logger.progress_bar=false",
+        "checkpoint=sync", "checkpoint.every_steps=3", "checkpoint.keep_last=0",
+    ]  # fmt: skip
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = train(two, *common, "mesh=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step3 = two / "checkpoints" / "step_000003"
+    train_main(one, *common, f"checkpoint.resume={step3}")
+
+    def trained(run: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+    def data_state(run: Path) -> dict:
+        return json.loads((run / "checkpoints" / "step_000006" / "extra.json").read_text())["extra"]["data"]
+
+    assert json.loads((two / "summary.json").read_text())["world_size"] == 2
+    assert json.loads((one / "summary.json").read_text())["world_size"] == 1
+    assert any(r.get("event") == "resumed" for r in read_metrics(one))
+    a, b = trained(two), trained(one)
+    assert sorted(b) == [4, 5, 6]
+    assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)], rel=1e-5)
+    end = data_state(two)
+    assert end["consumed_batches"] == 6 and end["sources"][0]["record"] > 0
+    assert data_state(one) == end

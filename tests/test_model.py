@@ -64,3 +64,115 @@ def test_document_mask_stops_attention_at_eos() -> None:
         assert not torch.allclose(plain(a)[:, 4:], plain(b)[:, 4:], atol=1e-3)
         # The first document sees what a plain causal model sees.
         assert torch.allclose(masked(a)[:, :4], plain(a)[:, :4], atol=1e-6)
+
+
+def test_document_positions_restart_after_each_eos() -> None:
+    from framework.model import document_ids, document_positions
+
+    eos = 1
+    tokens = torch.tensor([[5, 6, eos, 7, 8, 9, eos, 4], [eos, 3, 3, 3, 3, 3, 3, 3]])
+    doc = document_ids(tokens, eos)
+    assert doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert document_positions(doc).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+def _tiny_llama(document_eos: int | None, seq: int = 24) -> torch.nn.Module:
+    from framework.model import Llama
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+    model = Llama(cfg, seq, document_eos=document_eos)
+    model.init_weights(0)
+    return model
+
+
+FLEX_UNFUSED = "ignore:flex_attention called without torch.compile"  # eager flex on CPU: the reference
+
+
+@pytest.mark.filterwarnings(FLEX_UNFUSED)
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa_dense_mask", "flex_attention"])
+def test_each_packed_document_gets_the_logits_it_gets_alone(flex: bool) -> None:
+    """Document masking with RoPE positions restarted at each document: a row packing two documents
+    gives each of them the logits of running it alone (FlexAttention: forward only on CPU)."""
+    eos = 1
+    first = torch.tensor([[5, 6, 7, 8, 9, 10, 11, eos]])
+    second = torch.tensor([[20, 21, 22, 23, 24, 25, eos, 30, 31]])  # ends in a third, cut document
+    model = _tiny_llama(eos)
+    model.document_flex = flex
+    seen: list[torch.Tensor] = []
+    model.layers["0"].register_forward_pre_hook(lambda _m, args: seen.append(args[1]))
+    with torch.no_grad():
+        packed = model(torch.cat([first, second], 1))
+        alone = [model(first), model(second[:, :7]), model(second[:, 7:])]
+    n = first.shape[1]
+    # RoPE restarts at each document: the layers get position 0's rotation at each start. (RoPE is
+    # relative, so the logits alone would agree within rounding without the restart.)
+    for start in (0, n, n + 7):
+        assert torch.equal(seen[0][0, start], model.rope[0])
+    assert (packed[:, :n] - alone[0]).abs().max() < 1e-5
+    assert (packed[:, n : n + 7] - alone[1]).abs().max() < 1e-5
+    assert (packed[:, n + 7 :] - alone[2]).abs().max() < 1e-5
+    # Without the mask the second document sees the first: the check above can fail.
+    with torch.no_grad():
+        plain = _tiny_llama(None)(torch.cat([first, second], 1))
+    assert (plain[:, n : n + 7] - alone[1]).abs().max() > 1e-3
+
+
+@pytest.mark.filterwarnings(FLEX_UNFUSED)
+def test_flex_attention_equals_the_sdpa_mask_path() -> None:
+    """The block mask (FlexAttention) and the dense boolean mask (SDPA) give the same logits, on
+    rows with several documents, a leading EOS and a length that is not a multiple of the block."""
+    eos = 1
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 64, (3, 21), generator=g)
+    tokens[0, [4, 9, 10]] = eos
+    tokens[1, 0] = eos
+    model = _tiny_llama(eos)
+    with torch.no_grad():
+        model.document_flex = False
+        dense = model(tokens)
+        model.document_flex = True
+        flex = model(tokens)
+    assert (dense - flex).abs().max() < 1e-5
+
+
+def test_document_mask_kernel_follows_the_device() -> None:
+    """CPU trains through SDPA's dense mask (FlexAttention has no CPU backward in torch 2.13)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from framework.model import flex_trains_on
+
+    eos = 1
+    model = _tiny_llama(eos)
+    tokens = torch.tensor([[5, 6, eos, 7]])
+    doc = torch.tensor([[0, 0, 0, 1]])
+    assert not flex_trains_on(torch.device("cpu")) and flex_trains_on(torch.device("cuda"))
+    assert isinstance(model.document_attention_mask(tokens, doc), torch.Tensor)
+    model.document_flex = True
+    assert isinstance(model.document_attention_mask(tokens, doc), BlockMask)
+    loss = _tiny_llama(eos)(tokens, tokens)  # default on CPU: trains (backward works)
+    loss.backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention's backward)")
+def test_flex_attention_trains_like_the_sdpa_mask_on_cuda() -> None:
+    """On CUDA the default document kernel is compiled FlexAttention; its loss and gradients match
+    SDPA with the dense mask (fp32)."""
+    from framework.model import Llama
+
+    eos = 1
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 64, (2, 257), generator=g)
+    tokens[:, [30, 100, 101, 200]] = eos
+    x, y = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+    grads, losses = [], []
+    for flex in (True, False):
+        model = Llama(cfg, 256, document_eos=eos).cuda()
+        model.init_weights(0)
+        model.document_flex = None if flex else False
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.layers["0"].attention.wq.weight.grad)
+    assert abs(losses[0] - losses[1]) < 1e-5
+    assert (grads[0] - grads[1]).abs().max() < 1e-5

@@ -201,7 +201,8 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
     if cfg.model.attention is AttentionBackend.flash:
         raise ValueError(
             "data.document_mask=true with model.attention=flash: the flash kernel takes no attention mask; "
-            "use model.attention=auto, efficient, cudnn or math"
+            "use model.attention=auto (FlexAttention on CUDA, SDPA with a dense mask elsewhere), "
+            "efficient, cudnn or math (SDPA with a dense mask)"
         )
 
 
