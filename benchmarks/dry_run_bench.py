@@ -1,13 +1,15 @@
 """Dry-run time and planner-vs-measured parameter bytes for a Llama-3-70B shape at 128 to 8192 ranks.
 
 Run: ``python benchmarks/dry_run_bench.py [--worlds 16x8,128x8,1024x8]``. Target: <= 15 s at 1024
-ranks. Not a test: it takes tens of seconds. Hardware figures are H100-class (80 GiB, NVLink
+ranks. ``--recipe llama3_405b mesh=2048x8 mesh/hardware=h100_sxm sharding=auto`` times a shipped
+recipe's search and the dry run of its choice (targets: <= 60 s together, <= 30 s the dry run). Not a test: it takes tens of seconds. Hardware figures are H100-class (80 GiB, NVLink
 ~450 GB/s one direction, 400 Gb/s InfiniBand = 50 GB/s per GPU); they only feed the estimates.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from framework.config import ActivationCheckpointing, Config, HardwareConfig, ModelConfig, Strategy
 from framework.dry_run import dry_run, format_dry_run
@@ -49,11 +51,39 @@ def bench_config(nodes: int, procs: int) -> Config:
     return cfg
 
 
+def bench_recipe(recipe: str, overrides: list[str]) -> None:
+    """A shipped recipe as ``train.py recipe=NAME OVERRIDES run.dry_run=true`` plans it: the search
+    (when the layout is left to it) and the fake-backend dry run of the chosen layout, timed apart."""
+    from framework.plan import resolve_batch
+    from framework.recipes import compose_recipe
+    from framework.search import format_search, maybe_search
+
+    cfg = compose_recipe(recipe, [*overrides, "run.dry_run=true"])
+    start = time.perf_counter()
+    result = maybe_search(cfg)
+    chosen = resolve_batch(cfg) if result is None else result.chosen_cfg
+    search_s = time.perf_counter() - start
+    if result is not None:
+        print(format_search(result))
+    report = dry_run(chosen)
+    print(format_dry_run(report))
+    exact = report.measured_param_bytes == report.estimated_param_bytes
+    print(
+        f"\n{recipe} {' '.join(overrides)}: search {search_s:.2f} s + dry run {report.wall_s:.2f} s = "
+        f"{search_s + report.wall_s:.2f} s; params per rank measured == estimated: {exact}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="16x8,128x8,1024x8")
     ap.add_argument("--plan", action="store_true", help="also print the full plan table")
+    ap.add_argument("--recipe", help="time a shipped recipe instead (search + dry run), e.g. llama3_405b")
+    ap.add_argument("overrides", nargs="*", help="with --recipe: overrides, e.g. mesh=2048x8 sharding=auto")
     args = ap.parse_args()
+    if args.recipe:
+        bench_recipe(args.recipe, args.overrides)
+        return
     rows = []
     for spec in args.worlds.split(","):
         nodes, procs = (int(x) for x in spec.split("x"))

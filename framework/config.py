@@ -519,7 +519,7 @@ class ParallelConfig:
 
     dp_replicate: int = 0  # replicas: gradients all-reduced (DDP, or HSDP's outer axis)
     dp_shard: int = 0  # FSDP2 shards parameters, gradients and optimizer state over this axis
-    cp: int = 0  # context parallel (sequence split across ranks): not implemented yet, only 1
+    cp: int = 0  # context parallel: ring attention over sequence shards (CUDA; 2 x cp divides seq_len)
     tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
     pp: int = 0  # pipeline stages (torch.distributed.pipelining), the outermost axis
     # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need

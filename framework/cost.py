@@ -7,14 +7,14 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
 
 - **compute**: the model's flops (``framework.model.flops_per_token``: 6N + 12·L·H·Q·T, plus the
   forward recomputed by activation checkpointing) at ``gemm_efficiency`` x ``peak_tflops``. TP
-  splits the flops of every rank's tokens by its degree.
+  splits the flops of every rank's tokens by its degree; CP gives each rank 1/cp of the tokens.
 - **memory-bound work** at ``hbm_gbps``: the pointwise kernels of each block (norms, RoPE, SwiGLU,
   residual adds; ``_POINTWISE_BYTES`` per element of a block's width per token), the loss head's
   pass over the logits (``_LOGIT_BYTES`` per logit), the bf16 weight casts once per micro batch, the
   gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
   Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
-  TP's collectives sit on the critical path; FSDP's all-gathers / reduce-scatters and the
+  TP's collectives and CP's K/V passes sit on the critical path; FSDP's all-gathers / reduce-scatters and the
   data-parallel all-reduce overlap the compute by ``comm_overlap`` (and never by more than the
   compute lasts).
 
@@ -58,6 +58,9 @@ _EAGER_POINTWISE = 4.0
 # A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
 # checkpointing recomputes every other block.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
+# Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
+# all-gathers K and V before the attention that needs them).
+_BLOCKING_AXES = ("tp", "cp")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def predict_step(
     hw, m = cfg.mesh.hardware, cfg.model
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
     hbm = hw.hbm_gbps * 1e9
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp  # per data-parallel rank
+    # Per rank: its data-parallel share, and of that its sequence shard under CP (load-balanced, so
+    # each CP rank also does 1/cp of the causal attention).
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp
     mode = cfg.sharding.activation_checkpointing.value
     if mode == ActivationCheckpointing.budget.value:
         recompute = _RECOMPUTE["budget"] * (1.0 - cfg.sharding.activation_memory_budget)
@@ -121,7 +126,7 @@ def predict_step(
         pointwise *= _EAGER_POINTWISE
         logits *= _EAGER_POINTWISE
     unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
-    local = unsharded / d.dp_shard
+    local = unsharded / d.fsdp_shard
     casts = accum * unsharded * _CAST_BYTES
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate) / hbm
@@ -134,8 +139,8 @@ def predict_step(
         memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
         bubble_s = (compute_s + memory_s) * bubble
 
-    blocking = sum(c.time_s for c in comm if c.axis in ("tp", "pp")) / hw.link_efficiency
-    overlappable = sum(c.time_s for c in comm if c.axis not in ("tp", "pp")) / hw.link_efficiency
+    blocking = sum(c.time_s for c in comm if c.axis in _BLOCKING_AXES) / hw.link_efficiency
+    overlappable = sum(c.time_s for c in comm if c.axis not in _BLOCKING_AXES) / hw.link_efficiency
     window = compute_s + memory_s
     exposed = blocking + max(overlappable * (1.0 - hw.comm_overlap), overlappable - window)
     step = compute_s + memory_s + optimizer_s + exposed + bubble_s

@@ -60,8 +60,15 @@ class Degrees:
     def fsdp(self) -> bool:
         """FSDP2 wraps the model: it shards (dp_shard > 1), or it replicates TP-sharded DTensor
         parameters across dp_replicate (HSDP with a dp_shard axis of size 1: DDP cannot wrap
-        DTensors), or replicates pipeline stages (the schedule syncs FSDP's gradients per stage)."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+        DTensors), replicates pipeline stages (the schedule syncs FSDP's gradients per stage), or CP
+        is on (the CP ranks hold the same parameters and must average their gradients: FSDP2 shards
+        over dp_shard x cp, as torchtitan does)."""
+        return self.dp_shard > 1 or self.cp > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks one FSDP2 group shards parameters over: dp_shard x cp (the flattened mesh axes)."""
+        return self.dp_shard * self.cp
 
     @property
     def ddp(self) -> bool:
@@ -80,11 +87,12 @@ class Degrees:
 
     def name(self) -> str:
         """Human name from the degrees: ``ddp``, ``fsdp``, ``hsdp``, ``tp``, ``fsdp_tp``, ``hsdp_tp``, ``single``."""
+        shard = self.fsdp_shard  # with CP, FSDP2 shards over dp_shard x cp
         data = (
             "hsdp"
-            if self.dp_replicate > 1 and self.dp_shard > 1
+            if self.dp_replicate > 1 and shard > 1
             else "fsdp"
-            if self.dp_shard > 1
+            if shard > 1
             else "ddp"
             if self.dp_replicate > 1
             else ""
@@ -214,21 +222,14 @@ def fixed_degrees(cfg: Config) -> Degrees | None:
 
 
 def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "parallel.tp") -> None:
-    """Refuse what the model or this version cannot run: cp > 1 (not implemented yet), pp above the
-    number of blocks, a TP degree that does not split the heads, the KV heads and the FFN evenly
-    (the rest of the pipeline's rules: framework.stages.check_pipeline)."""
+    """Refuse what the model or this version cannot run: pp above the number of blocks, a TP degree
+    that does not split the heads, the KV heads and the FFN evenly (the rest of the pipeline's
+    rules: framework.stages.check_pipeline; CP's: check_cp)."""
     if d.pp > model.n_layers:
         raise ValueError(
             f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "
             f"needs at least one block; valid: parallel.pp <= {model.n_layers}"
         )
-    for name in ("cp",):
-        if getattr(d, name) > 1:
-            what = "context parallelism"
-            raise ValueError(
-                f"parallel.{name}={getattr(d, name)}: {what} is not implemented yet; valid: "
-                f"parallel.{name}=1 (layouts today: pp x dp_replicate x dp_shard x tp)"
-            )
     tp = d.tp
     for field_name, value in (
         ("n_heads", model.n_heads),
@@ -245,6 +246,60 @@ def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "par
                 f"{tp_key}={tp} does not divide model.{field_name}={value}: each TP rank needs whole "
                 f"heads and an equal FFN slice; valid TP degrees here are {valid}"
             )
+
+
+# torch's context_parallel dispatches SDPA's flash / efficient / cuDNN kernels to ring attention;
+# these are CUDA kernels. On the CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu,
+# for which DTensor has no sharding strategy (torch 2.13: "Operator aten._scaled_dot_product_flash_
+# attention_for_cpu.default does not have a sharding strategy registered").
+CP_CPU_ERROR = (
+    "torch's context_parallel (ring attention) runs only SDPA's CUDA kernels (flash, memory-efficient, "
+    "cuDNN); on the CPU, SDPA's kernel aten._scaled_dot_product_flash_attention_for_cpu has no "
+    "DTensor sharding strategy in torch {version}"
+)
+
+
+def check_cp(d: Degrees, cfg: Config, on_cpu: bool) -> None:
+    """Refuse a CP degree that cannot run: one whose load-balanced shards (2 x cp chunks of the
+    sequence, rank i holding chunks i and 2cp-1-i, so causal work is equal) do not split
+    ``train.seq_len``, pipelines (their schedule runs the micro batches), document masks (ring
+    attention takes no attention mask), masked targets
+    (data=sft: the CP ranks' losses would not average to the batch mean), and CP on a CPU
+    launch (``CP_CPU_ERROR``; a dry run plans it for any device)."""
+    if d.cp <= 1:
+        return
+    seq = cfg.train.seq_len
+    if seq % (2 * d.cp):
+        valid = [c for c in divisors(cfg.mesh.world_size) if seq % (2 * c) == 0]
+        raise ValueError(
+            f"parallel.cp={d.cp} does not split train.seq_len={seq}: load-balanced causal context "
+            f"parallelism cuts the sequence into 2 x cp = {2 * d.cp} equal chunks; valid cp degrees "
+            f"here are {valid} (or a train.seq_len that is a multiple of {2 * d.cp})"
+        )
+    if cfg.data.document_mask:
+        raise ValueError(
+            f"parallel.cp={d.cp} with data.document_mask=true: ring attention takes no attention mask; "
+            f"set data.document_mask=false or parallel.cp=1"
+        )
+    if d.pp > 1:
+        raise ValueError(
+            f"parallel.cp={d.cp} with parallel.pp={d.pp}: the pipeline schedule runs its micro batches "
+            f"itself, outside the per-micro-batch sequence sharding; use parallel.cp=1 or parallel.pp=1"
+        )
+    if cfg.data.source.value == "sft":
+        raise ValueError(
+            f"parallel.cp={d.cp} with data=sft: each CP rank's loss is the mean over its own shard's "
+            f"trained (unmasked) targets, which differ in number, so their average is not the batch's "
+            f"mean; use parallel.cp=1 for fine-tuning"
+        )
+    if on_cpu and not cfg.run.dry_run:
+        import torch
+
+        raise ValueError(
+            f"parallel.cp={d.cp} on the CPU: "
+            + CP_CPU_ERROR.format(version=torch.__version__)
+            + "; valid here: parallel.cp=1, or run.dry_run=true to plan it, or run on CUDA devices"
+        )
 
 
 @dataclass(frozen=True)

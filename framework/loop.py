@@ -476,6 +476,7 @@ def train_step(
     in_backward: InBackward | None = None,
     io: HostIO | None = None,
     scales: list[float] | None = None,
+    seq_shard: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
 
@@ -487,6 +488,8 @@ def train_step(
     A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
     With ``in_backward`` the step happens during backward (one micro-batch, no clip; a non-finite
     loss skips it).
+    ``seq_shard`` (context parallelism, framework.parallel.context) cuts each micro-batch to this
+    rank's sequence shard, in place, around its forward and backward.
     """
     if in_backward is not None:
         return _step_in_backward(model, in_backward, scheduler, micro_batches, device, io)
@@ -503,7 +506,10 @@ def train_step(
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = _to_device(x, device, io), _to_device(y, device, io)
-        with _no_grad_sync(model, last=i == n - 1):
+        if seq_shard is not None:  # it cuts in place: never the host-transfer slots
+            x, y = x.clone(), y.clone()
+        shard = seq_shard(x, y) if seq_shard is not None else contextlib.nullcontext()
+        with shard, _no_grad_sync(model, last=i == n - 1):
             with autocast(device):
                 loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
             loss.backward()

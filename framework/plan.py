@@ -37,6 +37,7 @@ from framework.layout import (
     MeshAxis,
     Placement,
     axis_placement,
+    check_cp,
     check_degrees,
     divisors,
     fixed_degrees,
@@ -280,6 +281,15 @@ _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
 _TP_LOGIT_EXTRA_BYTES = 3.3
 
 
+def runs_on_cpu(cfg: Config) -> bool:
+    """Whether a launch of ``cfg`` runs on the CPU (``run.device``, or for ``auto`` this machine)."""
+    if cfg.run.device.value != "auto":
+        return cfg.run.device.value == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def autocast_bf16(cfg: Config) -> bool:
     """The loop runs bf16 autocast on CUDA; the plan reads that from the declared hardware."""
     if cfg.run.device.value != "auto":
@@ -294,6 +304,7 @@ def _activation_bytes(
     layers: int | None = None,
     in_flight: float = 1.0,
     head: bool = True,
+    cp: int = 1,
 ) -> int:
     """Saved activations of one micro batch, per rank.
 
@@ -303,13 +314,15 @@ def _activation_bytes(
     seq x seq matrix. Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
     recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
-    gathered to every TP rank.
+    gathered to every TP rank. Context parallelism divides the tokens by its degree (each rank keeps
+    its sequence shard); the ring then holds one layer's whole K and V and their gradients
+    (torch's default rotation all-gathers them), transient, on top.
 
     A pipeline rank holds ``layers`` blocks for ``in_flight`` micro batches (framework.stages), and
     the logits of one micro batch only if it runs the ``head`` (its loss and backward follow at once).
     """
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp
     bf16 = autocast_bf16(cfg)
     elem = 2 if bf16 else 4
     compiled = cfg.executor.mode != ExecutorMode.eager
@@ -341,7 +354,18 @@ def _activation_bytes(
     else:
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
         layers = kept * per_layer + (n - kept) * block_input + per_layer
-    return int(layers * in_flight) + logits
+    return int(layers * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
+
+
+def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
+    """One layer's all-gathered K and V (this TP rank's KV heads, whole sequence) and their
+    gradients during the ring's backward: what CP adds while one attention runs."""
+    if cp <= 1:
+        return 0
+    m = cfg.model
+    elem = 2 if autocast_bf16(cfg) else 4
+    kv = cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
+    return 2 * 2 * kv * elem
 
 
 def _memory(
@@ -353,6 +377,7 @@ def _memory(
     ddp: bool = False,
     accum: int = 1,
     pipeline: tuple[int, float, bool] | None = None,
+    cp: int = 1,
 ) -> MemoryEstimate:
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
@@ -382,7 +407,7 @@ def _memory(
         comm_buffers = grads
     layers, in_flight, head = pipeline if pipeline is not None else (None, 1.0, True)
     by_mode = {
-        mode.value: _activation_bytes(cfg, tp, mode, layers, in_flight, head)
+        mode.value: _activation_bytes(cfg, tp, mode, layers, in_flight, head, cp)
         for mode in ActivationCheckpointing
         if mode != ActivationCheckpointing.auto
     }
@@ -495,7 +520,12 @@ def _comm(
     size = dict(zip(axes, sizes, strict=True))
     intra = {a: _axis_is_intra_node(sizes, i, ppn) for i, a in enumerate(axes)}
     tp = size.get(MeshAxis.tp, 1)
-    shard = size.get(MeshAxis.dp_shard, 1)
+    cp = size.get(MeshAxis.cp, 1)
+    # FSDP2 shards over dp_shard x cp (one flattened group) when CP is on.
+    shard = size.get(MeshAxis.dp_shard, 1) * cp
+    shard_axis = "dp_shard_cp" if cp > 1 else "dp_shard"
+    if cp > 1:
+        intra[MeshAxis.dp_shard] = _group_is_intra_node(sizes, axes, (MeshAxis.dp_shard, MeshAxis.cp), ppn)
     p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
     full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
     if shard > 1:
@@ -503,13 +533,13 @@ def _comm(
         avg_unit = full_local // len(units)
         out.append(
             _collective(
-                cfg, "dp_shard", "all_gather", shard, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el
+                cfg, shard_axis, "all_gather", shard, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el
             )
         )
         out.append(
             _collective(
                 cfg,
-                "dp_shard",
+                shard_axis,
                 "reduce_scatter",
                 shard,
                 intra[MeshAxis.dp_shard],
@@ -550,7 +580,42 @@ def _comm(
         # The output projection gathers the full logits for the loss, once per micro batch.
         logits = tokens * cfg.model.vocab_size * elem
         out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
+    if cp > 1:
+        out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp)
     return out
+
+
+def _cp_comm(cfg: Config, cp: int, intra: bool, accum: int, tp: int) -> list[CommEstimate]:
+    """Ring attention's K/V passes (torch's context_parallel): in every layer's forward each rank
+    receives the other cp-1 shards of K and V (an all-gather's volume, whether rotated by
+    all-gather or passed around the ring); its backward passes them again and sends the K/V
+    gradients back (a reduce-scatter's volume). A fully checkpointed forward runs, and passes,
+    again; selective checkpointing recomputes every other block."""
+    m = cfg.model
+    elem = 2 if autocast_bf16(cfg) else 4
+    kv = 2 * cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
+    mode = cfg.sharding.activation_checkpointing
+    recomputed = {
+        ActivationCheckpointing.full: m.n_layers,
+        ActivationCheckpointing.selective: (m.n_layers + 1) // 2,
+    }
+    forward = (m.n_layers + recomputed.get(mode, 0)) * accum
+    backward = m.n_layers * accum
+    return [
+        _collective(cfg, "cp", "kv_ring_forward", cp, intra, forward, kv * elem),
+        _collective(cfg, "cp", "kv_ring_backward", cp, intra, backward, kv * elem),
+        _collective(cfg, "cp", "dkv_ring_backward", cp, intra, backward, kv * elem),
+    ]
+
+
+def _group_is_intra_node(
+    sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], group: tuple[MeshAxis, ...], ppn: int
+) -> bool:
+    """Whether one group over the adjacent mesh axes ``group`` (flattened) lies in one node."""
+    last = max(axes.index(a) for a in group)
+    stride = math.prod(sizes[last + 1 :])
+    span = stride * math.prod(sizes[axes.index(a)] for a in group)
+    return span <= ppn and ppn % span == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,12 +696,13 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     world = cfg.mesh.world_size
     assert d.world_size == world, (d, cfg.mesh.shape)
     check_degrees(d, cfg.model, world)
+    check_cp(d, cfg, runs_on_cpu(cfg))
     axes_sizes = d.axes()
     axes = tuple(a for a, _ in axes_sizes)
     sizes = tuple(n for _, n in axes_sizes)
     placement = axis_placement(sizes, tuple(a.value for a in axes), cfg.mesh)
     size = dict(zip(axes, sizes, strict=True))
-    tp, dp, shard = d.tp, d.dp, d.dp_shard
+    tp, dp, shard = d.tp, d.dp, d.fsdp_shard
     if tp > 1 and not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
         warnings.append(
             f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
@@ -686,7 +752,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units = _fsdp_units(specs, tp)
     else:
         units = _fsdp_units(specs, tp)
-        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum)
+        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
 
     full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
     rep = size.get(MeshAxis.dp_replicate, 1)

@@ -416,8 +416,8 @@ RULES: dict[str, Rule] = {
     **{
         f"parallel.{n}": Rule(
             "0 (unset), -1 (the rest) or a degree >= 1; the degrees multiply to the world size "
-            "(cp: 1, not implemented yet; pp: at most model.n_layers)",
-            checked_by="framework.layout.from_parallel / check_degrees (via the planner)",
+            "(pp: at most model.n_layers; cp: 2 x cp divides train.seq_len, on CUDA or in a dry run)",
+            checked_by="framework.layout.from_parallel / check_degrees / check_cp (via the planner)",
             bad=(-2, 3),
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")

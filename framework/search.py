@@ -11,7 +11,7 @@ divisors of the processes per node that split the heads, KV heads and FFN, so TP
 node; ``sharding.tp`` other than 1 pins it), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch). Anything the
-user set is kept. pp and cp are 1 (not implemented yet).
+user set is kept. cp is searched for long sequences (``_cp_options``); pp is 1 (not implemented yet).
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ from typing import Any
 from framework import stages as pipeline_stages
 from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName, PPSchedule
 from framework.layout import Degrees, divisors, fixed_degrees
-from framework.plan import GIB, Plan, plan_for, with_degrees
+from framework.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
 
+# Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
+# sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
+# its 8K pre-training without CP and its 128K stage with CP 16: arXiv 2407.21783, table 4). Each
+# rank keeps at least CP_MIN_CHUNK tokens, so every ring step's attention has work to hide a pass.
+CP_MIN_SEQ = 16384
+CP_MIN_CHUNK = 2048
+CP_MAX = 32
 SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
 TOP = 10
 # The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
@@ -92,11 +99,24 @@ def _degree_options(cfg: Config) -> list[Degrees]:
     pps = [1] + [p for p in divisors(world) if 1 < p <= min(m.n_layers, MAX_PP) and _pipeline_ok(cfg, p)]
     for t in tps:
         for p in (q for q in pps if (world // t) % q == 0):
-            for r in divisors(world // t // p):
-                out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // r, tp=t, pp=p))
+            # CP runs per micro batch, outside a pipeline's schedule: never both (layout.check_cp).
+            for c in _cp_options(cfg, world // t // p) if p == 1 else [1]:
+                for r in divisors(world // t // p // c):
+                    out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
-        out = [d for d in out if d.dp_shard == 1 and d.tp == 1]
+        out = [d for d in out if d.dp_shard == 1 and d.tp == 1 and d.cp == 1]
     return out
+
+
+def _cp_options(cfg: Config, ranks: int) -> list[int]:
+    """CP degrees worth searching over ``ranks`` (the world over TP): 1, and for long sequences
+    (``train.seq_len >= CP_MIN_SEQ``) each degree up to ``CP_MAX`` whose load-balanced chunks
+    (2 x cp of them) split the sequence into pieces of at least ``CP_MIN_CHUNK`` tokens; never
+    where CP cannot run (a CPU launch: framework.layout.check_cp)."""
+    seq = cfg.train.seq_len
+    if seq < CP_MIN_SEQ or (runs_on_cpu(cfg) and not cfg.run.dry_run):
+        return [1]
+    return [c for c in divisors(ranks) if c <= CP_MAX and seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK]
 
 
 def _pipeline_ok(cfg: Config, pp: int) -> bool:
@@ -250,6 +270,8 @@ def search(cfg: Config) -> SearchResult:
                         errors.append(str(e))
                         continue
                     cands.append(_candidate(plan, device))
+    if not cands and errors and fixed_degrees(cfg) is not None:
+        raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
         why = (
             errors[0]

@@ -55,6 +55,7 @@ from framework.loop import (
 from framework.metrics import Metrics, format_row, make_sinks, perplexity, read_metrics, validation_row
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
+from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
 from framework.plan import Plan, make_plan, resolve_batch
 from framework.profiling import format_top_operators, make_profiler
@@ -164,6 +165,8 @@ class Built:
     in_backward: InBackward | None = None  # train.optimizer_in_backward
     # model.float8 of the executed model: the configured recipe until a non-finite fallback to bf16.
     float8: Float8Recipe = Float8Recipe.none
+    # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
+    seq_shard: SequenceShard | None = None
 
 
 def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: torch.device) -> None:
@@ -175,6 +178,7 @@ def executed_model(cfg: Config, built: Built, executor: ExecutorConfig, device: 
     built.model = parallelize(
         model, built.mesh, built.plan, cfg.sharding, cfg.bucketing, executor, device, cfg.train.seed
     )
+    built.seq_shard = sequence_shard(built.model, built.mesh, built.plan) if built.mesh is not None else None
     built.optimizer = build_optimizer(
         built.model, cfg.train, device, cfg.optimizer, cfg.run.instantiate_allow
     )
@@ -631,6 +635,7 @@ def run(cfg: Config, run_dir: Path) -> Summary:
                 built.in_backward,
                 io,
                 data.sampler.loss_scales(),
+                built.seq_shard,
             )
         tokens_seen += tokens_per_step
         warm = since_build >= built.executor.warmup_steps

@@ -73,3 +73,25 @@ def test_leaves_this_process_clean() -> None:
     cfg = make_cfg("fsdp", [4])
     losses = run_ranks(_worker, 4, cfg)[0]["losses"]
     assert losses == pytest.approx(reference_losses(cfg), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "shape"),
+    [((1, 1, 4, 1), [4]), ((2, 2, 2, 2), [2, 8])],
+    ids=["cp4", "hsdp_tp_cp-2x8"],
+)
+def test_cp_shards_parameters_over_dp_shard_and_cp(degrees: tuple[int, ...], shape: list[int]) -> None:
+    """CP ranks share parameters: FSDP2 shards them over dp_shard x cp flattened (and HSDP's
+    dp_replicate stays outer); planned for CUDA hardware in a dry run on this CPU machine."""
+    cfg = Config(model=ODD)
+    cfg.mesh.shape = shape
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.tp = degrees
+    cfg.train.seq_len = 64
+    cfg.train.global_batch_size = degrees[0] * degrees[1]
+    cfg.train.micro_batch_size = 1
+    cfg.run.dry_run = True
+    report = dry_run(cfg)
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+    assert report.num_sharded_params == report.num_params
+    fsdp_ranks = degrees[1] * degrees[2]
+    assert report.measured_param_bytes < 4 * report.plan.num_params / degrees[3] / fsdp_ranks * 1.1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config import Config, ModelConfig, ParallelConfig, Strategy
+from framework.config import Config, Device, HardwareConfig, ModelConfig, ParallelConfig, Strategy
 from framework.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
 from framework.plan import make_plan
 
@@ -52,14 +52,56 @@ def test_explicit_degrees_win_and_fill_the_rest() -> None:
         ({"tp": 3}, r"multiply to 3, which does not divide the world size 8"),
         ({"dp_replicate": -1, "tp": -1}, r"only one degree may take the rest"),
         ({"pp": 8}, r"parallel.pp=8 is greater than model.n_layers=4: each pipeline stage needs"),
-        ({"cp": 2}, r"parallel.cp=2: context parallelism is not implemented yet"),
+        (
+            {"cp": 2},
+            r"parallel.cp=2 on the CPU: torch's context_parallel \(ring attention\) runs only SDPA's CUDA "
+            r"kernels.*_scaled_dot_product_flash_attention_for_cpu.*valid here: parallel.cp=1",
+        ),
+        (
+            {"cp": 4, "seq_len": 12},
+            r"parallel.cp=4 does not split train.seq_len=12: .* 2 x cp = 8 equal chunks; valid cp "
+            r"degrees here are \[1, 2\]",
+        ),
+        ({"cp": 2, "document_mask": True}, r"parallel.cp=2 with data.document_mask=true: ring attention"),
+        ({"cp": 2, "pp": 2}, r"parallel.cp=2 with parallel.pp=2: the pipeline schedule runs"),
         ({"tp": 4}, r"parallel.tp=4 does not divide model.n_kv_heads=2.*valid TP degrees here are \[1, 2\]"),
         ({"dp_shard": -2}, r"parallel.dp_shard=-2 is not valid"),
     ],
 )
 def test_bad_degrees_are_refused(degrees: dict[str, int], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        make_plan(cfg_for([2, 4], **degrees))
+    seq_len, mask = degrees.pop("seq_len", None), degrees.pop("document_mask", False)
+    cfg = cfg_for([2, 4], **degrees)
+    cfg.run.device = Device.cpu
+    cfg.train.seq_len = seq_len or cfg.train.seq_len
+    cfg.data.document_mask = mask
+    with pytest.raises(ValueError, match=message) as e:
+        make_plan(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_cp_is_planned_in_a_dry_run() -> None:
+    """cp=2 on CUDA hardware, planned on this CPU machine: sequence-sharded activations, parameters
+    sharded over dp_shard x cp, and the ring's K/V passes in every layer, forward and backward."""
+    base = cfg_for([2, 4], dp_shard=4, tp=2)
+    base.mesh.hardware = HardwareConfig(name="h100_sxm", memory_gib=80.0)
+    base.train.seq_len = 64
+    base.train.micro_batch_size = 4
+    base.run.dry_run = True
+    one = make_plan(base)
+    base.parallel = ParallelConfig(dp_shard=2, cp=2, tp=2)
+    two = make_plan(base)
+    assert two.strategy == "fsdp_tp_cp" and two.mesh_axes == ("dp_shard", "cp", "tp")
+    assert two.params_per_rank == one.params_per_rank  # FSDP shards over dp_shard x cp = 4 either way
+    # Half the tokens per micro batch (the ring's gathered K/V of one layer on top); a data-parallel
+    # degree of 2 instead of 4 gives each rank the same tokens per step, so the same compute.
+    assert two.memory.activations < 0.6 * one.memory.activations
+    assert two.grad_accum_steps == 2 * one.grad_accum_steps
+    ring = {c.collective: c for c in two.comm if c.axis == "cp"}
+    layers = base.model.n_layers
+    assert sorted(ring) == ["dkv_ring_backward", "kv_ring_backward", "kv_ring_forward"]
+    assert ring["kv_ring_forward"].calls == ring["kv_ring_backward"].calls == layers * two.grad_accum_steps
+    assert {c.axis for c in two.comm} >= {"dp_shard_cp", "cp", "tp"}
+    assert two.prediction.compute_s == pytest.approx(one.prediction.compute_s)
 
 
 def test_tp_must_split_heads() -> None:
@@ -97,6 +139,10 @@ def test_wrappers_follow_the_degrees() -> None:
     )
     assert Degrees().axes() == ((MeshAxis.dp_replicate, 1),) and Degrees().name() == "single"
     assert Degrees(dp_replicate=2, dp_shard=2, tp=2).name() == "hsdp_tp"
+    # CP ranks share parameters: FSDP2 over dp_shard x cp (a size-1 dp_shard axis names it).
+    assert Degrees(cp=2).fsdp and Degrees(dp_shard=2, cp=2).fsdp_shard == 4
+    assert Degrees(cp=2).name() == "fsdp_cp" and Degrees(dp_replicate=2, cp=2).name() == "hsdp_cp"
+    assert Degrees(cp=2).axes() == ((MeshAxis.dp_shard, 1), (MeshAxis.cp, 2))
     plan = make_plan(cfg_for([2, 4], dp_replicate=2, dp_shard=2, tp=2))
     assert plan.strategy == "hsdp_tp" and plan.degrees == {
         "dp_replicate": 2,

@@ -150,6 +150,18 @@ def test_memory_over_the_device_is_refused_unless_allowed_or_dry_run(base: DictC
         assert any("GiB per rank, device has 0.001" in w for w in make_plan(ok).warnings)
 
 
+def test_context_parallel_refusals(base: DictConfig, tmp_path: Path) -> None:
+    """cp on a CPU launch (torch's ring attention is CUDA only), and a cp whose load-balanced
+    chunks (2 x cp) do not split the sequence: one line each, nothing written."""
+    msg = refusal(base, {"mesh.shape": [2], "parallel.cp": 2, "run.device": "cpu"}, tmp_path / "cpu")
+    assert msg.startswith("parallel.cp=2 on the CPU:") and "valid here: parallel.cp=1" in msg, msg
+    values = {"mesh.shape": [4], "parallel.cp": 4, "train.seq_len": 36, "run.dry_run": True}
+    msg = refusal(base, values, tmp_path / "seq")
+    assert (
+        "parallel.cp=4 does not split train.seq_len=36" in msg and "valid cp degrees here are [1, 2]" in msg
+    )
+
+
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:
     cfg = Config()
     cfg.mesh.shape = [cpu_rank_cap() + 1]
@@ -202,6 +214,7 @@ E2E = [
         "optimizer._target_='os.system' is not on the instantiation allowlist",
     ),
     (["hydra.run.dir=pyproject.toml/run"], {}, "is a file, not a directory"),
+    (["mesh=2", "parallel.cp=2", "run.device=cpu"], {}, "parallel.cp=2 on the CPU: torch's context_parallel"),
     ([], {"FRAMEWORK_RECIPE_PATH": "/nonexistent/recipes"}, "is not a directory"),
 ]
 

@@ -37,6 +37,7 @@ def test_search_ranks_and_explains() -> None:
     assert best.fits and best.reason == "chosen" and best.memory_gib <= 79.6
     fitting = [c for c in result.candidates if c.fits]
     assert fitting[0] is best
+    assert {c.degrees["cp"] for c in result.candidates} == {1}  # 8192 tokens: no CP searched
     assert all(c.predicted_step_time_s >= best.predicted_step_time_s for c in fitting)
     losers = [c for c in result.candidates if not c.fits]
     assert losers and all(c.reason.startswith("memory:") for c in losers)
@@ -80,6 +81,20 @@ def test_muon_keeps_the_search_to_whole_matrices() -> None:
     assert {(c.degrees["dp_shard"], c.degrees["tp"]) for c in search(cfg).candidates} == {(1, 1)}
     with pytest.raises(ValueError, match="optimizer.name='muon' is not valid"):
         check(compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"]))
+
+
+def test_cp_is_searched_for_long_sequences() -> None:
+    """cp joins the candidates from CP_MIN_SEQ tokens on, where it can run: planned for H100s in a
+    dry run, never for a launch on this CPU machine (torch's ring attention is CUDA only)."""
+    long = ["mesh=16x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "train.global_batch_size=256"]
+    result = search(compose_recipe("llama70b", [*long, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in result.candidates} == {1, 2, 4, 8, 16}
+    assert result.chosen.fits and result.chosen.degrees["cp"] > 1  # 32K tokens: CP wins here
+    assert "c2" in format_search(result)
+    tiny = ["mesh=4", "train.seq_len=16384", "train.global_batch_size=4", "run.device=cpu"]
+    assert {c.degrees["cp"] for c in search(compose_recipe("llama_tiny", tiny)).candidates} == {1}
+    planned = search(compose_recipe("llama_tiny", [*tiny, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in planned.candidates} == {1, 2, 4}
 
 
 def _dry_run(tmp: Path, *overrides: str) -> dict:

@@ -23,7 +23,7 @@ from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.float8 import apply_float8
-from framework.parallel.mesh import build_mesh, dp_mesh_info, sub_mesh
+from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mesh
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage
 from framework.parallel.tensor import apply_tp
 from framework.plan import DP_AXES, MeshAxis, Plan
@@ -73,7 +73,9 @@ def parallelize(
       4. FSDP2 / HSDP (``apply_fsdp``): per block, then the root; still on meta, so a 70B shape
          is sharded before any rank allocates it. On when ``dp_shard > 1``, and for
          ``dp_replicate > 1`` with TP (HSDP over a size-1 dp_shard axis: DDP cannot wrap the TP
-         DTensors), so dp_replicate x dp_shard x tp is one 3D mesh.
+         DTensors), so dp_replicate x dp_shard x tp is one 3D mesh. With CP it shards over
+         dp_shard x cp flattened (``fsdp_mesh``): CP ranks share parameters and average gradients.
+         CP itself acts per step, not on the model (framework.parallel.context).
       5. Materialize (``framework.model.materialize``): ``to_empty`` on the device, re-tie, then
          ``init_weights(seed)``, which draws every full parameter from a per-name generator and
          slices the local shard: every layout starts from the single-process weights. It also
@@ -135,7 +137,7 @@ def _parallelize_stage(
 ) -> nn.Module:
     """Steps 0-6 of ``parallelize`` on one model (the whole model, or one pipeline stage)."""
     layout = plan.layout
-    apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.dp_shard > 1)
+    apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
     budget = (
         sharding.activation_memory_budget
@@ -148,15 +150,16 @@ def _parallelize_stage(
     else:
         apply_ac(model, sharding.activation_checkpointing)
         apply_compile(model, executor, device, budget)
-    dp_mesh = sub_mesh(mesh, plan, DP_AXES)
     if layout.fsdp:
-        assert dp_mesh is not None
-        apply_fsdp(model, dp_mesh, sharding)
+        shard_mesh = fsdp_mesh(mesh, plan)
+        assert shard_mesh is not None
+        apply_fsdp(model, shard_mesh, sharding)
     if init_weights:
         materialize(model, device, seed)
     # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
     # them with itself, and keep its gradient buckets resident through forward: the concern is off.
     if layout.ddp and init_weights:
+        dp_mesh = sub_mesh(mesh, plan, DP_AXES)
         assert dp_mesh is not None and bucketing is not None
         return apply_ddp(model, dp_mesh, bucketing, plan.bucket_cap_mb)
     return model

@@ -6,6 +6,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from framework.plan import DP_AXES, MeshAxis, Plan
 
+DP_SHARD_CP = "dp_shard_cp"  # the flattened dp_shard x cp axis FSDP2 shards over
+
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """One mesh over all ranks with the plan's shape and axis names (needs a process group).
@@ -24,6 +26,23 @@ def sub_mesh(mesh: DeviceMesh, plan: Plan, axes: tuple[MeshAxis, ...]) -> Device
     if names == tuple(mesh.mesh_dim_names or ()):
         return mesh
     return mesh[names]
+
+
+def fsdp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: the data-parallel axes, with dp_shard and cp flattened into one
+    ``dp_shard_cp`` axis when CP is on. CP ranks hold the same parameters and average their
+    gradients, so FSDP2 shards over them too (torchtitan's ``dp_shard_cp``); dp_replicate stays
+    the outer (HSDP) axis."""
+    d = plan.layout
+    if d.cp <= 1:
+        return sub_mesh(mesh, plan, DP_AXES)
+    shard_cp = (MeshAxis.dp_shard.value, MeshAxis.cp.value)
+    if d.dp_replicate == 1:
+        return mesh[shard_cp]._flatten(DP_SHARD_CP)
+    # torch deprecates slicing a flattened axis from the root mesh: flatten the three data axes
+    # and unflatten them into (dp_replicate, dp_shard_cp), a mesh of its own.
+    flat = mesh[(MeshAxis.dp_replicate.value, *shard_cp)]._flatten("dp_cp")
+    return flat._unflatten(0, (d.dp_replicate, d.fsdp_shard), (MeshAxis.dp_replicate.value, DP_SHARD_CP))
 
 
 def dp_mesh_info(mesh: DeviceMesh, plan: Plan) -> tuple[int, int]:
