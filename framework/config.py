@@ -361,6 +361,10 @@ class DataConfig:
     # sft: the keys of a prompt/response line (read as one user and one assistant message).
     prompt_field: str = "prompt"
     response_field: str = "response"
+    # sft: pack several whole examples per row (up to train.seq_len), each one attending only to
+    # itself with its own RoPE positions (document masking) and the loss still on responses only;
+    # false: one example per row, padded.
+    sft_pack: bool = True
 
 
 @dataclass

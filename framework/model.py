@@ -171,15 +171,24 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+# A token id with this bit set starts a document (data.sft_pack marks each packed example so, since
+# EOS also ends turns inside a conversation); ``document_ids`` reads it and the model strips it.
+DOC_START = 1 << 40
+# ``document_eos`` for rows whose documents are marked by DOC_START only (no token id is negative).
+NO_EOS = -1
+
+
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Which document each token belongs to, (batch, seq) int32, counted from 0 in each row.
+    """Which document each token belongs to, (batch, seq) int32, increasing along each row.
 
     Documents are packed back to back with EOS after each (framework.data.stream); an EOS belongs to
-    the document it ends, so the token after it starts a new one. Built from the tokens themselves,
-    so it needs no extra input and is sharded, traced and compiled like them.
+    the document it ends, so the token after it starts a new one. A token flagged with DOC_START
+    starts one too. Built from the tokens themselves, so it needs no extra input and is sharded,
+    traced and compiled like them.
     """
     is_eos = (tokens == eos_id).to(torch.int32)
-    return torch.cumsum(is_eos, dim=1) - is_eos
+    starts = (tokens >= DOC_START).to(torch.int32)
+    return torch.cumsum(is_eos, dim=1) - is_eos + torch.cumsum(starts, dim=1)
 
 
 def document_positions(doc: torch.Tensor) -> torch.Tensor:
@@ -278,6 +287,10 @@ class Llama(nn.Module):
         Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
+        doc = None
+        if self.document_eos is not None and self.tok_embeddings is not None:
+            doc = document_ids(tokens, self.document_eos)
+            tokens = torch.bitwise_and(tokens, DOC_START - 1)  # the ids without the start flags
         # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
         # previous stage's hidden states) and the head (it then returns its hidden states).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -285,11 +298,10 @@ class Llama(nn.Module):
             # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
             # promotes): twice the traffic of every norm, add and saved block input.
             h = h.to(self.stream_dtype)
-        if self.document_eos is None:
+        if doc is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope)
         else:
-            doc = document_ids(tokens, self.document_eos)
             rope = self.rope[document_positions(doc)]  # (batch, seq, head_dim // 2, 2)
             mask = self.document_attention_mask(tokens, doc)
             for layer in self.layers.values():

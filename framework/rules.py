@@ -305,6 +305,7 @@ RULES: dict[str, Rule] = {
     "data.name": optional_name("unset (null) or a dataset configuration name"),
     "data.split": name("a split name (train, validation, ...)"),
     "data.streaming": TYPED,
+    "data.sft_pack": TYPED,  # data=sft only; packing marks examples itself (framework.data.sft)
     "data.document_mask": TYPED,  # needs an EOS and a masking kernel: framework.data.pipeline
     "data.mix": Rule(
         "[] (no mix) or entries {source, path, weight, ...} whose weights are finite numbers >= 0 "

@@ -74,7 +74,9 @@ def test_plain_format_masks_prompts_and_trains_response_and_eos(plain_tok: Path,
     path = tmp_path / "pairs.jsonl"
     rows = [{"question": f"Say {i}.", "answer": f"I say {i}."} for i in range(8)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = make_cfg(path, plain_tok, prompt_field="question", response_field="answer", val_fraction=0.0)
+    cfg = make_cfg(
+        path, plain_tok, prompt_field="question", response_field="answer", val_fraction=0.0, sft_pack=False
+    )
     cfg.tokenizer.add_bos = True
     check_data(cfg)
     tok = load_tokenizer(cfg.tokenizer)
@@ -93,7 +95,7 @@ def test_plain_format_masks_prompts_and_trains_response_and_eos(plain_tok: Path,
 def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> None:
     """The loss over a step is the mean over every trained target of the global batch, whatever the
     micro-batch split or the number of ranks; a masked target's logits get exactly zero gradient."""
-    cfg = make_cfg(SHIPPED / "train.jsonl")
+    cfg = make_cfg(SHIPPED / "train.jsonl", sft_pack=False)
     model = build_model(cfg.model, SEQ)
     materialize(model, "cpu", seed=0)
     whole = build_data(cfg, 0, 1).sampler
@@ -119,18 +121,58 @@ def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> Non
     whole.close()
 
 
-def test_resume_on_another_dp_degree_skips_and_repeats_nothing() -> None:
-    from tests.test_data_stream import global_rows
+def test_packed_rows_give_the_unpacked_loss_with_each_example_kept_to_itself() -> None:
+    """data.sft_pack: whole examples back to back in a row, each one's first token flagged as a
+    document start. The model (document masking, RoPE restarting per example) gives the same
+    token-weighted loss as one example per row, over the same examples, and trains the same targets."""
+    from framework.data.sft import SFTWindows, split_rows
+    from framework.model import DOC_START, NO_EOS, document_ids
 
     cfg = make_cfg(SHIPPED / "train.jsonl")
+    tok = load_tokenizer(cfg.tokenizer)
+    fmt, window = ChatFormat(tok, add_bos=False), SEQ + 1
+    packed_src = SFTWindows([SHIPPED / "train.jsonl"], Fields(), fmt, window, lambda i: True, pack=True)
+    rows = torch.from_numpy(packed_src.take(4))
+    n = packed_src.state()["record"]  # the examples placed in these 4 rows
+    single = SFTWindows([SHIPPED / "train.jsonl"], Fields(), fmt, window, lambda i: True, pack=False)
+    singles = torch.from_numpy(single.take(n))
+    assert n > rows.shape[0]  # several examples per row
+    px, py = split_rows(rows)
+    sx, sy = split_rows(singles)
+    # The same trained targets in the same order, none of them carrying the flag.
+    assert torch.equal(py[py != IGNORE_INDEX], sy[sy != IGNORE_INDEX])
+    # One start flag per example, plus one per row whose tail is padding.
+    flags = int((torch.where(rows < 0, ~rows, rows) >= DOC_START).sum())
+    assert n <= flags <= n + rows.shape[0]
+    assert all(int(d.max() - d.min()) >= 1 for d in document_ids(px, NO_EOS))  # >= 2 documents a row
+    cfg.model.init_std = 0.2  # weights large enough that a token's logits depend on its context
+    packed_model, plain_model = build_model(cfg.model, SEQ, NO_EOS), build_model(cfg.model, SEQ)
+    materialize(packed_model, "cpu", seed=0)
+    materialize(plain_model, "cpu", seed=0)
+    count = int((sy != IGNORE_INDEX).sum())
+    with torch.no_grad():
+        packed = F.cross_entropy(packed_model(px).flatten(0, 1), py.flatten(), reduction="sum") / count
+        alone = F.cross_entropy(plain_model(sx).flatten(0, 1), sy.flatten(), reduction="sum") / count
+        unmasked = plain_model(torch.bitwise_and(px, DOC_START - 1))  # attention crossing examples
+        crossing = F.cross_entropy(unmasked.flatten(0, 1), py.flatten(), reduction="sum") / count
+    assert abs(float(packed) - float(alone)) < 1e-5
+    assert abs(float(crossing) - float(alone)) > 1e-3  # so the check above can fail
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["one_per_row", "packed"])
+def test_resume_on_another_dp_degree_skips_and_repeats_nothing(pack: bool) -> None:
+    from tests.test_data_stream import global_rows
+
+    cfg = make_cfg(SHIPPED / "train.jsonl", sft_pack=pack)
     whole, _ = global_rows(cfg, 1, None, 8)  # 42 train examples: 8 batches of 8 wrap into a 2nd epoch
     first, state = global_rows(cfg, 1, None, 3)
     assert all(torch.equal(a, b) for a, b in zip(first, whole[:3], strict=True))
     for dp in (2, 4):
         resumed, _ = global_rows(cfg, dp, state, 5)
         assert all(torch.equal(a, b) for a, b in zip(resumed, whole[3:], strict=True)), dp
-    rows = torch.cat(whole[:5])  # the first pass: 40 distinct examples
-    assert len({tuple(r.tolist()) for r in rows}) == rows.shape[0]
+    if not pack:
+        rows = torch.cat(whole[:5])  # the first pass: 40 distinct examples
+        assert len({tuple(r.tolist()) for r in rows}) == rows.shape[0]
     # the validation conversations (every 8th) never reach training
     val = build_data(dataclass_replace_eval(cfg), 0, 1).val_batches
     train_rows = {tuple(r.tolist()) for r in torch.cat(whole)}
@@ -228,8 +270,9 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     losses = [r["loss"] for r in read_metrics(run) if "loss" in r and "step" in r]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
 
-    # The same config's first batch, in process: its targets are the assistant turns and their EOS.
-    cfg = make_cfg(SHIPPED / "train.jsonl", hf)
+    # The same data's first batch, in process, one example per row (the first row is the first
+    # conversation): its targets are the assistant turns and their EOS.
+    cfg = make_cfg(SHIPPED / "train.jsonl", hf, sft_pack=False)
     cfg.model.vocab_size = 320
     tok = load_tokenizer(cfg.tokenizer)
     (x, y), *_ = build_data(cfg, 0, 1).sampler.next_batch()

@@ -26,11 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
 from framework.metrics import read_metrics
+from tests.dist import run_ranks
+from tests.entry import train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -113,12 +116,26 @@ def losses_by_step(run: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An unbroken 8-step run and the same run with rank 1 SIGKILLed after step 5."""
+    """An unbroken 8-step run and the same run with rank 1 SIGKILLed after step 5.
+
+    The killed run is a real ``train.py`` launch; the unbroken one runs its config.yaml with fault
+    injection off on 2 ranks forked from this process (see ``unbroken_run``)."""
     tmp = tmp_path_factory.mktemp("elastic")
     base, killed = tmp / "base", tmp / "killed"
-    ok(train(base, "train.steps=8"))
     ok(train(killed, "train.steps=8", *KILL))
+    unbroken_run(killed, base, 2)
     return {"base": base, "killed": killed}
+
+
+def unbroken_run(killed: Path, base: Path, world: int) -> None:
+    """The killed run's config, fault injection and restarts off, trained in ``base`` on ``world``
+    ranks forked from this process: what each worker runs, without the launcher and ``world``
+    interpreters importing torch (~5 s of CPU each). The killed run's launch covers those."""
+    unbroken = OmegaConf.load(killed / "config.yaml")
+    unbroken.run.max_restarts, unbroken.run.fault_kill_at_step = 0, -1
+    base.mkdir()
+    OmegaConf.save(unbroken, base / "config.yaml")
+    run_ranks(_worker_rank, world, str(base), timeout_s=300)
 
 
 def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, Path]) -> None:
@@ -142,12 +159,15 @@ def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, 
 
 def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:
     """Beyond two ranks: FSDP over 4 gloo ranks, rank 3 SIGKILLed after step 5; the launcher
-    restarts all four, they load their shards of step 4 and end bitwise equal to the unbroken run."""
+    restarts all four, they load their shards of step 4 and end bitwise equal to the unbroken run.
+
+    The killed run is a real ``train.py`` launch (the restart is the point); the unbroken one runs
+    its config.yaml on 4 forked ranks (``unbroken_run``)."""
     four = ["mesh=4", "sharding=fsdp"]
     base, killed = tmp_path / "base", tmp_path / "killed"
-    ok(train(base, "train.steps=6", *four, timeout=180))
     kill = ["run.max_restarts=1", "run.fault_kill_at_step=5", "run.fault_rank=3"]
     ok(train(killed, "train.steps=6", *four, *kill, timeout=180))
+    unbroken_run(killed, base, 4)
     [resumed] = events(killed, "resumed")
     assert resumed["step"] == 4 and resumed["restarts"] == 1, resumed
     assert losses_by_step(killed) == losses_by_step(base)
@@ -155,15 +175,17 @@ def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:
 
 
 def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
-    """DDP over 8 gloo ranks: 8 fresh processes resume the unbroken run's step 1 and end step 2 bitwise.
+    """DDP over 8 gloo ranks: 8 fresh ranks resume the unbroken run's step 1 and end step 2 bitwise.
 
     Why 8 ranks and these 2 steps: the all-reduce sums the 8 ranks' gradients in an order set by
     where each parameter sits in DDP's bucket (its chunk of the ring), and DDP moves parameters
     once, when it rebuilds its buckets in gradient-ready order. At 2 ranks the order cannot matter
     (a + b == b + a). The unbroken run trains step 2 on the rebuilt layout; before the fix the
-    resumed ranks trained it on the construction-time one and ended ~1 ulp away (issue 19). A new
-    launch starts the ranks exactly as the launcher's restart does (build, settle DDP, load), with
-    8 processes fewer than a SIGKILL (the 2- and 4-rank tests above cover the restart itself).
+    resumed ranks trained it on the construction-time one and ended ~1 ulp away (issue 19).
+    The unbroken run is a real 8-rank ``train.py`` launch. The resumed ranks run what a restarted
+    rank runs (``framework.worker``: the run's config.yaml, then ``trainer.run``: build, settle DDP,
+    load), forked from this process (tests/dist.py) instead of 8 interpreters importing torch: the
+    bug is in the trainer's math, and the 2- and 4-rank tests above cover the launcher's restart.
     One layer and synthetic tokens keep each launch to its process starts.
     """
     eight = ["mesh=8", "train.micro_batch_size=1", "model.n_layers=1", "data.source=synthetic"]
@@ -172,12 +194,22 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
     ok(train(base, *eight, timeout=240))
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(base, 1), step_dir(resumed, 1))
-    ok(train(resumed, *eight, timeout=240))
+    shutil.copy(base / "config.yaml", resumed / "config.yaml")
+    run_ranks(_worker_rank, 8, str(resumed), timeout_s=300)
     [event] = events(resumed, "resumed")
     assert event["step"] == 1 and "step_000001" in event["detail"], event
     assert [r["step"] for r in loss_rows(resumed)] == [2]
     assert losses_by_step(resumed)[2] == losses_by_step(base)[2]
     assert assert_bitwise(step_dir(base, 2), step_dir(resumed, 2)) > 30
+
+
+def _worker_rank(rank: int, world: int, run_dir: str) -> None:
+    """A rank as ``framework.worker`` runs it, minus the interpreter start: the process group exists."""
+    from framework import trainer
+    from framework.config import to_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    trainer.run(to_config(OmegaConf.load(Path(run_dir) / "config.yaml")), Path(run_dir))
 
 
 def test_lost_time_from_kill_to_first_resumed_step_is_bounded(runs: dict[str, Path]) -> None:
@@ -302,19 +334,24 @@ def test_every_checkpoint_corrupt_starts_over_loudly_and_keeps_them(
     assert not (root / "LOCK").exists(), "the run releases its lock at the end"
 
 
-def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_naming_the_owner(tmp_path: Path) -> None:
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_naming_the_owner(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before launch, so train.py's entry point runs in this process (tests/entry.py)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         owner = {"user": "alice", "host": socket.gethostname(), "pid": holder.pid, "launcher_pid": None}
         (shared / "LOCK").write_text(json.dumps(owner | {"run_id": "outputs/first", "since": "08:00"}))
-        proc = train(tmp_path / "second", f"checkpoint.dir={shared}", "mesh=1")
+        run = tmp_path / "second"
+        code = train_main(f"hydra.run.dir={run}", *TINY, f"checkpoint.dir={shared}", "mesh=1")
     finally:
         holder.kill()
         holder.wait()
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    out = capfd.readouterr()
+    assert code == 2, out.out[-2000:] + out.err[-2000:]
+    [line] = [ln for ln in out.err.splitlines() if ln.startswith("error:")]
     assert "outputs/first" in line and "user alice" in line and f"pid {holder.pid}" in line, line
     assert not (tmp_path / "second").exists(), "nothing is written before the refusal"
 

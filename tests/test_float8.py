@@ -19,8 +19,8 @@ from framework.entry import check_float8
 from framework.metrics import read_metrics
 from framework.model import build_model, materialize
 from framework.plan import make_plan
+from tests.entry import train_main
 from tests.test_config import compose_config
-from tests.test_train import train
 
 torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
 
@@ -97,13 +97,14 @@ def test_device_refusals() -> None:
         check_float8(cfg, torch.device("cpu"))
 
 
-def test_train_py_refuses_float8_on_cpu(tmp_path: Path) -> None:
+def test_train_py_refuses_float8_on_cpu(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Refused before launch: train.py's entry point runs in this process (tests/entry.py)."""
     run = tmp_path / "run"
-    proc = train(
-        run, "run.device=cpu", "model.float8=tensorwise", "model.float8_size_filter=false", timeout=120
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    overrides = ["run.device=cpu", "model.float8=tensorwise", "model.float8_size_filter=false"]
+    code = train_main(f"hydra.run.dir={run}", *overrides)
+    err = capfd.readouterr().err
+    assert code == 2, err[-2000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "model.float8=tensorwise needs a CUDA GPU" in errors[0]
     assert not run.exists()
 

@@ -5,7 +5,8 @@ Modules, one concern each:
 - ``tokens``: token files (``.bin`` + JSON sidecar with the tokenizer's digest);
 - ``sampler``: random windows over a flat token array (stdlib, tokens, synthetic), as before packing;
 - ``stream``: on-the-fly tokenization, packing with EOS, mixtures, background prefetch;
-- ``sft``: chat / instruction records, one example per row, the loss masked on prompt tokens;
+- ``sft``: chat / instruction records packed whole per row (each its own document), the loss
+  masked on prompt tokens;
 - ``pipeline``: config -> sampler, and every check that runs before launch;
 - ``prepare`` / ``cli``: ``python -m framework.data prepare`` and ``tokenizer train``.
 

@@ -33,6 +33,7 @@ from framework.data.stream import (
     holdout,
 )
 from framework.data.tokens import tokenizer_digest
+from framework.model import NO_EOS
 from framework.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
@@ -192,9 +193,9 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
         )
     if not cfg.data.mix and cfg.data.source is DataSource.sft:
         raise ValueError(
-            "data.document_mask=true with data=sft: each row already holds one example (attention never "
-            "crosses examples), and the mask would also cut a conversation at every EOS inside it: "
-            "leave data.document_mask=false"
+            "data.document_mask=true with data=sft: attention never crosses examples (packed rows mask "
+            "each example by itself, data.sft_pack), and an EOS mask would also cut a conversation at "
+            "every EOS inside it: leave data.document_mask=false"
         )
     if not cfg.data.mix and cfg.data.source is DataSource.synthetic:
         raise ValueError("data.document_mask=true with data=synthetic: random tokens have no documents")
@@ -207,7 +208,10 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
 
 
 def document_eos(cfg: Config) -> int | None:
-    """The EOS id the model's document mask splits on (None when data.document_mask is off)."""
+    """The EOS id the model's document mask splits on (None when data.document_mask is off); with
+    packed SFT rows (data.sft_pack) ``NO_EOS``: the examples are marked by DOC_START, not split at EOS."""
+    if not cfg.data.mix and cfg.data.source is DataSource.sft and cfg.data.sft_pack:
+        return NO_EOS
     return load_tokenizer(cfg.tokenizer).eos_id if cfg.data.document_mask else None
 
 
@@ -256,10 +260,12 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
     files = resolve_files(spec)
     val_files = resolve_files(spec, data.val_path) if data.val_path is not None else files
     label = f"data.path={spec.path!r}"
-    train = SFTWindows(files, fields, fmt, window, holdout(every, False), data.encode_batch, label)
+    pack = data.sft_pack
+    train = SFTWindows(files, fields, fmt, window, holdout(every, False), data.encode_batch, label, pack)
     keep_val = holdout(every, True) if every else holdout(0, False)
-    val = SFTWindows(val_files, fields, fmt, window, keep_val, data.encode_batch, label)
-    desc = f"sft {spec.path} ({tok.kind.value} tokens, {fmt.description}, loss on responses only)"
+    val = SFTWindows(val_files, fields, fmt, window, keep_val, data.encode_batch, label, pack)
+    rows = "examples packed per row" if pack else "one example per row"
+    desc = f"sft {spec.path} ({tok.kind.value} tokens, {fmt.description}, {rows}, loss on responses only)"
     return train, val, desc
 
 

@@ -17,9 +17,11 @@ How an example becomes tokens:
   message's ``content + "\\n"`` (masked) and each assistant message's ``content`` followed by EOS
   (trained on).
 
-One example per row of ``seq_len + 1`` tokens, padded with EOS whose targets are masked (so attention
-never crosses examples; ``data.document_mask=true`` is refused: it would also cut a conversation at an
-EOS inside it). An example longer than the row is cut
+Whole examples are packed back to back into rows of ``seq_len + 1`` tokens (``data.sft_pack``;
+false: one example per row), padded with EOS whose targets are masked. Each example's first token
+carries ``DOC_START`` (framework.model): the model starts a document there, so attention and RoPE
+positions stay within the example (``data.document_mask=true`` is refused: an EOS mask would also
+cut a conversation at an EOS inside it). An example longer than the row is cut
 (the end of its response is lost; the number cut is logged before launch); an example whose prompt
 alone fills the row (nothing left to learn) is refused.
 
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 
 from framework.config import DataConfig
+from framework.model import DOC_START
 from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("framework")
@@ -69,7 +72,9 @@ def split_rows(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool((m < 0).any()):
         return m[:, :-1], m[:, 1:]
     ids = torch.where(m < 0, torch.bitwise_not(m), m)
-    return ids[:, :-1], torch.where(m[:, 1:] < 0, IGNORE_INDEX, ids[:, 1:])
+    # Inputs keep DOC_START (packed examples: the model reads it); targets never carry it.
+    targets = torch.bitwise_and(ids[:, 1:], DOC_START - 1)
+    return ids[:, :-1], torch.where(m[:, 1:] < 0, IGNORE_INDEX, targets)
 
 
 def parse_example(row: Any, fields: Fields, where: str) -> list[dict[str, str]]:
@@ -278,9 +283,27 @@ def to_row(
     return row, cut
 
 
+def pack_rows(examples: Sequence[np.ndarray], window: int, pad: int) -> np.ndarray:
+    """Signed examples (``to_row``'s values, unpadded) packed back to back into one row of
+    ``window`` tokens, each one's first token flagged with DOC_START (the model starts a document
+    there: attention and RoPE positions stay within each example) and masked as a target (it is an
+    input only, as at the start of an unpacked row). The padding after them is a document of its own."""
+    row = np.full(window, ~pad, dtype=np.int64)
+    at = 0
+    for ex in examples:
+        first = ex[0] if ex[0] >= 0 else ~ex[0]
+        row[at : at + ex.size] = ex
+        row[at] = ~(first | DOC_START)
+        at += ex.size
+    if at < window:
+        row[at] = ~(pad | DOC_START)
+    return row
+
+
 class SFTWindows:
-    """A ``WindowSource`` (framework.data.stream) of SFT rows, one example each, in record order;
-    its state is (epoch, record number): two integers, the same on every rank."""
+    """A ``WindowSource`` (framework.data.stream) of SFT rows in record order: one example each, or
+    with ``pack`` (data.sft_pack) as many whole consecutive examples as fit. Its state is (epoch,
+    record number of the next example not yet in a row): two integers, the same on every rank."""
 
     def __init__(
         self,
@@ -291,8 +314,10 @@ class SFTWindows:
         keep: Callable[[int], bool],
         encode_batch: int = 256,
         label: str = "data",
+        pack: bool = False,
     ) -> None:
         self.files, self.fields, self.fmt, self.window = list(files), fields, fmt, window
+        self.pack = pack
         self.keep, self.encode_batch, self.label = keep, max(1, encode_batch), label
         self.pad = int(fmt.tok.eos_id)  # type: ignore[arg-type]  # ChatFormat refuses a tokenizer without EOS
         self.seek({"epoch": 0, "record": 0})
@@ -300,6 +325,7 @@ class SFTWindows:
     def seek(self, state: dict[str, int]) -> None:
         self._at = (int(state["epoch"]), int(state["record"]))
         self._gen = self._rows(*self._at)
+        self._next: tuple[int, int, np.ndarray] | None = None  # read, not yet in a row (packing)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self._at[0], "record": self._at[1]}
@@ -326,18 +352,33 @@ class SFTWindows:
             epoch, start = epoch + 1, 0
 
     def _encode(self, batch: list[tuple[int, str, list[dict]]]) -> list[tuple[int, np.ndarray]]:
+        """(next record number, the example's signed row: padded to the window, or not when packing)."""
         encoded = self.fmt.encode_many([(w, m) for _, w, m in batch])
-        return [
-            (n + 1, to_row(ids, flags, self.window, self.pad, where)[0])
-            for (n, where, _), (ids, flags) in zip(batch, encoded, strict=True)
-        ]
+        out = []
+        for (n, where, _), (ids, flags) in zip(batch, encoded, strict=True):
+            row = to_row(ids, flags, self.window, self.pad, where)[0]
+            out.append((n + 1, row[: min(ids.size, self.window)] if self.pack else row))
+        return out
 
     def take(self, n: int) -> np.ndarray:
         rows = []
         for _ in range(n):
-            epoch, after, row = next(self._gen)
-            self._at = (epoch, after)
-            rows.append(row)
+            if not self.pack:
+                epoch, after, row = next(self._gen)
+                self._at = (epoch, after)
+                rows.append(row)
+                continue
+            examples, used = [], 0
+            while True:
+                if self._next is None:
+                    self._next = next(self._gen)
+                epoch, after, ex = self._next
+                if examples and used + ex.size > self.window:
+                    break  # it starts the next row; the state still points at it
+                examples.append(ex)
+                used += ex.size
+                self._next, self._at = None, (epoch, after)
+            rows.append(pack_rows(examples, self.window, self.pad))
         return np.stack(rows)
 
 
