@@ -84,6 +84,14 @@ class ResidualDtype(Enum):
     float32 = "float32"
 
 
+class ModelFamily(Enum):
+    """The architecture (framework.models): ``llama`` (Llama 2/3), or ``qwen3`` (Qwen3 dense: Llama's
+    layout plus an RMSNorm over each query and key head before RoPE)."""
+
+    llama = "llama"
+    qwen3 = "qwen3"
+
+
 class AttentionBackend(Enum):
     """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick."""
 
@@ -268,13 +276,17 @@ def option_fields(cls: type = None, prefix: str = "") -> dict[str, tuple[str, tu
 
 @dataclass
 class ModelConfig:
-    """Llama-family decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
+    """Decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
 
     name: str = "llama_tiny"
+    # The architecture (framework.models): llama, or qwen3 (an RMSNorm over each q/k head before RoPE).
+    family: ModelFamily = ModelFamily.llama
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
+    # Size of each attention head; 0 = dim / n_heads (Llama's). Qwen3 sets it apart from the width.
+    head_dim: int = 0
     ffn_dim: int = 384
     vocab_size: int = 256
     norm_eps: float = 1e-5
@@ -302,7 +314,7 @@ class ModelConfig:
     # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
     # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.
     fused_cross_entropy: FusedCrossEntropy = FusedCrossEntropy.none
-    # Initial weights instead of a random init: a Hugging Face Llama safetensors folder, or a framework
+    # Initial weights instead of a random init: a Hugging Face Llama/Qwen3 safetensors folder, or a framework
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
     # shape fields above are taken from it (framework.init_from); a contradicting override is an error.
     init_from: Optional[str] = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from framework.config import ActivationCheckpointing, Config, ExecutorMode
 from framework.model import flops_per_token, num_params
+from framework.models import model_spec
 
 if TYPE_CHECKING:
     from framework.layout import Degrees
@@ -85,7 +86,7 @@ def _recompute_flops_per_token(cfg: Config) -> float:
     """Forward flops of the blocks (what a checkpointed block runs again): 2 N_blocks + 4·L·H·Q·T."""
     m = cfg.model
     blocks = num_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    head_dim = m.dim // m.n_heads
+    head_dim = model_spec(m).head_dim
     return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.config import Float8Recipe, ModelConfig
+from framework.models import TPStyle, model_spec
 
 # Hopper (sm90) and Ada (sm89) have float8 tensor cores; torch._scaled_mm refuses older GPUs.
 MIN_CAPABILITY = (8, 9)
@@ -39,21 +40,15 @@ class LinearShape:
 
 
 def linear_shapes(m: ModelConfig) -> list[LinearShape]:
-    """Every Linear of the model, in module order (mirrors framework.model; tests check they agree)."""
-    hd = m.dim // m.n_heads
+    """Every Linear of the model, in module order, from its spec (framework.models)."""
+    spec = model_spec(m)
     out: list[LinearShape] = []
-    for i in range(m.n_layers):
-        a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
-        out += [
-            LinearShape(a + "wq", m.n_heads * hd, m.dim, "colwise"),
-            LinearShape(a + "wk", m.n_kv_heads * hd, m.dim, "colwise"),
-            LinearShape(a + "wv", m.n_kv_heads * hd, m.dim, "colwise"),
-            LinearShape(a + "wo", m.dim, m.n_heads * hd, "rowwise"),
-            LinearShape(f + "w1", m.ffn_dim, m.dim, "colwise"),
-            LinearShape(f + "w2", m.dim, m.ffn_dim, "rowwise"),
-            LinearShape(f + "w3", m.ffn_dim, m.dim, "colwise"),
-        ]
-    out.append(LinearShape("output", m.vocab_size, m.dim, "colwise"))
+    for unit in spec.units():
+        for w in spec.block:
+            if w.tp in (TPStyle.colwise, TPStyle.rowwise):
+                out.append(LinearShape(f"{unit}.{w.module}", *w.shape, w.tp.value))
+    head = next(w for w in spec.last if w.tp is TPStyle.output)
+    out.append(LinearShape(head.module, *head.shape, "colwise"))
     return out
 
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from framework.config import Config, to_config
 from framework.model import Attention, Llama, TransformerBlock, apply_rope, build_model, rope_tables
+from framework.models import model_spec
 
 
 @dataclass
@@ -41,7 +42,7 @@ class KVCache:
     @classmethod
     def empty(cls, model: Llama, batch: int, capacity: int) -> KVCache:
         cfg = model.cfg
-        head_dim = cfg.dim // cfg.n_heads
+        head_dim = model_spec(cfg).head_dim
         p = model.tok_embeddings.weight
         shape = (batch, cfg.n_kv_heads, capacity, head_dim)
         keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
@@ -53,9 +54,7 @@ class KVCache:
 def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
     b, s, _ = x.shape
     start, end = cache.length, cache.length + s
-    q = attn.wq(x).view(b, s, -1, attn.head_dim)
-    k = attn.wk(x).view(b, s, -1, attn.head_dim)
-    v = attn.wv(x).view(b, s, -1, attn.head_dim)
+    q, k, v = attn.heads(x)
     rope = cache.rope[start:end]
     q, k = apply_rope(q, rope), apply_rope(k, rope)
     cache.keys[layer][:, :, start:end] = k.transpose(1, 2)

@@ -2,7 +2,7 @@
 
 Two kinds of source, told apart by their files:
 
-* a Hugging Face Llama folder (``config.json`` + safetensors, sharded with
+* a Hugging Face Llama or Qwen3 folder (``config.json`` + safetensors, sharded with
   ``model.safetensors.index.json`` or not), read by ``framework.checkpoint.import_hf``;
 * a framework checkpoint: a DCP ``step_N`` directory of another run, its checkpoint root, or that
   run's dir (then its newest complete checkpoint). Only the model is read: the optimizer, schedule,
@@ -29,15 +29,24 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.checkpoint import import_hf
-from framework.config import Config, Integrity, ModelConfig
+from framework.config import Config, Integrity, ModelConfig, ModelFamily
+from framework.models import model_spec
 
 KEY = "model.init_from"
 RUN_CONFIG = "config.yaml"
 
 
 def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The shape fields of a model config (what a checkpoint records about its model)."""
-    return {k: getattr(model_cfg, k) for k in import_hf.SHAPE_FIELDS}
+    """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
+    shape = {k: getattr(model_cfg, k) for k in import_hf.SHAPE_FIELDS}
+    return shape | {"family": model_cfg.family.value}
+
+
+def _typed(shape: dict[str, Any]) -> dict[str, Any] | None:
+    """A recorded shape back as ``ModelConfig`` values (the family is an Enum); None when empty."""
+    if "family" in shape:
+        shape["family"] = ModelFamily(shape["family"])
+    return shape or None
 
 
 def framework_checkpoint(path: Path) -> Path | None:
@@ -67,14 +76,14 @@ def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         extra = {}
     if isinstance(extra.get("model"), dict):
-        return {k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS} or None
+        return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS})
     run_config = step_dir.parent.parent / RUN_CONFIG
     if run_config.is_file():
         try:
             model = OmegaConf.to_container(OmegaConf.load(run_config)).get("model", {})
         except Exception:  # noqa: BLE001 - an unreadable config.yaml just gives no shape
             return None
-        return {k: model[k] for k in import_hf.SHAPE_FIELDS if k in model} or None
+        return _typed({k: model[k] for k in import_hf.SHAPE_FIELDS if k in model})
     return None
 
 
@@ -123,6 +132,7 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     set_on_cli = command_line_keys(overrides)
     for k, v in shape.items():
         if k in set_on_cli and getattr(cfg.model, k) != v:
+            v = getattr(v, "value", v)  # the family: its name
             theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
             raise ValueError(
                 f"model.{k}={set_on_cli[k]} on the command line contradicts {KEY}={str(path)!r}, whose "
@@ -133,7 +143,7 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     expected = expected_shapes(model_cfg)
     if hf is not None:
-        import_hf.check_against(hf, expected, KEY)
+        import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)

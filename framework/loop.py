@@ -557,12 +557,8 @@ def _step_in_backward(
     device: torch.device,
     io: HostIO | None,
 ) -> StepResult:
-    if len(micro_batches) != 1:
-        raise ValueError(
-            f"train.optimizer_in_backward steps each parameter during backward, so it takes one "
-            f"micro-batch per step, got {len(micro_batches)}: set train.micro_batch_size to the "
-            f"rank's whole batch"
-        )
+    # One micro-batch per step: the planner refuses anything else (framework.plan._check_in_backward).
+    assert len(micro_batches) == 1, len(micro_batches)
     timer = _StepTimer(device)
     if device.type == "cuda":
         torch.compiler.cudagraph_mark_step_begin()

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
+from framework.models import model_spec
 
 _SDPA_BACKENDS = {
     AttentionBackend.flash: SDPBackend.FLASH_ATTENTION,
@@ -94,22 +95,35 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = model_spec(cfg).head_dim
         self.gqa = cfg.n_heads != cfg.n_kv_heads
         self.backend = _SDPA_BACKENDS.get(cfg.attention)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.qk_norm = model_spec(cfg).qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as (batch, seq, heads, head_dim), before RoPE (q/k normalised per head when the
+        family has qk_norm). -1 for the head count: under tensor parallelism each rank holds only
+        its share of heads."""
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        # -1 for the head count: under tensor parallelism each rank holds only its share of heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k, v = self.heads(x)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
@@ -236,7 +250,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> None:
         super().__init__()
-        if cfg.dim % cfg.n_heads:
+        if not cfg.head_dim and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(
@@ -264,7 +278,7 @@ class Llama(nn.Module):
         self.register_buffer("rope", self._rope_tables(None), persistent=False)
 
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
-        head_dim = self.cfg.dim // self.cfg.n_heads
+        head_dim = model_spec(self.cfg).head_dim
         return rope_tables(head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,15 +401,9 @@ def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = N
 
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameter count from the shape alone (tied embeddings counted once)."""
-    head_dim = cfg.dim // cfg.n_heads
-    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    per_layer = attn + ffn + 2 * cfg.dim
-    emb = cfg.vocab_size * cfg.dim
-    out = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    n = cfg.n_layers * per_layer + cfg.dim + out
-    return n + emb if include_embedding else n
+    """Parameter count from the shape alone (its spec; tied embeddings counted once)."""
+    n = sum(math.prod(w.shape) for _, w, _ in model_spec(cfg).params())
+    return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -408,7 +416,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.tie_embeddings:
         # The tied output projection is a matmul of vocab x dim even though its weight is shared.
         n += cfg.vocab_size * cfg.dim
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = model_spec(cfg).head_dim
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 

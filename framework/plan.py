@@ -41,6 +41,7 @@ from framework.layout import (
     divisors,
     fixed_degrees,
 )
+from framework.models import model_spec
 
 GIB = 1024**3
 MIB = 1024**2
@@ -59,7 +60,7 @@ __all__ = ["DP_AXES", "MeshAxis"]
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of the Llama model: its name, full shape and the tensor dim TP shards (if any)."""
+    """One parameter of the model: its name, full shape and the tensor dim TP shards (if any)."""
 
     name: str
     shape: tuple[int, ...]
@@ -247,44 +248,9 @@ def _check_batch(cfg: Config, dp: int) -> int:
 
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
-    """Parameters of framework.model.Llama in ``named_parameters()`` order (tied output omitted).
-
-    Mirrors the model so the planner needs no model; the dry run checks the two agree. Cached per
-    shape: the layout search plans the same model hundreds of times.
-    """
-    key = (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings)
-    return list(_param_specs(key, m))
-
-
-_SPEC_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
-
-
-def _param_specs(key: tuple, m: ModelConfig) -> tuple[ParamSpec, ...]:
-    if key not in _SPEC_CACHE:
-        _SPEC_CACHE[key] = tuple(_build_specs(m))
-    return _SPEC_CACHE[key]
-
-
-def _build_specs(m: ModelConfig) -> list[ParamSpec]:
-    hd = m.dim // m.n_heads
-    specs = [ParamSpec("tok_embeddings.weight", (m.vocab_size, m.dim), 0, "root")]
-    for i in range(m.n_layers):
-        u, p = f"layers.{i}", f"layers.{i}."
-        specs += [
-            ParamSpec(p + "attention_norm.weight", (m.dim,), None, u),
-            ParamSpec(p + "attention.wq.weight", (m.n_heads * hd, m.dim), 0, u),
-            ParamSpec(p + "attention.wk.weight", (m.n_kv_heads * hd, m.dim), 0, u),
-            ParamSpec(p + "attention.wv.weight", (m.n_kv_heads * hd, m.dim), 0, u),
-            ParamSpec(p + "attention.wo.weight", (m.dim, m.n_heads * hd), 1, u),
-            ParamSpec(p + "ffn_norm.weight", (m.dim,), None, u),
-            ParamSpec(p + "feed_forward.w1.weight", (m.ffn_dim, m.dim), 0, u),
-            ParamSpec(p + "feed_forward.w2.weight", (m.dim, m.ffn_dim), 1, u),
-            ParamSpec(p + "feed_forward.w3.weight", (m.ffn_dim, m.dim), 0, u),
-        ]
-    specs.append(ParamSpec("norm.weight", (m.dim,), None, "root"))
-    if not m.tie_embeddings:
-        specs.append(ParamSpec("output.weight", (m.vocab_size, m.dim), 0, "root"))
-    return specs
+    """Parameters of the model ``m`` describes, in ``named_parameters()`` order (tied output omitted),
+    from its spec (framework.models): the planner needs no model; the dry run checks they agree."""
+    return [ParamSpec(name, w.shape, w.tp_dim, unit) for name, w, unit in model_spec(m).params()]
 
 
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
@@ -362,7 +328,7 @@ def _activation_bytes(
     k, logit_bytes = (_COMPILED_K, _COMPILED_LOGIT_BYTES) if compiled else (_EAGER_K, _EAGER_LOGIT_BYTES)
     if not bf16:
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
-    kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
+    kv_dim = m.n_kv_heads * model_spec(m).head_dim
     per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
     # model.float8: the converted Linear layers keep their inputs in float8 (framework.float8).
     per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
@@ -397,7 +363,7 @@ def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
         return 0
     m = cfg.model
     elem = 2 if autocast_bf16(cfg) else 4
-    kv = cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * (m.dim // m.n_heads) // tp
+    kv = cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
     return 2 * 2 * kv * elem
 
 
@@ -626,7 +592,7 @@ def _cp_comm(cfg: Config, cp: int, intra: bool, accum: int, tp: int) -> list[Com
     again; selective checkpointing recomputes every other block."""
     m = cfg.model
     elem = 2 if autocast_bf16(cfg) else 4
-    kv = 2 * cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * (m.dim // m.n_heads) // tp
+    kv = 2 * cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
     mode = cfg.sharding.activation_checkpointing
     recomputed = {
         ActivationCheckpointing.full: m.n_layers,

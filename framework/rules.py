@@ -127,11 +127,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def _head_dim_ok(v: Any, c: Config) -> bool:
-    return _is_int(v) and 1 <= v <= INT64_MAX and v % c.model.n_heads == 0 and (v // c.model.n_heads) % 2 == 0
+    if not _is_int(v) or not 1 <= v <= INT64_MAX:
+        return False
+    return c.model.head_dim > 0 or (v % c.model.n_heads == 0 and (v // c.model.n_heads) % 2 == 0)
 
 
 def _dim_valid(c: Config) -> str:
     h = c.model.n_heads
+    if c.model.head_dim > 0:
+        return "a positive integer"
     return (
         f"a positive multiple of model.n_heads={h} whose head dim (dim / n_heads) is even for rotary "
         f"embeddings, e.g. {[2 * h * k for k in (16, 32, 64)]}"
@@ -246,6 +250,13 @@ RULES: dict[str, Rule] = {
     # model: the shape is checked here so a bad one never reaches the model code (model.dim=0 was a
     # 253-line traceback from inside a rank).
     "model.name": name(),
+    "model.family": TYPED,
+    # Before model.dim, whose rule reads it. RoPE rotates pairs of features: an even size.
+    "model.head_dim": Rule(
+        "0 (= model.dim / model.n_heads) or an even integer >= 2",
+        lambda v, _c: _is_int(v) and 0 <= v <= 2**20 and v % 2 == 0,
+        (-2, 3),
+    ),
     "model.n_heads": integer(1),  # before model.dim and model.n_kv_heads, whose rules divide by it
     "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132)),
     "model.n_layers": integer(1),
@@ -319,7 +330,8 @@ RULES: dict[str, Rule] = {
     "train.beta1": number(0, 1, hi_open=True, bad=(1.0, -0.1, math.nan)),
     "train.beta2": number(0, 1, hi_open=True, bad=(1.0, 1.5, math.nan)),
     "train.grad_clip": number(0, what="0 = no clipping, the norm is still logged"),
-    "train.optimizer_in_backward": TYPED,  # its relations to the mesh and the batch: framework.plan
+    # One device, one micro-batch, no clip: framework.plan._check_in_backward (the loop asserts it).
+    "train.optimizer_in_backward": TYPED,
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
@@ -444,7 +456,7 @@ RULES: dict[str, Rule] = {
     "sharding.reshard_after_forward": TYPED,
     "sharding.param_dtype": TYPED,
     "sharding.reduce_dtype": TYPED,
-    "sharding.activation_checkpointing": TYPED,
+    "sharding.activation_checkpointing": TYPED,  # budget needs a compiled executor: framework.plan
     "sharding.activation_memory_budget": Rule(
         "0.0 to 1.0, a fraction of the compiled default's saved activations",
         checked_by="framework.plan (with activation_checkpointing=budget; else a warning)",
@@ -489,7 +501,7 @@ RULES: dict[str, Rule] = {
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),
     "freeze.export_methods": names_list("method names (non-empty strings)"),
     # executor
-    "executor.mode": TYPED,
+    "executor.mode": TYPED,  # cudagraphs needs CUDA: framework.entry.validate (the resolved device)
     "executor.scope": TYPED,
     "executor.backend": Rule(
         _backend_valid, _backend_ok, ("no_such_backend",), context=(("executor.mode", "compile"),)

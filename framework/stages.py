@@ -27,6 +27,7 @@ import functools
 import math
 
 from framework.config import Config, DataSource, FusedCrossEntropy, PPSchedule
+from framework.models import model_spec
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Bytes per token of the embedding's forward gather and backward scatter-add of one row (fp32: read
@@ -179,8 +180,9 @@ def layer_costs(cfg: Config, tokens: float) -> tuple[float, float, float]:
     m, hw, seq = cfg.model, cfg.mesh.hardware, cfg.train.seq_len
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
     hbm = hw.hbm_gbps * 1e9
-    hd = m.dim // m.n_heads
-    block_params = m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim + 2 * m.dim
+    spec = model_spec(m)
+    hd = spec.head_dim
+    block_params = sum(math.prod(w.shape) for w in spec.block)
     block = tokens * (6.0 * block_params + 12.0 * m.n_heads * hd * seq) / peak
     block += (tokens * (2 * m.dim + m.ffn_dim) * 40.0 + block_params * _ADAMW_BYTES) / hbm
     table = m.vocab_size * m.dim

@@ -2,9 +2,10 @@
 (no download), loaded through ``model.init_from`` on 1 rank and on 2 gloo ranks (FSDP, TP); the
 logits must equal transformers' within 1e-5 (fp32, CPU).
 
-The four models cover GQA and MHA, tied and untied heads, a sharded save (index json) and a
-3-head model whose FSDP shards of q/k end in the middle of a head (the RoPE rows are permuted per
-head, so that case reads the whole heads a shard touches).
+The models cover GQA and MHA, tied and untied heads, a sharded save (index json) and 3-head models
+whose FSDP shards of q/k end in the middle of a head (the RoPE rows are permuted per head, so that
+case reads the whole heads a shard touches); two are ``Qwen3ForCausalLM`` (q/k norms, whose entries
+are permuted too, and a head_dim other than hidden / heads).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 pytest.importorskip("transformers")
 
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
-from framework.config import Config, ModelConfig, Strategy  # noqa: E402
+from framework.config import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
+from framework.models import model_spec  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.plan import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -29,24 +31,36 @@ SEQ, TOL = 16, 1e-5
 # Llama 3.1's RoPE scaling, with an original context short enough that every band is exercised.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 LLAMA3_ROPE |= {"original_max_position_embeddings": 32, "rope_theta": 500000.0}
-# name -> (hidden, heads, kv heads, tied, max_shard_size for save_pretrained or None, rope parameters)
+# name -> (hidden, heads, kv heads, tied, max_shard_size for save_pretrained or None, rope parameters
+# [, family, head_dim])
 MODELS = {
     "gqa_untied": (64, 4, 2, False, "40KB", None),  # sharded: model.safetensors.index.json
     "gqa_tied_3heads": (48, 3, 1, True, None, None),
     "mha_tied": (64, 4, 4, True, None, None),
     "mha_untied": (64, 4, 4, False, None, None),
     "gqa_llama3_rope": (64, 4, 2, True, None, LLAMA3_ROPE),
+    "qwen3_gqa_tied_hd32": (64, 4, 2, True, None, None, "qwen3", 32),
+    "qwen3_untied_3heads_hd24": (48, 3, 1, False, "40KB", None, "qwen3", 24),
 }
 
 
 def make_hf_model(
-    out: Path, hidden: int, heads: int, kv: int, tied: bool, shard: str | None, rope: dict | None
+    out: Path,
+    hidden: int,
+    heads: int,
+    kv: int,
+    tied: bool,
+    shard: str | None,
+    rope: dict | None,
+    family: str = "llama",
+    head_dim: int | None = None,
 ) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     torch.manual_seed(hash((hidden, heads, kv, tied)) % 1000)
     extra = {"rope_parameters": rope} if rope else {}
-    config = LlamaConfig(
+    extra |= {"head_dim": head_dim} if head_dim else {}
+    config = (LlamaConfig if family == "llama" else Qwen3Config)(
         **extra,
         hidden_size=hidden,
         intermediate_size=96,
@@ -59,8 +73,9 @@ def make_hf_model(
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial norms: a swapped norm would show
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert type(model).__name__ == ("LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM")
+    with torch.no_grad():  # non-trivial norms (q/k norms too): a swapped or unpermuted norm would show
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
@@ -72,9 +87,9 @@ def tokens() -> torch.Tensor:
 
 
 def hf_logits(path: Path) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path).eval()  # fp32: what the models were saved in
+    model = AutoModelForCausalLM.from_pretrained(path).eval()  # fp32: what the models were saved in
     with torch.no_grad():
         return model(tokens()).logits
 
@@ -103,6 +118,10 @@ def test_shape_comes_from_config_json(hf_models: dict) -> None:
     cfg = model_cfg(path)
     assert (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 4, 2, 96, 256)
     assert (cfg.tie_embeddings, cfg.rope_theta, cfg.n_layers) == (False, 500000.0, 2)
+    assert (cfg.family, cfg.head_dim) == (ModelFamily.llama, 0)  # 0: hidden / heads, as config.json says
+    qwen3 = model_cfg(hf_models["qwen3_untied_3heads_hd24"][0])
+    assert (qwen3.family, qwen3.head_dim, qwen3.n_heads, qwen3.dim) == (ModelFamily.qwen3, 24, 3, 48)
+    assert qwen3.rope_theta == 500000.0 and not qwen3.tie_embeddings
 
 
 def test_one_rank_logits_equal_transformers_and_export_back(tmp_path: Path, hf_models: dict) -> None:
@@ -168,7 +187,7 @@ def test_two_gloo_ranks_fsdp_and_tp_logits_equal_transformers(hf_models: dict) -
     layouts = [("fsdp", 1, [2]), ("tp", 2, [2])]
     out = run_ranks(_parallel_logits, 2, hf_models, layouts, timeout_s=300)
     print("HF -> framework, 2 gloo ranks, max |logits diff| (rank 0):", out[0])
-    assert len(out[0]) == 2 * len(MODELS) - 1  # TP skips the 3-head model
+    assert len(out[0]) == 2 * len(MODELS) - 2  # TP skips the 3-head models
     for diffs in out:
         assert max(diffs.values()) <= TOL, diffs
 
@@ -177,15 +196,16 @@ def test_shape_and_name_mismatch_name_the_tensor(hf_models: dict) -> None:
     path, _ = hf_models["mha_tied"]
     ckpt = import_hf.read_hf_checkpoint(path)
     expected = {n: tuple(p.shape) for n, p in build_model(model_cfg(path), SEQ).named_parameters()}
+    names = model_spec(model_cfg(path)).hf_names()
     wrong = dict(expected, **{"layers.1.feed_forward.w1.weight": (128, 64)})
     with pytest.raises(
         ValueError,
         match=r"model\.layers\.1\.mlp\.gate_proj\.weight has shape \[96, 64\], the model expects \[128, 64\]",
     ):
-        import_hf.check_against(ckpt, wrong)
+        import_hf.check_against(ckpt, wrong, names)
     untied = dict(expected, **{"output.weight": (256, 64)})  # the model wants an lm_head it lacks
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
-        import_hf.check_against(ckpt, untied)
+        import_hf.check_against(ckpt, untied, names)
 
 
 def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> None:
@@ -195,6 +215,7 @@ def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> Non
         ({"rope_scaling": {"type": "linear", "factor": 8.0}}, "linear"),
         ({"model_type": "mistral"}, "model_type='mistral'"),
         ({"attention_bias": True}, "attention_bias=true"),
+        ({"use_sliding_window": True}, "use_sliding_window=true"),
     ]:
         folder = tmp_path / match.split("=")[0].replace(" ", "_")
         folder.mkdir()

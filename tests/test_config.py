@@ -71,8 +71,9 @@ def test_every_recipe_composes_and_builds_on_meta(name: str) -> None:
 
 
 def test_published_shapes() -> None:
-    # Parameter counts of the real models these recipes copy (Meta's model cards).
+    # Parameter counts of the real models these recipes copy (Meta's and Qwen's model cards).
     expected = {"llama1b": 1.24e9, "llama7b": 6.74e9, "llama3_8b": 8.03e9, "llama70b": 70.6e9}
+    expected |= {"qwen3_0_6b": 0.6e9, "qwen3_8b": 8.2e9}
     for name, n in expected.items():
         got = num_params(compose_config(f"recipe={name}").model)
         assert abs(got - n) / n < 0.01, (name, got)

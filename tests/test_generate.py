@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,15 +10,17 @@ from pathlib import Path
 
 import torch
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, ModelFamily
 from framework.generate import KVCache, forward_cached, generate, main
 from framework.model import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tiny_model(n_kv_heads: int = 2) -> torch.nn.Module:
+def tiny_model(n_kv_heads: int = 2, family: ModelFamily = ModelFamily.llama) -> torch.nn.Module:
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=128, vocab_size=97)
+    if family is ModelFamily.qwen3:  # q/k norms, heads wider than dim / n_heads
+        cfg = dataclasses.replace(cfg, family=family, head_dim=32)
     model = build_model(cfg, max_seq_len=32)
     model.to_empty(device="cpu")
     model.output.weight = model.tok_embeddings.weight
@@ -26,8 +29,8 @@ def tiny_model(n_kv_heads: int = 2) -> torch.nn.Module:
 
 
 def test_cached_logits_equal_the_full_forward_at_every_step() -> None:
-    for n_kv in (2, 4):  # GQA and MHA
-        model = tiny_model(n_kv)
+    for n_kv, family in ((2, ModelFamily.llama), (4, ModelFamily.llama), (2, ModelFamily.qwen3)):  # GQA, MHA
+        model = tiny_model(n_kv, family)
         tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
         cache = KVCache.empty(model, 1, 20)
         cached = [forward_cached(model, tokens[:, :8], cache)]  # prefill 8, then one at a time

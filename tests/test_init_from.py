@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from framework import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
-from framework.config import Config, ModelConfig, Strategy  # noqa: E402
+from framework.config import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.plan import make_plan  # noqa: E402
@@ -56,9 +56,10 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    for name in ("gqa_untied", "mha_tied"):
+    names = ("gqa_untied", "mha_tied", "qwen3_untied_3heads_hd24")
+    for name in names:
         make_hf_model(root / name, *MODELS[name])
-    return {name: root / name for name in ("gqa_untied", "mha_tied")}
+    return {name: root / name for name in names}
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -76,6 +77,18 @@ def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: d
     assert (resolved.model.dim, resolved.model.n_kv_heads, resolved.model.tie_embeddings) == (64, 2, False)
     assert (resolved.model.rope_theta, resolved.model.name, resolved.model.init_from) == (500000.0, "ft", src)
     assert init_from.resolve(Config(model=ModelConfig(init_from=src)), []).model.dim == 64
+    # The family and its shape come from config.json too (model_type qwen3, head_dim 24 != 48 / 3).
+    qwen3 = init_from.resolve(
+        Config(model=ModelConfig(init_from=str(hf_dirs["qwen3_untied_3heads_hd24"]))), []
+    )
+    assert (qwen3.model.family, qwen3.model.head_dim, qwen3.model.dim) == (ModelFamily.qwen3, 24, 48)
+    with pytest.raises(
+        ValueError, match=r"model\.family=llama on the command line contradicts .* model_type=qwen3"
+    ):
+        init_from.resolve(
+            qwen3_cfg := Config(model=ModelConfig(init_from=qwen3.model.init_from)), ["model.family=llama"]
+        )
+    assert qwen3_cfg.model.family is ModelFamily.llama
     contradicting = Config(model=ModelConfig(init_from=src, n_heads=8))
     with pytest.raises(
         ValueError,
@@ -84,15 +97,30 @@ def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: d
         init_from.resolve(contradicting, ["model.n_heads=8"])
 
 
-def test_round_trip_zero_steps_is_equal_tensor_for_tensor(tmp_path: Path, hf_dirs: dict) -> None:
-    """HF -> train 0 steps -> export: the same tensors, bit for bit (q/k permuted there and back)."""
-    src = hf_dirs["gqa_untied"]
+@pytest.mark.parametrize("name", ["gqa_untied", "qwen3_untied_3heads_hd24"])
+def test_round_trip_zero_steps_is_equal_tensor_for_tensor(tmp_path: Path, hf_dirs: dict, name: str) -> None:
+    """HF -> train 0 steps -> export: the same tensors, bit for bit (q/k and Qwen3's q/k norms
+    permuted there and back), and the same config.json shape."""
+    src = hf_dirs[name]
     run = tmp_path / "run"
     ok(train(run, f"model.init_from={src}", "train.steps=0", "checkpoint.export_hf=true", *FAST))
     before, after = hf_tensors(src), hf_tensors(run / "hf")
     assert sorted(before) == sorted(after)
-    for name, t in before.items():
-        assert torch.equal(after[name], t), name
+    for tensor, t in before.items():
+        assert torch.equal(after[tensor], t), tensor
+    conf, back = (
+        json.loads((src / "config.json").read_text()),
+        json.loads((run / "hf" / "config.json").read_text()),
+    )
+    for k in (
+        "model_type",
+        "architectures",
+        "head_dim",
+        "hidden_size",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    ):
+        assert back[k] == conf[k], k
 
 
 def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:

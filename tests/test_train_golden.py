@@ -3,8 +3,12 @@
 Why: refactors of the loop, the optimizer and the schedule must not move a single bit of the
 default run. The values below were recorded before the optimizer/LR-schedule config groups landed
 (torch 2.13.0+cpu, x86-64, fp32 on CPU); the same numbers after a change prove it is a refactor.
-They depend on the CPU kernels: on another architecture or torch version, re-record them from the
-commit before the change (``python train.py`` with ``GOLDEN_OVERRIDES``) and compare there.
+They depend on the CPU kernels, so the runs pin them: ATen's vectorised kernels at AVX2
+(``ATEN_CPU_CAPABILITY=avx2``) and MKL's conditional numerical reproducibility at its AVX2 code path
+(``MKL_CBWR=AVX2``). Without both, an AVX-512 machine (seen: an AMD EPYC in CI) rounds one step
+differently from the AVX2 machine the values were recorded on. On another architecture or torch
+version, re-record them from the commit before the change (``python train.py`` with
+``GOLDEN_OVERRIDES`` and ``PINNED_KERNELS``) and compare there.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 from framework.metrics import read_metrics
 from tests.test_train import ROOT
 
+# The x86-64 kernel paths every such machine has (AVX2), whatever its newest instructions.
+PINNED_KERNELS = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 GOLDEN_OVERRIDES = [
     "train.steps=8",
     "train.warmup_steps=3",
@@ -61,7 +67,7 @@ GOLDEN = {
 
 def test_default_recipe_loss_trace_is_bitwise_the_pinned_one(tmp_path: Path) -> None:
     """Both meshes at once: three processes on two cores take less wall time than two runs in turn."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **PINNED_KERNELS}
     env.pop("RUN_STAMP", None)
     procs = {
         mesh: subprocess.Popen(

@@ -1,11 +1,12 @@
-"""Export to Hugging Face ``LlamaForCausalLM``: ``model.safetensors``, ``config.json``,
+"""Export to Hugging Face (``LlamaForCausalLM``, ...): ``model.safetensors``, ``config.json``,
 ``generation_config.json`` and the tokenizer's files, so that ``AutoModelForCausalLM`` and
 ``AutoTokenizer`` load the folder as it is.
 
-Names map one to one (torchtitan -> HF), except for one numerical subtlety: our RoPE rotates
-interleaved pairs ``(x[2i], x[2i+1])`` as Meta's original code does, while HF rotates halves
-``(x[i], x[i + d/2])``. Permuting the rows of ``wq`` and ``wk`` inside each head (pairs -> halves)
-makes HF's attention compute the same scores; this is the permutation of HF's own
+Names map one to one (torchtitan -> HF, as the model's spec in framework.models lists them),
+except for one numerical subtlety: our RoPE rotates interleaved pairs ``(x[2i], x[2i+1])`` as
+Meta's original code does, while HF rotates halves ``(x[i], x[i + d/2])``. Permuting the rows of
+``wq`` and ``wk`` inside each head (pairs -> halves; the spec's ``rope_heads``) makes HF's
+attention compute the same scores; this is the permutation of HF's own
 ``convert_llama_weights_to_hf.py``. ``wv``/``wo`` are not rotated and are copied as they are.
 """
 
@@ -21,21 +22,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from framework.config import ModelConfig
+from framework.models import model_spec
 from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("framework")
-
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -45,37 +35,31 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection from interleaved-pair to rotate-half order, per head (HF's permute)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Rows (dim 0) of a q/k projection, or entries of a per-head q/k norm, from interleaved-pair
+    to rotate-half order, per head (HF's permute)."""
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def to_hf_state_dict(model_state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename (and for wq/wk permute) a full state dict to HF Llama names; contiguous copies.
+    """Rename (and for q/k permute) a full state dict to the HF names of the model's spec
+    (framework.models); contiguous copies.
 
     Raises ValueError naming keys that are missing or that the export does not know.
     """
-    expected = {"tok_embeddings.weight", "norm.weight", "output.weight"}
-    expected |= {f"layers.{i}.{k}" for i in range(model_cfg.n_layers) for k in _LAYER_NAMES}
-    tied_output = model_cfg.tie_embeddings and "output.weight" not in model_state
-    missing = sorted(expected - set(model_state) - ({"output.weight"} if tied_output else set()))
-    unknown = sorted(set(model_state) - expected)
+    spec = model_spec(model_cfg)
+    every = spec.hf_names()
+    names = {ours: every[ours] for ours, _, _ in spec.params()}
+    rope = spec.rope_heads()
+    # A tied model's state dict also names output.weight: the embedding's tensor, not exported.
+    allowed = set(names) | ({"output.weight"} if model_cfg.tie_embeddings else set())
+    missing = sorted(set(names) - set(model_state))
+    unknown = sorted(set(model_state) - allowed)
     if missing or unknown:
         raise ValueError(f"model state does not match {model_cfg.name}: missing {missing}, unknown {unknown}")
-    out = {
-        "model.embed_tokens.weight": model_state["tok_embeddings.weight"],
-        "model.norm.weight": model_state["norm.weight"],
-    }
-    if not model_cfg.tie_embeddings:
-        out["lm_head.weight"] = model_state["output.weight"]
-    for i in range(model_cfg.n_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            w = model_state[f"layers.{i}.{ours}"]
-            if ours == "attention.wq.weight":
-                w = permute_rope_rows(w, model_cfg.n_heads)
-            elif ours == "attention.wk.weight":
-                w = permute_rope_rows(w, model_cfg.n_kv_heads)
-            out[f"model.layers.{i}.{theirs}"] = w
+    out = {}
+    for ours, theirs in names.items():
+        w = model_state[ours]
+        out[theirs] = permute_rope_rows(w, rope[ours]) if ours in rope else w
     # safetensors refuses tensors that share storage (tied weights, views): save independent copies.
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
@@ -87,7 +71,8 @@ def hf_config(
     bos_id: int | None = None,
     eos_id: int | None = None,
 ) -> dict[str, object]:
-    """``config.json`` for ``LlamaForCausalLM`` (transformers' LlamaConfig field names)."""
+    """``config.json`` for the spec's HF class (transformers' LlamaConfig field names)."""
+    spec = model_spec(model_cfg)
     rope: dict[str, object] = {"rope_type": "default"}
     if model_cfg.rope_scaling_factor != 1.0:
         rope = {
@@ -98,14 +83,14 @@ def hf_config(
             "original_max_position_embeddings": model_cfg.rope_original_max_position,
         }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.hf_model_type,
         "hidden_size": model_cfg.dim,
         "intermediate_size": model_cfg.ffn_dim,
         "num_hidden_layers": model_cfg.n_layers,
         "num_attention_heads": model_cfg.n_heads,
         "num_key_value_heads": model_cfg.n_kv_heads,
-        "head_dim": model_cfg.dim // model_cfg.n_heads,
+        "head_dim": spec.head_dim,
         "vocab_size": model_cfg.vocab_size,
         "rms_norm_eps": model_cfg.norm_eps,
         # transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters.

@@ -1,4 +1,4 @@
-"""Import a Hugging Face ``LlamaForCausalLM`` checkpoint (a safetensors folder) into our model.
+"""Import a Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` checkpoint (a safetensors folder) into our model.
 
 The inverse of ``export_hf.py``: names map one to one, and HF's rotate-half rows of ``q_proj`` /
 ``k_proj`` are permuted back to our interleaved-pair RoPE order inside each head.
@@ -24,17 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.checkpoint.export_hf import _LAYER_NAMES
+from framework.config import ModelFamily
+from framework.models import model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 # ModelConfig field -> LlamaConfig field: the shape that ``model.init_from`` takes from config.json.
 SHAPE_FIELDS = {
+    "family": "model_type",
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "ffn_dim": "intermediate_size",
     "vocab_size": "vocab_size",
     "norm_eps": "rms_norm_eps",
@@ -49,6 +52,7 @@ SHAPE_FIELDS = {
 # LlamaConfig's defaults for the fields a config.json may leave out (transformers' LlamaConfig).
 _HF_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": None,  # None means num_attention_heads
+    "head_dim": None,  # None means hidden_size / num_attention_heads
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -125,17 +129,18 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:
     """The ``ModelConfig`` shape fields from config.json (LlamaConfig's defaults where absent).
 
-    Raises ValueError for what our Llama does not compute (another architecture, biases, a head_dim
-    other than hidden_size / heads, RoPE scaling other than Llama 3.1's, another activation): its
-    logits would differ.
+    The family is the ``model_type`` (framework.models). Raises ValueError for what our model does
+    not compute (another architecture, biases, sliding-window attention, RoPE scaling other than
+    Llama 3.1's, another activation): its logits would differ.
     """
     c = ckpt.config
     where = f"{key}={str(ckpt.path)!r}"
-    if c.get("model_type") != "llama":
-        raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: 'llama'")
-    for flag in ("attention_bias", "mlp_bias"):
+    families = [f.value for f in ModelFamily]
+    if c.get("model_type") not in families:
+        raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: {families}")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if c.get(flag):
-            raise ValueError(f"{where}: config.json has {flag}=true; valid: false (our Llama has no biases)")
+            raise ValueError(f"{where}: config.json has {flag}=true; valid: false (not in our models)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")
     # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}; older
@@ -163,51 +168,41 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
             out["rope_scaling_factor"] = 1.0  # off, whatever the recipe said
         if out["n_kv_heads"] is None:
             out["n_kv_heads"] = out["n_heads"]
+        if out["head_dim"] is None or out["head_dim"] * out["n_heads"] == out["dim"]:
+            out["head_dim"] = 0  # hidden_size / heads: the default
         ints = (
             "dim",
             "n_layers",
             "n_heads",
             "n_kv_heads",
+            "head_dim",
             "ffn_dim",
             "vocab_size",
             "rope_original_max_position",
         )
         for k, v in out.items():
-            out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
+            if k != "family":
+                out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: config.json lacks or mangles a Llama shape field: {e!r}") from None
-    head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * out["n_heads"] != out["dim"]:
-        raise ValueError(
-            f"{where}: config.json has head_dim={head_dim} with hidden_size={out['dim']} and "
-            f"num_attention_heads={out['n_heads']}; valid: head_dim = hidden_size / num_attention_heads"
-        )
+        raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
+    out["family"] = ModelFamily(out["family"])
     return out
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> its HF Llama name (``layers.0.attention.wq.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``)."""
-    if name == "tok_embeddings.weight":
-        return "model.embed_tokens.weight"
-    if name == "norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    _, i, rest = name.split(".", 2)
-    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
-
-
 def check_against(
-    ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], key: str = "model.init_from"
+    ckpt: HFCheckpoint,
+    expected: dict[str, tuple[int, ...]],
+    names: dict[str, str],
+    key: str = "model.init_from",
 ) -> None:
-    """``expected``: our parameter name -> shape. ValueError naming the first tensor whose shape
-    differs (both shapes), or the tensors missing from the checkpoint / unknown to our model.
+    """``expected``: our parameter name -> shape; ``names``: ours -> HF's (the spec's ``hf_names``).
+    ValueError naming the first tensor whose shape differs (both shapes), or the tensors missing
+    from the checkpoint / unknown to our model.
 
     A tied model ignores a stored ``lm_head.weight`` (transformers ties it to the embedding too).
     """
     where = f"{key}={str(ckpt.path)!r}"
-    want = {hf_name(n): s for n, s in expected.items()}
+    want = {names[n]: s for n, s in expected.items()}
     for name, shape in want.items():
         got = ckpt.shapes.get(name)
         if got is not None and tuple(got) != tuple(shape):
@@ -241,14 +236,17 @@ def _read_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tor
 
 
 def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], head_dim: int) -> torch.Tensor:
-    """Rows [r0, r0 + n) of our interleaved q/k layout from HF's rotate-half rows: read the whole
-    heads that the rows touch, un-permute them, cut the chunk out."""
-    (r0, c0), (n, m) = offsets, sizes
-    if n == 0 or m == 0:  # an empty shard (more ranks than rows)
-        return torch.empty(n, m)
+    """Rows [r0, r0 + n) of our interleaved q/k layout (a projection, or a per-head norm's entries)
+    from HF's rotate-half rows: read the whole heads that the rows touch, un-permute them, cut the
+    chunk out."""
+    r0, n = offsets[0], sizes[0]
+    if 0 in sizes:  # an empty shard (more ranks than rows)
+        return torch.empty(sizes)
     h0, h1 = r0 // head_dim, math.ceil((r0 + n) / head_dim)
-    stored = sl[h0 * head_dim : h1 * head_dim, c0 : c0 + m]
-    ours = stored.view(h1 - h0, 2, head_dim // 2, m).transpose(1, 2).reshape((h1 - h0) * head_dim, m)
+    cols = tuple(slice(o, o + m) for o, m in zip(offsets[1:], sizes[1:], strict=True))
+    stored = sl[(slice(h0 * head_dim, h1 * head_dim), *cols)]
+    heads = stored.reshape(h1 - h0, 2, head_dim // 2, *stored.shape[1:])
+    ours = heads.transpose(1, 2).reshape(stored.shape)
     start = r0 - h0 * head_dim
     return ours[start : start + n]
 
@@ -259,19 +257,20 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
     reading only its local chunk. No collective: every rank calls it on its own."""
     from safetensors import safe_open
 
-    head_dim = model.cfg.dim // model.cfg.n_heads
+    spec = model_spec(model.cfg)
+    names, rope = spec.hf_names(), spec.rope_heads()
     params = dict(model.named_parameters())
-    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()})
+    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()}, names)
     by_file: dict[str, list[str]] = {}
     for n in params:
-        by_file.setdefault(ckpt.files[hf_name(n)], []).append(n)
-    for file, names in sorted(by_file.items()):
+        by_file.setdefault(ckpt.files[names[n]], []).append(n)
+    for file, in_file in sorted(by_file.items()):
         with safe_open(str(ckpt.path / file), framework="pt") as f:
-            for n in names:
+            for n in in_file:
                 local, offsets, sizes = _local_chunk(params[n])
-                sl = f.get_slice(hf_name(n))
-                if n.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    value = _read_rope_rows(sl, offsets, sizes, head_dim)
+                sl = f.get_slice(names[n])
+                if n in rope:
+                    value = _read_rope_rows(sl, offsets, sizes, params[n].shape[0] // rope[n])
                 else:
                     value = _read_rows(sl, offsets, sizes)
                 local.copy_(value.to(device=local.device, dtype=local.dtype))

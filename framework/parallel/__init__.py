@@ -88,8 +88,8 @@ def parallelize(
 
     Every step reads the plan's degrees (``plan.layout``), never a strategy name.
 
-    Each step is a no-op when its setting is off. Raises ValueError for ``executor.mode=cudagraphs``
-    off CUDA; RuntimeError when a wrapper that should have sharded something sharded nothing.
+    Each step is a no-op when its setting is off. Raises RuntimeError when a wrapper that should have
+    sharded something sharded nothing.
     """
     if plan.layout.pp > 1:
         return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from framework.config import ActivationCheckpointing
 from framework.model import Llama
+from framework.models import blocks
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -44,7 +45,7 @@ def apply_ac(model: Llama, mode: ActivationCheckpointing) -> int:
     if mode in (ActivationCheckpointing.none, ActivationCheckpointing.budget):
         return 0
     count = 0
-    for i, block in enumerate(model.layers.values()):
+    for i, block in enumerate(blocks(model)):
         if mode == ActivationCheckpointing.full or i % 2 == 0:
             checkpoint_block(block)
             count += 1

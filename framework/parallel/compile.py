@@ -17,6 +17,7 @@ from torch import nn
 
 from framework.config import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy
 from framework.model import Llama
+from framework.models import blocks
 
 
 def inductor_mode(executor: ExecutorConfig) -> str | None:
@@ -47,29 +48,24 @@ def apply_compile(
     It is process-wide torch config (``torch._functorch.config.activation_memory_budget``), read
     when each region first compiles, so each call sets it (None: torch's default) rather than
     patching it around every region call on the hot path; a process trains one model.
-    Raises ValueError for ``cudagraphs`` on a non-CUDA device, or a budget with the eager executor.
+    Users' combinations are refused before launch, each in one place: ``cudagraphs`` off CUDA by
+    ``framework.entry.validate``, a budget with the eager executor by ``framework.plan``.
     """
     if executor.mode == ExecutorMode.eager:
-        if memory_budget is not None:
-            raise ValueError(
-                "sharding.activation_checkpointing=budget needs a compiled executor (the compiler's "
-                "partitioner does the recompute): use executor=compile or executor=cudagraphs"
-            )
+        assert memory_budget is None, "activation_checkpointing=budget with eager: refused by framework.plan"
         return 0
-    if executor.mode == ExecutorMode.cudagraphs and device.type != "cuda":
-        raise ValueError(
-            f"executor.mode=cudagraphs needs a CUDA device, got {device.type}: use executor.mode=compile "
-            f"or executor.mode=eager"
-        )
+    assert executor.mode != ExecutorMode.cudagraphs or device.type == "cuda", (
+        "refused by framework.entry.validate"
+    )
     mode = inductor_mode(executor)
     functorch_config.activation_memory_budget = _DEFAULT_BUDGET if memory_budget is None else memory_budget
     if executor.scope == CompileScope.model:
         model.forward = _compile(model.forward, executor, mode)
         return 1
-    blocks: list[nn.Module] = list(model.layers.values())
-    if not blocks:
+    units: list[nn.Module] = blocks(model)
+    if not units:
         raise RuntimeError("executor.scope=block but the model has no blocks to compile")
-    for block in blocks:
+    for block in units:
         block.forward = _compile(block.forward, executor, mode)
     # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
@@ -79,4 +75,4 @@ def apply_compile(
         model.head_loss = _compile(model.head_loss, executor, mode)
     else:
         model.norm.forward = _compile(model.norm.forward, executor, mode)
-    return len(blocks) + 1
+    return len(units) + 1

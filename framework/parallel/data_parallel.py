@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.config import BucketingConfig, DType, ShardingConfig
 from framework.model import Llama
+from framework.models import blocks
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
@@ -50,7 +51,7 @@ def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> N
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[sharding.param_dtype], reduce_dtype=TORCH_DTYPES[sharding.reduce_dtype]
     )
-    for block in model.layers.values():
+    for block in blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
     names = set(dp_mesh.mesh_dim_names or ())

@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron-style with sequence parallelism), as torchtitan applies it to Llama.
+"""Tensor parallelism (Megatron-style with sequence parallelism), as torchtitan applies it to Llama;
+the plan is derived from the model's spec (framework.models: each weight's ``TPStyle``).
 
 Column-parallel wq/wk/wv/w1/w3 and row-parallel wo/w2 keep each block's matmuls local between one
 all-gather and one reduce-scatter; the norms run sequence-parallel (activations sharded on the
@@ -15,13 +16,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from framework.config import Float8Recipe
 from framework.model import Llama
+from framework.models import ModelSpec, TPStyle, Weight, blocks, model_spec
 from framework.parallel.float8 import tp_styles
 
 
@@ -29,8 +33,48 @@ def _fresh_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> tor
     return output.clone()
 
 
+def _root_style(w: Weight) -> ParallelStyle:
+    if w.tp is TPStyle.embedding:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if w.tp is TPStyle.output:
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True)
+    assert w.tp is TPStyle.sequence, w
+    return SequenceParallel()
+
+
+def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelStyle:
+    """Float8 layers under tensorwise take torchao's float8 styles (float8 all-gather of the
+    activations); the layouts are the same as the bf16 plan's."""
+    if w.tp is TPStyle.sequence:
+        return SequenceParallel()
+    if w.tp is TPStyle.heads:
+        # (batch, seq, local heads, head_dim): treated as sharded on the heads dim, so that the
+        # replicated weight's gradient is summed over every rank's heads.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    styles = tp_styles(block.get_submodule(w.module), recipe)
+    if w.tp is TPStyle.colwise:
+        return styles[0]() if styles else ColwiseParallel()
+    assert w.tp is TPStyle.rowwise, w
+    return styles[1](output_layouts=Shard(1)) if styles else RowwiseParallel(output_layouts=Shard(1))
+
+
+def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[str, ParallelStyle]:
+    """One block's plan from the spec: each sublayer's input gathered from the sequence shards
+    (the other inputs, such as the RoPE table, pass through), then each weight's module."""
+    plan: dict[str, ParallelStyle] = {}
+    for module, n_inputs in spec.sublayers.items():
+        rest = (None,) * (n_inputs - 1)
+        plan[module] = PrepareModuleInput(
+            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
+        )
+    for w in spec.block:
+        plan[w.module] = _block_style(block, w, recipe)
+    return plan
+
+
 def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
-    """Shard ``model`` in place over ``tp_mesh``; no-op when there is no TP axis (or it has size 1).
+    """Shard ``model`` in place over ``tp_mesh`` by its spec's TP styles; no-op when there is no TP
+    axis (or it has size 1).
 
     Tied embeddings: the embedding (row-wise over the vocabulary) and the output projection
     (column-wise) both shard the weight as Shard(0), so the output is tied again to the embedding's
@@ -38,49 +82,15 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     """
     if tp_mesh is None or tp_mesh.size() == 1:
         return
+    spec = model_spec(model.cfg)
     # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
     # and output are then the residual stream's local sequence shard, as between two blocks.
     root = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        w.module: _root_style(w) for w in (*spec.first, *spec.last) if getattr(model, w.module) is not None
     }
-    parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
-    recipe = model.cfg.float8
-
-    def col(block: nn.Module, path: str) -> ColwiseParallel:
-        styles = tp_styles(block.get_submodule(path), recipe)
-        return styles[0]() if styles else ColwiseParallel()
-
-    def row(block: nn.Module, path: str) -> RowwiseParallel:
-        styles = tp_styles(block.get_submodule(path), recipe)
-        return styles[1](output_layouts=Shard(1)) if styles else RowwiseParallel(output_layouts=Shard(1))
-
-    for block in model.layers.values():
-        # Float8 layers under tensorwise take torchao's float8 styles (float8 all-gather of the
-        # activations); the layouts are the same as the bf16 plan's.
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                # The second input is the RoPE table: a plain tensor every rank holds whole.
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-                ),
-                "attention.wq": col(block, "attention.wq"),
-                "attention.wk": col(block, "attention.wk"),
-                "attention.wv": col(block, "attention.wv"),
-                "attention.wo": row(block, "attention.wo"),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": col(block, "feed_forward.w1"),
-                "feed_forward.w2": row(block, "feed_forward.w2"),
-                "feed_forward.w3": col(block, "feed_forward.w3"),
-            },
-        )
+    parallelize_module(model, tp_mesh, root)
+    for block in blocks(model):
+        parallelize_module(block, tp_mesh, block_plan(spec, block, model.cfg.float8))
     # The embedding's output is ``to_local()``'s *view* of its DTensor's local tensor. When the block
     # that takes it is compiled, AOTAutograd replays that view from its base, and the gradient
     # reaches the embedding's redistribute as a plain tensor, skipping ``to_local``'s backward

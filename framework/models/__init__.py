@@ -1,0 +1,54 @@
+"""Model families, each described once (``framework.models.spec.ModelSpec``).
+
+``model_spec(cfg)`` is what the planner, the TP plan, activation checkpointing, compile, FSDP,
+float8 and the Hugging Face converters read; ``framework.model`` builds the modules it describes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from framework.config import ModelConfig, ModelFamily
+from framework.models.llama import llama_spec
+from framework.models.qwen3 import qwen3_spec
+from framework.models.spec import ModelSpec, TPStyle, Weight
+
+__all__ = ["ModelSpec", "TPStyle", "Weight", "blocks", "model_spec"]
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(key: tuple) -> ModelSpec:
+    m = ModelConfig(**dict(key))
+    return FAMILIES[m.family](m)
+
+
+FAMILIES = {ModelFamily.llama: llama_spec, ModelFamily.qwen3: qwen3_spec}
+
+
+def model_spec(m: ModelConfig) -> ModelSpec:
+    """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
+    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
+    return _spec(key)
+
+
+# The ModelConfig fields a spec depends on (the cache key).
+SHAPE_KEYS = (
+    "family",
+    "head_dim",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated units (what activation checkpointing, per-block compile and FSDP wrap),
+    as its spec names them; a pipeline stage holds only some of them."""
+    container = model.get_submodule(model_spec(model.cfg).blocks)
+    return list(container.values())
