@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
+from framework.fused_ce import linear_cross_entropy
 from framework.models import model_spec
 
 _SDPA_BACKENDS = {
@@ -102,10 +103,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        self.qk_norm = model_spec(cfg).qk_norm
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        # None where the family has no q/k norm: TorchScript (freeze=script) drops a branch on a None
+        # attribute, where a bool flag would make it compile the missing modules' call.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if model_spec(cfg).qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if model_spec(cfg).qk_norm else None
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as (batch, seq, heads, head_dim), before RoPE (q/k normalised per head when the
@@ -115,23 +116,22 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.qk_norm:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None (causal), a dense boolean mask, or FlexAttention's ``BlockMask``. The
+        annotation leaves BlockMask out, and so does the check below when scripting: TorchScript
+        (``freeze=script``) would try to compile that class, and a scripted model never has one."""
         b, s, _ = x.shape
         q, k, v = self.heads(x)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # From the config, not the tensors: tracing would turn a shape comparison into a tensor, and
         # tensor parallelism divides both head counts by the same degree.
-        if isinstance(mask, BlockMask):  # data.document_mask through FlexAttention (document_attention_mask)
-            out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=self.gqa)
-        elif mask is not None:  # data.document_mask: causal within each document (document_mask())
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
+        if mask is not None:  # data.document_mask
+            out = self._attend_masked(q, k, v, mask)
         elif self.backend is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         else:
@@ -139,6 +139,18 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
+
+    def _attend_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal within each document: FlexAttention for a BlockMask, SDPA for a dense mask
+        (TorchScript compiles only the dense case: it cannot name BlockMask)."""
+        if torch.jit.is_scripting():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
+        else:
+            if isinstance(mask, BlockMask):
+                return _flex(q)(q, k, v, block_mask=mask, enable_gqa=self.gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
 
 
 class FeedForward(nn.Module):
@@ -160,10 +172,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-    ) -> torch.Tensor:
-        # The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # ``mask`` may also be a BlockMask (see Attention.forward). The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
         if mask is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
@@ -263,6 +273,11 @@ class Llama(nn.Module):
         # The document mask's kernel: None = FlexAttention where it trains (``flex_trains_on``) and
         # model.attention=auto, else SDPA with the dense mask; True / False force one (tests).
         self.document_flex: bool | None = None
+        # model.fused_cross_entropy, None for the default head: an attribute rather than a config
+        # read, so TorchScript (freeze=script) drops the fused branch it cannot compile.
+        self.fused_cross_entropy = (
+            None if cfg.fused_cross_entropy is FusedCrossEntropy.none else cfg.fused_cross_entropy
+        )
         # The residual stream's dtype: ``materialize`` sets the loop's compute dtype (bf16 on CUDA)
         # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
         # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
@@ -287,17 +302,22 @@ class Llama(nn.Module):
         Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
         """
+        if self.document_eos is not None:
+            return self._forward_documents(tokens, targets)
+        h = self._embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self._head(h, targets)
+
+    def _forward_documents(self, tokens: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` with ``data.document_mask``: attention and RoPE positions restart at each
+        document. Its own method, reached only when ``document_eos`` is set, so that TorchScript
+        (``freeze=script``, which skips a branch on a None attribute) compiles none of it otherwise."""
         doc = None
-        if self.document_eos is not None and self.tok_embeddings is not None:
+        if self.tok_embeddings is not None:
             doc = document_ids(tokens, self.document_eos)
             tokens = torch.bitwise_and(tokens, DOC_START - 1)  # the ids without the start flags
-        # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
-        # previous stage's hidden states) and the head (it then returns its hidden states).
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if self.stream_dtype is not None:
-            # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
-            # promotes): twice the traffic of every norm, add and saved block input.
-            h = h.to(self.stream_dtype)
+        h = self._embed(tokens)
         if doc is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope)
@@ -306,30 +326,43 @@ class Llama(nn.Module):
             mask = self.document_attention_mask(tokens, doc)
             for layer in self.layers.values():
                 h = layer(h, rope, mask=mask)
+        return self._head(h, targets)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
+        # previous stage's hidden states) and the head (``_head`` then returns its hidden states).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.stream_dtype is not None:
+            # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
+            # promotes): twice the traffic of every norm, add and saved block input.
+            h = h.to(self.stream_dtype)
+        return h
+
+    def _head(self, h: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         if self.output is None:
             return h
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)
 
-    def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor | BlockMask:
-        """FlexAttention's block mask, or SDPA's dense one (see ``document_flex``)."""
-        flex = self.document_flex
-        if flex is None:
-            flex = flex_trains_on(tokens.device) and self.cfg.attention is AttentionBackend.auto
-        return document_block_mask(doc) if flex else dense_document_mask(doc)
+    def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        """FlexAttention's ``BlockMask``, or SDPA's dense mask (see ``document_flex``). TorchScript
+        cannot name BlockMask (the annotation leaves it out): a scripted model takes the dense mask."""
+        if torch.jit.is_scripting():
+            return dense_document_mask(doc)
+        else:
+            flex = self.document_flex
+            if flex is None:
+                flex = flex_trains_on(tokens.device) and self.cfg.attention is AttentionBackend.auto
+            return document_block_mask(doc) if flex else dense_document_mask(doc)
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
         executor can compile it as its own region: with a 128K vocabulary it is a large share of
         the step). ``model.fused_cross_entropy`` replaces the projection and the loss with one fused
         kernel (framework.fused_ce) that never writes the logits."""
-        if self.cfg.fused_cross_entropy is not FusedCrossEntropy.none:
-            from framework.fused_ce import linear_cross_entropy
-
-            return linear_cross_entropy(
-                self.cfg.fused_cross_entropy, self.norm(h), self.output.weight, targets
-            )
+        if self.fused_cross_entropy is not None:
+            return linear_cross_entropy(self.fused_cross_entropy, self.norm(h), self.output.weight, targets)
         logits = self.output(self.norm(h))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
