@@ -702,30 +702,11 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     placement = axis_placement(sizes, tuple(a.value for a in axes), cfg.mesh)
     size = dict(zip(axes, sizes, strict=True))
     tp, dp, shard = d.tp, d.dp, d.fsdp_shard
-    if tp > 1 and not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
-        warnings.append(
-            f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
-            f"the inter-node link; use a tp degree that divides {cfg.mesh.procs_per_node}"
-        )
     _check_executor(cfg, d)
     pipeline_stages.check_pipeline(cfg, d.pp, dp)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)
-    if cfg.train.optimizer_in_backward and _whole_model_backward(cfg):
-        warnings.append(
-            "train.optimizer_in_backward with executor.scope=model: the one compiled backward hands "
-            "out every gradient at once, so no gradient memory is saved and no update overlaps the "
-            "backward; use executor.scope=block"
-        )
-    if cfg.sharding.strategy.value == "hsdp" and cfg.mesh.nodes == 1 and fixed_degrees(cfg) == d:
-        warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")
-    if not d.fsdp and (
-        cfg.sharding.param_dtype != DType.float32 or cfg.sharding.reduce_dtype != DType.float32
-    ):
-        warnings.append(
-            f"sharding.param_dtype / reduce_dtype are ignored without FSDP ({d.name()}; FSDP2 mixed "
-            f"precision only)"
-        )
+    warnings += _layout_warnings(cfg, d, sizes, axes)
     # Fields of another option (activation_memory_budget without budget, executor.autotune or
     # cache_dir on eager) are refused before launch: framework.rules.check_option_fields.
     specs = param_specs(cfg.model)
@@ -738,50 +719,14 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units = _fsdp_units(specs, tp)
         memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
 
-    full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
-    rep = size.get(MeshAxis.dp_replicate, 1)
-    if not d.fsdp:
-        if cfg.bucketing.auto:
-            intra = _axis_is_intra_node(sizes, 0, cfg.mesh.procs_per_node)
-            cap, reason = _auto_bucket(cfg, full_local_bytes, rep, intra)
-        else:
-            cap, reason = (
-                cfg.bucketing.bucket_cap_mb,
-                f"bucketing.bucket_cap_mb={cfg.bucketing.bucket_cap_mb:g}",
-            )
-        buckets = _ddp_buckets(specs, int(cap * MIB), tp)
-    else:
-        cap = cfg.bucketing.bucket_cap_mb
-        reason = f"{d.name()}: FSDP2 communicates per unit (one per block + root); bucket_cap_mb unused"
-        if cfg.bucketing.auto:
-            warnings.append(f"bucketing.auto does nothing under {d.name()} (dp_shard={shard}): {reason}")
-        buckets = units
-
+    cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
     prediction = predict_step(
         cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
     )
-    mem_msg = (
-        f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
-        f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
-        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
-        f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
-        f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
-    )
-    if memory.total > memory.device:
-        # A dry run is for planning layouts, including ones that do not fit: it reports; a launch
-        # would run for minutes toward an out-of-memory kill, so it is refused unless asked for.
-        # The search (check_memory=False) ranks layouts that do not fit instead of refusing them.
-        if check_memory and not (cfg.run.dry_run or cfg.run.allow_over_memory):
-            raise ValueError(
-                f"mesh.hardware.memory_gib={cfg.mesh.hardware.memory_gib:g} "
-                f"(mesh.hardware.name={cfg.mesh.hardware.name}) is too small for {d.short()}: {mem_msg}; "
-                f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
-            )
-        warnings.append(mem_msg)
-
+    _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
         world_size=world,
         nodes=cfg.mesh.nodes,
@@ -810,6 +755,92 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         warnings=tuple(warnings),
         **(pipe.fields() if pipe is not None else {}),
     )
+
+
+def _layout_warnings(
+    cfg: Config, d: Degrees, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...]
+) -> list[str]:
+    """What runs but is probably not what the user meant: TP over nodes, settings that do nothing."""
+    warnings: list[str] = []
+    tp = d.tp
+    if tp > 1 and not _axis_is_intra_node(sizes, axes.index(MeshAxis.tp), cfg.mesh.procs_per_node):
+        warnings.append(
+            f"tp axis (size {tp}) spans nodes (procs per node {cfg.mesh.procs_per_node}): TP runs over "
+            f"the inter-node link; use a tp degree that divides {cfg.mesh.procs_per_node}"
+        )
+    if cfg.train.optimizer_in_backward and _whole_model_backward(cfg):
+        warnings.append(
+            "train.optimizer_in_backward with executor.scope=model: the one compiled backward hands "
+            "out every gradient at once, so no gradient memory is saved and no update overlaps the "
+            "backward; use executor.scope=block"
+        )
+    if cfg.sharding.strategy.value == "hsdp" and cfg.mesh.nodes == 1 and fixed_degrees(cfg) == d:
+        warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")
+    if not d.fsdp and (
+        cfg.sharding.param_dtype != DType.float32 or cfg.sharding.reduce_dtype != DType.float32
+    ):
+        warnings.append(
+            f"sharding.param_dtype / reduce_dtype are ignored without FSDP ({d.name()}; FSDP2 mixed "
+            f"precision only)"
+        )
+    return warnings
+
+
+def _buckets(
+    cfg: Config,
+    d: Degrees,
+    specs: list[ParamSpec],
+    units: list[int],
+    sizes: tuple[int, ...],
+    size: dict[MeshAxis, int],
+    warnings: list[str],
+) -> tuple[float, str, list[int]]:
+    """(bucket_cap_mb, why, bucket sizes): DDP's buckets by the cap (``bucketing.auto`` picks it from
+    the alpha-beta model), or FSDP2's units, which communicate one by one."""
+    tp, shard = d.tp, d.fsdp_shard
+    full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
+    rep = size.get(MeshAxis.dp_replicate, 1)
+    if not d.fsdp:
+        if cfg.bucketing.auto:
+            intra = _axis_is_intra_node(sizes, 0, cfg.mesh.procs_per_node)
+            cap, reason = _auto_bucket(cfg, full_local_bytes, rep, intra)
+        else:
+            cap, reason = (
+                cfg.bucketing.bucket_cap_mb,
+                f"bucketing.bucket_cap_mb={cfg.bucketing.bucket_cap_mb:g}",
+            )
+        buckets = _ddp_buckets(specs, int(cap * MIB), tp)
+    else:
+        cap = cfg.bucketing.bucket_cap_mb
+        reason = f"{d.name()}: FSDP2 communicates per unit (one per block + root); bucket_cap_mb unused"
+        if cfg.bucketing.auto:
+            warnings.append(f"bucketing.auto does nothing under {d.name()} (dp_shard={shard}): {reason}")
+        buckets = units
+    return cap, reason, buckets
+
+
+def _check_fits(
+    cfg: Config, d: Degrees, memory: MemoryEstimate, check_memory: bool, warnings: list[str]
+) -> None:
+    """Refuse a launch whose per-rank memory estimate exceeds the device (or warn, see below)."""
+    mem_msg = (
+        f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
+        f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
+        f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
+        f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
+    )
+    if memory.total > memory.device:
+        # A dry run is for planning layouts, including ones that do not fit: it reports; a launch
+        # would run for minutes toward an out-of-memory kill, so it is refused unless asked for.
+        # The search (check_memory=False) ranks layouts that do not fit instead of refusing them.
+        if check_memory and not (cfg.run.dry_run or cfg.run.allow_over_memory):
+            raise ValueError(
+                f"mesh.hardware.memory_gib={cfg.mesh.hardware.memory_gib:g} "
+                f"(mesh.hardware.name={cfg.mesh.hardware.name}) is too small for {d.short()}: {mem_msg}; "
+                f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
+            )
+        warnings.append(mem_msg)
 
 
 @dataclass(frozen=True)
