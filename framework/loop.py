@@ -530,6 +530,16 @@ def train_step(
     mark_graph_recorded(model)
     norm = global_grad_norm(model, grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(total)
+    update(optimizer, scheduler, finite)
+    timer.stop()
+    return _result(total, norm, finite, lr, timer, io)
+
+
+def update(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, finite: torch.Tensor
+) -> None:
+    """The optimiser and schedule step after backward; a non-finite loss or norm (``finite`` False)
+    updates nothing. Shared by every training step (plain and pipelined)."""
     if getattr(optimizer, "defaults", {}).get("fused"):
         # The fused AdamW kernel skips the update (and its step count) where found_inf is set:
         # no host synchronisation before the optimiser step.
@@ -545,8 +555,6 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    timer.stop()
-    return _result(total, norm, finite, lr, timer, io)
 
 
 def _step_in_backward(

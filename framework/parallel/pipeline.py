@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from framework.config import PPSchedule
-from framework.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast
+from framework.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
 from framework.model import Llama
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
@@ -184,15 +184,7 @@ def pipeline_step(
     total = _pp_sum(mine if mine is not None else torch.zeros((), device=device), model)
     norm = pipeline_norm(model, grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(total)
-    if getattr(optimizer, "defaults", {}).get("fused"):
-        optimizer.found_inf = (~finite).float()  # no host sync (framework.loop.train_step)
-        optimizer.step()
-    else:
-        if not bool(finite):
-            optimizer.zero_grad(set_to_none=True)  # every gradient dropped: the step updates nothing
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    update(optimizer, scheduler, finite)
     timer.stop()
     return _result(total, norm, finite, lr, timer, io)
 
