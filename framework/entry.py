@@ -215,7 +215,10 @@ def run_job(dcfg: DictConfig) -> float | None:
                 marked = True
             result = _run(job, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
         except JobFailed as e:
-            log.error("error: %s", e)
+            # A refusal before launch (exit 2, no run dir kept) is one line on stderr; a failure whose
+            # run dir stays, or a sweep's job, also goes to the job's log.
+            if multirun or e.code != 2:
+                log.error("error: %s", e)
             print(f"error: {e}", file=sys.stderr)
             if not multirun:
                 if e.code == 2:
