@@ -96,17 +96,22 @@ def _text_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Record]
             offset += len(chunk)
 
 
+def json_line(raw: bytes, where: str) -> Any:
+    """One jsonl line, or ValueError naming ``where`` (file:line) and what is wrong with it."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON object ({e.msg})") from e
+
+
 def _jsonl_records(path: Path, field: str, key: str) -> Iterator[Record]:
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            try:
-                row = json.loads(raw)
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from e
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from e
+            row = json_line(raw, f"{path}:{lineno}")
             if not isinstance(row, dict) or field not in row:
                 keys = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{lineno}: no field {field!r} (it has {keys}); set {key}.field")

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from framework.config import DataConfig
+from framework.data.records import json_line
 from framework.model import DOC_START
 from framework.tokenizer import Tokenizer
 
@@ -129,13 +130,7 @@ def read_records(files: Sequence[Path], fields: Fields, skip: int = 0) -> Iterat
                 if n <= skip:
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(raw)
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{where}: not UTF-8 text") from e
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not a JSON object ({e.msg})") from e
-                yield where, parse_example(row, fields, where)
+                yield where, parse_example(json_line(raw, where), fields, where)
 
 
 def _chat_env() -> Any:
