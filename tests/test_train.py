@@ -150,7 +150,10 @@ NO_GPU_CASE = (
             "multiply to 4, not the world size 6",
         ),
         (["mesh=4", "parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2"),
-        (["mesh=2", "parallel.pp=2"], "model.tie_embeddings=true does not work with parallel.pp=2"),
+        (
+            ["mesh=2", "parallel.pp=2", "verify.enabled=true"],
+            "verify.enabled=true does not work with parallel.pp=2",
+        ),
         (["recipe=llama70b", "mesh/hardware=h100_sxm"], "sharding=auto: nothing fits"),
         (["train.optimizer_in_backward=true"], "train.grad_clip=1.0: a global gradient-norm clip"),
         NO_GPU_CASE,
