@@ -18,7 +18,7 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.plan import make_plan
 from tests.dist import run_ranks
-from tests.test_pipeline import GLOBAL_BATCH, SEQ, STEPS, _check, make_cfg, run_steps
+from tests.test_pipeline import GLOBAL_BATCH, RTOL, SEQ, STEPS, _check, batches, make_cfg, run_steps
 
 
 def tied_cfg(world: int, **parallel: object) -> Config:
@@ -35,6 +35,21 @@ def tied_reference() -> list[tuple]:
     return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
 
 
+def val_batches(micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """3 validation batches of ``micro`` rows: under pp=2 one group of 2 and one filled up."""
+    rows = torch.cat(batches())[: 3 * micro]
+    return [(rows[i : i + micro, :-1], rows[i : i + micro, 1:]) for i in range(0, 3 * micro, micro)]
+
+
+def tied_val(micro: int) -> float:
+    """One process's validation loss at initialisation (the trainer evaluates before step 1)."""
+    from framework.loop import evaluate
+
+    model = build_model(tied_cfg(1).model, SEQ)
+    materialize(model, "cpu", 0)
+    return evaluate(model, val_batches(micro), torch.device("cpu"))
+
+
 def _full(p: torch.Tensor | None) -> torch.Tensor | None:
     if p is None:
         return None
@@ -44,6 +59,8 @@ def _full(p: torch.Tensor | None) -> torch.Tensor | None:
 def _tied_worker(
     rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
 ) -> dict:
+    from framework.loop import evaluate
+
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
@@ -57,9 +74,12 @@ def _tied_worker(
         0,
     )
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
+    val = evaluate(model, val_batches(plan.micro_batch_size), torch.device("cpu")) if ckpt is None else None
     out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     tied = getattr(model, "tied", None)
     return {
+        "val": val,
+        "micro": plan.micro_batch_size,
         "steps": out,
         "stages": getattr(model, "stage_ids", None),
         "master": _full(tied.master) if tied else None,
@@ -78,7 +98,11 @@ TIED_CASES = [
 
 @pytest.mark.parametrize(("world", "parallel"), TIED_CASES, ids=[str(p) for _, p in TIED_CASES])
 def test_tied_embeddings_match_one_process(tied_reference: list[tuple], world: int, parallel: dict) -> None:
+    """Training, and evaluation through the schedule before it (zbv's eval runs its forward actions
+    only: torch's would run the backward hand-off at the V's turn and fail)."""
     results = run_ranks(_tied_worker, world, tied_cfg(world, **parallel))
+    val = tied_val(results[0]["micro"])
+    assert all(r["val"] == pytest.approx(val, rel=RTOL) for r in results), (val, results[0]["val"])
     print(f"tied {parallel}: max rel diff {_check(results, tied_reference):.2e}")
     masters = [r["master"] for r in results if r["master"] is not None]
     copies = [r["copy"] for r in results if r["copy"] is not None]

@@ -135,7 +135,10 @@ NO_GPU_CASE = (
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["mesh=4", "train.global_batch_size=6", "train.micro_batch_size=2"], "global_batch_size=6"),
+        (
+            ["mesh=4", "sharding=ddp", "train.global_batch_size=6", "train.micro_batch_size=2"],
+            "global_batch_size=6",
+        ),
         (["train.stepz=3"], "stepz"),
         (["mesh=bogus"], "mesh/bogus"),
         (["executor=cudagraphs", "run.device=cpu"], "executor=cudagraphs needs a CUDA device"),

@@ -32,7 +32,9 @@ each micro batch's summed loss over its trained targets, times the step's weight
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +50,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from framework.config import PPSchedule
@@ -327,6 +329,37 @@ def pipeline_step(
     return _result(total, norm, finite, lr, timer, io)
 
 
+# The actions a forward-only pass keeps (``_forward_only``).
+_FORWARD_ACTIONS = {
+    _ComputationType.FORWARD,
+    _ComputationType.SEND_F,
+    _ComputationType.RECV_F,
+    _ComputationType.UNSHARD,
+    _ComputationType.RESHARD,
+}
+
+
+@contextlib.contextmanager
+def _forward_only(schedule: _PipelineSchedule) -> Iterator[None]:
+    """ZB-V's ``eval`` runs in torch 2.13 its whole training order, backward actions included; where
+    two neighbouring stages sit on one rank (the V's turn) the backward hand-off between them then
+    fails ("can't steal_bwd_input if this stage doesn't have backward"). Its order is cut to the
+    forward actions for the pass (their own order is the schedule's, deadlock-free without the
+    backward ones); other schedules skip their backward actions in eval themselves."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(schedule, ScheduleZBVZeroBubble) or order is None:
+        yield
+        return
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type in _FORWARD_ACTIONS]
+        for rank, actions in order.items()
+    }
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
+
+
 @torch.no_grad()
 def pipeline_evaluate(
     model: PipelineModel, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
@@ -348,7 +381,7 @@ def pipeline_evaluate(
         y = torch.cat([b[1] for b in group]).to(device)
         args, kwargs = _stage_args(model, x, y)
         losses: list[torch.Tensor] = []
-        with autocast(device):
+        with autocast(device), _forward_only(model.schedule):
             model.schedule.eval(*args, **kwargs, losses=losses)
         kept += [t.float() for t in losses[:real]]
     mine = torch.stack(kept).mean() if model.has_last and kept else torch.zeros((), device=device)
