@@ -17,18 +17,27 @@ import dataclasses
 import torch
 from torch import nn
 
-from framework.config import Float8Recipe, ModelConfig
+from framework.config import Float8GradDtype, Float8Recipe, ModelConfig
 from framework.float8 import converts
 
 
-def float8_config(recipe: Float8Recipe, fsdp_all_gather: bool):  # -> torchao Float8LinearConfig
-    """torchao's config for ``recipe``; FSDP2 all-gathers weights in float8 under tensorwise only
-    (torchao's weight subclass supports no other granularity)."""
-    from torchao.float8 import Float8LinearConfig
+def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8LinearConfig
+    """torchao's config for ``m.float8``: its recipe, with ``m.float8_grad_dtype`` for the output
+    gradients under tensorwise (both backward GEMMs: torchao wants one dtype for the two); FSDP2
+    all-gathers weights in float8 under tensorwise only (torchao's weight subclass supports no other
+    granularity)."""
+    from torchao.float8 import CastConfig, Float8LinearConfig
+    from torchao.float8.config import e4m3_dtype, e5m2_dtype
 
-    config = Float8LinearConfig.from_recipe_name(recipe.value)
-    if fsdp_all_gather and recipe is Float8Recipe.tensorwise:
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    config = Float8LinearConfig.from_recipe_name(m.float8.value)
+    if m.float8 is Float8Recipe.tensorwise:
+        dtype = e4m3_dtype if m.float8_grad_dtype is Float8GradDtype.e4m3 else e5m2_dtype
+        grads = CastConfig(target_dtype=dtype)
+        config = dataclasses.replace(
+            config, cast_config_grad_output=grads, cast_config_grad_output_for_grad_weight=grads
+        )
+        if fsdp_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
 
@@ -47,7 +56,7 @@ def apply_float8(model: nn.Module, m: ModelConfig, fsdp_all_gather: bool = False
     def keep(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, nn.Linear) and converts(m, fqn, *mod.weight.shape)
 
-    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(m.float8, fsdp_all_gather))
+    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(m, fsdp_all_gather))
     names = [n for n, mod in model.named_modules() if isinstance(mod, Float8Linear)]
     if not names:
         raise RuntimeError(f"model.float8={m.float8.value} converted no Linear layer")
