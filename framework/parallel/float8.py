@@ -2,8 +2,8 @@
 
 First of the parallelize concerns, on the meta model, as torchao requires: TP must shard the
 float8 modules (with torchao's float8 TP styles under tensorwise, which all-gather the gradients
-of the row-parallel outputs in float8), compile must trace their casts, and FSDP2 must see their weight subclass to all-gather in
-float8 (``enable_fsdp_float8_all_gather``, tensorwise only). The parameters keep their names and
+of the row-parallel outputs in float8), compile must trace their casts, and FSDP2 must see their
+weight subclass to all-gather in float8 (``enable_fsdp_float8_all_gather``, tensorwise only). The parameters keep their names and
 their fp32 master values (``Float8Linear`` subclasses ``nn.Linear`` and casts in forward), so
 checkpoints, the per-name init and the fallback ladder's state carry-over see the same state dict
 with float8 on or off. Which layers convert is ``framework.float8.converts`` (shared with the
