@@ -207,6 +207,10 @@ def _resume_worker(rank: int, world: int, cfg: Config, root: str, save_to: str |
     """Load the checkpoint in ``root`` (at step ``CKPT_STEP``): the loaded state's digest; then save
     it to ``save_to``, or train on to the end."""
     model, opt, sched, mesh, plan, _ = _build(cfg)
+    if cfg.model.float8 is Float8Recipe.none:
+        # As in a process that never imported torchao's float8 (whose import allowlists its weight
+        # subclass for ``torch.load(weights_only=True)``): this fork inherited the import.
+        torch.serialization.clear_safe_globals()
     ck = Checkpointer(CheckpointConfig(enabled=True), Path(root))
     path = ck.latest()
     assert path is not None
@@ -232,7 +236,9 @@ def test_checkpoint_of_float8_fsdp_resumes_without_float8_and_back(fsdp: tuple, 
     float8 and the other way round. Float8 FSDP on 2 ranks -> float8 off on 1 rank (saved again)
     -> float8 FSDP on 2 ranks, which trains on exactly as the uninterrupted run did: its first
     step after the load casts the loaded weights with their own scales (before the fix it used
-    the scales precomputed from the initial weights: loss 5.5878 for 5.5863)."""
+    the scales precomputed from the initial weights: loss 5.5878 for 5.5863). The files hold plain
+    tensors: before the fix they pickled torchao's weight subclass, which a run with float8 off
+    could not unpickle ("Unsupported global: ...WeightWithDynamicFloat8CastTensor")."""
     r0, root = fsdp
     off = run_ranks(_resume_worker, 1, ONE[Float8Recipe.none], str(root), str(tmp_path / "off"))[0]
     back = run_ranks(_resume_worker, 2, FSDP, str(tmp_path / "off"), None)[0]
