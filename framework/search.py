@@ -99,8 +99,9 @@ def _degree_options(cfg: Config) -> list[Degrees]:
     pps = [1] + [p for p in divisors(world) if 1 < p <= min(m.n_layers, MAX_PP) and _pipeline_ok(cfg, p)]
     for t in tps:
         for p in (q for q in pps if (world // t) % q == 0):
-            # CP runs per micro batch, outside a pipeline's schedule: never both (layout.check_cp).
-            for c in _cp_options(cfg, world // t // p) if p == 1 else [1]:
+            # CP runs per micro batch, outside a pipeline's schedule: both only in a dry run's
+            # plan (layout.check_cp refuses to launch them together).
+            for c in _cp_options(cfg, world // t // p) if p == 1 or cfg.run.dry_run else [1]:
                 for r in divisors(world // t // p // c):
                     out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
