@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Context parallelism through the real launcher on ONE GPU (issue 15), one device call:
+# Context parallelism through the real launcher (issue 15), one device call on a machine with >= 4
+# GPUs (2 for the first two cases):
 #   bash benchmarks/cp_gpu.sh [STEPS] [CASE ...]
 # Cases (default: one cp2 cp2_dp2): `python train.py` with the smallest recipe (llama_tiny, seq 128,
-# global batch 16), same seed and data, as one process (NCCL-free world 1) and as gloo ranks sharing
-# the GPU (run.cuda_backend=gloo: NCCL refuses two ranks on one GPU). The summary prints each step's
-# loss and gradient norm next to the one-process run's, with the largest relative difference.
-# The launcher's loop runs bf16 autocast on CUDA, so the differences here are bf16 rounding; the fp32
-# equivalence (rtol 1e-5) is tests/test_context_parallel.py's CUDA tests.
+# global batch 16), same seed and data, as one process and with cp=2 (and cp=2 x dp_shard=2), one
+# rank per GPU on NCCL. The summary prints each step's loss and gradient norm next to the
+# one-process run's, with the largest relative difference. The launcher's loop runs bf16 autocast
+# on CUDA, so the differences here are bf16 rounding; the fp32 equivalence (rtol 1e-5) is
+# tests/test_context_parallel.py's CUDA tests. Each run's log is $OUT/NAME.log.
 set -u
 STEPS=${1:-20}; shift 2>/dev/null || true
 CASES=${*:-one cp2 cp2_dp2}
 OUT=${OUT:-outputs/cp_gpu}
-export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 COMMON="recipe=llama_tiny mesh/hardware=h200 run.device=cuda train.steps=$STEPS train.log_every=1 train.eval_every=0 checkpoint=none"
 run() {
   name=$1; shift
@@ -23,8 +23,8 @@ mkdir -p $OUT
 for c in $CASES; do
   case $c in
     one) run one mesh=1 ;;
-    cp2) run cp2 mesh=2 parallel.cp=2 run.cuda_backend=gloo ;;
-    cp2_dp2) run cp2_dp2 mesh=4 parallel.cp=2 parallel.dp_shard=2 run.cuda_backend=gloo ;;
+    cp2) run cp2 mesh=2 parallel.cp=2 ;;
+    cp2_dp2) run cp2_dp2 mesh=4 parallel.cp=2 parallel.dp_shard=2 ;;
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done
@@ -52,6 +52,9 @@ for step in sorted(ref):
     print(f"{step:4d}  " + "  ".join(cells))
 for n in others:
     common = [s for s in ref if s in runs[n]]
+    if not common:
+        print(f"{n}: no step rows; see {out}/{n}.log")
+        continue
     dl = max(abs(runs[n][s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in common)
     dg = max(abs(runs[n][s]["grad_norm"] - ref[s]["grad_norm"]) / abs(ref[s]["grad_norm"]) for s in common)
     ms = sorted(runs[n][s].get("step_ms", 0) for s in common)[len(common) // 2]

@@ -1,117 +1,119 @@
-"""Which collectives gloo runs on CUDA tensors, with ranks sharing one GPU (run.cuda_backend=gloo).
+"""Which collectives gloo runs on CUDA tensors when ranks share one GPU (NCCL refuses that).
 
     python benchmarks/gloo_cuda_probe.py [WORLD]
 
-Context parallelism needs all-gather (the forward's K/V, ``set_rotate_method("allgather")``) and
-all-to-all (the backward's dK/dV ring, and the forward's with ``"alltoall"``); FSDP2 needs
-all-gather and reduce-scatter; the loop's loss and clip need all-reduce; a pipeline needs send/recv.
-Each is checked against the value it must produce. Send/recv runs in its own processes: if gloo
-reads a device pointer as host memory it may crash rather than raise. Prints one line per collective.
+Context parallelism on one GPU would need gloo to run, on CUDA tensors: all-gather (the forward's
+K/V, ``set_rotate_method("allgather")``) and all-to-all (the backward's dK/dV ring, and the
+forward's with ``"alltoall"``); FSDP2 needs all-gather and reduce-scatter; the loop's loss and
+clip need all-reduce; a pipeline needs send/recv. Each collective runs in its own WORLD fresh
+processes, so that one which kills them (torch 2.11 on an H200: the first version of this script,
+which ran them all in one pair, lost both ranks to SIGSEGV) is named; each result is checked
+against the value it must produce. Prints one line per collective as it finishes.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-
-def _collectives(rank: int, world: int) -> dict[str, object]:
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    x = torch.arange(4, dtype=torch.float32, device=dev) + 10 * rank
-    every = torch.cat([torch.arange(4, dtype=torch.float32) + 10 * r for r in range(world)]).to(dev)
-    out: dict[str, object] = {}
-
-    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        out[name] = "ok" if torch.equal(got.cpu(), want.cpu()) else f"WRONG {got.tolist()} != {want.tolist()}"
-
-    probes = {
-        "all_reduce": lambda: _all_reduce(x, world, check),
-        "broadcast": lambda: _broadcast(x, check),
-        "all_gather_into_tensor": lambda: _all_gather(x, every, world, check),
-        "reduce_scatter_tensor": lambda: _reduce_scatter(every, rank, world, check),
-        "all_to_all_single": lambda: _all_to_all(every, rank, world, check),
-        "funcol.permute_tensor (CP ring)": lambda: _permute(x, rank, world, check),
-        "funcol.all_gather_tensor (CP allgather)": lambda: check(
-            "funcol.all_gather_tensor (CP allgather)",
-            funcol.all_gather_tensor(x, 0, dist.group.WORLD).wait(),
-            every,
-        ),
-    }
-    for name, fn in probes.items():
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the report is the point
-            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return out
+Probe = Callable[[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _all_reduce(x: torch.Tensor, world: int, check) -> None:  # noqa: ANN001
-    y = x.clone()
+def _x(rank: int, dev: torch.device) -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float32, device=dev) + 10 * rank
+
+
+def _every(world: int, dev: torch.device) -> torch.Tensor:
+    return torch.cat([_x(r, dev) for r in range(world)])
+
+
+def _all_reduce(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = _x(rank, dev)
     dist.all_reduce(y)
-    check("all_reduce", y, sum(torch.arange(4.0) + 10 * r for r in range(world)))
+    return y, sum(_x(r, dev) for r in range(world))
 
 
-def _broadcast(x: torch.Tensor, check) -> None:  # noqa: ANN001
-    y = x.clone()
+def _broadcast(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = _x(rank, dev)
     dist.broadcast(y, 0)
-    check("broadcast", y, torch.arange(4.0))
+    return y, _x(0, dev)
 
 
-def _all_gather(x: torch.Tensor, every: torch.Tensor, world: int, check) -> None:  # noqa: ANN001
-    y = torch.empty(4 * world, device=x.device)
-    dist.all_gather_into_tensor(y, x)
-    check("all_gather_into_tensor", y, every)
+def _all_gather(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(4 * world, device=dev)
+    dist.all_gather_into_tensor(y, _x(rank, dev))
+    return y, _every(world, dev)
 
 
-def _reduce_scatter(every: torch.Tensor, rank: int, world: int, check) -> None:  # noqa: ANN001
-    y = torch.empty(4, device=every.device)
-    dist.reduce_scatter_tensor(y, every)
-    check("reduce_scatter_tensor", y, every.cpu()[4 * rank : 4 * rank + 4] * world)
+def _reduce_scatter(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(4, device=dev)
+    dist.reduce_scatter_tensor(y, _every(world, dev))
+    return y, _x(rank, dev) * world
 
 
-def _all_to_all(every: torch.Tensor, rank: int, world: int, check) -> None:  # noqa: ANN001
-    src = every + 100 * rank  # rank r sends chunk j (its values + 100 r) to rank j
-    y = torch.empty_like(src)
-    dist.all_to_all_single(y, src)
-    want = torch.cat([every.cpu()[4 * rank : 4 * rank + 4] + 100 * r for r in range(world)])
-    check("all_to_all_single", y, want)
+def _all_to_all(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(4 * world, device=dev)
+    dist.all_to_all_single(y, _every(world, dev) + 100 * rank)  # chunk j (+ 100 rank) goes to rank j
+    return y, torch.cat([_x(rank, dev) + 100 * r for r in range(world)])
 
 
-def _permute(x: torch.Tensor, rank: int, world: int, check) -> None:  # noqa: ANN001
+def _permute(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # As torch's _AllToAllRotater: rank r sends to r + 1, so it receives from r - 1.
-    y = funcol.permute_tensor(x, list(range(1, world)) + [0], dist.group.WORLD).wait()
-    check("funcol.permute_tensor (CP ring)", y, torch.arange(4.0) + 10 * ((rank - 1) % world))
+    y = funcol.permute_tensor(_x(rank, dev), list(range(1, world)) + [0], dist.group.WORLD)
+    return funcol.wait_tensor(y), _x((rank - 1) % world, dev)
 
 
-def _send_recv(rank: int, world: int) -> dict[str, object]:
-    x = torch.full((4,), float(rank + 1), device=torch.device("cuda", rank % torch.cuda.device_count()))
-    try:
-        if rank == 0:
-            dist.send(x, 1)
-            return {"send/recv (pipeline)": "sent"}
-        if rank == 1:
-            y = torch.zeros_like(x)
-            dist.recv(y, 0)
-            ok = torch.equal(y.cpu(), torch.ones(4))
-            return {"send/recv (pipeline)": "ok" if ok else f"WRONG {y.tolist()}"}
-        return {}
-    except Exception as e:  # noqa: BLE001
-        return {"send/recv (pipeline)": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+def _funcol_all_gather(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = funcol.all_gather_tensor(_x(rank, dev), 0, dist.group.WORLD)
+    return funcol.wait_tensor(y), _every(world, dev)
 
 
-def _rank(rank: int, world: int, port: int, probe: str, q: mp.Queue) -> None:
+def _send_recv(rank: int, world: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    y = _x(rank, dev)
+    if rank == 0:
+        dist.send(y, 1)
+        return y, y
+    if rank == 1:
+        dist.recv(y, 0)
+        return y, _x(0, dev)
+    return y, y
+
+
+PROBES: dict[str, Probe] = {
+    "all_reduce (loss, clip)": _all_reduce,
+    "broadcast": _broadcast,
+    "all_gather_into_tensor (FSDP2)": _all_gather,
+    "reduce_scatter_tensor (FSDP2)": _reduce_scatter,
+    "all_to_all_single": _all_to_all,
+    "funcol.permute_tensor (CP ring)": _permute,
+    "funcol.all_gather_tensor (CP allgather)": _funcol_all_gather,
+    "send/recv (pipeline)": _send_recv,
+}
+
+
+def _rank(rank: int, world: int, port: int, name: str, q: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cpu")  # without CUDA: a check of this script on gloo's CPU path
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = (_collectives if probe == "collectives" else _send_recv)(rank, world)
-    q.put((rank, result))
-    dist.barrier()
+    try:
+        got, want = PROBES[name](rank, world, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ok = torch.equal(got.cpu(), want.cpu())
+        q.put((rank, "ok" if ok else f"WRONG {got.tolist()} != {want.tolist()}"))
+    except Exception as e:  # noqa: BLE001 - the report is the point
+        q.put((rank, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
     dist.destroy_process_group()
 
 
@@ -121,39 +123,45 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def probe(world: int, name: str) -> dict[str, object]:
+def probe(world: int, name: str, timeout_s: float = 30.0) -> str:
+    """One collective on ``world`` fresh gloo ranks: 'ok', the error, or how the ranks ended."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, name, q)) for r in range(world)]
     for p in procs:
         p.start()
-    merged: dict[str, object] = {}
+    answers: dict[int, str] = {}
     try:
-        for _ in procs:
-            rank, result = q.get(timeout=30)
-            for k, v in result.items():
-                prev = merged.get(k)
-                merged[k] = v if prev in (None, "sent", v) else f"rank {rank}: {v} (other: {prev})"
-    except Exception as e:  # noqa: BLE001 - a crashed rank never answers
-        merged.setdefault(f"{name}", f"no answer: {type(e).__name__}")
+        while len(answers) < world:
+            rank, answer = q.get(timeout=timeout_s)
+            answers[rank] = answer
+    except queue.Empty:
+        pass
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+            p.join()
     codes = [p.exitcode for p in procs]
-    if any(c not in (0, None) for c in codes):
-        merged[f"{name}: exit codes"] = codes
-    return merged
+    distinct = sorted(set(answers.values()))
+    text = distinct[0] if len(distinct) == 1 and len(answers) == world else f"answers {answers}"
+    return (
+        text
+        if all(c == 0 for c in codes)
+        else f"{text}; exit codes {codes} (negative: killed by that signal)"
+    )
 
 
 def main() -> None:
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    print(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s), {world} gloo ranks on them")
-    for name in ("collectives", "send_recv"):
-        for k, v in probe(world, name).items():
-            print(f"  {k:42s} {v}")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s), {world} gloo ranks on them",
+        flush=True,
+    )
+    for name in PROBES:
+        print(f"  {name:42s} {probe(world, name)}", flush=True)
 
 
 if __name__ == "__main__":

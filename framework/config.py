@@ -26,13 +26,6 @@ class Device(Enum):
     cuda = "cuda"
 
 
-class CudaBackend(Enum):
-    """The process-group backend for CUDA tensors (``run.cuda_backend``)."""
-
-    nccl = "nccl"
-    gloo = "gloo"
-
-
 class Strategy(Enum):
     """A named layout preset: each sets the parallel degrees (``framework.layout.PRESETS``).
 
@@ -465,11 +458,6 @@ class LRSchedulerConfig:
 @dataclass
 class RunConfig:
     device: Device = Device.auto
-    # Backend of CUDA tensors' collectives. nccl: one rank per GPU. gloo: ranks may share GPUs
-    # (rank r uses cuda:(LOCAL_RANK mod GPUs); NCCL refuses two ranks on one GPU), so a layout such
-    # as parallel.cp=2 can be checked on one GPU; every collective goes through host memory (slow,
-    # for checking numerics only), and gloo's send/recv takes no CUDA tensors (no pipeline).
-    cuda_backend: CudaBackend = CudaBackend.nccl
     # CUDA caching allocator: grow segments in place instead of carving fixed blocks
     # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's launcher sets it): less
     # fragmentation when memory is tight. Never overrides a PYTORCH_CUDA_ALLOC_CONF already set.

@@ -33,7 +33,7 @@ from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
-from framework.config import Config, CudaBackend, Device, RunConfig
+from framework.config import Config, Device, RunConfig
 
 log = logging.getLogger("framework")
 
@@ -127,17 +127,10 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
             f"{cap} (4 per usable core, at least 8): ranks this oversubscribed can hang; use a smaller "
             f"mesh, torchrun across hosts, run.dry_run=true to only plan, or run.oversubscribe=true"
         )
-    gloo = cfg.run.cuda_backend is CudaBackend.gloo
-    if gloo and device.type != "cuda" and not cfg.run.dry_run:
-        raise ValueError(
-            f"run.cuda_backend=gloo does nothing on the {device.type}: it is the backend of CUDA "
-            f"tensors (several ranks on one GPU); CPU runs always use gloo; valid here: run.cuda_backend=nccl"
-        )
-    if device.type == "cuda" and not gloo and not joined_torchrun() and world > torch.cuda.device_count():
+    if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
         raise ValueError(
             f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "
-            f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, use a smaller "
-            f"mesh, or run.cuda_backend=gloo to share GPUs between ranks (slow: for checking numerics)"
+            f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, or use a smaller mesh"
         )
 
 
@@ -159,15 +152,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(
-    device: torch.device, timeout_s: float, cuda_backend: CudaBackend = CudaBackend.nccl
-) -> DistEnv:
+def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
     """Create the default process group; world 1 when nothing launched us.
 
     On CUDA the group has two backends, NCCL for CUDA tensors and gloo for CPU ones, so that the
     small CPU collectives (verification's cross-rank max, object gathers) work next to NCCL; a
-    NCCL-only group refuses them ("No backend type associated with device type cpu"). With
-    ``cuda_backend=gloo`` gloo serves both, and ranks share GPUs (``cuda_device``).
+    NCCL-only group refuses them ("No backend type associated with device type cpu").
     """
     if not dist.is_initialized() and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -178,36 +168,26 @@ def init_distributed(
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rank_zero_only.rank = rank  # lightning-utilities' rank-zero helpers (``@rank_zero_only``) read it
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    nccl = device.type == "cuda" and cuda_backend is CudaBackend.nccl
     if device.type == "cuda":
-        device = cuda_device(local_rank, cuda_backend)
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
-            "cuda:nccl,cpu:gloo" if nccl else "gloo",
+            backend,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
-            device_id=device if nccl else None,  # eager NCCL init; gloo takes none
+            device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(rank, world, local_rank, device)
-
-
-def cuda_device(local_rank: int, cuda_backend: CudaBackend) -> torch.device:
-    """The GPU of local rank ``local_rank``: its own under NCCL (which refuses two ranks on one
-    GPU); under gloo, ranks beyond the visible GPUs wrap around and share them."""
-    if cuda_backend is CudaBackend.gloo:
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cuda", local_rank)
 
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @contextlib.contextmanager
-def process_group(
-    device: torch.device, timeout_s: float, cuda_backend: CudaBackend = CudaBackend.nccl
-) -> Iterator[DistEnv]:
+def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
     """``init_distributed`` for the length of a ``with`` block.
 
     A group this call created is destroyed at the end: after a barrier when the block ended normally
@@ -218,7 +198,7 @@ def process_group(
     """
     created = not dist.is_initialized()
     unset = [k for k in LAUNCH_VARS if k not in os.environ]
-    env = init_distributed(device, timeout_s, cuda_backend)
+    env = init_distributed(device, timeout_s)
     ended = False
     try:
         yield env

@@ -399,7 +399,6 @@ RULES: dict[str, Rule] = {
         _fault_rank_ok,
         (-2, 1, 64),
     ),
-    "run.cuda_backend": TYPED,  # gloo off CUDA, and pipelines on it: framework.launch.check_local_resources
     "run.oversubscribe": TYPED,  # the CPU rank cap: framework.launch.check_local_resources
     "run.allow_over_memory": TYPED,  # the memory refusal: framework.plan.make_plan
     # mesh

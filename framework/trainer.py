@@ -242,9 +242,7 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
 
 def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
     """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
-    env = stack.enter_context(
-        process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s, cfg.run.cuda_backend)
-    )
+    env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     digest = check_same_config(cfg, env, run_dir)

@@ -162,20 +162,6 @@ def test_context_parallel_refusals(base: DictConfig, tmp_path: Path) -> None:
     )
 
 
-def test_gloo_for_cuda_is_refused_off_cuda_and_lifts_the_gpu_count(base: DictConfig, tmp_path: Path) -> None:
-    """run.cuda_backend=gloo names the backend of CUDA tensors: on a CPU run it would do nothing.
-    On CUDA it lets more ranks than GPUs start (they share them), which NCCL's launch refuses."""
-    msg = refusal(base, {"run.cuda_backend": "gloo", "run.device": "cpu"}, tmp_path / "gloo")
-    assert msg.startswith("run.cuda_backend=gloo does nothing on the cpu") and "run.cuda_backend=nccl" in msg
-    cfg = Config()
-    cfg.mesh.shape = [torch.cuda.device_count() + 2]
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"needs \d+ GPUs on this host.*run.cuda_backend=gloo"):
-            check_local_resources(cfg, torch.device("cuda"))
-        cfg.run.cuda_backend = config.CudaBackend.gloo
-        check_local_resources(cfg, torch.device("cuda"))
-
-
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:
     cfg = Config()
     cfg.mesh.shape = [cpu_rank_cap() + 1]
