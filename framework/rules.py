@@ -289,9 +289,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.float8_size_filter": TYPED,
     "model.float8_grad_dtype": Rule(
-        "e4m3 (default) or e5m2, only with model.float8=tensorwise (rowwise casts gradients to e4m3)",
+        "e5m2 (default) or e4m3, only with model.float8=tensorwise (rowwise casts gradients to e4m3)",
         checked_by="framework.rules.check_option_fields (model.float8_grad_dtype is only_with tensorwise)",
-        bad=("e5m2",),
+        bad=("e4m3",),
     ),
     # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,
