@@ -43,8 +43,11 @@ def _root_style(w: Weight) -> ParallelStyle:
 
 
 def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelStyle:
-    """Float8 layers under tensorwise take torchao's float8 styles (float8 all-gather of the
-    activations); the layouts are the same as the bf16 plan's."""
+    """Float8 layers under tensorwise take torchao's float8 styles; the layouts are the same as the
+    bf16 plan's. Their float8 collective is the backward all-gather of the row-parallel outputs'
+    gradients: the activations reach them already gathered, in high precision, by the sublayer's
+    ``PrepareModuleInput`` (torchtitan's ``PrepareFloat8ModuleInput`` would gather them in float8,
+    but hands float8 to every Linear of the sublayer, and the size filter may keep some in bf16)."""
     if w.tp is TPStyle.sequence:
         return SequenceParallel()
     if w.tp is TPStyle.heads:
