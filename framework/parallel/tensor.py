@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.config import Float8Recipe
-from framework.model import Llama
+from framework.model import Llama, tie
 from framework.models import ModelSpec, TPStyle, Weight, blocks, model_spec
 from framework.parallel.float8 import tp_styles
 
@@ -101,7 +101,6 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     # stream a fresh tensor: batch x seq/tp x dim elements once per step.
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_fresh_output)
-    if model.cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    tie(model)
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")
