@@ -93,13 +93,16 @@ class ModelFamily(Enum):
 
 
 class AttentionBackend(Enum):
-    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick."""
+    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick.
+    ``fa4``: the flash backend with flash-attn-4's kernels swapped in through torch's flash-attention
+    registry (framework.fa4; `pip install -e ".[fa4]"`, Hopper or Blackwell GPUs)."""
 
     auto = "auto"
     flash = "flash"
     cudnn = "cudnn"
     efficient = "efficient"
     math = "math"
+    fa4 = "fa4"
 
 
 class FusedCrossEntropy(Enum):
