@@ -64,7 +64,7 @@ def time_fwd_bwd(backend: SDPBackend, shape: tuple[int, ...], iters: int = 20) -
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
 def errors(backend: SDPBackend, shape: tuple[int, ...]) -> dict[str, float]:
@@ -107,24 +107,26 @@ def main() -> None:
 
     shape_1b = (16, 32, 8, 2048, 64)
     small = (2, 8, 2, 512, 64)
-    kernels = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash (FA2)": SDPBackend.FLASH_ATTENTION}
-    results = {name: (time_fwd_bwd(b, shape_1b), errors(b, small)) for name, b in kernels.items()}
+    say("| kernel | fwd+bwd ms, 1B shape (b16 h32 kv8 s2048 d64) | out err | dq err | dk err | dv err |")
+    say("|---|---|---|---|---|---|")
+
+    def row(name: str, backend: SDPBackend) -> None:
+        ms, err = time_fwd_bwd(backend, shape_1b), errors(backend, small)
+        say(f"| {name} | {ms:.3f} | " + " | ".join(f"{err[n]:.2e}" for n in ("out", "dq", "dk", "dv")) + " |")
+
+    row("cudnn", SDPBackend.CUDNN_ATTENTION)
+    row("flash (FA2)", SDPBackend.FLASH_ATTENTION)
     t0 = time.perf_counter()
     fa4.activate()
     q, k, v = qkv(*small)
     attend(q, k, v, SDPBackend.FLASH_ATTENTION).sum().backward()  # JIT-compiles FA4's kernels
-    say(f"FA4 activated, first forward + backward (kernel compile) {time.perf_counter() - t0:.1f} s")
-    results["FA4 (registry)"] = (
-        time_fwd_bwd(SDPBackend.FLASH_ATTENTION, shape_1b),
-        errors(SDPBackend.FLASH_ATTENTION, small),
+    compile_s = time.perf_counter() - t0
+    row("FA4 (registry)", SDPBackend.FLASH_ATTENTION)
+    say("")
+    say(
+        f"(errors: relative L2 against SDPA's math kernel in fp32, causal GQA, b2 h8 kv2 s512 d64; FA4's first "
+        f"forward + backward, its kernels' compile: {compile_s:.1f} s)"
     )
-    say("")
-    say("| kernel | fwd+bwd ms, 1B shape (b16 h32 kv8 s2048 d64) | out err | dq err | dk err | dv err |")
-    say("|---|---|---|---|---|---|")
-    for name, (ms, err) in results.items():
-        say(f"| {name} | {ms:.3f} | " + " | ".join(f"{err[n]:.2e}" for n in ("out", "dq", "dk", "dv")) + " |")
-    say("")
-    say("(errors: relative L2 against SDPA's math kernel in fp32, causal GQA, b2 h8 kv2 s512 d64)")
 
     # The framework's model, auto (cuDNN / flash as torch picks) vs fa4, the same weights and tokens.
     cfg = ModelConfig(

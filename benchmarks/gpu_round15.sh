@@ -5,7 +5,7 @@
 #            from its parts: part.00 copied to /tmp/fa4_parts by an earlier call on the same warm
 #            machine, the rest in $WHEELS with the other wheels; pip install --target /tmp/site
 #   check    benchmarks/fa4_check.py: kernel times at the 1B's attention shape, parity with SDPA
-#   speed    gpu_bench.py --variants benchmarks/rounds/r15_fa4.txt
+#   speed    gpu_bench.py --variants $VARIANTS (default benchmarks/rounds/r15_fa4.txt)
 # Tables and logs go to $OUT (a device call brings back at most 8 files).
 set -u
 OUT=${OUT:-outputs/r15}
@@ -33,7 +33,7 @@ for phase in "$@"; do
       echo "check rc $?"; tail -30 "$OUT/fa4_check.log"
       ;;
     speed)
-      timeout "${SPEED_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --variants benchmarks/rounds/r15_fa4.txt \
+      timeout "${SPEED_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --variants "${VARIANTS:-benchmarks/rounds/r15_fa4.txt}" \
         --steps "${BENCH_STEPS:-20}" --out /tmp/b15 | tee "$OUT/speed_rows.md"
       cp /tmp/b15/bench.md "$OUT/bench_speed.md" 2>/dev/null
       tar czf "$OUT/logs_speed.tgz" -C /tmp/b15 $(cd /tmp/b15 && ls *.log *.json 2>/dev/null)
