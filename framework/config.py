@@ -302,7 +302,8 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
+    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200. fa4:
+    # flash-attn-4's kernels behind the flash backend (framework.fa4; sm90/sm100, `pip install -e ".[fa4]"`).
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
     # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only).
