@@ -46,7 +46,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from framework import config as config_mod  # noqa: E402
 from framework import recipes  # noqa: E402
-from framework.config import Config, Float8Recipe, quote_numeric_choices, to_config  # noqa: E402
+from framework.config import Config, Float8Recipe, ModelConfig, quote_numeric_choices, to_config  # noqa: E402
 from framework.launch import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.loop import loss_fn  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
@@ -176,12 +176,12 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
     t0 = time.perf_counter()
     model = build_model(dataclasses.replace(m, float8=Float8Recipe.none), t.seq_len)
     if m.float8 is not Float8Recipe.none:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
+
+        from framework.parallel.float8 import float8_config  # the recipe and model.float8_grad_dtype
 
         convert_to_float8_training(
-            model,
-            config=Float8LinearConfig.from_recipe_name(m.float8.value),
-            module_filter_fn=lambda mod, fqn: fqn != "output",
+            model, config=float8_config(m, False), module_filter_fn=lambda mod, fqn: fqn != "output"
         )
     materialize(model, device, seed=t.seed)
     step_model = model
@@ -239,28 +239,22 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
 
 
 def float8_diagnostics(marks: list[str]) -> None:
-    """Diagnostic float8 numerics for the parity rounds (PERF.md round 13), not config options:
-    ``bench:go_e4m3`` casts the output gradients to e4m3 (3 mantissa bits) instead of tensorwise's
-    e5m2 (2); ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision."""
-    wanted = {m.removeprefix("bench:") for m in marks} & {"go_e4m3", "no_fast_accum"}
-    if not wanted:
+    """A diagnostic float8 numerics for the parity rounds (PERF.md round 13), not a config option:
+    ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision. (Round 13's
+    ``bench:go_e4m3`` is now the option ``model.float8_grad_dtype``.)"""
+    if "bench:no_fast_accum" not in marks:
         return
     import framework.parallel.float8 as f8
 
     plain = f8.float8_config
 
-    def patched(recipe: Float8Recipe, fsdp_all_gather: bool):  # noqa: ANN202 - torchao's config
-        from torchao.float8.config import CastConfig, Float8GemmConfig
+    def patched(m: ModelConfig, fsdp_all_gather: bool):  # noqa: ANN202 - torchao's config
+        from torchao.float8.config import Float8GemmConfig
 
-        config = plain(recipe, fsdp_all_gather)
-        if "go_e4m3" in wanted:
-            e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
-            config = dataclasses.replace(
-                config, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3
-            )
-        if "no_fast_accum" in wanted:
-            config = dataclasses.replace(config, gemm_config_output=Float8GemmConfig(use_fast_accum=False))
-        print(f"float8 diagnostics {sorted(wanted)}: {config}", flush=True)
+        config = dataclasses.replace(
+            plain(m, fsdp_all_gather), gemm_config_output=Float8GemmConfig(use_fast_accum=False)
+        )
+        print(f"float8 diagnostic no_fast_accum: {config}", flush=True)
         return config
 
     f8.float8_config = patched

@@ -124,6 +124,15 @@ class Float8Recipe(Enum):
     rowwise = "rowwise"
 
 
+class Float8GradDtype(Enum):
+    """The float8 format of the output gradients in tensorwise float8's two backward GEMMs: ``e4m3``
+    (3 mantissa bits: finer steps, 2^18 of range under one scale) or ``e5m2`` (2 mantissa bits, 2^32
+    of range: torchao's tensorwise default, made for gradients' wide range)."""
+
+    e4m3 = "e4m3"
+    e5m2 = "e5m2"
+
+
 class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -315,6 +324,12 @@ class ModelConfig:
     # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
     # measured on H100); false converts every Linear whose dims are multiples of 16.
     float8_size_filter: bool = True
+    # The output gradients' float8 format under tensorwise (rowwise is e4m3 throughout). e5m2,
+    # torchao's default: over 3 seeds of the 125M at lr 6e-4 it ended +0.4% from bf16's loss and
+    # e4m3 +2.5%, its gap growing with the steps (benchmarks/PERF.md round 15); same speed.
+    float8_grad_dtype: Float8GradDtype = only_with(
+        "model.float8", Float8Recipe.tensorwise, default=Float8GradDtype.e5m2
+    )
     # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
     # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.
     fused_cross_entropy: FusedCrossEntropy = FusedCrossEntropy.none

@@ -279,7 +279,9 @@ def build_optimizer(
     on norms. Under ``muon``, Muon steps the blocks' 2-D weight matrices and AdamW the rest."""
     opt = opt or OptimizerConfig()
     allow = RunConfig().instantiate_allow if allow is None else allow
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # A pipeline's copy of a tied weight is stepped through the embedding it copies.
+    copies = {id(p) for p in getattr(model, "tied_copies", ())}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in copies]
     own = opt._target_ == OWN_CLASS[opt.name]
     fused = device.type == "cuda"
     adam = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "fused": fused}
@@ -509,7 +511,7 @@ def train_step(
     if getattr(model, "schedule", None) is not None:  # pipeline parallel: the schedule runs the step
         from framework.parallel.pipeline import pipeline_step
 
-        return pipeline_step(model, optimizer, scheduler, micro_batches, grad_clip, device, io)  # type: ignore[arg-type]
+        return pipeline_step(model, optimizer, scheduler, micro_batches, grad_clip, device, io, scales)  # type: ignore[arg-type]
     timer = _StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.

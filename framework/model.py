@@ -289,8 +289,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        tie(self)
         # Non-persistent: recomputed from the shape, never checkpointed.
         self.register_buffer("rope", self._rope_tables(None), persistent=False)
 
@@ -298,36 +297,40 @@ class Llama(nn.Module):
         head_dim = model_spec(self.cfg).head_dim
         return rope_tables(head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (batch, seq, vocab); or, given ``targets``, the mean cross-entropy loss.
 
         Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
         fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
+        ``documents``: the rows' ``document_ids`` (data.document_mask), given to every pipeline stage
+        (a later stage sees hidden states, not the tokens they are built from); None: built here.
         """
         if self.document_eos is not None:
-            return self._forward_documents(tokens, targets)
+            return self._forward_documents(tokens, targets, documents)
         h = self._embed(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         return self._head(h, targets)
 
-    def _forward_documents(self, tokens: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _forward_documents(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, documents: torch.Tensor | None
+    ) -> torch.Tensor:
         """``forward`` with ``data.document_mask``: attention and RoPE positions restart at each
         document. Its own method, reached only when ``document_eos`` is set, so that TorchScript
         (``freeze=script``, which skips a branch on a None attribute) compiles none of it otherwise."""
-        doc = None
+        doc = documents
         if self.tok_embeddings is not None:
-            doc = document_ids(tokens, self.document_eos)
+            if doc is None:
+                doc = document_ids(tokens, self.document_eos)
             tokens = torch.bitwise_and(tokens, DOC_START - 1)  # the ids without the start flags
+        assert doc is not None, "a pipeline stage without the embedding needs the rows' document ids"
         h = self._embed(tokens)
-        if doc is None:
-            for layer in self.layers.values():
-                h = layer(h, self.rope)
-        else:
-            rope = self.rope[document_positions(doc)]  # (batch, seq, head_dim // 2, 2)
-            mask = self.document_attention_mask(tokens, doc)
-            for layer in self.layers.values():
-                h = layer(h, rope, mask=mask)
+        rope = self.rope[document_positions(doc)]  # (batch, seq, head_dim // 2, 2)
+        mask = self.document_attention_mask(tokens, doc)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask=mask)
         return self._head(h, targets)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -382,6 +385,10 @@ class Llama(nn.Module):
         std = self.cfg.init_std
         device = _local_device(self)
         for name, p in self.named_parameters():
+            if name == "output.weight" and self.cfg.tie_embeddings:
+                # A pipeline's last stage holds its own copy of the tied weight (the embedding is on
+                # the first stage): drawn from the embedding's name, it starts equal to it.
+                name = "tok_embeddings.weight"
             leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
             if name.endswith("norm.weight"):
                 full = torch.ones(_full_shape(p), device=device)
@@ -392,6 +399,14 @@ class Llama(nn.Module):
             _copy_full_into(p, full)
         # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
         self.rope = self._rope_tables(device)
+
+
+def tie(model: Llama) -> None:
+    """Tie the output projection to the embedding (``model.tie_embeddings``), again after anything
+    that re-creates parameters (``to_empty``, TP). A pipeline stage holding only one of the two
+    keeps its own (framework.parallel.pipeline ties the copies across stages)."""
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -475,8 +490,7 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
         fa4.activate()  # process-wide: where the model meets its device, before any forward
     if model.cfg.residual_dtype == ResidualDtype.autocast:
         model.stream_dtype = compute_dtype(device)
-    if model.cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    tie(model)
     if model.cfg.init_from is None:
         model.init_weights(seed)
         return

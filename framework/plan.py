@@ -66,6 +66,8 @@ class ParamSpec:
     shape: tuple[int, ...]
     tp_dim: int | None
     unit: str  # FSDP unit that owns it: "layers.N" or "root"
+    # False for a pipeline's copy of a tied weight: stepped through the embedding it copies.
+    optimizer: bool = True
 
 
 @dataclass(frozen=True)
@@ -391,7 +393,9 @@ def _memory(
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
         grads = 2 * max(local_numel(s, tp, dp_shard) for s in specs) * _MASTER_BYTES
-    optimizer = local * _MASTER_BYTES * _ADAMW_STATES
+    optimizer = (
+        sum(local_numel(s, tp, dp_shard) for s in specs if s.optimizer) * _MASTER_BYTES * _ADAMW_STATES
+    )
     comm_buffers = 0
     if dp_shard > 1:
         # The unit being computed plus the one prefetched (param_dtype), and one unit's unsharded
@@ -869,11 +873,20 @@ class _Pipeline:
         }
 
 
+def tied_copy(m: ModelConfig) -> ParamSpec | None:
+    """Under pp, the last stage's copy of a tied embedding (framework.parallel.pipeline): a
+    parameter and a gradient like the embedding's, no optimizer state. None when untied."""
+    if not m.tie_embeddings:
+        return None
+    embedding = next(s for s in param_specs(m) if s.name.startswith("tok_embeddings"))
+    return dataclasses.replace(embedding, name="output.weight", unit="root", optimizer=False)
+
+
 def _rank_specs(
-    specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int]
+    specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int], tied: ParamSpec | None
 ) -> list[ParamSpec]:
     """The parameters of the stages ``ids``: their blocks, the embedding with stage 0, the final norm
-    and output projection with the last stage."""
+    and output projection with the last stage (``tied``: its copy of a tied embedding)."""
     blocks = {i for s in ids for i in range(*split[s])}
     last = len(split) - 1
     out = []
@@ -886,13 +899,17 @@ def _rank_specs(
             keep = last in ids
         if keep:
             out.append(spec)
+    if tied is not None and last in ids:
+        out.append(tied)
     return out
 
 
 def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     """Bytes of the parameter shards one rank of pipeline rank ``pp_rank`` holds (its stages'), as
     ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
-    mine = _rank_specs(param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]))
+    mine = _rank_specs(
+        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
+    )
     shard = plan.degrees["dp_shard"]
     return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
 
@@ -908,7 +925,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
     last = len(split) - 1
     per_rank = []
     for ids in ranks:
-        mine = _rank_specs(specs, split, ids)
+        mine = _rank_specs(specs, split, ids, tied_copy(cfg.model))
         layers = sum(split[s][1] - split[s][0] for s in ids)
         # The first rank holds the most micro batches in flight; every rank is costed at that peak.
         mem = _memory(

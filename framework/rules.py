@@ -291,6 +291,11 @@ RULES: dict[str, Rule] = {
         "Linear name fragments (non-empty strings); [] converts every eligible layer"
     ),
     "model.float8_size_filter": TYPED,
+    "model.float8_grad_dtype": Rule(
+        "e5m2 (default) or e4m3, only with model.float8=tensorwise (rowwise casts gradients to e4m3)",
+        checked_by="framework.rules.check_option_fields (model.float8_grad_dtype is only_with tensorwise)",
+        bad=("e4m3",),
+    ),
     # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,
     "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 
-from framework.config import Config, DataSource, FusedCrossEntropy, PPSchedule
+from framework.config import Config, FusedCrossEntropy, PPSchedule
 from framework.models import model_spec
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
@@ -59,9 +59,9 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     Raises ValueError for: pp or pp x stages per rank above the number of blocks (each stage needs a
     block); a schedule that needs virtual stages without them (or zbv with other than 2); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
-    do not go through a pipeline yet (tied embeddings, document masks, sft's token-weighted loss,
-    the verifier's numerics check and NaN injection, HF export, fused cross-entropy,
-    optimizer-in-backward).
+    do not go through a pipeline yet (the verifier's numerics check and NaN injection, HF export,
+    fused cross-entropy, optimizer-in-backward). Tied embeddings, document masks and sft's
+    token-weighted loss do (framework.parallel.pipeline).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -135,19 +135,6 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
 def check_features(cfg: Config, pp: int) -> None:
     """The features that do not go through a pipeline yet (ValueError naming the key)."""
     why = {
-        "model.tie_embeddings=true": (
-            cfg.model.tie_embeddings,
-            "the embedding (first stage) and the output projection (last stage) would share one weight "
-            "across ranks; set model.tie_embeddings=false",
-        ),
-        "data.document_mask=true": (
-            cfg.data.document_mask,
-            "later stages do not see the tokens the mask is built from; set data.document_mask=false",
-        ),
-        "data=sft": (
-            cfg.data.source is DataSource.sft,
-            "its token-weighted loss scales each micro batch, which the schedule's loss does not take",
-        ),
         "verify.enabled=true": (
             cfg.verify.enabled,
             "its numerics check calls the whole model on one rank; set verify.enabled=false",

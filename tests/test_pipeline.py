@@ -156,7 +156,7 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference: list[tuple], tmp_path
 
 # Bad input: one line naming the value and what is valid, refused before launch, nothing written.
 ROOT = Path(__file__).resolve().parent.parent
-PP2 = {"mesh.shape": [2], "parallel.pp": 2, "model.tie_embeddings": False}
+PP2 = {"mesh.shape": [2], "parallel.pp": 2}
 BAD = [
     ({**PP2, "model.n_layers": 1}, "parallel.pp=2 is greater than model.n_layers=1"),
     (
@@ -176,7 +176,7 @@ BAD = [
         "parallel.pp_microbatches=3 does not divide the data-parallel rank's batch 16",
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
-    ({**PP2, "model.tie_embeddings": True}, "model.tie_embeddings=true does not work with parallel.pp=2"),
+    ({**PP2, "verify.enabled": True}, "verify.enabled=true does not work with parallel.pp=2"),
 ]
 
 
@@ -214,12 +214,13 @@ def test_bad_pipeline_refused_before_launch(
     assert not run.exists()
 
 
-# train.py itself refuses parallel.pp=2 on the tied default recipe with exit 2 (tests/test_train.py).
+# train.py itself refuses what stays refused under pp with exit 2 (tests/test_train.py).
 
 
 def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
-    """``python train.py mesh=2 parallel.pp=2`` with an interleaved schedule: trains, evaluates through
-    the schedule, saves a checkpoint (each pp rank its own stages' tensors), and writes the split."""
+    """``python train.py mesh=2 parallel.pp=2`` on the default (tied) recipe with an interleaved
+    schedule: trains, evaluates through the schedule, saves a checkpoint (each pp rank its own
+    stages' tensors), and writes the split."""
     import json
     import os
     import subprocess
@@ -232,7 +233,7 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
         "parallel.pp_schedule=interleaved_1f1b",
         "parallel.pp_stages_per_rank=2",
     ]
-    args += ["model.tie_embeddings=false", "freeze.mode=none", "train.steps=4", "train.seq_len=32"]
+    args += ["freeze.mode=none", "train.steps=4", "train.seq_len=32"]
     args += ["train.log_every=2", "train.eval_every=2", "train.eval_batches=3", "checkpoint.enabled=true"]
     proc = subprocess.run(
         [sys.executable, "train.py", f"hydra.run.dir={run}", *args],

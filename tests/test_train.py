@@ -135,7 +135,10 @@ NO_GPU_CASE = (
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["mesh=4", "train.global_batch_size=6", "train.micro_batch_size=2"], "global_batch_size=6"),
+        (
+            ["mesh=4", "sharding=ddp", "train.global_batch_size=6", "train.micro_batch_size=2"],
+            "global_batch_size=6",
+        ),
         (["train.stepz=3"], "stepz"),
         (["mesh=bogus"], "mesh/bogus"),
         (["executor=cudagraphs", "run.device=cpu"], "executor=cudagraphs needs a CUDA device"),
@@ -150,7 +153,10 @@ NO_GPU_CASE = (
             "multiply to 4, not the world size 6",
         ),
         (["mesh=4", "parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2"),
-        (["mesh=2", "parallel.pp=2"], "model.tie_embeddings=true does not work with parallel.pp=2"),
+        (
+            ["mesh=2", "parallel.pp=2", "verify.enabled=true"],
+            "verify.enabled=true does not work with parallel.pp=2",
+        ),
         (["recipe=llama70b", "mesh/hardware=h100_sxm"], "sharding=auto: nothing fits"),
         (["train.optimizer_in_backward=true"], "train.grad_clip=1.0: a global gradient-norm clip"),
         NO_GPU_CASE,

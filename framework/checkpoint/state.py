@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 EXTRA_FILE = "extra.json"
 RNG_DIR = "rng"
@@ -51,7 +52,27 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     stepped yet it runs one zero-lr step to allocate the moments DCP loads into.
     """
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
+    return {"model": {k: _plain(v) for k, v in msd.items()}, "optim": {"state": osd["state"]}}, osd[
+        "param_groups"
+    ]
+
+
+def _plain(t: Any) -> Any:
+    """A weight that FSDP2 all-gathers in float8 (model.float8=tensorwise) has a torchao subclass,
+    ``WeightWithDynamicFloat8CastTensor``, as its local shard: DCP would pickle that class into the
+    checkpoint, and ``torch.load(weights_only=True)`` refuses it wherever torchao's float8 module is
+    not imported (a resume with float8 off). The DTensor of the plain fp32 shard it wraps (the same
+    storage, so a load writes into the parameter) keeps the files plain tensors."""
+    if isinstance(t, DTensor) and type(t._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor":
+        return DTensor.from_local(
+            t._local_tensor._tensor,
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t
 
 
 def apply_tensor_state(

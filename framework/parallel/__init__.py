@@ -24,7 +24,7 @@ from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.float8 import apply_float8
 from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mesh
-from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage
+from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
 from framework.plan import DP_AXES, MeshAxis, Plan
 from framework.stages import stage_ids
@@ -106,9 +106,8 @@ def _pipeline(
     seed: int,
     init_weights: bool,
 ) -> PipelineModel:
-    """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule."""
-    from framework.loop import loss_fn
-
+    """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule (and
+    with tied embeddings the group that keeps the last stage's copy equal to the embedding)."""
     pp_mesh = sub_mesh(mesh, plan, (MeshAxis.pp,))
     assert pp_mesh is not None
     schedule = PPSchedule[plan.pp_schedule]
@@ -120,7 +119,11 @@ def _pipeline(
         assert out is stage, "under pp, data parallelism is FSDP (in place), never a DDP wrapper"
     piped = PipelineModel(stages, ids, n)
     if init_weights:
-        build_schedule(piped, pp_mesh, schedule, plan.pp_microbatches, device, loss_fn)
+        build_schedule(piped, pp_mesh, schedule, plan.pp_microbatches, device)
+        if model.cfg.tie_embeddings:
+            pp = plan.layout.pp
+            last = next(r for r in range(pp) if n - 1 in stage_ids(r, pp, plan.pp_stages_per_rank, schedule))
+            tie_stages(piped, mesh, plan.mesh_axes.index(MeshAxis.pp.value), last)
     return piped
 
 

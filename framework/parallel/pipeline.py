@@ -11,14 +11,35 @@ per-layer cost model) and which stages each pp rank holds (``framework.stages.st
 One rank may hold several stages (interleaved schedules); ``PipelineModel`` shows them to the rest
 of the trainer as one module under the single-process names (the optimizer, gradient clipping and
 DCP read it), while the schedule runs the stages themselves.
+
+Tied embeddings (``model.tie_embeddings``), as Megatron-LM's embedding group does it: the first
+stage holds the embedding, the last stage a copy of the same weight as its output projection, drawn
+from the embedding's name (so both start equal). After backward the copy's gradient is added into
+the embedding's over a process group of the two ranks ({first, last stage} of each pipeline, one per
+data / tensor coordinate; none when one rank holds both, as zbv's V does), the embedding alone is
+clipped and stepped (one set of AdamW moments), and its new value is sent back to the copy. The
+copy is no parameter of the optimizer and its gradient does not enter the norm; checkpoints hold it
+as ``output.weight`` with the embedding's value, the same names and values as one process's tied
+state dict, so they load across pp degrees. Cost per step: the tied weight's local shard once
+each way between the two ranks.
+
+Per-micro-batch inputs: every stage gets the schedule's keyword arguments, cut into micro batches
+like the tokens: the rows' document ids (``data.document_mask``: a later stage sees hidden states,
+not the tokens the mask is built from). The loss of masked targets (data=sft) is token-weighted:
+each micro batch's summed loss over its trained targets, times the step's weight (see
+``PipelineLoss``), which the sampler's ``loss_scales`` give.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -29,11 +50,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSchedule
+from torch.distributed.tensor import DTensor
 
 from framework.config import PPSchedule
 from framework.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
-from framework.model import Llama
+from framework.model import Llama, document_ids
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -81,8 +103,17 @@ class PipelineModel(nn.Module):
         for s in stages:
             if s.output is not None:
                 self.norm, self.output = s.norm, s.output
+        self.document_eos = stages[0].document_eos
         self.schedule: _PipelineSchedule | None = None
         self.pp_group: dist.ProcessGroup | None = None
+        self.loss = PipelineLoss()
+        self.tied: TiedWeight | None = None
+
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters the optimizer leaves out: the last stage's copy of a tied weight (stepped
+        through the embedding it copies, see ``TiedWeight``)."""
+        return [self.tied.copy] if self.tied is not None and self.tied.copy is not None else []
 
     @property
     def stages(self) -> list[Llama]:
@@ -100,20 +131,115 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.loop), not a call")
 
 
+class PipelineLoss:
+    """The schedule's loss on the last stage, per micro batch: the mean cross-entropy of its targets;
+    or, with a step ``weight`` (masked targets, data=sft), the sum over its trained targets times
+    that weight times the number of micro batches (the schedule divides every gradient by that
+    number, ``scale_grads``). ``pipeline_step`` sets the weight to the data-parallel degree over
+    the global batch's trained targets, so the step's loss and gradient are the mean over every
+    trained target of the global batch, as ``train_step`` with ``scales`` makes them."""
+
+    def __init__(self) -> None:
+        self.weight: float | None = None
+        self.microbatches = 1
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat, y = logits.flatten(0, 1).float(), targets.flatten()
+        if self.weight is None:
+            return F.cross_entropy(flat, y)
+        return F.cross_entropy(flat, y, reduction="sum") * (self.weight * self.microbatches)
+
+
+@dataclass
+class TiedWeight:
+    """A tied weight split over a pipeline (see the module docstring): the embedding's weight where
+    this rank holds the first stage, the last stage's copy where it holds that one, the group of the
+    two ranks (None when this rank holds both) and the global rank of the embedding's holder."""
+
+    master: nn.Parameter | None
+    copy: nn.Parameter | None
+    group: dist.ProcessGroup | None
+    src: int
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """After backward: the embedding's gradient becomes the sum of both uses' (the copy's is
+        dropped), as one process's tied parameter accumulates both."""
+        if self.master is not None and self.copy is not None:
+            _local_grad(self.master).add_(_local_grad(self.copy))
+        elif self.group is not None:
+            held = self.master if self.master is not None else self.copy
+            assert held is not None and held.grad is not None
+            dist.reduce(_local_grad(held), dst=self.src, group=self.group)
+        if self.copy is not None:
+            self.copy.grad = None
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """After the optimiser step: the copy takes the embedding's new value."""
+        if self.master is not None and self.copy is not None:
+            _local(self.copy).copy_(_local(self.master))
+        elif self.group is not None:
+            held = self.master if self.master is not None else self.copy
+            assert held is not None
+            dist.broadcast(_local(held), src=self.src, group=self.group)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor:
+    """This rank's shard of a (possibly sharded) parameter or gradient, sharing its storage."""
+    assert t is not None
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    """This rank's shard of ``p``'s gradient, laid out as ``p`` is: under TP the embedding's gradient
+    comes back replicated while the weight is sharded over the vocabulary (the copy's is sharded),
+    so it is cut to the weight's placement first (a local slice, no communication)."""
+    g = p.grad
+    assert g is not None
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
+def tie_stages(model: PipelineModel, mesh: DeviceMesh, pp_dim: int, last_pp_rank: int) -> None:
+    """Make ``model.tied`` (left None on a rank that holds neither stage): one group per pipeline of
+    the first stage's rank (pp rank 0) and the last stage's (``last_pp_rank``), the same data /
+    tensor coordinate; collective over all ranks, which create every group in the same order."""
+    master = next((s.tok_embeddings.weight for s in model.stages if s.tok_embeddings is not None), None)
+    copy_ = next((s.output.weight for s in model.stages if s.output is not None), None)
+    me = dist.get_rank()
+    rows = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim]).tolist()
+    group, src = None, -1
+    for row in rows:
+        ranks = sorted({row[0], row[last_pp_rank]})
+        made = dist.new_group(ranks) if len(ranks) > 1 else None
+        if me in ranks:
+            group, src = made, row[0]
+    if master is None and copy_ is None:
+        return
+    assert src >= 0, f"rank {me} holds a tied stage but is in no pipeline of the mesh"
+    if master is not None and copy_ is not None:
+        assert master is not copy_ and _local(master).shape == _local(copy_).shape
+    model.tied = TiedWeight(master, copy_, group, src)
+
+
 def build_schedule(
     model: PipelineModel,
     pp_mesh: DeviceMesh,
     schedule: PPSchedule,
     num_microbatches: int,
     device: torch.device,
-    loss_fn: object,
 ) -> None:
     """Wrap each stage in a ``PipelineStage`` over the pp axis and make the schedule (in place).
 
     Shapes between stages are inferred on the first step (torch's dynamic mode). The loss function
-    runs on the last stage per micro batch; gradients are scaled by the number of micro batches
-    (``scale_grads``), so they are the mean over the rank's batch, as without pipelining.
+    (``model.loss``) runs on the last stage per micro batch; gradients are scaled by the number of
+    micro batches (``scale_grads``), so they are the mean over the rank's batch, as without
+    pipelining.
     """
+    model.loss.microbatches = num_microbatches
+    loss_fn = model.loss
     group = pp_mesh.get_group()
     stages = [
         PipelineStage(s, i, model.num_stages, device, group=group)
@@ -129,8 +255,12 @@ def build_schedule(
 
 def _stage_args(model: PipelineModel, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, dict]:
     """The schedule's inputs on this rank: tokens where it holds the first stage, targets always
-    (the schedule reads them on the last stage only)."""
-    return ((x,) if model.has_first else ()), {"target": y}
+    (the schedule reads them on the last stage only), and with document masking the rows' document
+    ids, which every stage receives (cut into micro batches as the tokens are)."""
+    kwargs: dict[str, torch.Tensor] = {"target": y}
+    if model.document_eos is not None:
+        kwargs["documents"] = document_ids(x, model.document_eos)
+    return ((x,) if model.has_first else ()), kwargs
 
 
 def _pp_sum(t: torch.Tensor, model: PipelineModel) -> torch.Tensor:
@@ -148,7 +278,7 @@ def pipeline_norm(model: PipelineModel, max_norm: float) -> torch.Tensor:
     those axes), the squares are summed over the pp axis, and every rank scales its own gradients by
     the same factor ``clip_grad_norm_`` would use on one process.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]  # a tied copy's is dropped by now
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     full = getattr(norm, "full_tensor", None)
     norm = full() if full is not None else norm
@@ -166,27 +296,68 @@ def pipeline_step(
     grad_clip: float,
     device: torch.device,
     io: HostIO | None = None,
+    scales: list[float] | None = None,
 ) -> StepResult:
     """``framework.loop.train_step`` under pipeline parallelism: the schedule runs forward and
     backward over the rank's batch (its micro batches, concatenated and cut again by the schedule);
     the loss (last stage) and the gradient norm (all stages) are made whole on every rank; then
-    clip and optimiser step as without pipelining (a non-finite loss or norm skips the step)."""
+    clip and optimiser step as without pipelining (a non-finite loss or norm skips the step).
+    ``scales`` (masked targets): each micro batch's weight, as ``train_step`` takes them; their sum
+    over the rank's trained targets is the step's weight of each trained target (``PipelineLoss``).
+    A tied weight's two uses are summed before the norm and its copy updated after the step."""
     assert model.schedule is not None
     timer = _StepTimer(device)
     lr = scheduler.get_last_lr()[0]
     x = _to_device(torch.cat([b[0] for b in micro_batches]), device, io)
     y = _to_device(torch.cat([b[1] for b in micro_batches]), device, io)
     args, kwargs = _stage_args(model, x, y)
+    model.loss.weight = None if scales is None else sum(scales) / max(1, int((y >= 0).sum()))
     losses: list[torch.Tensor] = []
     with autocast(device):
         model.schedule.step(*args, **kwargs, losses=losses, return_outputs=False)
+    model.loss.weight = None
     mine = torch.stack([t.detach().float() for t in losses]).mean() if model.has_last else None
     total = _pp_sum(mine if mine is not None else torch.zeros((), device=device), model)
+    if model.tied is not None:
+        model.tied.reduce_grads()
     norm = pipeline_norm(model, grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(total)
     update(optimizer, scheduler, finite)
+    if model.tied is not None:
+        model.tied.broadcast()
     timer.stop()
     return _result(total, norm, finite, lr, timer, io)
+
+
+# The actions a forward-only pass keeps (``_forward_only``).
+_FORWARD_ACTIONS = {
+    _ComputationType.FORWARD,
+    _ComputationType.SEND_F,
+    _ComputationType.RECV_F,
+    _ComputationType.UNSHARD,
+    _ComputationType.RESHARD,
+}
+
+
+@contextlib.contextmanager
+def _forward_only(schedule: _PipelineSchedule) -> Iterator[None]:
+    """ZB-V's ``eval`` runs in torch 2.13 its whole training order, backward actions included; where
+    two neighbouring stages sit on one rank (the V's turn) the backward hand-off between them then
+    fails ("can't steal_bwd_input if this stage doesn't have backward"). Its order is cut to the
+    forward actions for the pass (their own order is the schedule's, deadlock-free without the
+    backward ones); other schedules skip their backward actions in eval themselves."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(schedule, ScheduleZBVZeroBubble) or order is None:
+        yield
+        return
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type in _FORWARD_ACTIONS]
+        for rank, actions in order.items()
+    }
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
 
 
 @torch.no_grad()
@@ -210,7 +381,7 @@ def pipeline_evaluate(
         y = torch.cat([b[1] for b in group]).to(device)
         args, kwargs = _stage_args(model, x, y)
         losses: list[torch.Tensor] = []
-        with autocast(device):
+        with autocast(device), _forward_only(model.schedule):
             model.schedule.eval(*args, **kwargs, losses=losses)
         kept += [t.float() for t in losses[:real]]
     mine = torch.stack(kept).mean() if model.has_last and kept else torch.zeros((), device=device)

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.config import Float8Recipe
-from framework.model import Llama
+from framework.model import Llama, tie
 from framework.models import ModelSpec, TPStyle, Weight, blocks, model_spec
 from framework.parallel.float8 import tp_styles
 
@@ -43,8 +43,11 @@ def _root_style(w: Weight) -> ParallelStyle:
 
 
 def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelStyle:
-    """Float8 layers under tensorwise take torchao's float8 styles (float8 all-gather of the
-    activations); the layouts are the same as the bf16 plan's."""
+    """Float8 layers under tensorwise take torchao's float8 styles; the layouts are the same as the
+    bf16 plan's. Their float8 collective is the backward all-gather of the row-parallel outputs'
+    gradients: the activations reach them already gathered, in high precision, by the sublayer's
+    ``PrepareModuleInput`` (torchtitan's ``PrepareFloat8ModuleInput`` would gather them in float8,
+    but hands float8 to every Linear of the sublayer, and the size filter may keep some in bf16)."""
     if w.tp is TPStyle.sequence:
         return SequenceParallel()
     if w.tp is TPStyle.heads:
@@ -98,7 +101,6 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
     # stream a fresh tensor: batch x seq/tp x dim elements once per step.
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_fresh_output)
-    if model.cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    tie(model)
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")
