@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework import stages as pipeline_stages
-from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName, PPSchedule
+from framework.config import (
+    ActivationCheckpointing,
+    AttentionBackend,
+    Config,
+    ExecutorMode,
+    OptimizerName,
+    PPSchedule,
+)
 from framework.layout import Degrees, divisors, fixed_degrees
 from framework.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
 
@@ -113,9 +120,13 @@ def _cp_options(cfg: Config, ranks: int) -> list[int]:
     """CP degrees worth searching over ``ranks`` (the world over TP): 1, and for long sequences
     (``train.seq_len >= CP_MIN_SEQ``) each degree up to ``CP_MAX`` whose load-balanced chunks
     (2 x cp of them) split the sequence into pieces of at least ``CP_MIN_CHUNK`` tokens; never
-    where CP cannot run (a CPU launch: framework.layout.check_cp)."""
+    where CP cannot run (a CPU launch: framework.layout.check_cp; model.attention=fa4: framework.fa4)."""
     seq = cfg.train.seq_len
-    if seq < CP_MIN_SEQ or (runs_on_cpu(cfg) and not cfg.run.dry_run):
+    if (
+        seq < CP_MIN_SEQ
+        or (runs_on_cpu(cfg) and not cfg.run.dry_run)
+        or cfg.model.attention is AttentionBackend.fa4
+    ):
         return [1]
     return [c for c in divisors(ranks) if c <= CP_MAX and seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK]
 
