@@ -93,13 +93,16 @@ class ModelFamily(Enum):
 
 
 class AttentionBackend(Enum):
-    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick."""
+    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick.
+    ``fa4``: the flash backend with flash-attn-4's kernels swapped in through torch's flash-attention
+    registry (framework.fa4; `pip install -e ".[fa4]"`, Hopper or Blackwell GPUs)."""
 
     auto = "auto"
     flash = "flash"
     cudnn = "cudnn"
     efficient = "efficient"
     math = "math"
+    fa4 = "fa4"
 
 
 class FusedCrossEntropy(Enum):
@@ -308,7 +311,8 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
+    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200. fa4:
+    # flash-attn-4's kernels behind the flash backend (framework.fa4; sm90/sm100, `pip install -e ".[fa4]"`).
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
     # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only).
@@ -320,11 +324,11 @@ class ModelConfig:
     # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
     # measured on H100); false converts every Linear whose dims are multiples of 16.
     float8_size_filter: bool = True
-    # The output gradients' float8 format under tensorwise (rowwise is e4m3 throughout). e4m3, not
-    # torchao's e5m2: on the 125M at lr 6e-4 it ended closer to bf16's loss (benchmarks/PERF.md
-    # rounds 13 and 15), at the same speed (the same GEMMs; 587k vs 590k tok/s there).
+    # The output gradients' float8 format under tensorwise (rowwise is e4m3 throughout). e5m2,
+    # torchao's default: over 3 seeds of the 125M at lr 6e-4 it ended +0.4% from bf16's loss and
+    # e4m3 +2.5%, its gap growing with the steps (benchmarks/PERF.md round 15); same speed.
     float8_grad_dtype: Float8GradDtype = only_with(
-        "model.float8", Float8Recipe.tensorwise, default=Float8GradDtype.e4m3
+        "model.float8", Float8Recipe.tensorwise, default=Float8GradDtype.e5m2
     )
     # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
     # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.

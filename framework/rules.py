@@ -280,6 +280,9 @@ RULES: dict[str, Rule] = {
     "model.rope_original_max_position": integer(1),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
+    # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without
+    # torch's registry or the package is refused by framework.fa4 before launch (with
+    # data.document_mask, by framework.data).
     "model.attention": TYPED,
     "model.residual_dtype": TYPED,
     # CPU, GPUs below sm89 and shapes float8 cannot handle are refused by framework.float8 before launch.
@@ -289,9 +292,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.float8_size_filter": TYPED,
     "model.float8_grad_dtype": Rule(
-        "e4m3 (default) or e5m2, only with model.float8=tensorwise (rowwise casts gradients to e4m3)",
+        "e5m2 (default) or e4m3, only with model.float8=tensorwise (rowwise casts gradients to e4m3)",
         checked_by="framework.rules.check_option_fields (model.float8_grad_dtype is only_with tensorwise)",
-        bad=("e5m2",),
+        bad=("e4m3",),
     ),
     # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,
