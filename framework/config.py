@@ -93,13 +93,16 @@ class ModelFamily(Enum):
 
 
 class AttentionBackend(Enum):
-    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick."""
+    """``F.scaled_dot_product_attention`` backend (torch.nn.attention.SDPBackend); auto lets torch pick.
+    ``fa4``: the flash backend with flash-attn-4's kernels swapped in through torch's flash-attention
+    registry (framework.fa4; `pip install -e ".[fa4]"`, Hopper or Blackwell GPUs)."""
 
     auto = "auto"
     flash = "flash"
     cudnn = "cudnn"
     efficient = "efficient"
     math = "math"
+    fa4 = "fa4"
 
 
 class FusedCrossEntropy(Enum):
@@ -308,7 +311,8 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200.
+    # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200. fa4:
+    # flash-attn-4's kernels behind the flash backend (framework.fa4; sm90/sm100, `pip install -e ".[fa4]"`).
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
     # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only).

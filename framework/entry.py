@@ -34,8 +34,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import float8, fused_ce, sweep
-from framework.config import Config, ExecutorMode, Float8Recipe, RunConfig, to_config, to_yaml
+from framework import fa4, float8, fused_ce, sweep
+from framework.config import (
+    AttentionBackend,
+    Config,
+    ExecutorMode,
+    Float8Recipe,
+    RunConfig,
+    to_config,
+    to_yaml,
+)
 from framework.launch import (
     adopt_submitit_environment,
     apply_allocator_environment,
@@ -119,6 +127,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
             "use executor=compile or executor=eager"
         )
     check_float8(cfg, device)
+    check_fa4(cfg, device)
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
     fused_ce.check(cfg, device.type, layout.tp if layout is not None else cfg.sharding.tp)
     return cfg
@@ -135,6 +144,15 @@ def check_float8(cfg: Config, device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     float8.check_device(recipe, device.type, capability, name)
     float8.check_torchao(recipe)
+
+
+def check_fa4(cfg: Config, device: torch.device) -> None:
+    """``model.attention=fa4``: a Hopper or Blackwell GPU, a head size its kernels have, the package."""
+    if cfg.model.attention is not AttentionBackend.fa4:
+        return
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    fa4.check(cfg, device.type, capability, name)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

@@ -262,7 +262,8 @@ CP_CPU_ERROR = (
 def check_cp(d: Degrees, cfg: Config, on_cpu: bool) -> None:
     """Refuse a CP degree that cannot run: one whose load-balanced shards (2 x cp chunks of the
     sequence, rank i holding chunks i and 2cp-1-i, so causal work is equal) do not split
-    ``train.seq_len``, pipelines (their schedule runs the micro batches), document masks (ring
+    ``train.seq_len``, a launch with a pipeline (its schedule runs the micro batches; a dry run
+    plans cp x pp), document masks (ring
     attention takes no attention mask), masked targets
     (data=sft: the CP ranks' losses would not average to the batch mean), and CP on a CPU
     launch (``CP_CPU_ERROR``; a dry run plans it for any device)."""
@@ -281,10 +282,11 @@ def check_cp(d: Degrees, cfg: Config, on_cpu: bool) -> None:
             f"parallel.cp={d.cp} with data.document_mask=true: ring attention takes no attention mask; "
             f"set data.document_mask=false or parallel.cp=1"
         )
-    if d.pp > 1:
+    if d.pp > 1 and not cfg.run.dry_run:
         raise ValueError(
-            f"parallel.cp={d.cp} with parallel.pp={d.pp}: the pipeline schedule runs its micro batches "
-            f"itself, outside the per-micro-batch sequence sharding; use parallel.cp=1 or parallel.pp=1"
+            f"parallel.cp={d.cp} with parallel.pp={d.pp} is planned (run.dry_run=true) but cannot be "
+            f"launched: the pipeline schedule runs its micro batches itself, outside the per-micro-batch "
+            f"sequence sharding; use parallel.cp=1 or parallel.pp=1, or run.dry_run=true to plan it"
         )
     if cfg.data.source.value == "sft":
         raise ValueError(

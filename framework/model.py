@@ -25,6 +25,8 @@ _SDPA_BACKENDS = {
     AttentionBackend.cudnn: SDPBackend.CUDNN_ATTENTION,
     AttentionBackend.efficient: SDPBackend.EFFICIENT_ATTENTION,
     AttentionBackend.math: SDPBackend.MATH,
+    # The flash backend, whose kernels framework.fa4.activate swaps for flash-attn-4's.
+    AttentionBackend.fa4: SDPBackend.FLASH_ATTENTION,
 }
 
 
@@ -482,6 +484,10 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     are tied again before init.
     """
     model.to_empty(device=device)
+    if model.cfg.attention is AttentionBackend.fa4:
+        from framework import fa4
+
+        fa4.activate()  # process-wide: where the model meets its device, before any forward
     if model.cfg.residual_dtype == ResidualDtype.autocast:
         model.stream_dtype = compute_dtype(device)
     tie(model)

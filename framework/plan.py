@@ -584,26 +584,30 @@ def _comm(
         logits = tokens * cfg.model.vocab_size * elem
         out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
     if cp > 1:
-        out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp)
+        out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
     return out
 
 
-def _cp_comm(cfg: Config, cp: int, intra: bool, accum: int, tp: int) -> list[CommEstimate]:
+def _cp_comm(
+    cfg: Config, cp: int, intra: bool, accum: int, tp: int, layers: int | None = None
+) -> list[CommEstimate]:
     """Ring attention's K/V passes (torch's context_parallel): in every layer's forward each rank
     receives the other cp-1 shards of K and V (an all-gather's volume, whether rotated by
     all-gather or passed around the ring); its backward passes them again and sends the K/V
     gradients back (a reduce-scatter's volume). A fully checkpointed forward runs, and passes,
-    again; selective checkpointing recomputes every other block."""
+    again; selective checkpointing recomputes every other block. A pipeline rank (``layers``) runs
+    only its own blocks, for each of its micro batches (``accum``)."""
     m = cfg.model
+    n = m.n_layers if layers is None else layers
     elem = 2 if autocast_bf16(cfg) else 4
     kv = 2 * cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
     mode = cfg.sharding.activation_checkpointing
     recomputed = {
-        ActivationCheckpointing.full: m.n_layers,
-        ActivationCheckpointing.selective: (m.n_layers + 1) // 2,
+        ActivationCheckpointing.full: n,
+        ActivationCheckpointing.selective: (n + 1) // 2,
     }
-    forward = (m.n_layers + recomputed.get(mode, 0)) * accum
-    backward = m.n_layers * accum
+    forward = (n + recomputed.get(mode, 0)) * accum
+    backward = n * accum
     return [
         _collective(cfg, "cp", "kv_ring_forward", cp, intra, forward, kv * elem),
         _collective(cfg, "cp", "kv_ring_backward", cp, intra, backward, kv * elem),
@@ -910,7 +914,7 @@ def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     mine = _rank_specs(
         param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
     )
-    shard = plan.degrees["dp_shard"]
+    shard = plan.degrees["dp_shard"] * plan.degrees["cp"]  # FSDP2 shards over dp_shard x cp
     return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
 
 
@@ -918,7 +922,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
     p = cfg.parallel
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
     m = pipeline_stages.microbatches(cfg, d.pp)
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp  # a CP rank's sequence shard
     split = pipeline_stages.split_layers(cfg, d.pp * spr, tokens)
     ranks = pipeline_stages.rank_stages(d.pp, spr, sched)
     flight = pipeline_stages.in_flight(sched, d.pp, spr, m)
@@ -929,7 +933,14 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
         layers = sum(split[s][1] - split[s][0] for s in ids)
         # The first rank holds the most micro batches in flight; every rank is costed at that peak.
         mem = _memory(
-            cfg, mine, tp, shard, _fsdp_units(mine, tp), accum=accum, pipeline=(layers, flight, last in ids)
+            cfg,
+            mine,
+            tp,
+            shard,
+            _fsdp_units(mine, tp),
+            accum=accum,
+            pipeline=(layers, flight, last in ids),
+            cp=d.cp,
         )
         per_rank.append((mem.total, mine, layers, mem))
     _, mine, layers, memory = max(per_rank, key=lambda t: t[0])
@@ -952,11 +963,12 @@ def _pp_send_recv(
     cfg: Config, d: Degrees, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int
 ) -> CommEstimate:
     """Point-to-point between neighbouring stages: each micro batch's activations forward and their
-    gradient backward, once per stage a rank holds (micro batch x seq/tp x dim each)."""
+    gradient backward, once per stage a rank holds (micro batch x seq/(tp cp) x dim each: under CP
+    each rank passes its own sequence shard to the same CP rank of the next stage)."""
     intra = _axis_is_intra_node(sizes, axes.index(MeshAxis.pp), cfg.mesh.procs_per_node)
     alpha, beta = _link(cfg, intra)
     elem = 2 if autocast_bf16(cfg) else 4
-    payload = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.dim * elem // d.tp
+    payload = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.dim * elem // d.tp // d.cp
     calls = 2 * accum * cfg.parallel.pp_stages_per_rank
     per = alpha + payload / beta
     return CommEstimate(

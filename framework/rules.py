@@ -280,6 +280,9 @@ RULES: dict[str, Rule] = {
     "model.rope_original_max_position": integer(1),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
+    # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without
+    # torch's registry or the package is refused by framework.fa4 before launch (with
+    # data.document_mask, by framework.data).
     "model.attention": TYPED,
     "model.residual_dtype": TYPED,
     # CPU, GPUs below sm89 and shapes float8 cannot handle are refused by framework.float8 before launch.

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework import stages as pipeline_stages
-from framework.config import ActivationCheckpointing, Config, ExecutorMode, OptimizerName, PPSchedule
+from framework.config import (
+    ActivationCheckpointing,
+    AttentionBackend,
+    Config,
+    ExecutorMode,
+    OptimizerName,
+    PPSchedule,
+)
 from framework.layout import Degrees, divisors, fixed_degrees
 from framework.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
 
@@ -99,8 +106,9 @@ def _degree_options(cfg: Config) -> list[Degrees]:
     pps = [1] + [p for p in divisors(world) if 1 < p <= min(m.n_layers, MAX_PP) and _pipeline_ok(cfg, p)]
     for t in tps:
         for p in (q for q in pps if (world // t) % q == 0):
-            # CP runs per micro batch, outside a pipeline's schedule: never both (layout.check_cp).
-            for c in _cp_options(cfg, world // t // p) if p == 1 else [1]:
+            # CP runs per micro batch, outside a pipeline's schedule: both only in a dry run's
+            # plan (layout.check_cp refuses to launch them together).
+            for c in _cp_options(cfg, world // t // p) if p == 1 or cfg.run.dry_run else [1]:
                 for r in divisors(world // t // p // c):
                     out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
@@ -112,9 +120,13 @@ def _cp_options(cfg: Config, ranks: int) -> list[int]:
     """CP degrees worth searching over ``ranks`` (the world over TP): 1, and for long sequences
     (``train.seq_len >= CP_MIN_SEQ``) each degree up to ``CP_MAX`` whose load-balanced chunks
     (2 x cp of them) split the sequence into pieces of at least ``CP_MIN_CHUNK`` tokens; never
-    where CP cannot run (a CPU launch: framework.layout.check_cp)."""
+    where CP cannot run (a CPU launch: framework.layout.check_cp; model.attention=fa4: framework.fa4)."""
     seq = cfg.train.seq_len
-    if seq < CP_MIN_SEQ or (runs_on_cpu(cfg) and not cfg.run.dry_run):
+    if (
+        seq < CP_MIN_SEQ
+        or (runs_on_cpu(cfg) and not cfg.run.dry_run)
+        or cfg.model.attention is AttentionBackend.fa4
+    ):
         return [1]
     return [c for c in divisors(ranks) if c <= CP_MAX and seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK]
 

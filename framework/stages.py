@@ -59,9 +59,9 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     Raises ValueError for: pp or pp x stages per rank above the number of blocks (each stage needs a
     block); a schedule that needs virtual stages without them (or zbv with other than 2); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
-    do not go through a pipeline yet (the verifier's numerics check and NaN injection, HF export,
-    fused cross-entropy, optimizer-in-backward). Tied embeddings, document masks and sft's
-    token-weighted loss do (framework.parallel.pipeline).
+    do not go through a pipeline yet (the verifier's numerics check and NaN injection, fused
+    cross-entropy, optimizer-in-backward). Tied embeddings, document masks, sft's token-weighted
+    loss and the HF export do (framework.parallel.pipeline).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -142,10 +142,6 @@ def check_features(cfg: Config, pp: int) -> None:
         f"verify.inject_nan_steps={list(cfg.verify.inject_nan_steps)}": (
             bool(cfg.verify.inject_nan_steps),
             "its hook poisons the whole model's output, which no stage produces; leave it empty",
-        ),
-        "checkpoint.export_hf=true": (
-            cfg.checkpoint.export_hf,
-            "export the saved checkpoint afterwards instead (python -m framework.checkpoint export-hf)",
         ),
         f"model.fused_cross_entropy={cfg.model.fused_cross_entropy.value}": (
             cfg.model.fused_cross_entropy is not FusedCrossEntropy.none,

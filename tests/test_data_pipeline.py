@@ -262,6 +262,8 @@ def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None
     check_data(masked)
     masked.model.attention = AttentionBackend.flash
     refused(masked, "model.attention=flash", "model.attention=auto (FlexAttention on CUDA")
+    masked.model.attention = AttentionBackend.fa4
+    refused(masked, "model.attention=fa4", "takes no attention mask")
 
 
 # -- through train.py, in this process: exit 2, one line, no run dir ------------------------------

@@ -95,3 +95,16 @@ def test_cp_shards_parameters_over_dp_shard_and_cp(degrees: tuple[int, ...], sha
     assert report.num_sharded_params == report.num_params
     fsdp_ranks = degrees[1] * degrees[2]
     assert report.measured_param_bytes < 4 * report.plan.num_params / degrees[3] / fsdp_ranks * 1.1
+
+
+def test_cp_with_pp_dry_run_measures_what_the_plan_estimates() -> None:
+    """pp=2 x cp=2: each stage's parameters are sharded over the CP ranks, as the plan says."""
+    cfg = Config(model=ODD)
+    cfg.mesh.shape = [4]
+    cfg.parallel.pp, cfg.parallel.cp = 2, 2
+    cfg.train.seq_len = 64
+    cfg.train.global_batch_size = 2
+    cfg.run.dry_run = True
+    report = dry_run(cfg)
+    assert report.plan.strategy == "fsdp_cp_pp"
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)

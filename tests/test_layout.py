@@ -63,7 +63,10 @@ def test_explicit_degrees_win_and_fill_the_rest() -> None:
             r"degrees here are \[1, 2\]",
         ),
         ({"cp": 2, "document_mask": True}, r"parallel.cp=2 with data.document_mask=true: ring attention"),
-        ({"cp": 2, "pp": 2}, r"parallel.cp=2 with parallel.pp=2: the pipeline schedule runs"),
+        (
+            {"cp": 2, "pp": 2},
+            r"parallel.cp=2 with parallel.pp=2 is planned \(run.dry_run=true\) but cannot be launched",
+        ),
         ({"tp": 4}, r"parallel.tp=4 does not divide model.n_kv_heads=2.*valid TP degrees here are \[1, 2\]"),
         ({"dp_shard": -2}, r"parallel.dp_shard=-2 is not valid"),
     ],
@@ -102,6 +105,33 @@ def test_cp_is_planned_in_a_dry_run() -> None:
     assert ring["kv_ring_forward"].calls == ring["kv_ring_backward"].calls == layers * two.grad_accum_steps
     assert {c.axis for c in two.comm} >= {"dp_shard_cp", "cp", "tp"}
     assert two.prediction.compute_s == pytest.approx(one.prediction.compute_s)
+
+
+def test_cp_with_pp_is_planned_in_a_dry_run() -> None:
+    """cp x pp (Llama 3's long-context layout), planned on this CPU machine: against pp=2 x dp_shard=4,
+    pp=2 x dp_shard=2 x cp=2 keeps the parameters per rank (FSDP2 shards over dp_shard x cp), halves
+    the activations and the stage-to-stage sends of a micro batch, and passes K/V around the ring in
+    each of the pipeline rank's own blocks only, for each micro batch."""
+    base = cfg_for([8], pp=2, dp_shard=4)
+    base.model = ModelConfig(n_layers=4, tie_embeddings=False)
+    base.mesh.hardware = HardwareConfig(name="h100_sxm", memory_gib=80.0)
+    base.train.seq_len = 64
+    base.run.dry_run = True
+    one = make_plan(base)  # 32 rows / dp 4 = 8 per rank, in 2 micro batches of 4
+    base.parallel = ParallelConfig(pp=2, dp_shard=2, cp=2, pp_microbatches=4)  # 16 per rank: 4 x 4
+    two = make_plan(base)
+    assert two.strategy == "fsdp_cp_pp" and two.mesh_axes == ("pp", "dp_shard", "cp")
+    assert two.params_per_rank == one.params_per_rank
+    assert two.memory.activations < 0.6 * one.memory.activations
+    sends = {p.strategy: next(c for c in p.comm if c.axis == "pp") for p in (one, two)}
+    assert sends["fsdp_cp_pp"].bytes_per_call * 2 == sends["fsdp_pp"].bytes_per_call
+    ring = {c.collective: c for c in two.comm if c.axis == "cp"}
+    stage_blocks = base.model.n_layers // 2
+    assert ring["kv_ring_forward"].calls == stage_blocks * two.grad_accum_steps
+    assert two.pp_split == one.pp_split
+    base.run.dry_run = False
+    with pytest.raises(ValueError, match="parallel.cp=2 with parallel.pp=2 is planned"):
+        make_plan(base)
 
 
 def test_tp_must_split_heads() -> None:

@@ -220,7 +220,7 @@ def test_bad_pipeline_refused_before_launch(
 def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     """``python train.py mesh=2 parallel.pp=2`` on the default (tied) recipe with an interleaved
     schedule: trains, evaluates through the schedule, saves a checkpoint (each pp rank its own
-    stages' tensors), and writes the split."""
+    stages' tensors), writes the split, and exports the whole model to Hugging Face's format."""
     import json
     import os
     import subprocess
@@ -235,6 +235,7 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     ]
     args += ["freeze.mode=none", "train.steps=4", "train.seq_len=32"]
     args += ["train.log_every=2", "train.eval_every=2", "train.eval_batches=3", "checkpoint.enabled=true"]
+    args += ["checkpoint.export_hf=true"]
     proc = subprocess.run(
         [sys.executable, "train.py", f"hydra.run.dir={run}", *args],
         cwd=ROOT,
@@ -253,6 +254,16 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     assert vals[-1] < vals[0]  # 4 steps at lr warm-up still lower the loss of the tiny model
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
     assert (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("*4*"))
+    from safetensors import safe_open
+
+    from framework.config import ModelConfig
+    from framework.models import model_spec
+
+    with safe_open(str(run / "hf" / "model.safetensors"), "pt") as f:  # every stage's weights, once
+        exported = set(f.keys())
+    assert exported == {
+        model_spec(ModelConfig()).hf_names()[n] for n, _, _ in model_spec(ModelConfig()).params()
+    }
 
 
 # The planner: the split by the per-layer cost model, the bubble, the per-schedule activations.

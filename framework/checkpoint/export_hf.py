@@ -30,7 +30,12 @@ log = logging.getLogger("framework")
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded model state on CPU, on rank 0 (``{}`` on the others). Collective for
-    FSDP/TP models: call it on every rank."""
+    FSDP/TP models and pipelines (each rank holds its stages: ``pipeline_full_state``): call it on
+    every rank."""
+    from framework.parallel.pipeline import PipelineModel, pipeline_full_state
+
+    if isinstance(model, PipelineModel):
+        return pipeline_full_state(model)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

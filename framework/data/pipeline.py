@@ -199,9 +199,10 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
         )
     if not cfg.data.mix and cfg.data.source is DataSource.synthetic:
         raise ValueError("data.document_mask=true with data=synthetic: random tokens have no documents")
-    if cfg.model.attention is AttentionBackend.flash:
+    if cfg.model.attention in (AttentionBackend.flash, AttentionBackend.fa4):
         raise ValueError(
-            "data.document_mask=true with model.attention=flash: the flash kernel takes no attention mask; "
+            f"data.document_mask=true with model.attention={cfg.model.attention.value}: the flash kernel "
+            "takes no attention mask; "
             "use model.attention=auto (FlexAttention on CUDA, SDPA with a dense mask elsewhere), "
             "efficient, cudnn or math (SDPA with a dense mask)"
         )

@@ -361,6 +361,32 @@ def _forward_only(schedule: _PipelineSchedule) -> Iterator[None]:
 
 
 @torch.no_grad()
+def pipeline_full_state(model: PipelineModel) -> dict[str, torch.Tensor]:
+    """The whole model's full, unsharded state on CPU, on rank 0 (``{}`` on the others), under the
+    single-process names (a tied model's ``output.weight`` included, as one process's state dict
+    has it). Collective: call it on every rank.
+
+    Each rank makes its own stages' tensors whole one at a time (a collective over the data / tensor
+    axes, so every rank of the stage takes part), and the ranks of rank 0's pipeline keep them on
+    CPU; rank 0 gathers them over its pipeline (one pickled object per pp rank). Rank 0 holds the
+    whole model in host memory, as the export without pipelining does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    keep = 0 in dist.get_process_group_ranks(model.pp_group)  # this rank is in rank 0's pipeline
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in get_model_state_dict(model).items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            mine[name] = full.detach().to("cpu", copy=True)
+    if not keep:
+        return {}
+    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size(model.pp_group))]
+    parts = parts if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=model.pp_group)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
+
+
+@torch.no_grad()
 def pipeline_evaluate(
     model: PipelineModel, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
 ) -> torch.Tensor:

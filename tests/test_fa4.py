@@ -1,0 +1,106 @@
+"""``model.attention=fa4``: the refusals before launch, on the CPU; the kernels themselves run on a
+Hopper GPU with flash-attn-4 installed (benchmarks/fa4_check.py: parity with SDPA, eager and
+compiled)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import fa4, search
+from framework.config import AttentionBackend, Config
+from framework.model import _SDPA_BACKENDS
+from tests.test_config import compose_config
+from tests.test_data_pipeline import train_main
+
+H100 = (9, 0)
+
+
+def fa4_cfg(*overrides: str) -> Config:
+    return compose_config("recipe=llama_tiny", "model.attention=fa4", *overrides)
+
+
+def refused(cfg: Config, capability: tuple[int, int] | None, *fragments: str, device: str = "cuda") -> None:
+    with pytest.raises(ValueError) as e:
+        fa4.check(cfg, device, capability, "NVIDIA A100" if capability == (8, 0) else "NVIDIA H100")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("model.attention=fa4"), message
+    for f in fragments:
+        assert f in message, message
+
+
+def test_refused_off_hopper_and_blackwell() -> None:
+    refused(fa4_cfg(), None, "needs a CUDA GPU", "uses cpu", "model.attention=auto", device="cpu")
+    refused(fa4_cfg(), (8, 0), "NVIDIA A100 is 8.0", "model.attention=auto")
+    refused(fa4_cfg(), (12, 0), "is 12.0")
+
+
+def test_refused_head_sizes_and_context_parallelism() -> None:
+    # llama_tiny's heads are dim / n_heads = 32: a size FA4 has. 12 is not a multiple of 8.
+    refused(fa4_cfg("model.head_dim=12"), H100, "head size 12", "8-256")
+    refused(fa4_cfg("model.head_dim=192"), (10, 0), "head size 192", "8-128 or 256")
+    assert fa4.head_dim_supported(9, 192) and fa4.head_dim_supported(10, 256)
+    refused(fa4_cfg("parallel.cp=2"), H100, "parallel.cp=2", "context parallelism")
+
+
+def test_registry_and_package() -> None:
+    """This torch (>= 2.11) has the registry and its FA4 glue; flash-attn-4 is not installed here
+    (its CuTe DSL libraries are GPU-only), so a Hopper launch is refused for the package."""
+    assert fa4.registry_has_fa4()
+    if fa4.installed():
+        fa4.check(fa4_cfg(), "cuda", H100, "NVIDIA H100")
+    else:
+        refused(fa4_cfg(), H100, "needs the flash-attn-4 package", "pip install")
+
+
+def test_registers_itself_in_torchs_registry() -> None:
+    """torch's FA4 glue, registered under this module's name with this module as the kernels."""
+    attention = torch.nn.attention
+    try:
+        fa4.register()
+        fa4.register()  # once per process: the second call changes nothing
+        assert attention.current_flash_attention_impl() == fa4.IMPL
+        assert attention.list_flash_attention_impls().count(fa4.IMPL) == 1
+        assert torch.nn.attention._fa4._FA4_MODULE_PATH == "framework.fa4"
+    finally:
+        attention.restore_flash_attention_impl()
+    assert attention.current_flash_attention_impl() is None
+
+
+def test_registry_missing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch older than 2.11 has no ``activate_flash_attention_impl``."""
+    monkeypatch.delattr(torch.nn.attention, "activate_flash_attention_impl")
+    refused(fa4_cfg(), H100, "torch's flash-attention registry", torch.__version__)
+
+
+def test_other_backends_are_never_refused() -> None:
+    cfg = fa4_cfg()
+    for backend in AttentionBackend:
+        if backend is not AttentionBackend.fa4:
+            other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=backend))
+            fa4.check(other, "cpu", None, "cpu")
+
+
+def test_fa4_runs_sdpa_flash_and_context_parallelism_is_not_searched() -> None:
+    from torch.nn.attention import SDPBackend
+
+    assert _SDPA_BACKENDS[AttentionBackend.fa4] is SDPBackend.FLASH_ATTENTION
+    long = compose_config("recipe=llama1b", "train.seq_len=65536", "run.device=cuda", "mesh/hardware=h200")
+    assert search._cp_options(long, 8) != [1]
+    with_fa4 = dataclasses.replace(
+        long, model=dataclasses.replace(long.model, attention=AttentionBackend.fa4)
+    )
+    assert search._cp_options(with_fa4, 8) == [1]
+
+
+def test_train_py_refuses_it_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train_main(run, "run.device=cpu", "model.attention=fa4")
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.attention=fa4 needs a CUDA GPU" in errors[0], errors
+    assert not run.exists()
