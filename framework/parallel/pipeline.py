@@ -18,9 +18,9 @@ from the embedding's name (so both start equal). After backward the copy's gradi
 the embedding's over a process group of the two ranks ({first, last stage} of each pipeline, one per
 data / tensor coordinate; none when one rank holds both, as zbv's V does), the embedding alone is
 clipped and stepped (one set of AdamW moments), and its new value is sent back to the copy. The
-copy is no parameter of the optimizer and its gradient does not enter the norm; checkpoints hold it
-as ``output.weight`` with the embedding's value, the same names and values as one process's tied
-state dict, so they load across pp degrees. Cost per step: the tied weight's local shard once
+copy is no parameter of the optimizer and its gradient does not enter the norm; checkpoints hold
+the tied weight once, as ``tok_embeddings.weight``, at any pp degree (framework.checkpoint.state's
+``to_dcp``: the copy is offered and read under that name), so they load across pp degrees. Cost per step: the tied weight's local shard once
 each way between the two ranks.
 
 Per-micro-batch inputs: every stage gets the schedule's keyword arguments, cut into micro batches
