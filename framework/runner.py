@@ -218,11 +218,14 @@ class StepRunner:
         def fail(_m: nn.Module, _inputs: tuple) -> None:
             raise InjectedFault(f"run.fault_raise_at_step={number}: injected fault on rank {self.rank}")
 
-        handle = self.model.register_forward_pre_hook(fail)
+        # A pipeline's schedule calls its stages, never the model (framework.parallel.pipeline).
+        modules = getattr(self.model, "stages", None) or [self.model]
+        handles = [m.register_forward_pre_hook(fail) for m in modules]
         try:
             yield
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
 
 
 def settle_ddp_buckets(model: nn.Module, micro_batch_size: int, seq_len: int, device: torch.device) -> None:

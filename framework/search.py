@@ -160,7 +160,9 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
         counts = [p.pp_microbatches]
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
-        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
+        scheds += [(PPSchedule["interleaved_1f1b"], 2)]
+        if d.dp == 1:  # zero-bubble schedules run without data parallelism (stages.check_pipeline)
+            scheds += [(PPSchedule["zbv"], 2)]
     return [(s, v, m) for s, v in scheds for m in counts]
 
 

@@ -177,6 +177,16 @@ BAD = [
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
     (
+        {
+            "mesh.shape": [4],
+            "parallel.pp": 2,
+            "parallel.dp_shard": 2,
+            "parallel.pp_schedule": "zbv",
+            "parallel.pp_stages_per_rank": 2,
+        },
+        "parallel.pp_schedule=zbv with 2 data-parallel ranks",
+    ),
+    (
         {**PP2, "verify.enabled": True, "verify.inject_nan_steps": [2]},
         "verify.inject_nan_steps=[2] does not work with parallel.pp=2",
     ),

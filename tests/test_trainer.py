@@ -32,6 +32,8 @@ from framework.config import (
     LoggerConfig,
     MeshConfig,
     RunConfig,
+    ShardingConfig,
+    Strategy,
     TrainConfig,
 )
 from framework.metrics import read_metrics
@@ -92,6 +94,7 @@ def test_a_step_that_raises_leaves_nothing_behind(tmp_path: Path) -> None:
         checkpoint=CheckpointConfig(enabled=True, every_steps=2, async_mode=AsyncMode.thread),
         run=RunConfig(device=Device.cpu, fault_raise_at_step=5, fault_rank=-1),
         mesh=MeshConfig(shape=[2]),
+        sharding=ShardingConfig(strategy=Strategy.ddp),  # auto may pick a pipeline for this shape
         freeze=FreezeConfig(mode=FreezeMode.none),
         logger=LoggerConfig(progress_bar=False, plot=False),
     )
