@@ -175,8 +175,10 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
         return []
     if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.stages)
         pieces = pipeline_stages.microbatches(cfg, d.pp)
-        # one option; one that does not divide is refused by plan_for, naming the valid counts
-        return [max(1, gbs // d.dp // pieces)]
+        # One option; one that does not divide, or a train.micro_batch_size the user set that is
+        # not the rank's batch / pieces, is refused by plan_for (framework.stages), naming the
+        # valid values: never overwritten in silence.
+        return [cfg.train.micro_batch_size or max(1, gbs // d.dp // pieces)]
     if cfg.train.micro_batch_size != 0:
         return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
     return sorted(divisors(gbs // d.dp), reverse=True)

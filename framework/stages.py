@@ -119,16 +119,23 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
         )
     if local % n:
         valid = [k for k in range(pp, local + 1) if local % k == 0]
+        # Unset, it is pp: say so, not a value the user never wrote.
+        shown = n if cfg.parallel.pp_microbatches else f"0 (= parallel.pp: {n} micro batches)"
         raise ValueError(
-            f"parallel.pp_microbatches={n} does not divide the data-parallel rank's batch {local} "
+            f"parallel.pp_microbatches={shown} does not divide the data-parallel rank's batch {local} "
             f"(train.global_batch_size={gbs} / dp {dp}): valid: {valid or 'none; raise the global batch'}"
         )
     mbs = cfg.train.micro_batch_size
     if mbs not in (0, local // n):
+        keep = (
+            f", or parallel.pp_microbatches={local // mbs} to keep it"
+            if local % mbs == 0 and local // mbs >= pp
+            else ""
+        )
         raise ValueError(
             f"train.micro_batch_size={mbs} with parallel.pp={pp}: under a pipeline each micro batch is "
             f"the rank's batch {local} / parallel.pp_microbatches ({n}) = {local // n} rows; set "
-            f"train.micro_batch_size={local // n} or 0"
+            f"train.micro_batch_size={local // n} or 0{keep}"
         )
 
 

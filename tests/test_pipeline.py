@@ -177,6 +177,18 @@ BAD = [
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
     ({**PP2, "verify.enabled": True}, "verify.enabled=true does not work with parallel.pp=2"),
+    # The search (activation_checkpointing=auto) used to overwrite the user's micro batch with 8.
+    (
+        {**PP2, "parallel.pp_microbatches": 2, "train.micro_batch_size": 4},
+        "train.micro_batch_size=4 with parallel.pp=2: under a pipeline each micro batch is the rank's "
+        "batch 16 / parallel.pp_microbatches (2) = 8 rows; set train.micro_batch_size=8 or 0, or "
+        "parallel.pp_microbatches=4 to keep it",
+    ),
+    (
+        {"mesh.shape": [3], "parallel.pp": 3, "run.oversubscribe": True},
+        "parallel.pp_microbatches=0 (= parallel.pp: 3 micro batches) does not divide the data-parallel "
+        "rank's batch 16",
+    ),
 ]
 
 
