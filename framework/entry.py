@@ -326,6 +326,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
     if rank == 0:
         try:
             check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
+            check_resume_model(cfg, run_dir)
         except ValueError as e:
             raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
@@ -464,6 +465,27 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     lock.check_free(root, str(run_dir))
+
+
+def check_resume_model(cfg: Config, run_dir: Path) -> None:
+    """Before launch: refuse (exit 2, nothing written) resuming a checkpoint of another model shape
+    (framework.init_from.check_resume_model): the newest committed one under the checkpoint root
+    for ``checkpoint.resume=auto``, else the one it names."""
+    resume = cfg.checkpoint.resume
+    if not cfg.checkpoint.enabled or resume == "none":
+        return
+    from framework import init_from
+    from framework.checkpoint import store
+
+    if resume == "auto":
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        found = store.committed(root)
+        if not found:
+            return
+        step_dir = found[-1][1]
+    else:
+        step_dir = Path(resume)
+    init_from.check_resume_model(step_dir, cfg.model, f"checkpoint.resume={resume}")
 
 
 def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:
