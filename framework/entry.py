@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import fa4, float8, fused_ce, sweep
+from framework import stages as pipeline_stages
 from framework.config import (
     AttentionBackend,
     Config,
@@ -130,6 +131,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fa4(cfg, device)
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
     fused_ce.check(cfg, device.type, layout.tp if layout is not None else cfg.sharding.tp)
+    pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
 
 

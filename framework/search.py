@@ -144,8 +144,9 @@ def _pipeline_ok(cfg: Config, pp: int) -> bool:
 def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, int]]:
     """(schedule, virtual stages per rank, micro batches) to try for ``d``: the user's when the degrees
     are theirs, else 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank where the blocks
-    allow), each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp
-    and 4 pp micro batches that divide the rank's batch."""
+    allow), or the user's schedule when ``parallel.pp_schedule`` / ``pp_stages_per_rank`` are set;
+    each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp and 4 pp
+    micro batches that divide the rank's batch."""
     p = cfg.parallel
     if d.pp == 1:
         return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
@@ -161,6 +162,9 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
         scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
+    unset = type(p)()
+    if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
+        scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
     return [(s, v, m) for s, v in scheds for m in counts]
 
 

@@ -106,6 +106,26 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     _check_microbatches(cfg, pp, dp)
 
 
+def check_without_pipeline(cfg: Config, pp: int | None) -> None:
+    """Refuse a ``parallel.pp_*`` field set where no pipeline can run: it would do nothing.
+
+    ``pp``: the fixed layout's pipeline degree, or None under ``sharding=auto``, where the fields
+    shape the pipelines the search weighs, unless one process leaves it none to weigh.
+    """
+    if (pp is None and cfg.mesh.world_size > 1) or (pp is not None and pp > 1):
+        return
+    p, default = cfg.parallel, type(cfg.parallel)()
+    why = "one process runs no pipeline" if cfg.mesh.world_size == 1 else "this layout has parallel.pp=1"
+    for name in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank"):
+        value, unset = getattr(p, name), getattr(default, name)
+        if value != unset:
+            shown, unset_shown = getattr(value, "value", value), getattr(unset, "value", unset)
+            raise ValueError(
+                f"parallel.{name}={shown} does nothing without a pipeline ({why}): set parallel.pp >= 2 "
+                f"(on a mesh of >= 2 ranks), or leave parallel.{name} at its default ({unset_shown})"
+            )
+
+
 def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
     gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp)
     local = gbs // dp if gbs % dp == 0 else None
