@@ -150,17 +150,17 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
 
 def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
     """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
-    from framework.checkpoint.state import SafeReader
+    from framework.checkpoint.state import SafeReader, from_dcp, to_dcp
 
     model = build_model(cfg.model, cfg.train.seq_len)
     model.to_empty(device=device)
     if cfg.model.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
     with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=SafeReader(checkpoint), no_dist=True)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, from_dcp(model, state["model"]))
     return model.eval()
 
 

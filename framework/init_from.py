@@ -211,12 +211,11 @@ def load(model: nn.Module, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from framework.checkpoint.state import SafeReader
+    from framework.checkpoint.state import SafeReader, from_dcp, to_dcp
 
-    msd = get_model_state_dict(model)
-    payload = {"model": msd}
+    payload = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
     # no_dist: each rank plans and reads its own chunks; the ranks need not agree on anything here.
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
         dcp.load(payload, storage_reader=SafeReader(source), no_dist=True)
-    set_model_state_dict(model, payload["model"])
+    set_model_state_dict(model, from_dcp(model, payload["model"]))

@@ -59,9 +59,9 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     Raises ValueError for: pp or pp x stages per rank above the number of blocks (each stage needs a
     block); a schedule that needs virtual stages without them (or zbv with other than 2); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
-    do not go through a pipeline yet (the verifier's numerics check and NaN injection, fused
-    cross-entropy, optimizer-in-backward). Tied embeddings, document masks, sft's token-weighted
-    loss and the HF export do (framework.parallel.pipeline).
+    do not go through a pipeline yet (the verifier's NaN injection, fused cross-entropy,
+    optimizer-in-backward). Tied embeddings, document masks, sft's token-weighted loss, the HF
+    export and the verifier's numerics check do (framework.parallel.pipeline).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -162,10 +162,6 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
 def check_features(cfg: Config, pp: int) -> None:
     """The features that do not go through a pipeline yet (ValueError naming the key)."""
     why = {
-        "verify.enabled=true": (
-            cfg.verify.enabled,
-            "its numerics check calls the whole model on one rank; set verify.enabled=false",
-        ),
         f"verify.inject_nan_steps={list(cfg.verify.inject_nan_steps)}": (
             bool(cfg.verify.inject_nan_steps),
             "its hook poisons the whole model's output, which no stage produces; leave it empty",

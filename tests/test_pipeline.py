@@ -176,7 +176,10 @@ BAD = [
         "parallel.pp_microbatches=3 does not divide the data-parallel rank's batch 16",
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
-    ({**PP2, "verify.enabled": True}, "verify.enabled=true does not work with parallel.pp=2"),
+    (
+        {**PP2, "verify.enabled": True, "verify.inject_nan_steps": [2]},
+        "verify.inject_nan_steps=[2] does not work with parallel.pp=2",
+    ),
     # The search (activation_checkpointing=auto) used to overwrite the user's micro batch with 8.
     (
         {**PP2, "parallel.pp_microbatches": 2, "train.micro_batch_size": 4},

@@ -2,7 +2,8 @@
 tests/test_pipeline.py): tied embeddings (the last stage's copy of the embedding, its gradient
 summed into the embedding's and its value sent back each step), checkpoints of a tied model across
 pp degrees (the single-process names: one set of optimizer moments for the tied weight), the plan's
-count of the copy, document masks in every stage and sft's token-weighted loss.
+count of the copy, the HF export's gather of every stage, document masks in every stage, sft's
+token-weighted loss and the verifier's numerics check.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ def test_tied_checkpoint_loads_across_pp_degrees(
     tied_reference: list[tuple], tmp_path: Path, save: dict, load: dict
 ) -> None:
     """2 steps at one pp degree, saved; steps 3-4 resumed at the other continue as the unbroken
-    single-process run. The checkpoint has the single-process names, with the tied weight's
-    optimizer moments once (under the embedding's name), whichever degree saved it."""
+    single-process run. The checkpoint holds the tied weight once, with its optimizer moments, under
+    the embedding's name, whichever degree saved it (the pipeline's last stage reads it into its
+    copy)."""
 
     def world(p: dict) -> int:
         return p.get("pp", 1)
@@ -165,7 +167,6 @@ def test_tied_checkpoint_loads_across_pp_degrees(
     tied = {k for k in _dcp_keys(step_dir) if "tok_embeddings" in k or "output" in k}
     assert tied == {
         "model.tok_embeddings.weight",
-        "model.output.weight",
         "optim.state.tok_embeddings.weight.exp_avg",
         "optim.state.tok_embeddings.weight.exp_avg_sq",
         "optim.state.tok_embeddings.weight.step",
@@ -279,3 +280,39 @@ def test_sft_token_weighted_loss_matches_one_process() -> None:
     assert abs(unweighted[0][1] - reference[0][1]) > 0.05 * reference[0][1], (unweighted[0], reference[0])
     results = run_ranks(_doc_worker, 4, tied_cfg(4, pp=2, dp_shard=2), True)
     print(f"sft, pp=2 x dp_shard=2: max rel diff {_check(results, reference):.2e}")
+
+
+def _numerics_worker(rank: int, world: int, cfg: Config, scale_head: float) -> tuple:
+    from framework.verify.numerics import check_numerics, reference_model
+
+    plan = make_plan(cfg)
+    mesh = build_mesh(plan, "cpu")
+    cpu = torch.device("cpu")
+    model = parallelize(
+        build_model(cfg.model, SEQ), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, cpu, 0
+    )
+    if model.has_last:  # a wrong last stage: its final norm scaled
+        model.norm.weight.data.mul_(scale_head)
+    rows = batches()[0][: plan.micro_batch_size]
+    check = check_numerics(
+        model,
+        (rows[:, :-1], rows[:, 1:]),
+        cpu,
+        rtol=1e-4,
+        compiled=True,  # eager here: the pipeline's second pass under force_eager gives the same logits
+        make_reference=lambda: reference_model(cfg.model, SEQ, 0, cpu),
+    )
+    return check.passed, check.figures
+
+
+@pytest.mark.parametrize("scale_head", [1.0, 1.5])
+def test_verifier_numerics_check_through_a_pipeline(scale_head: float) -> None:
+    """verify's numerics check under pp=2 (tied): the last stage's logits against the same pipeline
+    under force_eager and against an unsharded eager model; a wrong last stage fails it on every rank."""
+    results = run_ranks(_numerics_worker, 2, tied_cfg(2, pp=2), scale_head)
+    for passed, figures in results:
+        assert figures["logits_rel_diff_vs_eager"] == 0.0
+        if scale_head == 1.0:
+            assert passed and figures["logits_rel_diff_vs_unsharded"] < 1e-5, figures
+        else:
+            assert not passed and figures["logits_rel_diff_vs_unsharded"] > 0.1, figures

@@ -52,9 +52,50 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     stepped yet it runs one zero-lr step to allocate the moments DCP loads into.
     """
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": {k: _plain(v) for k, v in msd.items()}, "optim": {"state": osd["state"]}}, osd[
-        "param_groups"
-    ]
+    msd = to_dcp(model, {k: _plain(v) for k, v in msd.items()})
+    return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
+
+
+_EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
+
+
+def _tied(model: nn.Module) -> str | None:
+    """How this rank holds a tied weight (``model.tie_embeddings``): "alias" (one process: its
+    state dict names the embedding's parameter twice), "copy" (a pipeline's last stage holds its
+    copy, without the embedding) or "both" (one pipeline rank holds the embedding and the copy:
+    zbv); None: untied, or neither here."""
+    copies = getattr(model, "tied_copies", None)  # a pipeline (framework.parallel.pipeline)
+    if copies is not None:
+        return None if not copies else ("both" if getattr(model, "has_first", False) else "copy")
+    named = list(model.named_parameters(remove_duplicate=False))  # wrappers prefix the names
+    out = [p for n, p in named if n.endswith(_OUTPUT)]
+    emb = [p for n, p in named if n.endswith(_EMBEDDING)]
+    if out and not emb and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        return "copy"  # one pipeline stage on its own (model.init_from loads each stage)
+    return "alias" if out and emb and out[0] is emb[0] else None
+
+
+def to_dcp(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+    """The model's DCP payload: a tied weight once, as ``tok_embeddings.weight``, at any pp degree
+    (a pipeline's last stage offers its copy under that name: DCP writes one replica, and reads the
+    embedding into it). ``from_dcp`` undoes it after a load."""
+    how, out = _tied(model), dict(msd)
+    if how == "copy":
+        out[_EMBEDDING] = out.pop(_OUTPUT)
+    elif how is not None:
+        out.pop(_OUTPUT, None)
+    return out
+
+
+def from_dcp(model: nn.Module, loaded: dict[str, Any]) -> dict[str, Any]:
+    """The model state dict to set from a payload that ``to_dcp`` made and DCP filled:
+    ``output.weight`` again, with the embedding's value."""
+    how, out = _tied(model), dict(loaded)
+    if how == "copy":
+        out[_OUTPUT] = out.pop(_EMBEDDING)
+    elif how is not None:
+        out[_OUTPUT] = out[_EMBEDDING]
+    return out
 
 
 def _plain(t: Any) -> Any:
@@ -98,7 +139,7 @@ def apply_tensor_state(
     if names is not None:
         groups = [{**g, "params": own["params"]} for g, own in zip(groups, names, strict=True)]
     osd = {"state": payload["optim"]["state"], "param_groups": groups}
-    set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=osd)
+    set_state_dict(model, optimizer, model_state_dict=from_dcp(model, payload["model"]), optim_state_dict=osd)
 
 
 def _retype_like(saved: dict, now: dict) -> dict:

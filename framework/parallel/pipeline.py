@@ -18,9 +18,9 @@ from the embedding's name (so both start equal). After backward the copy's gradi
 the embedding's over a process group of the two ranks ({first, last stage} of each pipeline, one per
 data / tensor coordinate; none when one rank holds both, as zbv's V does), the embedding alone is
 clipped and stepped (one set of AdamW moments), and its new value is sent back to the copy. The
-copy is no parameter of the optimizer and its gradient does not enter the norm; checkpoints hold it
-as ``output.weight`` with the embedding's value, the same names and values as one process's tied
-state dict, so they load across pp degrees. Cost per step: the tied weight's local shard once
+copy is no parameter of the optimizer and its gradient does not enter the norm; checkpoints hold
+the tied weight once, as ``tok_embeddings.weight``, at any pp degree (framework.checkpoint.state's
+``to_dcp``: the copy is offered and read under that name), so they load across pp degrees. Cost per step: the tied weight's local shard once
 each way between the two ranks.
 
 Per-micro-batch inputs: every stage gets the schedule's keyword arguments, cut into micro batches
@@ -405,10 +405,32 @@ def pipeline_evaluate(
         group = group + [group[i % real] for i in range(n - real)]
         x = torch.cat([b[0] for b in group]).to(device)
         y = torch.cat([b[1] for b in group]).to(device)
-        args, kwargs = _stage_args(model, x, y)
-        losses: list[torch.Tensor] = []
-        with autocast(device), _forward_only(model.schedule):
-            model.schedule.eval(*args, **kwargs, losses=losses)
+        losses, _ = _eval(model, x, y, device)
         kept += [t.float() for t in losses[:real]]
     mine = torch.stack(kept).mean() if model.has_last and kept else torch.zeros((), device=device)
     return _pp_sum(mine, model)
+
+
+def _eval(
+    model: PipelineModel, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One forward-only pass of the schedule over a batch of its micro batches: the micro batches'
+    losses and the merged logits, both on the rank of the last stage (else [] and None)."""
+    assert model.schedule is not None
+    args, kwargs = _stage_args(model, x.to(device), y.to(device))
+    losses: list[torch.Tensor] = []
+    with autocast(device), _forward_only(model.schedule):
+        out = model.schedule.eval(*args, **kwargs, losses=losses)
+    return losses, out if model.has_last else None
+
+
+@torch.no_grad()
+def pipeline_logits(
+    model: PipelineModel, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
+    """The logits of one micro batch (the verifier's numerics check), on the rank of the last stage
+    (None elsewhere): the schedule runs the micro batch as each of its micro batches."""
+    assert model.schedule is not None
+    n = model.schedule._n_microbatches
+    _, out = _eval(model, x.repeat(n, 1), y.repeat(n, 1), device)
+    return None if out is None else out[: x.shape[0]]

@@ -12,8 +12,9 @@ data sampler or the optimiser:
   Built only when the model is small (``verify.reference_model_max_params``), since every rank
   holds a full copy for a moment.
 
-Each rank measures its own relative differences (loss, and max |logit difference| / max |logit|);
-the figures are all-gathered and the worst rank decides, so every rank takes the same policy
+Each rank measures its own relative differences (loss, and max |logit difference| / max |logit|;
+under pipeline parallelism only the last stage's ranks have logits, the others take part in the
+schedule's passes and report none); the figures are all-gathered and the worst rank decides, so every rank takes the same policy
 decision. At initialisation the loss sits near ln(vocab) for any weights, so it barely moves even
 for a wrong model; the logits are the sharp probe (fp32 agrees to ~1e-6, bf16 autocast to ~1e-3).
 """
@@ -21,6 +22,7 @@ for a wrong model; the logits are the sharp probe (fp32 agrees to ~1e-6, bf16 au
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +35,18 @@ from framework.verify.report import CheckResult
 
 
 @torch.no_grad()
-def batch_logits(model: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The logits of one micro-batch as ``train_step`` computes them (autocast), without a gradient."""
+def batch_logits(
+    model: nn.Module, x: torch.Tensor, device: torch.device, y: torch.Tensor | None = None
+) -> Any:
+    """The logits of one micro-batch as ``train_step`` computes them (autocast), without a gradient.
+    Under pipeline parallelism (the schedule needs ``y`` too) only the last stage's rank has them:
+    None elsewhere."""
+    if getattr(model, "schedule", None) is not None:
+        from framework.parallel.pipeline import pipeline_logits
+
+        assert y is not None, "a pipeline's schedule takes the targets with the tokens"
+        logits = pipeline_logits(model, x, y, device)  # type: ignore[arg-type]
+        return None if logits is None else logits.float()
     with autocast(device):
         logits = model(x.to(device))
     full = getattr(logits, "full_tensor", None)  # a DTensor output (a TP plan without use_local_output)
@@ -45,10 +57,12 @@ def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch
     return float(loss_fn(batch_logits(model, x, device), y.to(device)))
 
 
-def eager_logits(model: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def eager_logits(
+    model: nn.Module, x: torch.Tensor, device: torch.device, y: torch.Tensor | None = None
+) -> Any:
     """The same model's logits with every compiled function running its original (eager) code."""
     with torch.compiler.set_stance("force_eager"):
-        return batch_logits(model, x, device)
+        return batch_logits(model, x, device, y)
 
 
 def reference_model(
@@ -110,25 +124,28 @@ def check_numerics(
     """
     x, y = batch
     y = y.to(device)
-    executed = batch_logits(model, x, device)
-    loss = float(loss_fn(executed, y))
-    mine: dict[str, tuple[float, float, float] | None] = {"eager": None, "unsharded": None}
-    if compiled:
-        mine["eager"] = _diffs(executed, eager_logits(model, x, device), y)
-    if make_reference is not None:
-        ref_model = make_reference()
-        mine["unsharded"] = _diffs(executed, batch_logits(ref_model, x, device), y)
-        del ref_model
+    executed = batch_logits(model, x, device, y)
+    eager = eager_logits(model, x, device, y) if compiled else None  # a pipeline's is collective
+    mine: dict[str, Any] = {"eager": None, "unsharded": None, "loss": None}
+    if executed is not None:  # under pipeline parallelism: the last stage's ranks only
+        mine["loss"] = float(loss_fn(executed, y))
+        if eager is not None:
+            mine["eager"] = _diffs(executed, eager, y)
+        if make_reference is not None:
+            ref_model = make_reference()
+            mine["unsharded"] = _diffs(executed, batch_logits(ref_model, x, device), y)
+            del ref_model
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list = [mine]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
+    loss = next(g["loss"] for g in gathered if g["loss"] is not None)
     figures: dict[str, float | None] = {"loss_executed": loss, "loss_rtol": rtol, "logits_rtol": logits_rtol}
     bad: list[str] = []
     labels = {"eager": "eager (compilation off)", "unsharded": "the unsharded eager model"}
     for what, label in labels.items():
-        here = mine[what]
+        here = next((g[what] for g in gathered if g[what] is not None), None)
         figures[f"loss_{what}"] = None if here is None else here[0]
         for i, (name, tol) in enumerate((("loss", rtol), ("logits", logits_rtol)), start=1):
             worst, rank = _worst([None if g[what] is None else g[what][i] for g in gathered])
@@ -138,7 +155,7 @@ def check_numerics(
                     f"executed {name} differs from {label} by {worst:.3g} (relative) on rank {rank}, "
                     f"above {tol:g} (verify.{name}_rtol)"
                 )
-    if mine["eager"] is None and mine["unsharded"] is None:
+    if all(g["eager"] is None and g["unsharded"] is None for g in gathered):
         return CheckResult(
             "numerics",
             None,

@@ -201,7 +201,7 @@ class Verifier:
                         rungs.model, (x, y), rungs.device, compiled, lower is not None
                     )
                 else:
-                    batch_logits(rungs.model, x, rungs.device)
+                    batch_logits(rungs.model, x, rungs.device, y)
             except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
                 if lower is None or not self.enabled:
                     raise
