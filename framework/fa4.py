@@ -91,7 +91,7 @@ def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, nam
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
     attention ops itself), on a torch without the registry, or without the package. (The document
-    mask, which no flash kernel takes, is refused with the other data checks.)"""
+    mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)"""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
     head_dim = model_spec(cfg.model).head_dim
