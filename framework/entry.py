@@ -487,7 +487,9 @@ def check_resume_model(cfg: Config, run_dir: Path) -> None:
         step_dir = found[-1][1]
     else:
         step_dir = Path(resume)
-    init_from.check_resume_model(step_dir, cfg.model, f"checkpoint.resume={resume}")
+    init_from.check_resume_model(
+        step_dir, cfg.model, "checkpoint.resume" + ("=auto" if resume == "auto" else "")
+    )
 
 
 def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:

@@ -181,6 +181,12 @@ def test_bad_config_exits_non_zero_and_writes_nothing(
         # untied -> tied loaded in silence without the trained output head
         ({"tie_embeddings": False}, [], "model.tie_embeddings=false there, true here"),
         ({"dim": 64, "ffn_dim": 192}, [], "model.dim=64 there, 128 here, model.ffn_dim=192 there, 384 here"),
+        # the same through checkpoint.resume=PATH
+        (
+            {"tie_embeddings": False},
+            ["checkpoint.resume=STEP"],
+            "model.tie_embeddings=false there, true here",
+        ),
     ],
 )
 def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
@@ -197,11 +203,12 @@ def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
     step.mkdir(parents=True)
     shape = shape_of(compose_config("recipe=llama_tiny").model) | saved
     (step / "extra.json").write_text(json.dumps({"extra": {"step": 4, "model": shape}}))
+    here = [o.replace("STEP", str(step)) for o in here]
     code = train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root}", *here)
     err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and message in errors[0], err
-    assert "checkpoint.resume=auto" in errors[0] and "step_000004" in errors[0]
+    assert f"{step} holds another model" in errors[0]
     assert not run.exists() and sorted(p.name for p in root.iterdir()) == ["step_000004"]
 
 
