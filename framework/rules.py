@@ -442,7 +442,8 @@ RULES: dict[str, Rule] = {
     # three set where no pipeline runs (a layout with pp=1, one process) by check_without_pipeline
     "parallel.pp_schedule": TYPED,
     "parallel.pp_microbatches": Rule(
-        "0 (= parallel.pp) or an integer >= parallel.pp that divides the data-parallel rank's batch",
+        "0 (= the rank's batch / train.micro_batch_size, or parallel.pp) or an integer >= parallel.pp "
+        "that divides the data-parallel rank's batch",
         checked_by="framework.stages.check_pipeline (via the planner), check_without_pipeline (entry)",
         bad=(-1, 1, 3),
         context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),

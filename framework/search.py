@@ -178,7 +178,7 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     if gbs % d.dp:
         return []
     if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.stages)
-        pieces = pipeline_stages.microbatches(cfg, d.pp)
+        pieces = pipeline_stages.microbatches(cfg, d.pp, d.dp)
         # One option; one that does not divide, or a train.micro_batch_size the user set that is
         # not the rank's batch / pieces, is refused by plan_for (framework.stages), naming the
         # valid values: never overwritten in silence.

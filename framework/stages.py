@@ -48,9 +48,16 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: PPSchedule)
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def microbatches(cfg: Config, pp: int) -> int:
-    """The schedule's micro batches per step: ``parallel.pp_microbatches``, or pp when unset."""
-    return cfg.parallel.pp_microbatches or pp
+def microbatches(cfg: Config, pp: int, dp: int) -> int:
+    """The schedule's micro batches per step: ``parallel.pp_microbatches``; unset, the data-parallel
+    rank's batch / ``train.micro_batch_size`` where that is set and gives >= pp whole micro batches
+    (a recipe's micro batch is kept, as the layout search keeps it), else pp."""
+    if cfg.parallel.pp_microbatches:
+        return cfg.parallel.pp_microbatches
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    if mbs and gbs % dp == 0 and (gbs // dp) % mbs == 0 and gbs // dp // mbs >= pp:
+        return gbs // dp // mbs
+    return pp
 
 
 def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
@@ -127,7 +134,7 @@ def check_without_pipeline(cfg: Config, pp: int | None) -> None:
 
 
 def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
-    gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp)
+    gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp, dp)
     local = gbs // dp if gbs % dp == 0 else None
     if local is None:
         return  # the batch check names that (framework.plan._check_batch)

@@ -242,6 +242,22 @@ def test_bad_pipeline_refused_before_launch(
     assert not run.exists()
 
 
+def test_a_set_micro_batch_size_gives_the_pipelines_micro_batches(composed: object, tmp_path: Path) -> None:
+    """parallel.pp_microbatches unset: the rank's batch / train.micro_batch_size (a recipe's micro
+    batch is kept, as the search keeps it), not pp with the micro batch overwritten."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from framework.entry import prelaunch
+
+    d = copy.deepcopy(composed)
+    for k, v in {**PP2, "train.micro_batch_size": 4}.items():
+        OmegaConf.update(d, k, v, merge=False)
+    cfg, plan, _ = prelaunch(d, tmp_path / "run", "llama_tiny")
+    assert (cfg.train.micro_batch_size, plan.pp_microbatches) == (4, 4)
+
+
 def test_pipeline_fields_shape_the_search_under_sharding_auto(composed: object, tmp_path: Path) -> None:
     """Under sharding=auto on 2 ranks the search weighs pipelines: parallel.pp_schedule=gpipe is
     theirs (not refused as unused), and a pp layout the search lists uses it."""
