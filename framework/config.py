@@ -582,7 +582,8 @@ class ParallelConfig:
     # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need
     # pp_stages_per_rank >= 2 (zbv: exactly 2).
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
-    # Micro batches per step that the schedule pipelines: 0 = pp (the fewest that fill the
+    # Micro batches per step that the schedule pipelines: 0 = the data-parallel rank's batch /
+    # train.micro_batch_size when that is set (and gives >= pp), else pp (the fewest that fill the
     # pipeline). Each is train.micro_batch_size rows: micro_batch_size x pp_microbatches is the
     # data-parallel rank's share of the global batch (no other gradient accumulation under pp).
     pp_microbatches: int = 0

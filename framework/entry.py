@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import fa4, float8, fused_ce, sweep
+from framework import stages as pipeline_stages
 from framework.config import (
     AttentionBackend,
     Config,
@@ -130,6 +131,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fa4(cfg, device)
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
     fused_ce.check(cfg, device.type, layout.tp if layout is not None else cfg.sharding.tp)
+    pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
 
 
@@ -326,6 +328,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
     if rank == 0:
         try:
             check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
+            check_resume_model(cfg, run_dir)
         except ValueError as e:
             raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
@@ -464,6 +467,29 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     lock.check_free(root, str(run_dir))
+
+
+def check_resume_model(cfg: Config, run_dir: Path) -> None:
+    """Before launch: refuse (exit 2, nothing written) resuming a checkpoint of another model shape
+    (framework.init_from.check_resume_model): the newest committed one under the checkpoint root
+    for ``checkpoint.resume=auto``, else the one it names."""
+    resume = cfg.checkpoint.resume
+    if not cfg.checkpoint.enabled or resume == "none":
+        return
+    from framework import init_from
+    from framework.checkpoint import store
+
+    if resume == "auto":
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        found = store.committed(root)
+        if not found:
+            return
+        step_dir = found[-1][1]
+    else:
+        step_dir = Path(resume)
+    init_from.check_resume_model(
+        step_dir, cfg.model, "checkpoint.resume" + ("=auto" if resume == "auto" else "")
+    )
 
 
 def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:

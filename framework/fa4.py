@@ -30,6 +30,8 @@ from framework.models import model_spec
 IMPL = "FA4_framework"  # this module's entry in torch's registry (torch's own is "FA4")
 KERNELS = "flash_attn.cute.interface"  # flash-attn-4's kernel module
 PIP_NAME = "flash-attn-4"
+# The CuTe DSL's Python half (the ``cutlass`` package, ``cutlass.cute``): nvidia-cutlass-dsl-libs-base's dependency.
+CUTE_PIP_NAME = "nvidia-cutlass-dsl-libs-core"
 # torch's FA4 entry accepts Hopper (sm90) and Blackwell (sm100) GPUs only.
 CAPABILITY_MAJORS = (9, 10)
 KEY = "model.attention=fa4"
@@ -43,14 +45,38 @@ def registry_has_fa4() -> bool:
 
 
 def installed() -> bool:
-    """Is flash-attn-4 importable? Looked up without importing it: its import loads the CuTe DSL
-    compiler (seconds, and a GPU-only library). ``flash_attn`` is a namespace package, so the file is
-    looked for in each of its folders (flash-attn 2's ``flash_attn`` has no ``cute/interface.py``)."""
-    spec = importlib.util.find_spec("flash_attn")
+    """Is flash-attn-4 importable, with its CuTe DSL? (``missing`` says which part is not.)"""
+    return missing() is None
+
+
+def missing() -> str | None:
+    """The first part of flash-attn-4 that is not importable, as pip names it (None: all are).
+
+    Looked up without importing anything: flash-attn-4's import loads the CuTe DSL compiler
+    (seconds, and a GPU-only library). ``flash_attn`` is a namespace package, so its kernel file is
+    looked for in each of its folders (flash-attn 2's ``flash_attn`` has no ``cute/interface.py``).
+    The DSL comes in three wheels: nvidia-cutlass-dsl (a ``.pth`` file that puts
+    ``nvidia_cutlass_dsl/dsl_packages`` on the path), its libs-base (the compiled MLIR parts,
+    ``cutlass/_mlir``) and libs-core (the Python half: ``cutlass/__init__.py`` and ``cutlass/cute``,
+    which flash-attn-4 imports). Without libs-core, or when installed with ``pip --target`` (which
+    skips ``.pth`` files), ``cutlass.cute`` is missing and the first forward would fail in the rank.
+    """
+    if not _has_file("flash_attn", "cute/interface.py"):
+        return PIP_NAME
+    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+        return "nvidia-cutlass-dsl"
+    if not _has_file("cutlass", "cute/__init__.py"):
+        return CUTE_PIP_NAME
+    return None
+
+
+def _has_file(package: str, relative: str) -> bool:
+    """Does top-level ``package`` have the file ``relative`` in one of its folders? ``find_spec`` of a
+    top-level name imports nothing (of a submodule it would import the parent)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return False
-    has_kernels = any((Path(d) / "cute" / "interface.py").is_file() for d in spec.submodule_search_locations)
-    return has_kernels and importlib.util.find_spec("nvidia_cutlass_dsl") is not None
+    return any((Path(d) / relative).is_file() for d in spec.submodule_search_locations)
 
 
 def head_dim_supported(major: int, head_dim: int) -> bool:
@@ -65,7 +91,7 @@ def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, nam
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
     attention ops itself), on a torch without the registry, or without the package. (The document
-    mask, which no flash kernel takes, is refused with the other data checks.)"""
+    mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)"""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
     head_dim = model_spec(cfg.model).head_dim
@@ -96,9 +122,16 @@ def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, nam
             f"torch.nn.attention.activate_flash_attention_impl); torch {torch.__version__} has none: "
             "upgrade torch, or use model.attention=auto"
         )
-    if not installed():
+    lacking = missing()
+    if lacking == CUTE_PIP_NAME:
         raise ValueError(
-            f"{KEY} needs the {PIP_NAME} package: pip install -e '.[fa4]' (or pip install {PIP_NAME}), "
+            f"{KEY} needs the CuTe DSL's Python packages (cutlass.cute, from {CUTE_PIP_NAME}), which are "
+            f"not importable: pip install -e '.[fa4]' (or pip install {CUTE_PIP_NAME}); after pip install "
+            "--target DIR, add DIR/nvidia_cutlass_dsl/dsl_packages to PYTHONPATH; or use model.attention=auto"
+        )
+    if lacking is not None:
+        raise ValueError(
+            f"{KEY} needs the {lacking} package: pip install -e '.[fa4]' (or pip install {lacking}), "
             "or use model.attention=auto"
         )
 

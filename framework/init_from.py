@@ -30,7 +30,7 @@ from torch import nn
 
 from framework.checkpoint import import_hf
 from framework.config import Config, Integrity, ModelConfig, ModelFamily
-from framework.models import model_spec
+from framework.models import SHAPE_KEYS, model_spec
 
 KEY = "model.init_from"
 RUN_CONFIG = "config.yaml"
@@ -85,6 +85,32 @@ def saved_shape(step_dir: Path) -> dict[str, Any] | None:
             return None
         return _typed({k: model[k] for k in import_hf.SHAPE_FIELDS if k in model})
     return None
+
+
+def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None:
+    """Refuse resuming ``step_dir`` into a model of another shape, naming each differing field.
+
+    Why before launch: such a resume either fails to load in every rank (the checkpoint is then
+    moved to ``corrupt/`` as if damaged, and the run trains from step 0) or, for an untied
+    checkpoint resumed with ``model.tie_embeddings=true``, loads in silence without the trained
+    output head. The head size is compared as the model uses it (``head_dim=0`` is dim / n_heads).
+    """
+    saved = saved_shape(step_dir)
+    if not saved:
+        return  # a checkpoint from before shapes were recorded: the load itself checks
+    theirs = dataclasses.replace(model_cfg, **saved)
+
+    def value(m: ModelConfig, k: str) -> Any:
+        v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k)
+        return str(v).lower() if isinstance(v, bool) else getattr(v, "value", v)
+
+    differ = [k for k in SHAPE_KEYS if k in saved and value(theirs, k) != value(model_cfg, k)]
+    if differ:
+        diffs = ", ".join(f"model.{k}={value(theirs, k)} there, {value(model_cfg, k)} here" for k in differ)
+        raise ValueError(
+            f"{key}: {step_dir} holds another model ({diffs}); resume with the checkpoint's model "
+            "settings, or start afresh with checkpoint.resume=none or another checkpoint.dir"
+        )
 
 
 def command_line_keys(overrides: list[str]) -> dict[str, str]:

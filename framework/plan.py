@@ -668,7 +668,7 @@ def resolve_batch(cfg: Config) -> Config:
             f"multiple of {dp} (e.g. {[dp * k for k in (1, 2, 4, 8)]})"
         )
     # Under a pipeline the rank's batch is cut into the schedule's micro batches.
-    pieces = pipeline_stages.microbatches(cfg, d.pp) if d.pp > 1 else 1
+    pieces = pipeline_stages.microbatches(cfg, d.pp, dp) if d.pp > 1 else 1
     if (gbs // dp) % pieces:
         pipeline_stages.check_pipeline(cfg, d.pp, dp)  # names the micro batches that would divide it
     micro = gbs // dp // pieces
@@ -921,7 +921,7 @@ def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
 def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: int, accum: int) -> _Pipeline:
     p = cfg.parallel
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
-    m = pipeline_stages.microbatches(cfg, d.pp)
+    m = pipeline_stages.microbatches(cfg, d.pp, d.dp)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp  # a CP rank's sequence shard
     split = pipeline_stages.split_layers(cfg, d.pp * spr, tokens)
     ranks = pipeline_stages.rank_stages(d.pp, spr, sched)

@@ -438,11 +438,13 @@ RULES: dict[str, Rule] = {
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
-    # the pipeline (framework.stages): bad values are refused under a 2-stage pipeline
+    # the pipeline (framework.stages): bad values are refused under a 2-stage pipeline; any of the
+    # three set where no pipeline runs (a layout with pp=1, one process) by check_without_pipeline
     "parallel.pp_schedule": TYPED,
     "parallel.pp_microbatches": Rule(
-        "0 (= parallel.pp) or an integer >= parallel.pp that divides the data-parallel rank's batch",
-        checked_by="framework.stages.check_pipeline (via the planner)",
+        "0 (= the rank's batch / train.micro_batch_size, or parallel.pp) or an integer >= parallel.pp "
+        "that divides the data-parallel rank's batch",
+        checked_by="framework.stages.check_pipeline (via the planner), check_without_pipeline (entry)",
         bad=(-1, 1, 3),
         context=(("mesh.shape", [2]), ("parallel.pp", 2), ("model.tie_embeddings", False)),
     ),

@@ -144,8 +144,9 @@ def _pipeline_ok(cfg: Config, pp: int) -> bool:
 def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, int]]:
     """(schedule, virtual stages per rank, micro batches) to try for ``d``: the user's when the degrees
     are theirs, else 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank where the blocks
-    allow), each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp
-    and 4 pp micro batches that divide the rank's batch."""
+    allow), or the user's schedule when ``parallel.pp_schedule`` / ``pp_stages_per_rank`` are set;
+    each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp and 4 pp
+    micro batches that divide the rank's batch."""
     p = cfg.parallel
     if d.pp == 1:
         return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
@@ -160,9 +161,16 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
         counts = [p.pp_microbatches]
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
+<<<<<<< HEAD
         scheds += [(PPSchedule["interleaved_1f1b"], 2)]
         if d.dp == 1:  # zero-bubble schedules run without data parallelism (stages.check_pipeline)
             scheds += [(PPSchedule["zbv"], 2)]
+=======
+        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
+    unset = type(p)()
+    if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
+        scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
+>>>>>>> main
     return [(s, v, m) for s, v in scheds for m in counts]
 
 
@@ -176,9 +184,11 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     if gbs % d.dp:
         return []
     if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.stages)
-        pieces = pipeline_stages.microbatches(cfg, d.pp)
-        # one option; one that does not divide is refused by plan_for, naming the valid counts
-        return [max(1, gbs // d.dp // pieces)]
+        pieces = pipeline_stages.microbatches(cfg, d.pp, d.dp)
+        # One option; one that does not divide, or a train.micro_batch_size the user set that is
+        # not the rank's batch / pieces, is refused by plan_for (framework.stages), naming the
+        # valid values: never overwritten in silence.
+        return [cfg.train.micro_batch_size or max(1, gbs // d.dp // pieces)]
     if cfg.train.micro_batch_size != 0:
         return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
     return sorted(divisors(gbs // d.dp), reverse=True)

@@ -52,9 +52,16 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: PPSchedule)
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def microbatches(cfg: Config, pp: int) -> int:
-    """The schedule's micro batches per step: ``parallel.pp_microbatches``, or pp when unset."""
-    return cfg.parallel.pp_microbatches or pp
+def microbatches(cfg: Config, pp: int, dp: int) -> int:
+    """The schedule's micro batches per step: ``parallel.pp_microbatches``; unset, the data-parallel
+    rank's batch / ``train.micro_batch_size`` where that is set and gives >= pp whole micro batches
+    (a recipe's micro batch is kept, as the layout search keeps it), else pp."""
+    if cfg.parallel.pp_microbatches:
+        return cfg.parallel.pp_microbatches
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    if mbs and gbs % dp == 0 and (gbs // dp) % mbs == 0 and gbs // dp // mbs >= pp:
+        return gbs // dp // mbs
+    return pp
 
 
 def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
@@ -118,8 +125,28 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     _check_microbatches(cfg, pp, dp)
 
 
+def check_without_pipeline(cfg: Config, pp: int | None) -> None:
+    """Refuse a ``parallel.pp_*`` field set where no pipeline can run: it would do nothing.
+
+    ``pp``: the fixed layout's pipeline degree, or None under ``sharding=auto``, where the fields
+    shape the pipelines the search weighs, unless one process leaves it none to weigh.
+    """
+    if (pp is None and cfg.mesh.world_size > 1) or (pp is not None and pp > 1):
+        return
+    p, default = cfg.parallel, type(cfg.parallel)()
+    why = "one process runs no pipeline" if cfg.mesh.world_size == 1 else "this layout has parallel.pp=1"
+    for name in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank"):
+        value, unset = getattr(p, name), getattr(default, name)
+        if value != unset:
+            shown, unset_shown = getattr(value, "value", value), getattr(unset, "value", unset)
+            raise ValueError(
+                f"parallel.{name}={shown} does nothing without a pipeline ({why}): set parallel.pp >= 2 "
+                f"(on a mesh of >= 2 ranks), or leave parallel.{name} at its default ({unset_shown})"
+            )
+
+
 def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
-    gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp)
+    gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp, dp)
     local = gbs // dp if gbs % dp == 0 else None
     if local is None:
         return  # the batch check names that (framework.plan._check_batch)
@@ -131,16 +158,23 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
         )
     if local % n:
         valid = [k for k in range(pp, local + 1) if local % k == 0]
+        # Unset, it is pp: say so, not a value the user never wrote.
+        shown = n if cfg.parallel.pp_microbatches else f"0 (= parallel.pp: {n} micro batches)"
         raise ValueError(
-            f"parallel.pp_microbatches={n} does not divide the data-parallel rank's batch {local} "
+            f"parallel.pp_microbatches={shown} does not divide the data-parallel rank's batch {local} "
             f"(train.global_batch_size={gbs} / dp {dp}): valid: {valid or 'none; raise the global batch'}"
         )
     mbs = cfg.train.micro_batch_size
     if mbs not in (0, local // n):
+        keep = (
+            f", or parallel.pp_microbatches={local // mbs} to keep it"
+            if local % mbs == 0 and local // mbs >= pp
+            else ""
+        )
         raise ValueError(
             f"train.micro_batch_size={mbs} with parallel.pp={pp}: under a pipeline each micro batch is "
             f"the rank's batch {local} / parallel.pp_microbatches ({n}) = {local // n} rows; set "
-            f"train.micro_batch_size={local // n} or 0"
+            f"train.micro_batch_size={local // n} or 0{keep}"
         )
 
 

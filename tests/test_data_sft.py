@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.config import (
+    AttentionBackend,
     Config,
     DataConfig,
     DataSource,
@@ -211,6 +212,16 @@ def test_sft_needs_an_eos_no_document_mask_and_no_mix(tmp_path: Path) -> None:
         check_data(cfg)
     cfg = make_cfg(SHIPPED / "train.jsonl", document_mask=True)
     with pytest.raises(ValueError, match="data.document_mask=true with data=sft"):
+        check_data(cfg)
+    # Packed rows mask each example: a flash kernel (no mask) was silently replaced by another.
+    for backend in (AttentionBackend.flash, AttentionBackend.fa4):
+        cfg = make_cfg(SHIPPED / "train.jsonl")
+        cfg.model.attention = backend
+        with pytest.raises(
+            ValueError, match=f"model.attention={backend.value} with data=sft and data.sft_pack=true"
+        ):
+            check_data(cfg)
+        cfg.data.sft_pack = False  # one example per row: no mask, the kernel runs
         check_data(cfg)
     cfg = make_cfg(SHIPPED / "train.jsonl")
     cfg.data.path, cfg.data.mix = None, [MixEntry(source=DataSource.sft, path=str(SHIPPED / "train.jsonl"))]

@@ -5,6 +5,8 @@ compiled)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,49 @@ def test_train_py_refuses_it_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtur
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model.attention=fa4 needs a CUDA GPU" in errors[0], errors
     assert not run.exists()
+
+
+def _site(root: Path, *files: str) -> Path:
+    """A site folder holding empty ``files`` (the installed layout that ``fa4.missing`` looks up)."""
+    for f in files:
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "lacking"),
+    [
+        ((), "flash-attn-4"),
+        (("flash_attn/cute/interface.py",), "nvidia-cutlass-dsl"),
+        # libs-base alone: the DSL's compiled half, no cutlass/__init__.py nor cutlass/cute
+        (
+            ("flash_attn/cute/interface.py", "nvidia_cutlass_dsl/__init__.py", "cutlass/_mlir/ir.py"),
+            fa4.CUTE_PIP_NAME,
+        ),
+        (
+            (
+                "flash_attn/cute/interface.py",
+                "nvidia_cutlass_dsl/__init__.py",
+                "cutlass/__init__.py",
+                "cutlass/cute/__init__.py",
+            ),
+            None,
+        ),
+    ],
+)
+def test_missing_names_the_part_of_the_install_that_is_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[str, ...], lacking: str | None
+) -> None:
+    """Each of flash-attn-4's parts is looked up without an import; the CuTe DSL's Python half
+    (nvidia-cutlass-dsl-libs-core's ``cutlass.cute``) too, which the first check missed (a broken
+    install then failed inside the rank). The refusal names the package to install."""
+    for name in ("flash_attn", "nvidia_cutlass_dsl", "cutlass"):
+        assert name not in sys.modules  # find_spec would answer from sys.modules
+    monkeypatch.syspath_prepend(str(_site(tmp_path, *files)))
+    importlib.invalidate_caches()
+    assert fa4.missing() == lacking
+    if lacking == fa4.CUTE_PIP_NAME:
+        refused(fa4_cfg(), H100, "cutlass.cute", fa4.CUTE_PIP_NAME, "dsl_packages")
+    elif lacking is not None:
+        refused(fa4_cfg(), H100, f"needs the {lacking} package")

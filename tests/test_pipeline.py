@@ -190,6 +190,31 @@ BAD = [
         {**PP2, "verify.enabled": True, "verify.inject_nan_steps": [2]},
         "verify.inject_nan_steps=[2] does not work with parallel.pp=2",
     ),
+    # The search (activation_checkpointing=auto) used to overwrite the user's micro batch with 8.
+    (
+        {**PP2, "parallel.pp_microbatches": 2, "train.micro_batch_size": 4},
+        "train.micro_batch_size=4 with parallel.pp=2: under a pipeline each micro batch is the rank's "
+        "batch 16 / parallel.pp_microbatches (2) = 8 rows; set train.micro_batch_size=8 or 0, or "
+        "parallel.pp_microbatches=4 to keep it",
+    ),
+    # A pipeline field where no pipeline runs did nothing, and the run trained without a word.
+    (
+        {"parallel.pp_microbatches": 4},
+        "parallel.pp_microbatches=4 does nothing without a pipeline (one process runs no pipeline)",
+    ),
+    (
+        {"mesh.shape": [2], "sharding.strategy": "ddp", "parallel.pp_schedule": "zbv"},
+        "parallel.pp_schedule=zbv does nothing without a pipeline (this layout has parallel.pp=1)",
+    ),
+    (
+        {"mesh.shape": [2], "parallel.dp_shard": 2, "parallel.pp_stages_per_rank": 2},
+        "parallel.pp_stages_per_rank=2 does nothing without a pipeline (this layout has parallel.pp=1)",
+    ),
+    (
+        {"mesh.shape": [3], "parallel.pp": 3, "run.oversubscribe": True},
+        "parallel.pp_microbatches=0 (= parallel.pp: 3 micro batches) does not divide the data-parallel "
+        "rank's batch 16",
+    ),
 ]
 
 
@@ -225,6 +250,40 @@ def test_bad_pipeline_refused_before_launch(
         prelaunch(d, run, "llama_tiny")
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not run.exists()
+
+
+def test_a_set_micro_batch_size_gives_the_pipelines_micro_batches(composed: object, tmp_path: Path) -> None:
+    """parallel.pp_microbatches unset: the rank's batch / train.micro_batch_size (a recipe's micro
+    batch is kept, as the search keeps it), not pp with the micro batch overwritten."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from framework.entry import prelaunch
+
+    d = copy.deepcopy(composed)
+    for k, v in {**PP2, "train.micro_batch_size": 4}.items():
+        OmegaConf.update(d, k, v, merge=False)
+    cfg, plan, _ = prelaunch(d, tmp_path / "run", "llama_tiny")
+    assert (cfg.train.micro_batch_size, plan.pp_microbatches) == (4, 4)
+
+
+def test_pipeline_fields_shape_the_search_under_sharding_auto(composed: object, tmp_path: Path) -> None:
+    """Under sharding=auto on 2 ranks the search weighs pipelines: parallel.pp_schedule=gpipe is
+    theirs (not refused as unused), and a pp layout the search lists uses it."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from framework.entry import prelaunch_with_search
+
+    d = copy.deepcopy(composed)
+    for k, v in {"mesh.shape": [2], "parallel.pp_schedule": "gpipe"}.items():
+        OmegaConf.update(d, k, v, merge=False)
+    _, _, _, found = prelaunch_with_search(d, tmp_path / "run", "llama_tiny")
+    assert found is not None
+    pipelined = [c for c in found.candidates if c.pp_schedule]
+    assert pipelined and all(c.pp_schedule == "gpipe" for c in pipelined)
 
 
 # train.py itself refuses what stays refused under pp with exit 2 (tests/test_train.py).

@@ -142,6 +142,8 @@ def test_validate_prints_the_plan_or_the_error(
     site, _ = team_package  # in-process: the CLI's main(), with the extra root on the environment
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", "pkg://teamrecipes.llama")
+    # sharding=ddp: under auto the search's choice for this tiny model moves with the cost model
+    # (since pipelines carry tied embeddings it plans zbv on 2 ranks); what is tested is the printing.
     assert recipes.main(["validate", "team_tiny", "mesh=2", "sharding=ddp"]) == 0
     out = capsys.readouterr().out
     assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out

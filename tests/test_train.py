@@ -173,6 +173,45 @@ def test_bad_config_exits_non_zero_and_writes_nothing(
     assert not run.exists()
 
 
+@pytest.mark.parametrize(
+    ("saved", "here", "message"),
+    [
+        # tied -> untied failed to load in every rank: the checkpoint went to corrupt/, step 0 again
+        ({}, ["model.tie_embeddings=false"], "model.tie_embeddings=true there, false here"),
+        # untied -> tied loaded in silence without the trained output head
+        ({"tie_embeddings": False}, [], "model.tie_embeddings=false there, true here"),
+        ({"dim": 64, "ffn_dim": 192}, [], "model.dim=64 there, 128 here, model.ffn_dim=192 there, 384 here"),
+        # the same through checkpoint.resume=PATH
+        (
+            {"tie_embeddings": False},
+            ["checkpoint.resume=STEP"],
+            "model.tie_embeddings=false there, true here",
+        ),
+    ],
+)
+def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], saved: dict, here: list[str], message: str
+) -> None:
+    """checkpoint.resume=auto into a model of another shape: one line naming each differing field,
+    exit 2, before launch; the checkpoint stays where it is. The step dir holds the ``extra.json``
+    the trainer writes (its ``model``: init_from.shape_of of the run's model)."""
+    from framework.init_from import shape_of
+    from tests.test_config import compose_config
+
+    root, run = tmp_path / "ck", tmp_path / "run"
+    step = root / "step_000004"
+    step.mkdir(parents=True)
+    shape = shape_of(compose_config("recipe=llama_tiny").model) | saved
+    (step / "extra.json").write_text(json.dumps({"extra": {"step": 4, "model": shape}}))
+    here = [o.replace("STEP", str(step)) for o in here]
+    code = train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root}", *here)
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], err
+    assert f"{step} holds another model" in errors[0]
+    assert not run.exists() and sorted(p.name for p in root.iterdir()) == ["step_000004"]
+
+
 def test_torchrun_ranks_join_and_share_one_run_dir(tmp_path: Path) -> None:
     """Under torchrun every rank composes the config itself; the run dir comes from the shared run id."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -184,6 +184,18 @@ def check_token_digest(path: Path, tok: Tokenizer) -> None:
 
 
 def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
+    """``data.document_mask``, and packed SFT rows (which always mask each example by itself):
+    the flash kernels (``model.attention=flash|fa4``) take no mask, and the masked attention would
+    run another SDPA kernel without a word."""
+    if document_eos_of_sft(cfg) is not None and cfg.model.attention in (
+        AttentionBackend.flash,
+        AttentionBackend.fa4,
+    ):
+        raise ValueError(
+            f"model.attention={cfg.model.attention.value} with data=sft and data.sft_pack=true: packed "
+            "examples attend each within itself through a document mask, which the flash kernel does "
+            "not take; use model.attention=auto, efficient, cudnn or math, or data.sft_pack=false"
+        )
     if not cfg.data.document_mask:
         return
     if tok.eos_id is None:
@@ -211,9 +223,15 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
 def document_eos(cfg: Config) -> int | None:
     """The EOS id the model's document mask splits on (None when data.document_mask is off); with
     packed SFT rows (data.sft_pack) ``NO_EOS``: the examples are marked by DOC_START, not split at EOS."""
-    if not cfg.data.mix and cfg.data.source is DataSource.sft and cfg.data.sft_pack:
-        return NO_EOS
+    sft = document_eos_of_sft(cfg)
+    if sft is not None:
+        return sft
     return load_tokenizer(cfg.tokenizer).eos_id if cfg.data.document_mask else None
+
+
+def document_eos_of_sft(cfg: Config) -> int | None:
+    """``NO_EOS`` for packed SFT rows (their examples are masked each by itself), else None."""
+    return NO_EOS if not cfg.data.mix and cfg.data.source is DataSource.sft and cfg.data.sft_pack else None
 
 
 def _sources(
