@@ -152,16 +152,23 @@ class Parts:
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
 
-def run(cfg: Config, run_dir: Path) -> Summary:
+def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary:
     """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``.
 
     Every part is closed on the way out, also when a step raises: an async save is finished, the
     sampler's thread, wandb, the metrics file and the profiler are closed, the signal handlers are
-    restored and the process group (when this call created it) is destroyed."""
+    restored and the process group (when this call created it) is destroyed.
+
+    ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
+    worker process passes one and then ends with ``os._exit`` (``launch.finish``): freeing the parts
+    (the model's DDP reducer, the mesh's gloo groups) after the other ranks had exited was seen to
+    block one rank for minutes in a C++ destructor (about 1 in 10 four-rank CPU runs)."""
     state = TrainState(0)
     cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
     with contextlib.ExitStack() as stack:
         p = setup(cfg, run_dir, state, stack)
+        if keep is not None:
+            keep.append(p)
         with make_profiler(cfg.run, run_dir, p.env.rank) as profiler:
             train(p, state, profiler)
         return finish(p, state, profiler)

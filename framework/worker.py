@@ -17,6 +17,9 @@ from omegaconf import OmegaConf
 from framework.config import to_config
 from framework.launch import die_with_launcher, finish
 
+# The run's parts, kept until the process ends (trainer.run's ``keep``).
+_PARTS: list[object] = []
+
 
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Rank 0 logs to the console and to the run's log file; other ranks log warnings only."""
@@ -42,7 +45,7 @@ def main(run_dir: Path) -> int:
     setup_logging(run_dir, rank)
     try:
         cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
-        trainer.run(cfg, run_dir)
+        trainer.run(cfg, run_dir, keep=_PARTS)  # never freed: the process ends with os._exit
         return 0
     except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
         logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
