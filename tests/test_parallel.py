@@ -88,12 +88,12 @@ def reference_losses(cfg: Config) -> list[float]:
     return train(model, 0, 1)
 
 
-def parallel_model(cfg: Config) -> tuple[nn.Module, DeviceMesh, Plan]:
+def parallel_model(cfg: Config, seq: int = SEQ) -> tuple[nn.Module, DeviceMesh, Plan]:
     """The model as the trainer builds it on this rank: plan, mesh, parallelize (CPU, seed 0)."""
     plan = make_plan(cfg)
     mesh = build_mesh(plan, "cpu")
     model = parallelize(
-        build_model(cfg.model, SEQ),
+        build_model(cfg.model, seq),
         mesh,
         plan,
         cfg.sharding,

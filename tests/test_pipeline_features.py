@@ -20,6 +20,7 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.plan import make_plan
 from tests.dist import run_ranks
+from tests.test_parallel import parallel_model
 from tests.test_pipeline import GLOBAL_BATCH, RTOL, SEQ, STEPS, _check, batches, make_cfg, run_steps
 
 
@@ -73,18 +74,7 @@ def _tied_worker(
     from framework.checkpoint import full_model_state
     from framework.loop import evaluate
 
-    plan = make_plan(cfg)
-    mesh = build_mesh(plan, "cpu")
-    model = parallelize(
-        build_model(cfg.model, SEQ),
-        mesh,
-        plan,
-        cfg.sharding,
-        cfg.bucketing,
-        cfg.executor,
-        torch.device("cpu"),
-        0,
-    )
+    model, mesh, plan = parallel_model(cfg, SEQ)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     val = evaluate(model, val_batches(plan.micro_batch_size), torch.device("cpu")) if ckpt is None else None
     out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
