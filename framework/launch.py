@@ -226,8 +226,11 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
 
 
 # The parts of a run on a rank that ends with ``finish`` (its ``os._exit``): trainer.run's ``keep``.
-# Never freed: freeing them (the DDP reducer, the mesh's gloo groups) after the other ranks had
-# exited was seen to block a rank for minutes in a C++ destructor, under our launcher and torchrun.
+# Never freed, because freeing them can deadlock (torch 2.13, about 1 in 5 four-rank CPU runs; stacks
+# from py-spy --native): the process group is destroyed first, so the DDP Reducer holds the last
+# reference to the gloo group; its pybind dealloc keeps the GIL while ~ProcessGroupGloo joins the
+# group's worker thread, and that thread, freeing a finished barrier's work, waits for the GIL to
+# decref its tensors. The class of bug is pytorch/pytorch#56297 (blocking destructors under the GIL).
 KEPT_PARTS: list[object] = []
 
 
