@@ -46,7 +46,8 @@ def arm_stack_dump() -> None:
     if seconds:
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(seconds), exit=False)
+        # The process's own stderr: a test's captured sys.stderr has no file descriptor.
+        faulthandler.dump_traceback_later(float(seconds), exit=False, file=sys.__stderr__)
 
 
 def run_stamp() -> str:
