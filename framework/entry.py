@@ -117,7 +117,9 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     from framework.data import check_data
 
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
-    device = resolve_device(cfg.run.device)
+    # A dry run builds on the meta device and checks the declared mesh/hardware (framework.target):
+    # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
+    device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
     if cfg.executor.cache_dir:

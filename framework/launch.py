@@ -139,7 +139,11 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
             f"{cap} (4 per usable core, at least 8): ranks this oversubscribed can hang; use a smaller "
             f"mesh, torchrun across hosts, run.dry_run=true to only plan, or run.oversubscribe=true"
         )
-    if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
+    if (
+        device.type == "cuda"
+        and not (joined_torchrun() or cfg.run.dry_run)
+        and world > torch.cuda.device_count()
+    ):
         raise ValueError(
             f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "
             f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, or use a smaller mesh"

@@ -96,3 +96,25 @@ def test_missing_packages_warn_in_a_dry_run_and_refuse_at_launch(caplog: pytest.
     with pytest.raises(ValueError, match="other"):  # only a missing package is tolerated
         with target.tolerate_missing_packages(Target("cuda", (9, 0), "mesh.hardware.name=h200", True)):
             raise ValueError("other")
+
+
+def test_a_dry_run_uses_no_device_of_this_host(tmp_path: Path) -> None:
+    """The GPU job's own command plus run.dry_run=true plans on this CPU host: run.device=cuda with
+    no GPU visible is not refused (a launch still is), nor are 8 ranks (framework.entry.validate)."""
+    from hydra import compose, initialize_config_dir
+
+    from framework import config, recipes
+    from framework.entry import prelaunch
+    from framework.launch import register_resolvers
+
+    config.register()
+    recipes.register()
+    register_resolvers()
+    job = ["data=synthetic", "mesh='8'", "mesh/hardware=h100_sxm", "run.device=cuda", "executor=cudagraphs"]
+    with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+        dry, launch = (compose("config", overrides=[*job, f"run.dry_run={d}"]) for d in ("true", "false"))
+    cfg, plan, _ = prelaunch(dry, tmp_path / "run", None)
+    assert cfg.run.dry_run and plan.world_size == 8
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="run.device=cuda but no CUDA device is visible"):
+            prelaunch(launch, tmp_path / "run", None)
