@@ -71,9 +71,9 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     block); a schedule that needs virtual stages without them (or zbv with other than 2); a
     zero-bubble schedule with data parallelism (its last stage would get no gradients); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
-    do not go through a pipeline yet (the verifier's NaN injection, fused cross-entropy,
-    optimizer-in-backward). Tied embeddings, document masks, sft's token-weighted loss, the HF
-    export and the verifier's numerics check do (framework.parallel.pipeline).
+    do not go through a pipeline (fused cross-entropy, optimizer-in-backward: ``check_features``).
+    Tied embeddings, document masks, sft's token-weighted loss, the HF export, the verifier's
+    numerics check and its NaN injection do (framework.parallel.pipeline).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -179,19 +179,25 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
 
 
 def check_features(cfg: Config, pp: int) -> None:
-    """The features that do not go through a pipeline yet (ValueError naming the key)."""
+    """The features that do not go through a pipeline (ValueError naming the key).
+
+    Optimizer-in-backward (``loop.InBackward``) steps each parameter from its post-accumulate-grad
+    hook, once per step. torch's ``PipelineStage`` runs one backward per micro batch (every schedule
+    needs >= pp of them), each accumulating into ``.grad`` and firing the hook, so a parameter would
+    be stepped pp or more times per step on partial gradients; the zero-bubble schedules' weight pass
+    (``stage_backward_weight``) assigns ``.grad`` directly and fires it never. The loss, whose
+    finiteness gates each update, is also only known on the last stage. Refused for good, not for now.
+    """
     why = {
-        f"verify.inject_nan_steps={list(cfg.verify.inject_nan_steps)}": (
-            bool(cfg.verify.inject_nan_steps),
-            "its hook poisons the whole model's output, which no stage produces; leave it empty",
-        ),
         f"model.fused_cross_entropy={cfg.model.fused_cross_entropy.value}": (
             cfg.model.fused_cross_entropy is not FusedCrossEntropy.none,
             "the schedule computes the loss from the last stage's logits; set model.fused_cross_entropy=none",
         ),
         "train.optimizer_in_backward=true": (
             cfg.train.optimizer_in_backward,
-            "the schedule runs the backward; set train.optimizer_in_backward=false",
+            "its per-parameter step runs from the gradient-accumulation hook, which a schedule fires "
+            "once per micro batch (>= pp per step: each step would see a partial gradient) or, in a "
+            "zero-bubble schedule's weight pass, never; set train.optimizer_in_backward=false",
         ),
     }
     for key, (on, reason) in why.items():

@@ -187,8 +187,10 @@ BAD = [
         "parallel.pp_schedule=zbv with 2 data-parallel ranks",
     ),
     (
-        {**PP2, "verify.enabled": True, "verify.inject_nan_steps": [2]},
-        "verify.inject_nan_steps=[2] does not work with parallel.pp=2",
+        {**PP2, "train.optimizer_in_backward": True},
+        "train.optimizer_in_backward=true does not work with parallel.pp=2 (pipeline parallelism): its "
+        "per-parameter step runs from the gradient-accumulation hook, which a schedule fires once per "
+        "micro batch",
     ),
     # The search (activation_checkpointing=auto) used to overwrite the user's micro batch with 8.
     (

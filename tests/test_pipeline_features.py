@@ -306,3 +306,82 @@ def test_verifier_numerics_check_through_a_pipeline(scale_head: float) -> None:
             assert passed and figures["logits_rel_diff_vs_unsharded"] < 1e-5, figures
         else:
             assert not passed and figures["logits_rel_diff_vs_unsharded"] > 0.1, figures
+
+
+# The verifier's NaN injection: the bad-step policy sees the same non-finite steps on every pp rank.
+
+
+def nan_cfg(pp: int) -> Config:
+    """The trainer in-process: 6 steps, a synchronous checkpoint every 2; the batches of steps 3-5
+    (0-based 2-4) poisoned, so 3 bad steps in a row (verify.max_bad_steps) roll back to the last
+    checkpoint (step 4's: skipped steps leave the weights of step 2)."""
+    from framework.config import (
+        CheckpointConfig,
+        Device,
+        FreezeConfig,
+        FreezeMode,
+        LoggerConfig,
+        MeshConfig,
+        RunConfig,
+        TrainConfig,
+        VerifyConfig,
+    )
+
+    cfg = Config(
+        train=TrainConfig(
+            steps=6, global_batch_size=4, seq_len=SEQ, log_every=1, eval_every=0, warmup_steps=0
+        ),
+        checkpoint=CheckpointConfig(enabled=True, every_steps=2),
+        verify=VerifyConfig(inject_nan_steps=[2, 3, 4], max_bad_steps=3),
+        run=RunConfig(device=Device.cpu),
+        mesh=MeshConfig(shape=[pp]),
+        freeze=FreezeConfig(mode=FreezeMode.none),
+        logger=LoggerConfig(progress_bar=False, plot=False),
+    )
+    cfg.parallel.pp, cfg.parallel.dp_shard = pp, 1
+    return cfg
+
+
+def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
+    from framework import trainer
+
+    summary = trainer.run(cfg, run_dir)
+    return {"skipped": summary.skipped_steps, "steps": summary.steps}
+
+
+def _nan_trace(run_dir: Path) -> tuple[list, list]:
+    from framework.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    losses = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    events = [(r["step"], r["event"], r.get("detail", "")) for r in rows if "event" in r]
+    return losses, events
+
+
+def test_injected_nan_skips_and_rolls_back_through_a_pipeline(tmp_path: Path) -> None:
+    """pp=2 (tied, 1f1b): the last stage's logits are poisoned; the NaN reaches the first stage's
+    rank through the loss's sum over the pp axis and the backward, so both ranks skip steps 3 and 4
+    and roll back at step 5 as one process does, and train on to the same losses (rtol 1e-5).
+    Without verify, so plain steps are read one step late (the trainer's lag) on both."""
+    runs = {}
+    for pp in (1, 2):
+        run_dir = tmp_path / f"pp{pp}"
+        run_dir.mkdir()
+        out = run_ranks(_nan_worker, pp, nan_cfg(pp), run_dir, init=False, timeout_s=180)
+        assert all(o == {"skipped": 3, "steps": 6} for o in out), out
+        runs[pp] = _nan_trace(run_dir)
+    (ref_losses, ref_events), (losses, events) = runs[1], runs[2]
+    assert [e[:2] for e in events if e[1] == "skipped_step"] == [
+        (3, "skipped_step"),
+        (4, "skipped_step"),
+        (5, "skipped_step"),
+    ]
+    rollback = [e for e in events if e[1].startswith("fallback/")]
+    assert len(rollback) == 1 and "rollback to step 4" in rollback[0][2], events
+    assert [e[:2] for e in events] == [e[:2] for e in ref_events], (events, ref_events)
+    assert [s for s, *_ in losses] == [s for s, *_ in ref_losses]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(losses, ref_losses, strict=True):
+        if ref_loss != ref_loss:  # a poisoned step: NaN on both
+            assert loss != loss and norm != norm, step
+            continue
+        assert loss == pytest.approx(ref_loss, rel=RTOL) and norm == pytest.approx(ref_norm, rel=RTOL), step
