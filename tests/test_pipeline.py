@@ -145,6 +145,22 @@ def test_pp_with_data_or_tensor_parallel_matches_one_process(
     print(f"pp=2 x {other}={degree}: max rel diff {_check(results, reference):.2e}")
 
 
+ZB_DP_CASES = [("zbv", "dp_shard"), ("interleaved_zb", "dp_replicate")]
+
+
+@pytest.mark.parametrize(("schedule", "other"), ZB_DP_CASES)
+def test_zero_bubble_with_data_parallel_matches_one_process(
+    reference: list[tuple], schedule: str, other: str
+) -> None:
+    """pp=2 x 2 data-parallel ranks under a zero-bubble schedule. Its split backward found no weight
+    of a stage whose FSDP units had resharded after their forward, so the last stage got no weight
+    gradients (and the middle stages lost some micro batches'): the stages now stay unsharded
+    for the step (framework.parallel._pipeline). A lost gradient shows in the first step's norm."""
+    cfg = make_cfg(4, pp=2, pp_schedule=schedule, pp_stages_per_rank=2, pp_microbatches=2, **{other: 2})
+    results = run_ranks(_worker, 4, cfg)
+    print(f"pp=2 {schedule} x {other}=2: max rel diff {_check(results, reference):.2e}")
+
+
 def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference: list[tuple], tmp_path: Path) -> None:
     """DCP by parameter name: 2 steps at pp=2 (1f1b), saved; steps 3-4 resumed on one process (pp=1)
     continues exactly as the unbroken single-process run (weights, AdamW moments, LR schedule)."""
@@ -176,16 +192,6 @@ BAD = [
         "parallel.pp_microbatches=3 does not divide the data-parallel rank's batch 16",
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
-    (
-        {
-            "mesh.shape": [4],
-            "parallel.pp": 2,
-            "parallel.dp_shard": 2,
-            "parallel.pp_schedule": "zbv",
-            "parallel.pp_stages_per_rank": 2,
-        },
-        "parallel.pp_schedule=zbv with 2 data-parallel ranks",
-    ),
     (
         {**PP2, "train.optimizer_in_backward": True},
         "train.optimizer_in_backward=true does not work with parallel.pp=2 (pipeline parallelism): its "
