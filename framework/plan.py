@@ -740,6 +740,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
+        comm += _pp_tied(cfg, d, sizes, axes, pipe.ranks)
     prediction = predict_step(
         cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
     )
@@ -984,6 +985,31 @@ def _pp_send_recv(
     return CommEstimate(
         "pp", "send_recv", d.pp, "intra" if intra else "inter", calls, payload, payload * calls, per * calls
     )
+
+
+def _pp_tied(
+    cfg: Config,
+    d: Degrees,
+    sizes: tuple[int, ...],
+    axes: tuple[MeshAxis, ...],
+    ranks: tuple[tuple[int, ...], ...],
+) -> list[CommEstimate]:
+    """A tied embedding split over a pipeline (framework.parallel.pipeline.TiedWeight): once per step
+    the last stage's copy sends its gradient to the embedding's rank (``dist.reduce`` over their
+    group of two) and gets the stepped weight back (``dist.broadcast``), each this rank's fp32
+    shard of the vocab x dim weight (TP and FSDP shards). None where one rank holds both (zbv)."""
+    tied = tied_copy(cfg.model)
+    last = sum(len(r) for r in ranks) - 1
+    if tied is None or any(0 in r and last in r for r in ranks):
+        return []
+    intra = _axis_is_intra_node(sizes, axes.index(MeshAxis.pp), cfg.mesh.procs_per_node)
+    alpha, beta = _link(cfg, intra)
+    payload = local_numel(tied, d.tp, d.fsdp_shard) * _MASTER_BYTES
+    link = "intra" if intra else "inter"
+    return [
+        CommEstimate("pp", kind, 2, link, 1, payload, payload, alpha + payload / beta)
+        for kind in ("tied_reduce", "tied_broadcast")
+    ]
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:

@@ -8,6 +8,8 @@ token-weighted loss and the verifier's numerics check.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,32 @@ def _full(p: torch.Tensor | None) -> np.ndarray | None:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
 
 
+@contextlib.contextmanager
+def _tied_transfers(tied: object) -> Iterator[list[tuple[str, int]]]:
+    """Record (collective, bytes) of each reduce / broadcast over the tied weight's group."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, int]] = []
+    group = getattr(tied, "group", None)
+    real = {name: getattr(dist, name) for name in ("reduce", "broadcast")}
+
+    def spy(name: str) -> Callable[..., object]:
+        def call(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if group is not None and kwargs.get("group") is group:
+                calls.append((f"tied_{name}", t.numel() * t.element_size()))
+            return real[name](t, *args, **kwargs)
+
+        return call
+
+    for name in real:
+        setattr(dist, name, spy(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 def _tied_worker(
     rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
 ) -> dict:
@@ -77,8 +105,9 @@ def _tied_worker(
     model, mesh, plan = parallel_model(cfg, SEQ)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     val = evaluate(model, val_batches(plan.micro_batch_size), torch.device("cpu")) if ckpt is None else None
-    out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     tied = getattr(model, "tied", None)
+    with _tied_transfers(tied) as transfers:
+        out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     state = full_model_state(model) if ckpt is None else {}  # what checkpoint.export_hf writes
     return {
         "val": val,
@@ -88,6 +117,7 @@ def _tied_worker(
         "master": _full(tied.master) if tied else None,
         "copy": _full(tied.copy) if tied else None,
         "copies": len(getattr(model, "tied_copies", [])),
+        "transfers": transfers,
         "state": {k: _full(v) for k, v in state.items()},
     }
 
@@ -116,6 +146,19 @@ def test_tied_embeddings_match_one_process(tied_run: dict, world: int, parallel:
     masters = [r["master"] for r in results if r["master"] is not None]
     copies = [r["copy"] for r in results if r["copy"] is not None]
     assert masters and copies and sum(r["copies"] for r in results) == len(copies)
+    # The plan's tied transfers are what the ranks sent: per step one reduce and one broadcast of
+    # each rank's shard, on the two ranks of each group; none where one rank holds both (zbv).
+    planned = {c.collective: c for c in make_plan(tied_cfg(world, **parallel)).comm if c.axis == "pp"}
+    sent = [r["transfers"] for r in results if r["transfers"]]
+    if "tied_reduce" not in planned:
+        assert not sent and all(r["master"] is not None for r in results if r["copy"] is not None)
+    else:
+        assert len(sent) == sum(r["copy"] is not None for r in results) * 2, sent
+        for kind in ("tied_reduce", "tied_broadcast"):
+            c = planned[kind]
+            assert c.calls == 1 and c.group_size == 2
+            assert all(t.count((kind, c.bytes_per_call)) == STEPS * c.calls for t in sent), (kind, sent)
+            assert all(len(t) == 2 * STEPS for t in sent), sent
     # After 4 steps every copy still holds exactly the embedding's value.
     assert all(np.array_equal(c, masters[0]) for c in masters + copies)
     state, want = results[0]["state"], tied_run["state"]
