@@ -388,10 +388,13 @@ def nan_cfg(pp: int) -> Config:
     return cfg
 
 
+_KEPT: list[object] = []  # a forked rank's run parts, never freed: it ends with os._exit (framework.worker)
+
+
 def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
     from framework import trainer
 
-    summary = trainer.run(cfg, run_dir)
+    summary = trainer.run(cfg, run_dir, keep=_KEPT)
     return {"skipped": summary.skipped_steps, "steps": summary.steps}
 
 
