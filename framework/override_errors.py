@@ -130,7 +130,7 @@ def explain(error: BaseException, overrides: Sequence[str]) -> str | None:
         return _missing_option(error, parsed)
     cause = error.__cause__
     if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
-        o = _find(parsed, _key_of(cause.full_key), str(error))
+        o = _culprit(parsed, str(error))
         return None if o is None else f"{o.input_line}: {_rejected_value(cause, o)}"
     if isinstance(error, ConfigCompositionException):
         return _composition(str(error), parsed)
@@ -169,40 +169,42 @@ def _missing_option(error: MissingConfigException, parsed: list[Override]) -> st
     return f"{group}={name}: {what} in group '{group}'{_did_you_mean(name, options)}; {valid}"
 
 
-def _key_of(full_key: str | None) -> str:
-    """``mesh.shape[1]`` -> ``mesh.shape``: the key an override names."""
-    return re.sub(r"\[[^\]]*\]$", "", full_key or "")
-
-
-def _find(parsed: list[Override], key: str, message: str) -> Override | None:
-    """The override that set ``key``; of several, the one Hydra's message quotes, else the last."""
-    matches = [o for o in parsed if o.key_or_group.replace("/", ".") == key]
-    quoted = [o for o in matches if o.input_line in message]
-    return (quoted or matches or [None])[-1]
+def _culprit(parsed: list[Override], message: str) -> Override | None:
+    """The override Hydra's merge of the command line names (``Error merging override LINE``,
+    ``Could not override 'KEY'.``); None for an error in a YAML file, which names none."""
+    for o in reversed(parsed):
+        if message == f"Error merging override {o.input_line}":
+            return o
+        if message.startswith(f"Could not override '{o.key_or_group}'."):
+            return o
+    return None
 
 
 def _rejected_value(cause: OmegaConfBaseException, o: Override) -> str:
     """What is valid for the key ``o`` set, from OmegaConf's error (its first line, whose wording
     OmegaConf 2.3 fixes per error)."""
-    key = o.key_or_group.replace("/", ".")
+    key = cause.full_key or o.key_or_group
     first = (cause.msg or str(cause)).splitlines()[0]
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "not in" in first:
-        return _unknown_key(cause, key)
+        return _unknown_key(cause, key, o)
     if isinstance(cause, ConfigTypeError) and "does not support deletion" in first:
         return f"a key of the schema cannot be deleted; set a value instead ({key}=VALUE)"
     if isinstance(cause, ValidationError):
-        return _bad_value(cause, key, first)
+        return _bad_value(cause, key, o, first)
     return first
 
 
-def _bad_value(cause: ValidationError, key: str, first: str) -> str:
-    listed = "[" in (cause.full_key or "")
+def _bad_value(cause: ValidationError, key: str, o: Override, first: str) -> str:
+    """``key``: the rejected value's full key, which is the override's, an element of its list
+    (``mesh.shape[1]``) or a key inside its value (``data.mix[0].weight``)."""
     kind = re.search(r"could not be converted to (Integer|Float)", first)
     if kind:
         noun, type_ = ("an integer", "int") if kind.group(1) == "Integer" else ("a number", "float")
-        if listed:
-            return f"'{cause.value}' is not {noun} ({key} is a list of {type_}s)"
-        return f"not {noun} ({key} is {'an' if type_ == 'int' else 'a'} {type_})"
+        value = "" if key == o.key_or_group else f"'{cause.value}' is "
+        field = re.sub(r"\[\d+\]$", "", key)
+        if field != key:
+            return f"{value}not {noun} ({field} is a list of {type_}s)"
+        return f"{value}not {noun} ({key} is {'an' if type_ == 'int' else 'a'} {type_})"
     if "is not a valid bool" in first:
         return "not a boolean; valid values are true, false"
     choices = re.search(r"expected one of \[(.*)\]", first)
@@ -217,8 +219,12 @@ def _bad_value(cause: ValidationError, key: str, first: str) -> str:
     return first
 
 
-def _unknown_key(cause: OmegaConfBaseException, key: str) -> str:
+def _unknown_key(cause: OmegaConfBaseException, key: str, o: Override) -> str:
+    """``key``: the full key OmegaConf could not find; inside a list of sections it is the bare
+    name (``data.mix=[{nosuch: 1}]`` -> ``nosuch``), and the section is the override's key."""
     section, _, name = key.rpartition(".")
+    if not section and key != o.key_or_group:
+        section = o.key_or_group
     parent = cause.parent_node
     keys = list(parent.keys()) if isinstance(parent, DictConfig) else []
     if not section:
@@ -243,17 +249,19 @@ def _did_you_mean(name: str, valid: list[str]) -> str:
 
 def _composition(message: str, parsed: list[Override]) -> str | None:
     """Hydra's own refusals, without an OmegaConf cause: a sweep without ``-m``, ``+GROUP=...`` on a
-    group that has an option, and the rest quoted by its message."""
+    group that has an option, ``+KEY=...`` on a key that has a value, and the rest by its message."""
     several = re.match(r"Multiple values for (\S+)\.", message)
     if several:  # +GROUP=OPTION where the defaults list already chose one
         added = [o for o in parsed if o.is_add() and o.key_or_group == several.group(1)]
         if added:
             o = added[-1]
             return f"{o.input_line}: group '{o.key_or_group}' already has an option; choose it with {o.input_line[1:]}"
-    quoted = [o for o in parsed if o.input_line in message or f"'{o.get_key_element()}'" in message]
+    quoted = [o for o in parsed if o.input_line in message or f"'{o.key_or_group}'" in message]
     if not quoted:
         return None
     o = quoted[-1]
+    if message.startswith("Could not append to config. An item is already at"):
+        return f"{o.input_line}: {o.key_or_group} already has a value; set it with {o.input_line[1:]}"
     if o.is_sweep_override():
         return (
             f"{o.input_line}: a comma-separated value (or range, choice, glob) is a sweep: add -m to run one "

@@ -13,8 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
+from omegaconf.errors import ValidationError
 
 from framework import config, recipes
 from framework.config import quote_numeric_choices
@@ -65,6 +66,15 @@ def explained(error: Exception, overrides: list[str]) -> str:
             "train=x: train is a section, not a value: set its keys as train.KEY=VALUE; valid keys: ",
         ),
         ("~train.steps", "~train.steps: a key of the schema cannot be deleted; set a value instead"),
+        (
+            "data.mix=[{path: a, weight: x}]",
+            "data.mix=[{path: a, weight: x}]: 'x' is not a number (weight is a float)",
+        ),
+        (
+            "data.mix=[{nosuch: 1}]",
+            "data.mix=[{nosuch: 1}]: no key 'nosuch' in data.mix; valid keys: source, path",
+        ),
+        ("+train.steps=3", "+train.steps=3: train.steps already has a value; set it with train.steps=3"),
     ],
 )
 def test_rejected_value_is_one_line_naming_it_and_what_is_valid(
@@ -116,10 +126,14 @@ def test_rejected_choice_or_syntax_is_one_line_naming_it_and_what_is_valid(overr
 
 
 def test_an_error_no_override_caused_keeps_hydras_report() -> None:
-    # A group option a YAML file's defaults list names (not the command line's) that does not exist.
+    """A bad value in a YAML file, even at a key the command line also sets, and a missing option a
+    YAML file's defaults list names: Hydra's report, which says where."""
+    in_yaml = ConfigCompositionException()  # what load_configuration raises for a YAML file's value
+    in_yaml.__cause__ = ValidationError("Value 'abc' of type 'str' could not be converted to Integer")
+    in_yaml.__cause__.full_key = "train.steps"
+    assert explain(in_yaml, ["train.steps=3"]) is None
     missing = MissingConfigException("In 'recipe/x': Could not find 'mesh/3x3'", "mesh/3x3", ["1", "2"])
     assert explain(missing, ["train.steps=3"]) is None
-    assert explain(ConfigCompositionException("Error merging recipe/x.yaml"), ["train.steps=3"]) is None
 
 
 def test_train_py_run_and_sweep_exit_2_with_one_line_and_write_nothing(
@@ -141,9 +155,9 @@ def test_train_py_run_and_sweep_exit_2_with_one_line_and_write_nothing(
 
 
 def test_hydra_full_error_keeps_the_full_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    with pytest.raises(ConfigCompositionException, match="Error merging override train.steps=abc"):
-        train_main(f"hydra.run.dir={tmp_path / 'run'}", "train.steps=abc")
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra re-raises instead of reporting
+    with pytest.raises(OverrideParseException, match="Error parsing override 'train.steps'"):
+        train_main(f"hydra.run.dir={tmp_path / 'run'}", "train.steps")
 
 
 def test_python_train_py_bad_option_is_one_line_exit_2_and_no_outputs(tmp_path: Path) -> None:
