@@ -195,8 +195,8 @@ def _rejected_value(cause: OmegaConfBaseException, o: Override) -> str:
 
 
 def _bad_value(cause: ValidationError, key: str, o: Override, first: str) -> str:
-    """``key``: the rejected value's full key, which is the override's, an element of its list
-    (``mesh.shape[1]``) or a key inside its value (``data.mix[0].weight``)."""
+    """``key``: the rejected value's full key: the override's, an element of its list
+    (``mesh.shape[1]``) or, inside a list of sections, the bare key (``weight`` of ``data.mix=[...]``)."""
     kind = re.search(r"could not be converted to (Integer|Float)", first)
     if kind:
         noun, type_ = ("an integer", "int") if kind.group(1) == "Integer" else ("a number", "float")
