@@ -357,10 +357,10 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
 
     started = time.time()
     if joined_torchrun():
-        from framework.launch import die_with_launcher, finish
+        from framework.launch import KEPT_PARTS, die_with_launcher, finish
 
         die_with_launcher()
-        trainer.run(cfg, run_dir)
+        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
         failed = None
         if rank == 0:
             finish_run(run_dir, cfg)

@@ -38,6 +38,17 @@ from framework.config import Config, Device, RunConfig
 log = logging.getLogger("framework")
 
 
+def arm_stack_dump() -> None:
+    """Dump every thread's Python stack to stderr once this process has run ``FRAMEWORK_STACK_DUMP_S``
+    seconds (unset: never). For hunting hangs in CI: a test that kills a stuck run after N seconds sets
+    a smaller value, and the killed run's stderr then says where each process was."""
+    seconds = os.environ.get("FRAMEWORK_STACK_DUMP_S", "")
+    if seconds:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(seconds), exit=False)
+
+
 def run_stamp() -> str:
     """The run-dir name shared by every rank of one launch (see module docstring)."""
     stamp = os.environ.get("RUN_STAMP")
@@ -212,6 +223,15 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
         finally:
             for key in unset:
                 os.environ.pop(key, None)
+
+
+# The parts of a run on a rank that ends with ``finish`` (its ``os._exit``): trainer.run's ``keep``.
+# Never freed, because freeing them can deadlock (torch 2.13, about 1 in 5 four-rank CPU runs; stacks
+# from py-spy --native): the process group is destroyed first, so the DDP Reducer holds the last
+# reference to the gloo group; its pybind dealloc keeps the GIL while ~ProcessGroupGloo joins the
+# group's worker thread, and that thread, freeing a finished barrier's work, waits for the GIL to
+# decref its tensors. The class of bug is pytorch/pytorch#56297 (blocking destructors under the GIL).
+KEPT_PARTS: list[object] = []
 
 
 def finish(code: int, barrier: bool | None = None) -> None:
