@@ -161,9 +161,7 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
         counts = [p.pp_microbatches]
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
-        scheds += [(PPSchedule["interleaved_1f1b"], 2)]
-        if d.dp == 1:  # zero-bubble schedules run without data parallelism (stages.check_pipeline)
-            scheds += [(PPSchedule["zbv"], 2)]
+        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
     unset = type(p)()
     if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
         scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
