@@ -11,6 +11,7 @@ Hydra, real launcher and ranks, without the imports. The real-process path keeps
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
 import os
 import signal
@@ -46,6 +47,9 @@ def train_main(*argv: str) -> int:
         os.environ.update(saved_env)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # train.py armed a stack dump of this process (framework.launch.arm_stack_dump): it was for
+        # that run, and a child forked while it is armed would hang re-arming it (train_forked).
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _exec_train(argv: tuple[str, ...]) -> int:
@@ -78,6 +82,9 @@ def train_forked(
     """
     child_env = dict(os.environ if env is None else env)
     child_env.pop("RUN_STAMP", None)
+    # An armed faulthandler watchdog does not survive fork: the child's train.py, re-arming it
+    # (arm_stack_dump), would wait forever for the parent's watchdog thread to stop.
+    faulthandler.cancel_dump_traceback_later()
     with tempfile.TemporaryDirectory() as d:
         out_path, err_path = Path(d) / "out", Path(d) / "err"
         pid = os.fork()
