@@ -234,6 +234,7 @@ def test_torchrun_ranks_join_and_share_one_run_dir(tmp_path: Path) -> None:
         "train.eval_every=0",
         "train.log_every=1",
         "train.seq_len=32",
+        "freeze=none",  # traced on each rank, ~2-4 s of CPU apiece: no part of joining the run dir
         f"hydra.run.dir={tmp_path}/${{run_stamp:}}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
