@@ -52,6 +52,12 @@ class SourceSpec:
     key: str = "data"  # the config key that names it, for messages ("data" or "data.mix[1]")
 
 
+def is_sidecar(f: Path) -> bool:
+    """A token file's sidecar (``X.json`` beside ``X.bin``, from ``prepare``): in a folder of jsonl
+    files it is not a document file (it was read as one and refused as "not a JSON object")."""
+    return f.suffix == ".json" and f.with_suffix(".bin").is_file()
+
+
 def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
     """``data.path`` as a file, a folder (its files with the source's suffixes) or a glob."""
     path = spec.path if path is None else path
@@ -66,7 +72,7 @@ def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
         if not files:
             raise ValueError(f"{spec.key}.path={path!r}: the glob matches no files")
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes and not is_sidecar(f))
         if not files:
             raise ValueError(f"{spec.key}.path={path!r} is a folder with no {'/'.join(suffixes)} files")
     elif p.is_file():
