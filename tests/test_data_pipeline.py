@@ -257,7 +257,8 @@ def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) 
 
 
 def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None:
-    refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes has none")
+    message = refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes")
+    assert "eos_token" not in message, message  # tokenizer=bytes refuses tokenizer.eos_token
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
     masked.model.attention = AttentionBackend.flash

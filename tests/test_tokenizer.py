@@ -139,6 +139,9 @@ def test_vocab_larger_than_the_model_is_refused_smaller_warns(
     tok = hf(corpus.bpe)
     with pytest.raises(ValueError, match=r"\(512 tokens.*model.vocab_size=256"):
         check_vocab(tok, 256)
+    # Under model.init_from the size is the checkpoint's (an override is refused): name the real fix.
+    with pytest.raises(ValueError, match=r"size of model.init_from='hf/'; use that model's own tokenizer"):
+        check_vocab(tok, 256, "hf/")
     with caplog.at_level(logging.WARNING, logger="framework"):
         check_vocab(tok, 1024)
     assert "512 embedding rows are never used" in caplog.text
