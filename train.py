@@ -10,7 +10,8 @@ import hydra
 from omegaconf import DictConfig
 
 from framework import config, recipes
-from framework.launch import register_resolvers
+from framework.launch import arm_stack_dump, register_resolvers
+from framework.override_errors import one_line_errors
 
 config.register()
 try:
@@ -19,6 +20,7 @@ except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 register_resolvers()
+arm_stack_dump()  # FRAMEWORK_STACK_DUMP_S: where a stuck run was (tests set it)
 sys.argv = config.quote_numeric_choices(sys.argv)
 
 
@@ -30,4 +32,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors(sys.argv):  # an override Hydra rejects: one line, exit 2 (framework.override_errors)
+        main()

@@ -14,7 +14,8 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
   Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
-  TP's collectives and CP's K/V passes sit on the critical path; FSDP's all-gathers / reduce-scatters and the
+  TP's collectives, CP's K/V passes and a pipeline's tied-embedding transfers (between backward and
+  the optimizer step, and after it) sit on the critical path; FSDP's all-gathers / reduce-scatters and the
   data-parallel all-reduce overlap the compute by ``comm_overlap`` (and never by more than the
   compute lasts).
 
@@ -61,6 +62,9 @@ _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
 # Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
 # all-gathers K and V before the attention that needs them).
 _BLOCKING_AXES = ("tp", "cp")
+# A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
+# the optimizer step, with no compute left to hide behind (framework.plan._pp_tied).
+_BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,9 @@ def predict_step(
         memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
         bubble_s = (compute_s + memory_s) * bubble
 
-    blocking = sum(c.time_s for c in comm if c.axis in _BLOCKING_AXES) / hw.link_efficiency
-    overlappable = sum(c.time_s for c in comm if c.axis not in _BLOCKING_AXES) / hw.link_efficiency
+    blocks = [c.axis in _BLOCKING_AXES or c.collective in _BLOCKING_COLLECTIVES for c in comm]
+    blocking = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if b) / hw.link_efficiency
+    overlappable = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if not b) / hw.link_efficiency
     window = compute_s + memory_s
     exposed = blocking + max(overlappable * (1.0 - hw.comm_overlap), overlappable - window)
     step = compute_s + memory_s + optimizer_s + exposed + bubble_s

@@ -38,6 +38,18 @@ from framework.config import Config, Device, RunConfig
 log = logging.getLogger("framework")
 
 
+def arm_stack_dump() -> None:
+    """Dump every thread's Python stack to stderr once this process has run ``FRAMEWORK_STACK_DUMP_S``
+    seconds (unset: never). For hunting hangs in CI: a test that kills a stuck run after N seconds sets
+    a smaller value, and the killed run's stderr then says where each process was."""
+    seconds = os.environ.get("FRAMEWORK_STACK_DUMP_S", "")
+    if seconds:
+        import faulthandler
+
+        # The process's own stderr: a test's captured sys.stderr has no file descriptor.
+        faulthandler.dump_traceback_later(float(seconds), exit=False, file=sys.__stderr__)
+
+
 def run_stamp() -> str:
     """The run-dir name shared by every rank of one launch (see module docstring)."""
     stamp = os.environ.get("RUN_STAMP")
@@ -127,7 +139,11 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
             f"{cap} (4 per usable core, at least 8): ranks this oversubscribed can hang; use a smaller "
             f"mesh, torchrun across hosts, run.dry_run=true to only plan, or run.oversubscribe=true"
         )
-    if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
+    if (
+        device.type == "cuda"
+        and not (joined_torchrun() or cfg.run.dry_run)
+        and world > torch.cuda.device_count()
+    ):
         raise ValueError(
             f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "
             f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, or use a smaller mesh"
@@ -212,6 +228,15 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
         finally:
             for key in unset:
                 os.environ.pop(key, None)
+
+
+# The parts of a run on a rank that ends with ``finish`` (its ``os._exit``): trainer.run's ``keep``.
+# Never freed, because freeing them can deadlock (torch 2.13, about 1 in 5 four-rank CPU runs; stacks
+# from py-spy --native): the process group is destroyed first, so the DDP Reducer holds the last
+# reference to the gloo group; its pybind dealloc keeps the GIL while ~ProcessGroupGloo joins the
+# group's worker thread, and that thread, freeing a finished barrier's work, waits for the GIL to
+# decref its tensors. The class of bug is pytorch/pytorch#56297 (blocking destructors under the GIL).
+KEPT_PARTS: list[object] = []
 
 
 def finish(code: int, barrier: bool | None = None) -> None:

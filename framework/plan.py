@@ -379,7 +379,11 @@ def _memory(
     accum: int = 1,
     pipeline: tuple[int, float, bool] | None = None,
     cp: int = 1,
+    held: bool = False,
 ) -> MemoryEstimate:
+    """``held``: the FSDP units stay unsharded for the whole step (a zero-bubble pipeline schedule,
+    framework.parallel._pipeline), so the rank's whole unsharded parameters replace the two units
+    in flight."""
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
@@ -403,6 +407,8 @@ def _memory(
         biggest = max(unit_bytes) // _MASTER_BYTES
         p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
         comm_buffers = biggest * (2 * p_el + r_el)
+        if held:
+            comm_buffers = sum(local_numel(s, tp, 1) for s in specs) * p_el + biggest * r_el
     elif ddp:
         # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
         # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
@@ -512,9 +518,11 @@ def _comm(
     units: list[int],
     ddp: bool,
     layers: int | None = None,
+    held: bool = False,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
-    in backward, once per micro batch, and reduce-scatters its gradient once per step (the loop
+    in backward, once per micro batch (once per step where ``held``: a zero-bubble pipeline keeps
+    its units unsharded for the step, see ``_memory``), and reduce-scatters its gradient once per step (the loop
     turns gradient sync off on all but the last micro batch); replicated gradients are all-reduced
     once per step (DDP's no_sync, or HSDP after the reduce-scatter); TP with sequence parallelism
     all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
@@ -532,7 +540,7 @@ def _comm(
     p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
     full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
     if shard > 1:
-        ag_calls = len(units) * accum * (2 if cfg.sharding.reshard_after_forward else 1)
+        ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
         avg_unit = full_local // len(units)
         out.append(
             _collective(
@@ -728,9 +736,11 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
 
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
-    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers)
+    held = pipe is not None and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE
+    comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
+        comm += _pp_tied(cfg, d, sizes, axes, pipe.ranks)
     prediction = predict_step(
         cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
     )
@@ -908,12 +918,19 @@ def _rank_specs(
     return out
 
 
+def pp_rank_specs(cfg: Config, plan: Plan, pp_rank: int) -> list[ParamSpec]:
+    """The parameters pipeline rank ``pp_rank`` holds (its stages'); every one without a pipeline."""
+    if plan.layout.pp == 1:
+        return param_specs(cfg.model)
+    return _rank_specs(
+        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
+    )
+
+
 def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     """Bytes of the parameter shards one rank of pipeline rank ``pp_rank`` holds (its stages'), as
     ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
-    mine = _rank_specs(
-        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
-    )
+    mine = pp_rank_specs(cfg, plan, pp_rank)
     shard = plan.degrees["dp_shard"] * plan.degrees["cp"]  # FSDP2 shards over dp_shard x cp
     return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
 
@@ -941,6 +958,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
             accum=accum,
             pipeline=(layers, flight, last in ids),
             cp=d.cp,
+            held=sched in pipeline_stages.ZERO_BUBBLE,
         )
         per_rank.append((mem.total, mine, layers, mem))
     _, mine, layers, memory = max(per_rank, key=lambda t: t[0])
@@ -974,6 +992,31 @@ def _pp_send_recv(
     return CommEstimate(
         "pp", "send_recv", d.pp, "intra" if intra else "inter", calls, payload, payload * calls, per * calls
     )
+
+
+def _pp_tied(
+    cfg: Config,
+    d: Degrees,
+    sizes: tuple[int, ...],
+    axes: tuple[MeshAxis, ...],
+    ranks: tuple[tuple[int, ...], ...],
+) -> list[CommEstimate]:
+    """A tied embedding split over a pipeline (framework.parallel.pipeline.TiedWeight): once per step
+    the last stage's copy sends its gradient to the embedding's rank (``dist.reduce`` over their
+    group of two) and gets the stepped weight back (``dist.broadcast``), each this rank's fp32
+    shard of the vocab x dim weight (TP and FSDP shards). None where one rank holds both (zbv)."""
+    tied = tied_copy(cfg.model)
+    last = sum(len(r) for r in ranks) - 1
+    if tied is None or any(0 in r and last in r for r in ranks):
+        return []
+    intra = _axis_is_intra_node(sizes, axes.index(MeshAxis.pp), cfg.mesh.procs_per_node)
+    alpha, beta = _link(cfg, intra)
+    payload = local_numel(tied, d.tp, d.fsdp_shard) * _MASTER_BYTES
+    link = "intra" if intra else "inter"
+    return [
+        CommEstimate("pp", kind, 2, link, 1, payload, payload, alpha + payload / beta)
+        for kind in ("tied_reduce", "tied_broadcast")
+    ]
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:

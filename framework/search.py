@@ -26,6 +26,7 @@ from framework.config import (
     AttentionBackend,
     Config,
     ExecutorMode,
+    FusedCrossEntropy,
     OptimizerName,
     PPSchedule,
 )
@@ -113,6 +114,8 @@ def _degree_options(cfg: Config) -> list[Degrees]:
                     out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
         out = [d for d in out if d.dp_shard == 1 and d.tp == 1 and d.cp == 1]
+    if cfg.model.fused_cross_entropy is not FusedCrossEntropy.none:  # the whole head: framework.fused_ce
+        out = [d for d in out if d.tp == 1]
     return out
 
 
@@ -161,9 +164,7 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
         counts = [p.pp_microbatches]
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
-        scheds += [(PPSchedule["interleaved_1f1b"], 2)]
-        if d.dp == 1:  # zero-bubble schedules run without data parallelism (stages.check_pipeline)
-            scheds += [(PPSchedule["zbv"], 2)]
+        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
     unset = type(p)()
     if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
         scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
@@ -188,6 +189,23 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     if cfg.train.micro_batch_size != 0:
         return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
     return sorted(divisors(gbs // d.dp), reverse=True)
+
+
+def _no_batch_split(cfg: Config) -> str:
+    """Why no layout took the batch: the data-parallel degrees searched, and what pruned TP."""
+    t = cfg.train
+    degrees = sorted({d.dp for d in _degree_options(cfg)})
+    micro = f" in micro batches of train.micro_batch_size={t.micro_batch_size}" if t.micro_batch_size else ""
+    no_tp = (
+        " (model.fused_cross_entropy keeps tensor parallelism off)"
+        if cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
+        else ""
+    )
+    return (
+        f"train.global_batch_size={t.global_batch_size}{micro} splits over none of the data-parallel "
+        f"degrees {degrees} of {cfg.mesh.world_size} ranks{no_tp}: set train.global_batch_size or "
+        "train.micro_batch_size (0: the rank's whole share)"
+    )
 
 
 def _configure(
@@ -293,14 +311,7 @@ def search(cfg: Config) -> SearchResult:
     if not cands and errors and fixed_degrees(cfg) is not None:
         raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
-        why = (
-            errors[0]
-            if errors
-            else (
-                f"train.global_batch_size={cfg.train.global_batch_size} splits over none of the data-parallel "
-                f"degrees of {cfg.mesh.world_size} ranks"
-            )
-        )
+        why = errors[0] if errors else _no_batch_split(cfg)
         raise ValueError(f"sharding=auto found no feasible layout: {why}")
     fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.predicted_step_time_s, c.memory_gib))
     others = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)

@@ -30,9 +30,8 @@ from framework.config import Config, FusedCrossEntropy, PPSchedule
 from framework.models import model_spec
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
-# Split backward (input, then weight gradients). In torch 2.13 the last stage's weight gradients never
-# reach a fully_shard / replicate stage's parameters (measured: .grad None after the step), so these
-# run without data parallelism only (check_pipeline).
+# Split backward (input, then weight gradients). With data parallelism their FSDP stages stay unsharded
+# for the whole step (framework.parallel._pipeline says why torch needs it; the plan counts it).
 ZERO_BUBBLE = (PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Bytes per token of the embedding's forward gather and backward scatter-add of one row (fp32: read
 # and write the row forward, read the gradient and add it into the weight's gradient backward).
@@ -68,12 +67,11 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     """Refuse a pipeline this version cannot run, naming the value and what is valid.
 
     Raises ValueError for: pp or pp x stages per rank above the number of blocks (each stage needs a
-    block); a schedule that needs virtual stages without them (or zbv with other than 2); a
-    zero-bubble schedule with data parallelism (its last stage would get no gradients); micro
+    block); a schedule that needs virtual stages without them (or zbv with other than 2); micro
     batches that do not split the data-parallel rank's batch, or fewer than pp; and the features that
-    do not go through a pipeline yet (the verifier's NaN injection, fused cross-entropy,
-    optimizer-in-backward). Tied embeddings, document masks, sft's token-weighted loss, the HF
-    export and the verifier's numerics check do (framework.parallel.pipeline).
+    do not go through a pipeline (fused cross-entropy, optimizer-in-backward: ``check_features``).
+    Tied embeddings, document masks, sft's token-weighted loss, the HF export, the verifier's
+    numerics check and its NaN injection do (framework.parallel.pipeline).
     """
     p, m = cfg.parallel, cfg.model
     spr, sched = p.pp_stages_per_rank, p.pp_schedule
@@ -108,13 +106,6 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"parallel.pp_stages_per_rank={spr} with parallel.pp_schedule={sched.value}: that schedule runs "
             f"one stage per rank; use parallel.pp_schedule=interleaved_1f1b|interleaved_zb (or zbv with 2), "
             f"or parallel.pp_stages_per_rank=1"
-        )
-    if sched in ZERO_BUBBLE and dp > 1:
-        raise ValueError(
-            f"parallel.pp_schedule={sched.value} with {dp} data-parallel ranks: torch's zero-bubble "
-            f"schedules leave a data-parallel (fully_shard / replicate) last stage without gradients, "
-            f"so it would not train; use parallel.pp_schedule=1f1b|interleaved_1f1b|gpipe, or no data "
-            f"parallelism (parallel.dp_replicate=1 parallel.dp_shard=1)"
         )
     if pp * spr > m.n_layers:
         raise ValueError(
@@ -179,19 +170,25 @@ def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
 
 
 def check_features(cfg: Config, pp: int) -> None:
-    """The features that do not go through a pipeline yet (ValueError naming the key)."""
+    """The features that do not go through a pipeline (ValueError naming the key).
+
+    Optimizer-in-backward (``loop.InBackward``) steps each parameter from its post-accumulate-grad
+    hook, once per step. torch's ``PipelineStage`` runs one backward per micro batch (every schedule
+    needs >= pp of them), each accumulating into ``.grad`` and firing the hook, so a parameter would
+    be stepped pp or more times per step on partial gradients; the zero-bubble schedules' weight pass
+    (``stage_backward_weight``) assigns ``.grad`` directly and fires it never. The loss, whose
+    finiteness gates each update, is also only known on the last stage. Refused for good, not for now.
+    """
     why = {
-        f"verify.inject_nan_steps={list(cfg.verify.inject_nan_steps)}": (
-            bool(cfg.verify.inject_nan_steps),
-            "its hook poisons the whole model's output, which no stage produces; leave it empty",
-        ),
         f"model.fused_cross_entropy={cfg.model.fused_cross_entropy.value}": (
             cfg.model.fused_cross_entropy is not FusedCrossEntropy.none,
             "the schedule computes the loss from the last stage's logits; set model.fused_cross_entropy=none",
         ),
         "train.optimizer_in_backward=true": (
             cfg.train.optimizer_in_backward,
-            "the schedule runs the backward; set train.optimizer_in_backward=false",
+            "its per-parameter step runs from the gradient-accumulation hook, which a schedule fires "
+            "once per micro batch (>= pp per step: each step would see a partial gradient) or, in a "
+            "zero-bubble schedule's weight pass, never; set train.optimizer_in_backward=false",
         ),
     }
     for key, (on, reason) in why.items():

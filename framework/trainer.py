@@ -160,9 +160,8 @@ def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary
     restored and the process group (when this call created it) is destroyed.
 
     ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
-    worker process passes one and then ends with ``os._exit`` (``launch.finish``): freeing the parts
-    (the model's DDP reducer, the mesh's gloo groups) after the other ranks had exited was seen to
-    block one rank for minutes in a C++ destructor (about 1 in 10 four-rank CPU runs)."""
+    rank that ends with ``os._exit`` (``launch.finish``) passes ``launch.KEPT_PARTS``: freeing the
+    DDP reducer after its process group was destroyed can deadlock on the GIL (see there)."""
     state = TrainState(0)
     cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
     with contextlib.ExitStack() as stack:

@@ -15,10 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.config import to_config
-from framework.launch import die_with_launcher, finish
-
-# The run's parts, kept until the process ends (trainer.run's ``keep``).
-_PARTS: list[object] = []
+from framework.launch import KEPT_PARTS, arm_stack_dump, die_with_launcher, finish
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -41,11 +38,12 @@ def main(run_dir: Path) -> int:
     from framework import trainer
 
     die_with_launcher()
+    arm_stack_dump()
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
     try:
         cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
-        trainer.run(cfg, run_dir, keep=_PARTS)  # never freed: the process ends with os._exit
+        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
     except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
         logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())

@@ -145,6 +145,19 @@ def test_pp_with_data_or_tensor_parallel_matches_one_process(
     print(f"pp=2 x {other}={degree}: max rel diff {_check(results, reference):.2e}")
 
 
+def test_zero_bubble_with_data_parallel_matches_one_process(reference: list[tuple]) -> None:
+    """pp=2 interleaved_zb x dp_replicate=2 (zbv x dp_shard=2, tied: test_pipeline_features). The
+    split backward found no weight of a stage whose FSDP units had resharded after their forward,
+    so the last stage got no weight gradients (and the middle stages lost some micro batches'):
+    the stages now stay unsharded for the step (framework.parallel._pipeline). A lost gradient
+    shows in the first step's norm (3.29 one process, 2.42 before the fix)."""
+    cfg = make_cfg(
+        4, pp=2, pp_schedule="interleaved_zb", pp_stages_per_rank=2, pp_microbatches=2, dp_replicate=2
+    )
+    results = run_ranks(_worker, 4, cfg)
+    print(f"pp=2 interleaved_zb x dp_replicate=2: max rel diff {_check(results, reference):.2e}")
+
+
 def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference: list[tuple], tmp_path: Path) -> None:
     """DCP by parameter name: 2 steps at pp=2 (1f1b), saved; steps 3-4 resumed on one process (pp=1)
     continues exactly as the unbroken single-process run (weights, AdamW moments, LR schedule)."""
@@ -177,18 +190,10 @@ BAD = [
     ),
     ({**PP2, "parallel.pp_microbatches": 1}, "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
     (
-        {
-            "mesh.shape": [4],
-            "parallel.pp": 2,
-            "parallel.dp_shard": 2,
-            "parallel.pp_schedule": "zbv",
-            "parallel.pp_stages_per_rank": 2,
-        },
-        "parallel.pp_schedule=zbv with 2 data-parallel ranks",
-    ),
-    (
-        {**PP2, "verify.enabled": True, "verify.inject_nan_steps": [2]},
-        "verify.inject_nan_steps=[2] does not work with parallel.pp=2",
+        {**PP2, "train.optimizer_in_backward": True},
+        "train.optimizer_in_backward=true does not work with parallel.pp=2 (pipeline parallelism): its "
+        "per-parameter step runs from the gradient-accumulation hook, which a schedule fires once per "
+        "micro batch",
     ),
     # The search (activation_checkpointing=auto) used to overwrite the user's micro batch with 8.
     (

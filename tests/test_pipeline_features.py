@@ -8,6 +8,8 @@ token-weighted loss and the verifier's numerics check.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,32 @@ def _full(p: torch.Tensor | None) -> np.ndarray | None:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
 
 
+@contextlib.contextmanager
+def _tied_transfers(tied: object) -> Iterator[list[tuple[str, int]]]:
+    """Record (collective, bytes) of each reduce / broadcast over the tied weight's group."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, int]] = []
+    group = getattr(tied, "group", None)
+    real = {name: getattr(dist, name) for name in ("reduce", "broadcast")}
+
+    def spy(name: str) -> Callable[..., object]:
+        def call(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if group is not None and kwargs.get("group") is group:
+                calls.append((f"tied_{name}", t.numel() * t.element_size()))
+            return real[name](t, *args, **kwargs)
+
+        return call
+
+    for name in real:
+        setattr(dist, name, spy(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 def _tied_worker(
     rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
 ) -> dict:
@@ -77,8 +105,9 @@ def _tied_worker(
     model, mesh, plan = parallel_model(cfg, SEQ)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     val = evaluate(model, val_batches(plan.micro_batch_size), torch.device("cpu")) if ckpt is None else None
-    out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     tied = getattr(model, "tied", None)
+    with _tied_transfers(tied) as transfers:
+        out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     state = full_model_state(model) if ckpt is None else {}  # what checkpoint.export_hf writes
     return {
         "val": val,
@@ -88,6 +117,7 @@ def _tied_worker(
         "master": _full(tied.master) if tied else None,
         "copy": _full(tied.copy) if tied else None,
         "copies": len(getattr(model, "tied_copies", [])),
+        "transfers": transfers,
         "state": {k: _full(v) for k, v in state.items()},
     }
 
@@ -97,6 +127,9 @@ TIED_CASES = [
     (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2}),  # the V: both on rank 0
     (4, {"pp": 2, "dp_shard": 2}),  # FSDP shards of both, summed shard by shard
     (4, {"pp": 2, "tp": 2}),  # TP: the embedding's replicated gradient cut to its vocabulary shard
+    # Zero bubble with FSDP: the V holds both, its stages unsharded for the step (it lost the last
+    # stage's gradients and crashed on the tied weight before: framework.parallel._pipeline).
+    (4, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2, "dp_shard": 2}),
 ]
 
 
@@ -113,6 +146,19 @@ def test_tied_embeddings_match_one_process(tied_run: dict, world: int, parallel:
     masters = [r["master"] for r in results if r["master"] is not None]
     copies = [r["copy"] for r in results if r["copy"] is not None]
     assert masters and copies and sum(r["copies"] for r in results) == len(copies)
+    # The plan's tied transfers are what the ranks sent: per step one reduce and one broadcast of
+    # each rank's shard, on the two ranks of each group; none where one rank holds both (zbv).
+    planned = {c.collective: c for c in make_plan(tied_cfg(world, **parallel)).comm if c.axis == "pp"}
+    sent = [r["transfers"] for r in results if r["transfers"]]
+    if "tied_reduce" not in planned:
+        assert not sent and all(r["master"] is not None for r in results if r["copy"] is not None)
+    else:
+        assert len(sent) == sum(r["copy"] is not None for r in results) * 2, sent
+        for kind in ("tied_reduce", "tied_broadcast"):
+            c = planned[kind]
+            assert c.calls == 1 and c.group_size == 2
+            assert all(t.count((kind, c.bytes_per_call)) == STEPS * c.calls for t in sent), (kind, sent)
+            assert all(len(t) == 2 * STEPS for t in sent), sent
     # After 4 steps every copy still holds exactly the embedding's value.
     assert all(np.array_equal(c, masters[0]) for c in masters + copies)
     state, want = results[0]["state"], tied_run["state"]
@@ -306,3 +352,85 @@ def test_verifier_numerics_check_through_a_pipeline(scale_head: float) -> None:
             assert passed and figures["logits_rel_diff_vs_unsharded"] < 1e-5, figures
         else:
             assert not passed and figures["logits_rel_diff_vs_unsharded"] > 0.1, figures
+
+
+# The verifier's NaN injection: the bad-step policy sees the same non-finite steps on every pp rank.
+
+
+def nan_cfg(pp: int) -> Config:
+    """The trainer in-process: 6 steps, a synchronous checkpoint every 2; the batches of steps 3-5
+    (0-based 2-4) poisoned, so 3 bad steps in a row (verify.max_bad_steps) roll back to the last
+    checkpoint (step 4's: skipped steps leave the weights of step 2)."""
+    from framework.config import (
+        CheckpointConfig,
+        Device,
+        FreezeConfig,
+        FreezeMode,
+        LoggerConfig,
+        MeshConfig,
+        RunConfig,
+        TrainConfig,
+        VerifyConfig,
+    )
+
+    cfg = Config(
+        train=TrainConfig(
+            steps=6, global_batch_size=4, seq_len=SEQ, log_every=1, eval_every=0, warmup_steps=0
+        ),
+        checkpoint=CheckpointConfig(enabled=True, every_steps=2),
+        verify=VerifyConfig(inject_nan_steps=[2, 3, 4], max_bad_steps=3),
+        run=RunConfig(device=Device.cpu),
+        mesh=MeshConfig(shape=[pp]),
+        freeze=FreezeConfig(mode=FreezeMode.none),
+        logger=LoggerConfig(progress_bar=False, plot=False),
+    )
+    cfg.parallel.pp, cfg.parallel.dp_shard = pp, 1
+    return cfg
+
+
+_KEPT: list[object] = []  # a forked rank's run parts, never freed: it ends with os._exit (framework.worker)
+
+
+def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
+    from framework import trainer
+
+    summary = trainer.run(cfg, run_dir, keep=_KEPT)
+    return {"skipped": summary.skipped_steps, "steps": summary.steps}
+
+
+def _nan_trace(run_dir: Path) -> tuple[list, list]:
+    from framework.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    losses = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    events = [(r["step"], r["event"], r.get("detail", "")) for r in rows if "event" in r]
+    return losses, events
+
+
+def test_injected_nan_skips_and_rolls_back_through_a_pipeline(tmp_path: Path) -> None:
+    """pp=2 (tied, 1f1b): the last stage's logits are poisoned; the NaN reaches the first stage's
+    rank through the loss's sum over the pp axis and the backward, so both ranks skip steps 3 and 4
+    and roll back at step 5 as one process does, and train on to the same losses (rtol 1e-5).
+    Without verify, so plain steps are read one step late (the trainer's lag) on both."""
+    runs = {}
+    for pp in (1, 2):
+        run_dir = tmp_path / f"pp{pp}"
+        run_dir.mkdir()
+        out = run_ranks(_nan_worker, pp, nan_cfg(pp), run_dir, init=False, timeout_s=180)
+        assert all(o == {"skipped": 3, "steps": 6} for o in out), out
+        runs[pp] = _nan_trace(run_dir)
+    (ref_losses, ref_events), (losses, events) = runs[1], runs[2]
+    assert [e[:2] for e in events if e[1] == "skipped_step"] == [
+        (3, "skipped_step"),
+        (4, "skipped_step"),
+        (5, "skipped_step"),
+    ]
+    rollback = [e for e in events if e[1].startswith("fallback/")]
+    assert len(rollback) == 1 and "rollback to step 4" in rollback[0][2], events
+    assert [e[:2] for e in events] == [e[:2] for e in ref_events], (events, ref_events)
+    assert [s for s, *_ in losses] == [s for s, *_ in ref_losses]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(losses, ref_losses, strict=True):
+        if ref_loss != ref_loss:  # a poisoned step: NaN on both
+            assert loss != loss and norm != norm, step
+            continue
+        assert loss == pytest.approx(ref_loss, rel=RTOL) and norm == pytest.approx(ref_norm, rel=RTOL), step

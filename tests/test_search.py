@@ -40,7 +40,8 @@ def test_search_ranks_and_explains() -> None:
     losers = [c for c in result.candidates if not c.fits]
     assert losers and all(c.reason.startswith("memory:") for c in losers)
     assert all(
-        c.reason.split(":")[0] in ("communication", "compute", "memory-bound", "ties") for c in fitting[1:]
+        c.reason.split(":")[0] in ("communication", "compute", "memory-bound", "bubble", "ties")
+        for c in fitting[1:]
     )
     table = format_search(result)
     assert table.count("\n") == 11 and "chosen" in table  # header, column names, 10 rows

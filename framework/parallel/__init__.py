@@ -7,6 +7,8 @@ named device mesh).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,7 +29,7 @@ from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mes
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
 from framework.plan import DP_AXES, MeshAxis, Plan
-from framework.stages import stage_ids
+from framework.stages import ZERO_BUBBLE, stage_ids
 
 __all__ = ["build_mesh", "dp_mesh_info", "parallelize"]
 
@@ -107,10 +109,23 @@ def _pipeline(
     init_weights: bool,
 ) -> PipelineModel:
     """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule (and
-    with tied embeddings the group that keeps the last stage's copy equal to the embedding)."""
+    with tied embeddings the group that keeps the last stage's copy equal to the embedding).
+
+    Zero-bubble schedules keep each FSDP stage unsharded from its first forward to the step's
+    REDUCE_GRAD (``reshard_after_forward=False``, torchtitan's default under pp). They need it:
+    torch's split backward (``stage_backward_input``) collects the weights whose gradients its
+    weight pass computes from ``submod.parameters()`` before the autograd pass; right after a
+    forward that resharded, those are FSDP2's sharded DTensors, not the unsharded parameters the
+    graph accumulates into, so no weight matches, ``stage_backward_weight`` computes nothing and
+    that micro batch's weight gradients are lost (every one of the last stage's, whose input pass
+    always follows its own forward: ``.grad`` None after the step). Kept unsharded, the parameters
+    are the graph's own at every input pass.
+    """
     pp_mesh = sub_mesh(mesh, plan, (MeshAxis.pp,))
     assert pp_mesh is not None
     schedule = PPSchedule[plan.pp_schedule]
+    if schedule in ZERO_BUBBLE:
+        sharding = dataclasses.replace(sharding, reshard_after_forward=False)
     n = len(plan.pp_split)
     ids = stage_ids(pp_mesh.get_local_rank(), plan.layout.pp, plan.pp_stages_per_rank, schedule)
     stages = [cut_stage(model, range(*plan.pp_split[i]), i == 0, i == n - 1) for i in ids]

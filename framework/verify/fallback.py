@@ -170,6 +170,10 @@ def inject_nan(model: nn.Module, active: bool) -> Iterator[None]:
 
     A forward hook on the outermost module multiplies the logits by NaN, so the loss, the gradients
     and their norm all become NaN through the real code path, exactly as a numerical blow-up would.
+    Under a pipeline the schedule calls the stages, never the model: the hook goes on the stage that
+    makes the logits (on the last stage's rank; other pp ranks hook nothing). Its NaN loss reaches
+    every pp rank through the loss's sum over the pp axis, and its NaN input gradients flow back
+    through every stage, so all ranks see the same non-finite step (framework.parallel.pipeline).
     """
     if not active:
         yield
@@ -178,8 +182,11 @@ def inject_nan(model: nn.Module, active: bool) -> Iterator[None]:
     def poison(_m: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return output * float("nan")
 
-    handle = model.register_forward_hook(poison)
+    stages = getattr(model, "stages", None)  # framework.parallel.pipeline.PipelineModel
+    heads = [s for s in stages if s.output is not None] if stages is not None else [model]
+    handles = [m.register_forward_hook(poison) for m in heads]
     try:
         yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
