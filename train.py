@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from framework import config, recipes
 from framework.launch import arm_stack_dump, register_resolvers
+from framework.override_errors import one_line_errors
 
 config.register()
 try:
@@ -31,4 +32,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors(sys.argv):  # an override Hydra rejects: one line, exit 2 (framework.override_errors)
+        main()

@@ -533,6 +533,21 @@ class HardwareConfig:
     hbm_gbps: float = 20.0  # memory bandwidth of the pointwise work and the optimizer step, GB/s
     link_efficiency: float = 0.08  # fraction of the link bandwidths a collective achieves
     comm_overlap: float = 0.0  # fraction of FSDP/DDP communication hidden under compute
+    # CUDA compute capability [major, minor] of the device, e.g. [9, 0] for Hopper; [] (no CUDA GPU)
+    # for the CPU. A dry run checks the GPU-only options (float8, fa4, fused cross-entropy, CUDA
+    # graphs) against it, not against the device of the host that plans.
+    compute_capability: list[int] = field(default_factory=list)
+
+    @property
+    def device_type(self) -> str:
+        """``cuda`` when the profile declares a compute capability, else ``cpu``."""
+        return "cuda" if self.compute_capability else "cpu"
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """``compute_capability`` as torch.cuda.get_device_capability gives it (None: not CUDA)."""
+        cc = self.compute_capability
+        return (cc[0], cc[1]) if cc else None
 
 
 @dataclass

@@ -4,7 +4,13 @@ A fake process group (``torch.testing._internal.distributed.fake_pg``) answers e
 without communicating, so ``init_device_mesh`` and the real ``parallelize`` functions run as rank 0
 of an N-rank job would, on the meta device (nothing is allocated). The per-rank parameter bytes are
 measured from the sharded model (``to_local()`` shapes of DTensors) and set next to the planner's
-estimate: if they disagree, the planner's model of the wrappers is wrong.
+estimate: if they disagree, the planner's model of the wrappers is wrong. Under ``model.float8`` the
+report also counts the Linear layers torchao swapped and the weights FSDP2 all-gathers in float8,
+next to the layers the planner counts (framework.float8.converted).
+
+The model is parallelized for the declared hardware's device type (``mesh.hardware.compute_capability``):
+for a GPU profile the executor's CUDA-only paths (``executor=cudagraphs``) are applied as a launch
+would, and nothing runs, so no kernel or GPU is needed.
 
 The fake group and the meshes live in a forked child process: state they leave behind in torch's
 distributed globals made later real (gloo) FSDP2/TP runs forked from the same process compute
@@ -26,10 +32,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from framework.config import Config
+from framework import float8
+from framework.config import Config, Float8Recipe
 from framework.model import build_model
 from framework.parallel import build_mesh, parallelize
-from framework.plan import GIB, Plan, make_plan, pp_rank_param_bytes
+from framework.parallel.float8 import is_float8
+from framework.plan import GIB, Plan, make_plan, pp_rank_param_bytes, pp_rank_specs
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the child measured on rank 0's sharded model."""
+
+    param_bytes: int  # rank 0's parameters after sharding (fp32 master weights)
+    num_sharded_params: int  # DTensor parameters
+    num_params: int  # parameter tensors (tied ones once)
+    num_float8_layers: int  # torchao Float8Linear modules
+    num_float8_all_gather: int  # weights FSDP2 all-gathers in float8
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,11 @@ class DryRunReport:
     num_sharded_params: int  # DTensor parameters
     num_params: int  # parameter tensors (tied ones once)
     wall_s: float
+    float8: Float8Recipe = Float8Recipe.none
+    planned_float8_layers: int = 0  # the planner's converted layers on rank 0 (framework.float8)
+    num_float8_layers: int = 0  # measured: Float8Linear modules on rank 0
+    planned_float8_all_gather: int = 0  # float8 weights FSDP2 should all-gather in float8
+    num_float8_all_gather: int = 0  # measured
 
     @property
     def rel_error(self) -> float:
@@ -57,7 +81,26 @@ def local_param_bytes(model: nn.Module) -> tuple[int, int, int]:
     return total, sharded, count
 
 
-def _measure(cfg: Config, plan: Plan) -> tuple[int, int, int]:
+def float8_all_gathered(model: nn.Module) -> int:
+    """Parameters whose local shard is torchao's float8-all-gather weight (0 without torchao)."""
+    return sum(
+        type(p._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+    )
+
+
+def planned_float8(cfg: Config, plan: Plan) -> tuple[int, int]:
+    """(Linear layers the planner converts on pp rank 0, of them the weights FSDP2 all-gathers in
+    float8: all of them under tensorwise with FSDP over more than one rank, else none)."""
+    chosen = {s.fqn for s in float8.converted(cfg.model)}
+    layers = sum(s.name.removesuffix(".weight") in chosen for s in pp_rank_specs(cfg, plan, 0))
+    layout = plan.layout
+    gathered = cfg.model.float8 is Float8Recipe.tensorwise and layout.fsdp and layout.fsdp_shard > 1
+    return layers, layers if gathered else 0
+
+
+def _measure(cfg: Config, plan: Plan) -> Measured:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
@@ -71,11 +114,12 @@ def _measure(cfg: Config, plan: Plan) -> tuple[int, int, int]:
             cfg.sharding,
             cfg.bucketing,
             cfg.executor,
-            torch.device("cpu"),
+            torch.device(cfg.mesh.hardware.device_type),  # nothing runs: the meta model stays on meta
             cfg.train.seed,
             init_weights=False,
         )
-        return local_param_bytes(sharded_model)
+        num_float8 = sum(is_float8(m) for m in sharded_model.modules())
+        return Measured(*local_param_bytes(sharded_model), num_float8, float8_all_gathered(sharded_model))
     finally:
         dist.destroy_process_group()
 
@@ -117,23 +161,36 @@ def dry_run(cfg: Config) -> DryRunReport:
         receiver.close()
     if not ok:
         raise RuntimeError(f"dry run failed (exit code {proc.exitcode}):\n{payload}")
-    measured, sharded, count = payload
+    measured: Measured = payload
+    planned_layers, planned_gather = planned_float8(cfg, plan)
     return DryRunReport(
         plan=plan,
-        measured_param_bytes=measured,
+        measured_param_bytes=measured.param_bytes,
         # Under pp the fake rank 0 holds pp rank 0's stages; the plan's memory is the busiest rank's.
         estimated_param_bytes=plan.memory.params
         if plan.layout.pp == 1
         else pp_rank_param_bytes(cfg, plan, 0),
-        num_sharded_params=sharded,
-        num_params=count,
+        num_sharded_params=measured.num_sharded_params,
+        num_params=measured.num_params,
         wall_s=time.perf_counter() - start,
+        float8=cfg.model.float8,
+        planned_float8_layers=planned_layers,
+        num_float8_layers=measured.num_float8_layers,
+        planned_float8_all_gather=planned_gather,
+        num_float8_all_gather=measured.num_float8_all_gather,
     )
 
 
 def format_dry_run(report: DryRunReport) -> str:
     p = report.plan
     mesh = " x ".join(f"{a}={s}" for a, s in zip(p.mesh_axes, p.mesh_shape, strict=True))
+    float8_lines = []
+    if report.float8 is not Float8Recipe.none:
+        float8_lines = [
+            f"  float8 layers       planned {report.planned_float8_layers}, swapped "
+            f"{report.num_float8_layers} (model.float8={report.float8.value}); all-gathered in float8 "
+            f"by FSDP: planned {report.planned_float8_all_gather}, measured {report.num_float8_all_gather}"
+        ]
     return "\n".join(
         [
             f"dry run: {p.strategy} on {p.world_size} ranks ({mesh}) in {report.wall_s:.2f} s",
@@ -143,5 +200,6 @@ def format_dry_run(report: DryRunReport) -> str:
             f"(rel. error {report.rel_error:.2e})",
             f"  memory per rank     estimated {p.memory.total / GIB:.2f} GiB of "
             f"{p.memory.device / GIB:.0f} GiB",
+            *float8_lines,
         ]
     )

@@ -34,7 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import fa4, float8, fused_ce, sweep
+from framework import fa4, float8, fused_ce, sweep, target
 from framework import stages as pipeline_stages
 from framework.config import (
     AttentionBackend,
@@ -117,44 +117,73 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     from framework.data import check_data
 
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
-    device = resolve_device(cfg.run.device)
+    # A dry run builds on the meta device and checks the declared mesh/hardware (framework.target):
+    # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
+    device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
-    if cfg.executor.mode is ExecutorMode.cudagraphs and device.type != "cuda":
-        raise ValueError(
-            f"executor=cudagraphs needs a CUDA device, this run uses {device.type}: "
-            "use executor=compile or executor=eager"
-        )
+    check_hardware(cfg, device)
+    check_cudagraphs(cfg, device)
     check_float8(cfg, device)
     check_fa4(cfg, device)
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
-    fused_ce.check(cfg, device.type, layout.tp if layout is not None else cfg.sharding.tp)
+    check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
     pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
 
 
+def check_hardware(cfg: Config, device: torch.device) -> None:
+    """A launch on another kind of device than ``mesh/hardware`` declares: one warning line
+    (framework.target.mismatch says why not a refusal). A dry run plans for the declared one."""
+    if cfg.run.dry_run:
+        return
+    warning = target.mismatch(cfg.mesh.hardware, target.local(device))
+    if warning:
+        log.warning("%s", warning)
+
+
+def check_cudagraphs(cfg: Config, device: torch.device) -> None:
+    """``executor=cudagraphs``: CUDA (the declared hardware's in a dry run, framework.target)."""
+    where = target.of_run(cfg, device)
+    if cfg.executor.mode is ExecutorMode.cudagraphs and where.type != "cuda":
+        raise ValueError(
+            f"executor=cudagraphs needs a CUDA device, this run uses {where.type}: "
+            "use executor=compile or executor=eager"
+        )
+
+
 def check_float8(cfg: Config, device: torch.device) -> None:
-    """``model.float8``: layers float8 can multiply (also per TP shard), float8 tensor cores, torchao."""
+    """``model.float8``: layers float8 can multiply (also per TP shard), float8 tensor cores (the
+    declared hardware's in a dry run, framework.target), torchao (a dry run only warns)."""
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
     float8.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    float8.check_device(recipe, device.type, capability, name)
-    float8.check_torchao(recipe)
+    where = target.of_run(cfg, device)
+    float8.check_device(recipe, where.type, where.capability, where.name)
+    with target.tolerate_missing_packages(where):
+        float8.check_torchao(recipe)
 
 
 def check_fa4(cfg: Config, device: torch.device) -> None:
-    """``model.attention=fa4``: a Hopper or Blackwell GPU, a head size its kernels have, the package."""
+    """``model.attention=fa4``: a Hopper or Blackwell GPU (the declared hardware's in a dry run),
+    a head size its kernels have, the package (a dry run only warns)."""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    fa4.check(cfg, device.type, capability, name)
+    where = target.of_run(cfg, device)
+    with target.tolerate_missing_packages(where):
+        fa4.check(cfg, where.type, where.capability, where.name)
+
+
+def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:
+    """``model.fused_cross_entropy``: CUDA (the declared hardware's in a dry run), no whole-model
+    graph, no TP, the package (a dry run only warns)."""
+    where = target.of_run(cfg, device)
+    with target.tolerate_missing_packages(where):
+        fused_ce.check(cfg, where.type, tp)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from framework.config import AttentionBackend, Config
 from framework.models import model_spec
+from framework.target import MissingPackage
 
 IMPL = "FA4_framework"  # this module's entry in torch's registry (torch's own is "FA4")
 KERNELS = "flash_attn.cute.interface"  # flash-attn-4's kernel module
@@ -91,7 +92,8 @@ def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, nam
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
     attention ops itself), on a torch without the registry, or without the package. (The document
-    mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)"""
+    mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)
+    The last two are ``MissingPackage``: a dry run only warns of them (framework.target)."""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
     head_dim = model_spec(cfg.model).head_dim
@@ -117,20 +119,20 @@ def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, nam
             "attention kernels itself; use model.attention=auto with context parallelism"
         )
     if not registry_has_fa4():
-        raise ValueError(
+        raise MissingPackage(
             f"{KEY} needs torch's flash-attention registry with FA4 (torch >= 2.11: "
             f"torch.nn.attention.activate_flash_attention_impl); torch {torch.__version__} has none: "
             "upgrade torch, or use model.attention=auto"
         )
     lacking = missing()
     if lacking == CUTE_PIP_NAME:
-        raise ValueError(
+        raise MissingPackage(
             f"{KEY} needs the CuTe DSL's Python packages (cutlass.cute, from {CUTE_PIP_NAME}), which are "
             f"not importable: pip install -e '.[fa4]' (or pip install {CUTE_PIP_NAME}); after pip install "
             "--target DIR, add DIR/nvidia_cutlass_dsl/dsl_packages to PYTHONPATH; or use model.attention=auto"
         )
     if lacking is not None:
-        raise ValueError(
+        raise MissingPackage(
             f"{KEY} needs the {lacking} package: pip install -e '.[fa4]' (or pip install {lacking}), "
             "or use model.attention=auto"
         )

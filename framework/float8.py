@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from framework.config import Float8Recipe, ModelConfig
 from framework.models import TPStyle, model_spec
+from framework.target import MissingPackage
 
 # Hopper (sm90) and Ada (sm89) have float8 tensor cores; torch._scaled_mm refuses older GPUs.
 MIN_CAPABILITY = (8, 9)
@@ -152,13 +153,13 @@ def check_device(
 
 
 def check_torchao(recipe: Float8Recipe) -> None:
-    """Refuse float8 when torchao is not installed (it is an extra)."""
+    """Refuse float8 when torchao is not installed (it is an extra): ``MissingPackage``."""
     if recipe is Float8Recipe.none:
         return
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
-        raise ValueError(
+        raise MissingPackage(
             f'model.float8={recipe.value} needs torchao ({e}): pip install -e ".[float8]", or use '
             f"model.float8=none"
         ) from e

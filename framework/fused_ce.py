@@ -15,6 +15,7 @@ import importlib.util
 import torch
 
 from framework.config import CompileScope, Config, ExecutorMode, FusedCrossEntropy
+from framework.target import MissingPackage
 
 # The package (import name, pip name) that provides each kernel.
 PACKAGES = {
@@ -28,7 +29,8 @@ IGNORE_INDEX = -100
 
 def check(cfg: Config, device_type: str, tp: int) -> None:
     """Refuse ``model.fused_cross_entropy`` where it cannot run: off CUDA, under a whole-model
-    compiled graph, with the output head sharded by TP (``tp`` > 1), or without its package."""
+    compiled graph, with the output head sharded by TP (``tp`` > 1), or without its package
+    (``MissingPackage``: a dry run only warns of it, framework.target)."""
     kind = cfg.model.fused_cross_entropy
     if kind is FusedCrossEntropy.none:
         return
@@ -50,7 +52,7 @@ def check(cfg: Config, device_type: str, tp: int) -> None:
         )
     module, pip_name = PACKAGES[kind]
     if importlib.util.find_spec(module) is None:
-        raise ValueError(
+        raise MissingPackage(
             f"{key} needs the {pip_name} package: pip install {pip_name}, or use model.fused_cross_entropy=none"
         )
 

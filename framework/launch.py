@@ -46,7 +46,8 @@ def arm_stack_dump() -> None:
     if seconds:
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(seconds), exit=False)
+        # The process's own stderr: a test's captured sys.stderr has no file descriptor.
+        faulthandler.dump_traceback_later(float(seconds), exit=False, file=sys.__stderr__)
 
 
 def run_stamp() -> str:
@@ -138,7 +139,11 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
             f"{cap} (4 per usable core, at least 8): ranks this oversubscribed can hang; use a smaller "
             f"mesh, torchrun across hosts, run.dry_run=true to only plan, or run.oversubscribe=true"
         )
-    if device.type == "cuda" and not joined_torchrun() and world > torch.cuda.device_count():
+    if (
+        device.type == "cuda"
+        and not (joined_torchrun() or cfg.run.dry_run)
+        and world > torch.cuda.device_count()
+    ):
         raise ValueError(
             f"mesh={'x'.join(map(str, cfg.mesh.shape))} needs {world} GPUs on this host, "
             f"{torch.cuda.device_count()} are visible; launch with torchrun on several hosts, or use a smaller mesh"

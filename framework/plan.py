@@ -931,12 +931,19 @@ def _rank_specs(
     return out
 
 
+def pp_rank_specs(cfg: Config, plan: Plan, pp_rank: int) -> list[ParamSpec]:
+    """The parameters pipeline rank ``pp_rank`` holds (its stages'); every one without a pipeline."""
+    if plan.layout.pp == 1:
+        return param_specs(cfg.model)
+    return _rank_specs(
+        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
+    )
+
+
 def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     """Bytes of the parameter shards one rank of pipeline rank ``pp_rank`` holds (its stages'), as
     ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
-    mine = _rank_specs(
-        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
-    )
+    mine = pp_rank_specs(cfg, plan, pp_rank)
     shard = plan.degrees["dp_shard"] * plan.degrees["cp"]  # FSDP2 shards over dp_shard x cp
     return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
 

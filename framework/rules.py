@@ -111,6 +111,13 @@ def optional_name(what: str) -> Rule:
     return Rule(what, lambda v, _c: v is None or (isinstance(v, str) and v.strip() != ""), ("",))
 
 
+def _capability_ok(v: Any) -> bool:
+    """Empty, or a CUDA compute capability: major >= 1, minor 0-9 (8.9, 9.0, 10.0, 12.0 ...)."""
+    if len(v) == 0:
+        return True
+    return len(v) == 2 and all(_is_int(x) for x in v) and 1 <= v[0] <= 99 and 0 <= v[1] <= 9
+
+
 def _mix_ok(entries: Any) -> bool:
     weights = [e.weight for e in entries]
     if not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights):
@@ -296,7 +303,8 @@ RULES: dict[str, Rule] = {
         checked_by="framework.rules.check_option_fields (model.float8_grad_dtype is only_with tensorwise)",
         bad=("e4m3",),
     ),
-    # CPU, a missing package, executor.scope=model and TP are refused by framework.fused_ce before launch.
+    # Off CUDA (in a dry run: the declared hardware), a missing package (a dry run warns), executor.scope=model
+    # and TP are refused by framework.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,
     "model.init_from": optional_path("framework.init_from reads the checkpoint and checks every tensor"),
     "tokenizer.kind": TYPED,
@@ -428,6 +436,11 @@ RULES: dict[str, Rule] = {
     "mesh.hardware.hbm_gbps": number(0, lo_open=True),
     "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.comm_overlap": number(0, 1),
+    "mesh.hardware.compute_capability": Rule(
+        "[] (no CUDA GPU) or [major, minor] of a CUDA GPU, e.g. [9, 0] for Hopper, [8, 0] for A100",
+        lambda v, _c: _capability_ok(v),
+        ([9], [9, 0, 1], [0, 0], [9, 10]),
+    ),
     # parallel: the degrees (framework.layout)
     **{
         f"parallel.{n}": Rule(
@@ -511,7 +524,7 @@ RULES: dict[str, Rule] = {
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),
     "freeze.export_methods": names_list("method names (non-empty strings)"),
     # executor
-    "executor.mode": TYPED,  # cudagraphs needs CUDA: framework.entry.validate (the resolved device)
+    "executor.mode": TYPED,  # cudagraphs needs CUDA (in a dry run the declared): framework.entry.check_cudagraphs
     "executor.scope": TYPED,
     "executor.backend": Rule(
         _backend_valid, _backend_ok, ("no_such_backend",), context=(("executor.mode", "compile"),)

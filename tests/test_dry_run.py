@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
 from framework.config import Config, ModelConfig, Strategy
 from framework.dry_run import dry_run, format_dry_run
+from tests.entry import train_main
+from tests.test_config import compose_config
+from tests.test_target import on
 
 # A shape whose dims do not divide evenly by large shard counts, so FSDP2's padding shows.
 ODD = ModelConfig(
@@ -108,3 +114,42 @@ def test_cp_with_pp_dry_run_measures_what_the_plan_estimates() -> None:
     report = dry_run(cfg)
     assert report.plan.strategy == "fsdp_cp_pp"
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+
+
+@pytest.mark.parametrize(("strategy", "tp"), [("fsdp", 1), ("fsdp_tp", 2)])
+def test_float8_layouts_of_a_gpu_profile(strategy: str, tp: int) -> None:
+    """llama1b in float8 tensorwise, planned for 8 H100s on this CPU: torchao swaps the planner's
+    layers, FSDP2 all-gathers each of their weights in float8, and the bytes match the estimate."""
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+    base = compose_config("recipe=llama1b", "model.float8=tensorwise")
+    cfg = on(cfg_for(strategy, [8], tp, base.model), "h100_sxm")
+    report = dry_run(cfg)
+    text = format_dry_run(report)
+    assert report.measured_param_bytes == report.estimated_param_bytes, text
+    # 16 blocks x (wq, wo, w1, w2, w3): wk/wv are below tensorwise's size threshold, the head is skipped.
+    assert report.num_float8_layers == report.planned_float8_layers == 80, text
+    assert report.num_float8_all_gather == report.planned_float8_all_gather == 80, text
+    assert "float8 layers       planned 80, swapped 80 (model.float8=tensorwise)" in text
+
+
+def test_train_py_plans_float8_for_a_gpu_profile_on_this_cpu(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The user's command on a CPU login node (train.py's entry point, in this process): exit 0,
+    and the report's measured parameter bytes are the planner's."""
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+    run = tmp_path / "run"
+    args = [
+        "recipe=llama1b",
+        "model.float8=tensorwise",
+        "mesh=8",
+        "mesh/hardware=h100_sxm",
+        "run.dry_run=true",
+    ]
+    code = train_main(f"hydra.run.dir={run}", *args)
+    err = capfd.readouterr().err
+    assert code == 0, err[-2000:]
+    log = (run / "train.log").read_text()
+    found = re.search(r"params per rank     estimated ([\d,]+) B .*measured ([\d,]+) B", log)
+    assert found is not None and found[1] == found[2], log[-2000:]
+    assert re.search(r"float8 layers       planned (\d+), swapped \1 ", log), log[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import torch
 
 from framework import fa4, search
 from framework.config import AttentionBackend, Config
+from framework.entry import check_fa4
 from framework.model import _SDPA_BACKENDS
 from tests.test_config import compose_config
 from tests.test_data_pipeline import train_main
+from tests.test_target import on
 
 H100 = (9, 0)
 
@@ -76,6 +79,25 @@ def test_registry_missing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch older than 2.11 has no ``activate_flash_attention_impl``."""
     monkeypatch.delattr(torch.nn.attention, "activate_flash_attention_impl")
     refused(fa4_cfg(), H100, "torch's flash-attention registry", torch.__version__)
+
+
+def test_dry_run_checks_the_declared_hardware(caplog: pytest.LogCaptureFixture) -> None:
+    """A dry run on this CPU host plans fa4 for a Hopper profile (no kernel runs: without the
+    package it warns in one line), refuses it for an A100 profile or a head size sm90 lacks."""
+    cpu, cfg = torch.device("cpu"), fa4_cfg()
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_fa4(on(cfg, "h100_sxm"), cpu)
+    warnings = [r.getMessage() for r in caplog.records]
+    if fa4.installed():
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "needs the flash-attn-4 package" in warnings[0], warnings
+    with pytest.raises(ValueError, match=r"mesh.hardware.name=a100_80gb is 8.0: use model.attention=auto$"):
+        check_fa4(on(cfg, "a100_80gb"), cpu)
+    with pytest.raises(ValueError, match="head size 12"):
+        check_fa4(on(fa4_cfg("model.head_dim=12"), "h200"), cpu)
+    with pytest.raises(ValueError, match="uses cpu"):  # a launch checks this host's device
+        check_fa4(on(cfg, "h100_sxm", dry_run=False), cpu)
 
 
 def test_other_backends_are_never_refused() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,10 @@ from framework.metrics import read_metrics
 from framework.model import build_model, materialize
 from framework.plan import make_plan
 from framework.rules import check_option_fields
+from framework.target import MissingPackage
 from tests.entry import train_main
 from tests.test_config import compose_config
+from tests.test_target import on
 
 torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
 
@@ -96,6 +100,29 @@ def test_device_refusals() -> None:
     cfg = Config(model=ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False))
     with pytest.raises(ValueError, match="this run uses cpu"):
         check_float8(cfg, torch.device("cpu"))
+
+
+def test_dry_run_checks_the_declared_hardware(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On this CPU host: a dry run for an H100 profile is planned, for an A100 refused naming the
+    profile and its capability, for the CPU profile refused as a launch here is; a dry run without
+    torchao warns in one line, a launch refuses (MissingPackage)."""
+    cpu = torch.device("cpu")
+    cfg = compose_config("recipe=llama1b", "model.float8=tensorwise")
+    check_float8(on(cfg, "h100_sxm"), cpu)
+    with pytest.raises(ValueError, match=r"; mesh.hardware.name=a100_80gb is 8.0: use model.float8=none$"):
+        check_float8(on(cfg, "a100_80gb"), cpu)
+    for refused in (on(cfg, "cpu"), on(cfg, "h100_sxm", dry_run=False)):
+        with pytest.raises(ValueError, match="this run uses cpu"):
+            check_float8(refused, cpu)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 raises ImportError
+    with pytest.raises(MissingPackage, match=r"needs torchao .*pip install"):
+        float8.check_torchao(Float8Recipe.tensorwise)
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_float8(on(cfg, "h100_sxm"), cpu)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("dry run: model.float8=tensorwise needs torchao")
 
 
 def test_train_py_refuses_float8_on_cpu(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from framework import fused_ce
+from framework import fused_ce, search
 from framework.config import CompileScope, FusedCrossEntropy
+from framework.entry import check_fused_ce
 from framework.model import Llama, build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.plan import make_plan
 from tests.test_config import compose_config
+from tests.test_target import on
 from tests.test_train import train
 
 
@@ -40,6 +43,26 @@ def test_refusals_name_the_value_and_what_runs() -> None:
         else:
             fused_ce.check(cfg_with(kind), "cuda", 1)
     fused_ce.check(cfg_with(FusedCrossEntropy.none), "cpu", 4)  # the default is never refused
+
+
+def test_dry_run_checks_the_declared_hardware_and_keeps_tp_off(caplog: pytest.LogCaptureFixture) -> None:
+    """A dry run on this CPU host plans liger for an H100 profile (a missing package: one warning),
+    refuses it for the CPU profile; the planner's search never shards the head by TP."""
+    cpu = torch.device("cpu")
+    liger = cfg_with(FusedCrossEntropy.liger, "recipe=llama1b", "mesh=8")
+    h100 = on(liger, "h100_sxm")
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_fused_ce(h100, cpu, 1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == (importlib.util.find_spec("liger_kernel") is None), warnings
+    assert all("needs the liger-kernel package" in w for w in warnings)
+    with pytest.raises(ValueError, match="needs a CUDA device .* uses cpu"):
+        check_fused_ce(on(liger, "cpu"), cpu, 1)
+    assert {d.tp for d in search._degree_options(h100)} == {1}
+    unfused = dataclasses.replace(
+        h100, model=dataclasses.replace(h100.model, fused_cross_entropy=FusedCrossEntropy.none)
+    )
+    assert max(d.tp for d in search._degree_options(unfused)) == 8
 
 
 def test_train_py_refuses_it_on_cpu(tmp_path: Path) -> None:

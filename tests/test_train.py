@@ -140,7 +140,7 @@ NO_GPU_CASE = (
             "global_batch_size=6",
         ),
         (["train.stepz=3"], "stepz"),
-        (["mesh=bogus"], "mesh/bogus"),
+        (["mesh=bogus"], "mesh=bogus: no such option in group 'mesh'"),
         (["executor=cudagraphs", "run.device=cpu"], "executor=cudagraphs needs a CUDA device"),
         (["checkpoint=sync", "checkpoint.dir=pyproject.toml/ck"], "is a file, not a directory"),
         (

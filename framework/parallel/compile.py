@@ -49,13 +49,13 @@ def apply_compile(
     when each region first compiles, so each call sets it (None: torch's default) rather than
     patching it around every region call on the hot path; a process trains one model.
     Users' combinations are refused before launch, each in one place: ``cudagraphs`` off CUDA by
-    ``framework.entry.validate``, a budget with the eager executor by ``framework.plan``.
+    ``framework.entry.check_cudagraphs``, a budget with the eager executor by ``framework.plan``.
     """
     if executor.mode == ExecutorMode.eager:
         assert memory_budget is None, "activation_checkpointing=budget with eager: refused by framework.plan"
         return 0
     assert executor.mode != ExecutorMode.cudagraphs or device.type == "cuda", (
-        "refused by framework.entry.validate"
+        "refused by framework.entry.check_cudagraphs"
     )
     mode = inductor_mode(executor)
     functorch_config.activation_memory_budget = _DEFAULT_BUDGET if memory_budget is None else memory_budget
