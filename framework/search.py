@@ -191,6 +191,23 @@ def _micro_options(cfg: Config, d: Degrees) -> list[int]:
     return sorted(divisors(gbs // d.dp), reverse=True)
 
 
+def _no_batch_split(cfg: Config) -> str:
+    """Why no layout took the batch: the data-parallel degrees searched, and what pruned TP."""
+    t = cfg.train
+    degrees = sorted({d.dp for d in _degree_options(cfg)})
+    micro = f" in micro batches of train.micro_batch_size={t.micro_batch_size}" if t.micro_batch_size else ""
+    no_tp = (
+        " (model.fused_cross_entropy keeps tensor parallelism off)"
+        if cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
+        else ""
+    )
+    return (
+        f"train.global_batch_size={t.global_batch_size}{micro} splits over none of the data-parallel "
+        f"degrees {degrees} of {cfg.mesh.world_size} ranks{no_tp}: set train.global_batch_size or "
+        "train.micro_batch_size (0: the rank's whole share)"
+    )
+
+
 def _configure(
     cfg: Config,
     d: Degrees,
@@ -294,14 +311,7 @@ def search(cfg: Config) -> SearchResult:
     if not cands and errors and fixed_degrees(cfg) is not None:
         raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
-        why = (
-            errors[0]
-            if errors
-            else (
-                f"train.global_batch_size={cfg.train.global_batch_size} splits over none of the data-parallel "
-                f"degrees of {cfg.mesh.world_size} ranks"
-            )
-        )
+        why = errors[0] if errors else _no_batch_split(cfg)
         raise ValueError(f"sharding=auto found no feasible layout: {why}")
     fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.predicted_step_time_s, c.memory_gib))
     others = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)

@@ -59,6 +59,10 @@ def test_dry_run_checks_the_declared_hardware_and_keeps_tp_off(caplog: pytest.Lo
     with pytest.raises(ValueError, match="needs a CUDA device .* uses cpu"):
         check_fused_ce(on(liger, "cpu"), cpu, 1)
     assert {d.tp for d in search._degree_options(h100)} == {1}
+    with pytest.raises(
+        ValueError, match=r"degrees \[8\] of 8 ranks \(model.fused_cross_entropy keeps tensor"
+    ):
+        search.maybe_search(h100)  # llama1b's batch of 8 in micro batches of 8 needs TP on 8 ranks
     unfused = dataclasses.replace(
         h100, model=dataclasses.replace(h100.model, fused_cross_entropy=FusedCrossEntropy.none)
     )
