@@ -112,7 +112,11 @@ def test_jsonl_line_without_the_field(corpus: Corpus, tmp_path: Path) -> None:
         cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), f"{bad}:2", "not a JSON object"
     )
     bad.write_text('{"text": 42}\n')
-    refused(cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "is a int, not text")
+    refused(cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "is int, not text")
+    bad.write_text('["a list, not an object"]\n')
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "a JSON list, not an object"
+    )
 
 
 def test_corrupt_parquet_and_missing_column(corpus: Corpus, tmp_path: Path) -> None:

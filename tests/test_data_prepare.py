@@ -57,12 +57,13 @@ def test_folders_mix_kinds_and_bytes_output_is_unchanged(corpus: Corpus, tmp_pat
     assert meta["num_documents"] == 1 + 2 * len(corpus.docs)
 
 
-def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path) -> None:
+def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "nope.txt")]) == 2
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "latin1.txt"), "--workers", "1"]) == 2
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "bad.jsonl"), "--workers", "2"]) == 2
+    assert "set --field" in capsys.readouterr().err  # the flag, not a config key
     assert not list(tmp_path.glob("o.*"))
 
 
