@@ -270,7 +270,9 @@ def resolve_path(kind: TokenizerKind, path: str | None) -> Path:
     if p.is_dir():
         if not (p / file_name).is_file():
             found = sorted(q.name for q in p.iterdir())[:10]
-            hint = " (a tokenizer.model: use tokenizer=sentencepiece)" if "tokenizer.model" in found else ""
+            other = {TokenizerKind.hf: "sentencepiece", TokenizerKind.sentencepiece: "hf"}[kind]
+            other_file = "tokenizer.model" if kind is TokenizerKind.hf else "tokenizer.json"
+            hint = f" (a {other_file}: use tokenizer={other})" if (p / other_file).is_file() else ""
             raise ValueError(
                 f"tokenizer.path={path!r} is a folder without {file_name}; it holds {found}{hint}"
             )

@@ -127,6 +127,10 @@ def test_folder_without_tokenizer_and_unknown_special_token(corpus: Corpus, tmp_
     (tmp_path / "tokenizer.model").write_bytes(b"x")
     with pytest.raises(ValueError, match="use tokenizer=sentencepiece"):
         hf(tmp_path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(b"{}")
+    with pytest.raises(ValueError, match="a tokenizer.json: use tokenizer=hf"):
+        load_tokenizer(TokenizerConfig(kind=TokenizerKind.sentencepiece, path=str(tmp_path / "hf")))
     with pytest.raises(ValueError, match="eos_token='<nope>' is not in the vocabulary"):
         hf(corpus.bpe, eos_token="<nope>")
     with pytest.raises(ValueError, match="tokenizer=bytes has no file"):
