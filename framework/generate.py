@@ -161,6 +161,9 @@ def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=SafeReader(checkpoint), no_dist=True)
     set_model_state_dict(model, from_dcp(model, state["model"]))
+    # Non-persistent buffers are not restored by to_empty: without this, model(tokens) read garbage
+    # RoPE tables (decoding was right only because the KV cache builds its own).
+    model.rope = model._rope_tables(device)
     return model.eval()
 
 

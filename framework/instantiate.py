@@ -41,8 +41,9 @@ def _home(obj: Any) -> str:
     return home if isinstance(home, str) else type(obj).__module__
 
 
-def check_target(path: Any, allow: list[str], where: str = "_target_") -> None:
-    """Raise ValueError unless ``path`` and everything it resolves through are on the allowlist."""
+def check_target(path: Any, allow: list[str], where: str = "_target_") -> Any:
+    """Raise ValueError unless ``path`` and everything it resolves through are on the allowlist;
+    return what it resolves to (importing only allowed modules), for checks of its kind."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}={path!r}: a _target_ must be a dotted path string")
     if not is_allowed_name(path, allow):
@@ -73,6 +74,7 @@ def check_target(path: Any, allow: list[str], where: str = "_target_") -> None:
                 f"{where}={path!r} is refused: {dotted!r} is really {home!r}, which is not on the "
                 f"instantiation allowlist {allow} (an alias path, see GHSA-37p2-j732-x8pj)"
             )
+    return obj
 
 
 def find_targets(node: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -262,10 +262,10 @@ def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]
 
 
 def _optimizer_class(opt: OptimizerConfig, allow: list[str]) -> Callable[..., torch.optim.Optimizer]:
-    """``optimizer._target_`` with ``optimizer.kwargs`` bound, through the allowlist."""
+    """``optimizer._target_`` through the allowlist; the caller passes ``optimizer.kwargs`` over the
+    option's own arguments (bound here, the option's own won: a kwargs betas did nothing)."""
     check_target(opt._target_, allow, where="optimizer._target_")  # the error names the key
-    node = {"_target_": opt._target_, "_partial_": True, **opt.kwargs}
-    return safe_instantiate(node, allow, _convert_="all")
+    return safe_instantiate({"_target_": opt._target_, "_partial_": True}, allow)
 
 
 def build_optimizer(
@@ -286,6 +286,7 @@ def build_optimizer(
     fused = device.type == "cuda"
     adam = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "fused": fused}
     make = _optimizer_class(opt, allow)
+    kwargs = dict(opt.kwargs)  # over the option's own arguments, as the schema says
     if opt.name is OptimizerName.muon:
         matrices = [p for n, p in named if p.ndim == 2 and "layers" in n.split(".")]
         taken = {id(p) for p in matrices}
@@ -298,14 +299,14 @@ def build_optimizer(
                 "adjust_lr_fn": opt.muon_adjust_lr.value,
                 "ns_steps": opt.muon_ns_steps,
             }
-        muon = make([{"params": matrices, "weight_decay": cfg.weight_decay}], **muon_kw)
+        muon = make([{"params": matrices, "weight_decay": cfg.weight_decay}], **(muon_kw | kwargs))
         return Combined([muon, torch.optim.AdamW(_decay_groups(rest, cfg.weight_decay), **adam)])
     groups = _decay_groups([p for _n, p in named], cfg.weight_decay)
     if not own:
-        return make(groups, lr=cfg.lr)
+        return make(groups, lr=cfg.lr, **kwargs)
     if opt.name is OptimizerName.sgd:
-        return make(groups, lr=cfg.lr, momentum=opt.momentum, nesterov=opt.nesterov)
-    return make(groups, **adam)  # adamw, adam
+        return make(groups, **({"lr": cfg.lr, "momentum": opt.momentum, "nesterov": opt.nesterov} | kwargs))
+    return make(groups, **(adam | kwargs))  # adamw, adam
 
 
 # train.optimizer_in_backward on CUDA: run the per-parameter updates on their own stream (InBackward).

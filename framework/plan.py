@@ -65,7 +65,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None
-    unit: str  # FSDP unit that owns it: "layers.N" or "root"
+    unit: str  # FSDP unit that owns it: "layers.N", "root" (or _HEAD_ROOT: a second root, zbv's V)
     # False for a pipeline's copy of a tied weight: stepped through the embedding it copies.
     optimizer: bool = True
 
@@ -477,12 +477,13 @@ def _ddp_buckets(specs: list[ParamSpec], cap_bytes: int, tp: int) -> list[int]:
 
 
 def _fsdp_units(specs: list[ParamSpec], tp: int) -> list[int]:
-    """Unsharded fp32 bytes of each FSDP unit: one per block, then the root (embeddings, norm, output)."""
+    """Unsharded fp32 bytes of each FSDP unit: one per block, then the root (embeddings, norm, output;
+    a pipeline rank holding both the first and the last stage has two roots, ``_rank_specs``)."""
     units: dict[str, int] = {}
     for s in specs:
         units[s.unit] = units.get(s.unit, 0) + local_numel(s, tp, 1) * _MASTER_BYTES
-    root = units.pop("root", 0)
-    return [*units.values(), root] if root else list(units.values())
+    roots = [units.pop(name) for name in ("root", _HEAD_ROOT) if name in units]
+    return [*units.values(), *roots]
 
 
 def _auto_bucket(cfg: Config, grad_bytes: int, n: int, intra: bool) -> tuple[float, str]:
@@ -887,6 +888,11 @@ class _Pipeline:
         }
 
 
+# The FSDP unit of the last stage's final norm and output projection, where the rank also holds the
+# first stage (whose root unit is the embedding): two roots, two all-gathers.
+_HEAD_ROOT = "root.head"
+
+
 def tied_copy(m: ModelConfig) -> ParamSpec | None:
     """Under pp, the last stage's copy of a tied embedding (framework.parallel.pipeline): a
     parameter and a gradient like the embedding's, no optimizer state. None when untied."""
@@ -915,6 +921,13 @@ def _rank_specs(
             out.append(spec)
     if tied is not None and last in ids:
         out.append(tied)
+    if 0 in ids and last in ids and last > 0:  # zbv's V: each stage is fully_shard's root of its own
+        out = [
+            dataclasses.replace(s, unit=_HEAD_ROOT)
+            if s.unit == "root" and not s.name.startswith("tok_embeddings")
+            else s
+            for s in out
+        ]
     return out
 
 

@@ -118,13 +118,6 @@ def _capability_ok(v: Any) -> bool:
     return len(v) == 2 and all(_is_int(x) for x in v) and 1 <= v[0] <= 99 and 0 <= v[1] <= 9
 
 
-def _mix_ok(entries: Any) -> bool:
-    weights = [e.weight for e in entries]
-    if not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights):
-        return False
-    return not weights or sum(weights) > 0
-
-
 def names_list(what: str) -> Rule:
     return Rule(what, lambda v, _c: all(isinstance(s, str) and s.strip() for s in v), ([""],))
 
@@ -246,11 +239,64 @@ def _momentum_ok(v: Any, c: Config) -> bool:
     return _is_number(v) and 0 <= v < 1 and not (c.optimizer.nesterov and v == 0)
 
 
-def _kwargs_ok(v: Any, _c: Config) -> bool:
-    return all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v)
+def _optimizer_class(c: Config) -> type | None:
+    """``optimizer._target_`` resolved, when it is a torch optimizer class (else None). The allowlist
+    was checked before the rules run (framework.entry.check_safe), so this imports nothing else."""
+    import torch
+
+    from framework.instantiate import check_target
+
+    try:
+        cls = check_target(c.optimizer._target_, c.run.instantiate_allow, where="optimizer._target_")
+    except ValueError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
 
 
-RESERVED_KWARGS = ("params", "_target_", "_partial_", "_convert_", "_recursive_", "_args_")
+def _target_ok(_v: Any, c: Config) -> bool:
+    return _optimizer_class(c) is not None
+
+
+def _class_kwargs(cls: type) -> list[str] | None:
+    """The keyword arguments ``cls(params, ...)`` takes; None when it takes any (``**kwargs``)."""
+    import inspect
+
+    params = list(inspect.signature(cls).parameters.values())[1:]  # the first is the params
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _kwargs_ok(v: Any, c: Config) -> bool:
+    if not all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v):
+        return False
+    cls = _optimizer_class(c)
+    takes = _class_kwargs(cls) if cls is not None else None
+    return takes is None or all(k in takes for k in v)
+
+
+def _kwargs_valid(c: Config) -> str:
+    cls = _optimizer_class(c)
+    takes = _class_kwargs(cls) if cls is not None else None
+    names = "" if takes is None else f": {', '.join(k for k in takes if k not in RESERVED_KWARGS)}"
+    return (
+        f"keyword arguments that optimizer._target_={c.optimizer._target_} takes{names} (not "
+        f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
+    )
+
+
+# lr: train.lr is the schedule's peak; weight_decay: each param group sets train.weight_decay (or 0
+# on norms), which wins over a class default, so a kwargs one did nothing.
+RESERVED_KWARGS = (
+    "params",
+    "lr",
+    "weight_decay",
+    "_target_",
+    "_partial_",
+    "_convert_",
+    "_recursive_",
+    "_args_",
+)
 
 
 RULES: dict[str, Rule] = {
@@ -323,11 +369,12 @@ RULES: dict[str, Rule] = {
     "data.streaming": TYPED,
     "data.sft_pack": TYPED,  # data=sft only; packing marks examples itself (framework.data.sft)
     "data.document_mask": TYPED,  # needs an EOS and a masking kernel: framework.data.pipeline
+    # There the error names the entry (data.mix[1].weight=-1.0), not the list's dataclass repr.
     "data.mix": Rule(
         "[] (no mix) or entries {source, path, weight, ...} whose weights are finite numbers >= 0 "
         "summing to > 0",
-        lambda v, _c: _mix_ok(v),
-        ([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
+        checked_by="framework.data.pipeline.check_mix",
+        bad=([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
     ),
     "data.prefetch": integer(1),
     "data.encode_batch": integer(1),
@@ -356,15 +403,14 @@ RULES: dict[str, Rule] = {
     "optimizer.name": Rule(
         _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
     ),
+    # The allowlist itself: framework.instantiate.check_targets (framework.entry.check_safe), first.
     "optimizer._target_": Rule(
-        "a class under run.instantiate_allow",
-        checked_by="framework.instantiate.check_targets (framework.entry.check_safe)",
-        bad=("os.system", "builtins.exec"),
+        "a torch.optim.Optimizer subclass under run.instantiate_allow",
+        _target_ok,
+        ("os.system", "builtins.exec", "torch.nn.Linear"),
     ),
     "optimizer.kwargs": Rule(
-        f"keyword argument names of the optimizer class (not {', '.join(RESERVED_KWARGS)})",
-        _kwargs_ok,
-        ({"params": 1},),
+        _kwargs_valid, _kwargs_ok, ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1})
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)

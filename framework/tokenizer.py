@@ -270,7 +270,9 @@ def resolve_path(kind: TokenizerKind, path: str | None) -> Path:
     if p.is_dir():
         if not (p / file_name).is_file():
             found = sorted(q.name for q in p.iterdir())[:10]
-            hint = " (a tokenizer.model: use tokenizer=sentencepiece)" if "tokenizer.model" in found else ""
+            other = {TokenizerKind.hf: "sentencepiece", TokenizerKind.sentencepiece: "hf"}[kind]
+            other_file = "tokenizer.model" if kind is TokenizerKind.hf else "tokenizer.json"
+            hint = f" (a {other_file}: use tokenizer={other})" if (p / other_file).is_file() else ""
             raise ValueError(
                 f"tokenizer.path={path!r} is a folder without {file_name}; it holds {found}{hint}"
             )
@@ -299,13 +301,28 @@ def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return SentencePieceTokenizer(path, cfg.bos_token, cfg.eos_token)
 
 
-def check_vocab(tok: Tokenizer, model_vocab_size: int) -> None:
+def eos_fix(tok: Tokenizer) -> str:
+    """What to do about a tokenizer without EOS: tokenizer=bytes refuses tokenizer.eos_token (it has
+    no special tokens), so it is told to switch; a file tokenizer may name one."""
+    if tok.kind is TokenizerKind.bytes:
+        return "use tokenizer=hf|sentencepiece (bytes has no special tokens)"
+    return "set tokenizer.eos_token to one of its tokens"
+
+
+def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = None) -> None:
     """A tokenizer whose ids do not fit the embedding is refused; a smaller one only warns (the
-    embedding rows past it are never read, which wastes memory but is harmless)."""
+    embedding rows past it are never read, which wastes memory but is harmless). Under
+    ``model.init_from`` the size is the checkpoint's, which no override may change: the fix is
+    that model's own tokenizer."""
     if tok.vocab_size > model_vocab_size:
+        fix = (
+            f"the size of model.init_from={init_from!r}; use that model's own tokenizer"
+            if init_from
+            else f"set model.vocab_size>={tok.vocab_size}"
+        )
         raise ValueError(
             f"the tokenizer's vocabulary ({tok.vocab_size} tokens, tokenizer={tok.kind.value}) is larger "
-            f"than model.vocab_size={model_vocab_size}: set model.vocab_size>={tok.vocab_size}"
+            f"than model.vocab_size={model_vocab_size}: {fix}"
         )
     if tok.vocab_size < model_vocab_size:
         log.warning(

@@ -67,6 +67,24 @@ def test_names_shapes_and_config(tmp_path: Path) -> None:
         assert conf["torch_dtype"] == "float32" and conf["max_position_embeddings"] == 16
 
 
+def test_export_out_must_be_a_folder_outside_the_checkpoint_root(tmp_path: Path) -> None:
+    """A file OUT was a FileExistsError traceback; OUT inside the checkpoint root put files beside
+    a checkpoint, which then fails its manifest check."""
+    from framework.checkpoint.export_hf import check_out_dir
+
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("x")
+    for out, fragment in [
+        (tmp_path / "notes.txt", "is a file"),
+        (step, "inside the checkpoint root"),
+        (step.parent / "hf", "inside the checkpoint root"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            check_out_dir(out, step)
+    check_out_dir(tmp_path / "run" / "hf", step)  # beside the checkpoints: fine
+
+
 def test_unknown_keys_are_refused() -> None:
     sd = _model(GQA).state_dict()
     sd["layers.0.attention.bias"] = torch.zeros(1)

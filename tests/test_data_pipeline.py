@@ -112,7 +112,11 @@ def test_jsonl_line_without_the_field(corpus: Corpus, tmp_path: Path) -> None:
         cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), f"{bad}:2", "not a JSON object"
     )
     bad.write_text('{"text": 42}\n')
-    refused(cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "is a int, not text")
+    refused(cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "is int, not text")
+    bad.write_text('["a list, not an object"]\n')
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(bad)), bpe(corpus)), "a JSON list, not an object"
+    )
 
 
 def test_corrupt_parquet_and_missing_column(corpus: Corpus, tmp_path: Path) -> None:
@@ -257,7 +261,8 @@ def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) 
 
 
 def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None:
-    refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes has none")
+    message = refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes")
+    assert "eos_token" not in message, message  # tokenizer=bytes refuses tokenizer.eos_token
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
     masked.model.attention = AttentionBackend.flash

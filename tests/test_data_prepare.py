@@ -57,10 +57,44 @@ def test_folders_mix_kinds_and_bytes_output_is_unchanged(corpus: Corpus, tmp_pat
     assert meta["num_documents"] == 1 + 2 * len(corpus.docs)
 
 
-def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path) -> None:
+def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "nope.txt")]) == 2
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "latin1.txt"), "--workers", "1"]) == 2
     (tmp_path / "bad.jsonl").write_text('{"body": 1}\n')
     assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "bad.jsonl"), "--workers", "2"]) == 2
+    assert "set --field" in capsys.readouterr().err  # the flag, not a config key
     assert not list(tmp_path.glob("o.*"))
+
+
+def test_an_output_that_would_overwrite_an_input_is_refused(tmp_path: Path) -> None:
+    """``prepare d.bin d.json`` wrote the sidecar over the jsonl ``d.json``, ``prepare d.jsonl d.jsonl``
+    the tokens over it, ``prepare t.json ...`` the sidecar over the tokens: each exits 2, input intact."""
+    doc = '{"text": "hello"}\n'
+    (tmp_path / "d.json").write_text(doc)
+    (tmp_path / "e.jsonl").write_text(doc)
+    for out, inp in [("d.bin", "d.json"), ("e.jsonl", "e.jsonl"), ("t.json", "e.jsonl")]:
+        assert main(["prepare", str(tmp_path / out), str(tmp_path / inp), "--workers", "1"]) == 2
+    assert (tmp_path / "d.json").read_text() == doc and (tmp_path / "e.jsonl").read_text() == doc
+    assert (
+        main(
+            ["tokenizer", "train", str(tmp_path / "d.json"), str(tmp_path / "d.json"), "--vocab-size", "300"]
+        )
+        == 2
+    )
+    assert (tmp_path / "d.json").read_text() == doc
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["d.json", "e.jsonl"]
+
+
+def test_a_folder_of_jsonl_skips_the_sidecar_of_a_token_file_prepared_into_it(tmp_path: Path) -> None:
+    """``data=jsonl data.path=FOLDER`` read ``a.json`` (the sidecar of ``a.bin``) as a document file."""
+    from framework.config import DataSource
+    from framework.data.records import SourceSpec, resolve_files
+
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    assert main(["prepare", str(tmp_path / "a.bin"), str(tmp_path / "a.jsonl"), "--workers", "1"]) == 0
+    (tmp_path / "b.json").write_text('{"text": "a jsonl file named .json"}\n')
+    found = resolve_files(SourceSpec(DataSource.jsonl, str(tmp_path)))
+    assert [f.name for f in found] == ["a.jsonl", "b.json"]
+    assert main(["prepare", str(tmp_path / "c.bin"), str(tmp_path), "--workers", "1"]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["num_documents"] == 2

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from framework.config import ModelConfig, ModelFamily
-from framework.generate import KVCache, forward_cached, generate, main
+from framework.config import ModelConfig, ModelFamily, to_config
+from framework.generate import KVCache, forward_cached, generate, load_model, main
 from framework.model import build_model
 from tests.entry import train_forked
 
@@ -86,6 +87,14 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     step_dir = next((run / "checkpoints").glob("step_*"))
     assert main([str(step_dir), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
     assert capsys.readouterr().out == out.out  # the same checkpoint, greedy: the same text
+    # load_model's full forward (its RoPE tables refilled after to_empty) equals the cached decoder.
+    cfg = to_config(OmegaConf.load(run / "config.yaml"))
+    model = load_model(step_dir, cfg, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+    cached = forward_cached(model, tokens, KVCache.empty(model, 1, 12))
+    torch.testing.assert_close(cached, full[:, -1], rtol=1e-5, atol=1e-5)
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert "no config.yaml" in capsys.readouterr().err
     assert main([str(run), "--prompt", "x", "--top-k", "-1"]) == 2

@@ -259,6 +259,17 @@ def test_default_optimizer_is_adamw_with_the_old_groups() -> None:
     assert decay["weight_decay"] == FIXED.weight_decay and no_decay["weight_decay"] == 0.0
 
 
+def test_optimizer_kwargs_override_the_options_own_arguments() -> None:
+    """The schema says kwargs override the option's own: a kwargs betas under adamw did nothing."""
+    model = _model()
+    kw = {"betas": [0.5, 0.6], "eps": 1e-3}
+    assert build_optimizer(model, FIXED, CPU, OptimizerConfig(kwargs=kw)).defaults["betas"] == (0.5, 0.6)
+    sgd = build_optimizer(model, FIXED, CPU, _optimizer_cfg("sgd", kwargs={"momentum": 0.5}))
+    assert sgd.defaults["momentum"] == 0.5 and sgd.defaults["lr"] == FIXED.lr
+    muon = build_optimizer(model, FIXED, CPU, _optimizer_cfg("muon", kwargs={"ns_steps": 3})).parts[0]
+    assert muon.defaults["ns_steps"] == 3
+
+
 def test_muon_takes_the_block_matrices_and_adamw_the_rest() -> None:
     model = _model()
     opt = build_optimizer(model, FIXED, CPU, _optimizer_cfg("muon"))

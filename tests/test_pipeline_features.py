@@ -96,6 +96,31 @@ def _tied_transfers(tied: object) -> Iterator[list[tuple[str, int]]]:
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def _gathers_per_step() -> Iterator[list[int]]:
+    """FSDP2's parameter all-gathers (``dist.all_gather_single``) in each pipeline step."""
+    import torch.distributed as dist
+
+    from framework.parallel import pipeline
+
+    counts: list[int] = []
+    real_gather, real_step = dist.all_gather_single, pipeline.pipeline_step
+
+    def gather(*args: object, **kwargs: object) -> object:
+        counts[-1] += 1
+        return real_gather(*args, **kwargs)
+
+    def step(*args: object, **kwargs: object) -> object:
+        counts.append(0)
+        return real_step(*args, **kwargs)
+
+    dist.all_gather_single, pipeline.pipeline_step = gather, step  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single, pipeline.pipeline_step = real_gather, real_step  # type: ignore[assignment]
+
+
 def _tied_worker(
     rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
 ) -> dict:
@@ -106,7 +131,7 @@ def _tied_worker(
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     val = evaluate(model, val_batches(plan.micro_batch_size), torch.device("cpu")) if ckpt is None else None
     tied = getattr(model, "tied", None)
-    with _tied_transfers(tied) as transfers:
+    with _tied_transfers(tied) as transfers, _gathers_per_step() as gathers:
         out = run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps, ckpt)
     state = full_model_state(model) if ckpt is None else {}  # what checkpoint.export_hf writes
     return {
@@ -118,6 +143,7 @@ def _tied_worker(
         "copy": _full(tied.copy) if tied else None,
         "copies": len(getattr(model, "tied_copies", [])),
         "transfers": transfers,
+        "gathers": gathers,
         "state": {k: _full(v) for k, v in state.items()},
     }
 
@@ -159,6 +185,12 @@ def test_tied_embeddings_match_one_process(tied_run: dict, world: int, parallel:
             assert c.calls == 1 and c.group_size == 2
             assert all(t.count((kind, c.bytes_per_call)) == STEPS * c.calls for t in sent), (kind, sent)
             assert all(len(t) == 2 * STEPS for t in sent), sent
+    if parallel.get("pp_schedule") == "zbv" and "dp_shard" in parallel:
+        # Zero bubble keeps the FSDP units unsharded for the step: one all-gather per unit and step
+        # (after the first, whose shape inference runs more), as planned for the busiest rank.
+        (gather,) = [c for c in make_plan(tied_cfg(world, **parallel)).comm if c.collective == "all_gather"]
+        assert max(r["gathers"][-1] for r in results) == gather.calls == 4, [r["gathers"] for r in results]
+        assert all(len(set(r["gathers"][1:])) == 1 for r in results), [r["gathers"] for r in results]
     # After 4 steps every copy still holds exactly the embedding's value.
     assert all(np.array_equal(c, masters[0]) for c in masters + copies)
     state, want = results[0]["state"], tied_run["state"]

@@ -95,6 +95,8 @@ def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: P
         msg = refusal(base, {**dict(rule.context), key: bad}, tmp_path / str(i))
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
+        elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
+            assert key in msg and any(f"weight={e.weight}" in msg or f"[{e.weight}]" in msg for e in bad), msg
         else:
             assert key in msg, msg
             shown = [show(bad)[:20], str(bad)[:20], repr(bad)[:20]]

@@ -127,6 +127,10 @@ def test_folder_without_tokenizer_and_unknown_special_token(corpus: Corpus, tmp_
     (tmp_path / "tokenizer.model").write_bytes(b"x")
     with pytest.raises(ValueError, match="use tokenizer=sentencepiece"):
         hf(tmp_path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(b"{}")
+    with pytest.raises(ValueError, match="a tokenizer.json: use tokenizer=hf"):
+        load_tokenizer(TokenizerConfig(kind=TokenizerKind.sentencepiece, path=str(tmp_path / "hf")))
     with pytest.raises(ValueError, match="eos_token='<nope>' is not in the vocabulary"):
         hf(corpus.bpe, eos_token="<nope>")
     with pytest.raises(ValueError, match="tokenizer=bytes has no file"):
@@ -139,6 +143,9 @@ def test_vocab_larger_than_the_model_is_refused_smaller_warns(
     tok = hf(corpus.bpe)
     with pytest.raises(ValueError, match=r"\(512 tokens.*model.vocab_size=256"):
         check_vocab(tok, 256)
+    # Under model.init_from the size is the checkpoint's (an override is refused): name the real fix.
+    with pytest.raises(ValueError, match=r"size of model.init_from='hf/'; use that model's own tokenizer"):
+        check_vocab(tok, 256, "hf/")
     with caplog.at_level(logging.WARNING, logger="framework"):
         check_vocab(tok, 1024)
     assert "512 embedding rows are never used" in caplog.text

@@ -179,6 +179,23 @@ def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_out_dir(out_dir: Path, step_dir: Path) -> None:
+    """OUT must be a folder outside the checkpoint root: an existing file was a FileExistsError
+    traceback, and files written into a step dir lie beside its manifest, so that checkpoint would
+    be rejected as foreign at the next resume."""
+    out = out_dir.expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"OUT={str(out_dir)!r} is a file; valid: a folder to write (new, or an earlier export)"
+        )
+    root = step_dir.parent
+    if out == root or root in out.parents:
+        raise ValueError(
+            f"OUT={str(out_dir)!r} is inside the checkpoint root {str(root)!r}: files beside a checkpoint "
+            "make it fail its manifest check; valid: a folder outside it (e.g. RUN_DIR/hf)"
+        )
+
+
 def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None = None) -> Path:
     """``python -m framework.checkpoint export-hf``: a framework checkpoint -> a Hugging Face folder.
 
@@ -203,6 +220,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None =
             f"CHECKPOINT={str(checkpoint)!r} is not a framework checkpoint; valid: a step_N dir "
             "(with manifest.json), a checkpoint root or a run dir holding one"
         )
+    check_out_dir(Path(out_dir), step_dir)
     run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
     cfg = None
     if run_config.is_file():

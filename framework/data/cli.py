@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--field", default="text")
     tr.add_argument("--column", default="text")
     args = parser.parse_args(argv)
+    if args.cmd == "prepare" and args.workers < 0:
+        parser.error(f"--workers {args.workers}: valid: 0 (one per core, at most 8) or a count >= 1")
     try:
         if args.cmd == "prepare":
             return _prepare(args)
@@ -53,10 +55,11 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from framework.data.prepare import input_files, records_of
+    from framework.data.prepare import check_outputs, input_files, records_of
     from framework.tokenizer import train_bpe
 
     files = input_files(args.inputs, None)
+    check_outputs([args.out], files)
     texts = (text for text, _, _ in records_of(files, args.field, args.column))
     tok = train_bpe(args.out, texts, args.vocab_size)
     print(

@@ -34,7 +34,7 @@ from framework.data.stream import (
 )
 from framework.data.tokens import tokenizer_digest
 from framework.model import NO_EOS
-from framework.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from framework.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)
@@ -113,7 +113,7 @@ def check_data(cfg: Config) -> None:
     if not (0.0 <= d.val_fraction < 1.0):
         raise ValueError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     tok = load_tokenizer(cfg.tokenizer)
-    check_vocab(tok, cfg.model.vocab_size)
+    check_vocab(tok, cfg.model.vocab_size, cfg.model.init_from)
     if cfg.tokenizer.add_bos and tok.bos_id is None:
         raise ValueError(
             f"tokenizer.add_bos=true, but tokenizer={tok.kind.value} has no BOS token: set tokenizer.bos_token"
@@ -201,7 +201,7 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
     if tok.eos_id is None:
         raise ValueError(
             f"data.document_mask=true needs an EOS token between documents; tokenizer={tok.kind.value} has "
-            "none: use tokenizer=hf|sentencepiece (or set tokenizer.eos_token)"
+            f"none: {eos_fix(tok)}"
         )
     if not cfg.data.mix and cfg.data.source is DataSource.sft:
         raise ValueError(

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from framework.config import DataSource, TokenizerConfig
-from framework.data.records import PIECE_BYTES, Record, SourceSpec, file_records, resolve_files
+from framework.data.records import PIECE_BYTES, Record, SourceSpec, file_records, is_sidecar, resolve_files
 from framework.data.tokens import TokenWriter
 from framework.tokenizer import Tokenizer, load_tokenizer
 
@@ -41,7 +41,11 @@ def input_files(inputs: list[str], source: DataSource | None) -> list[tuple[Data
             spec = SourceSpec(src, item, key="input")
             if source is None:  # any known kind of file in a folder
                 files = (
-                    [f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in KNOWN_SUFFIXES]
+                    [
+                        f
+                        for f in sorted(p.rglob("*"))
+                        if f.is_file() and f.suffix in KNOWN_SUFFIXES and not is_sidecar(f)
+                    ]
                     if p.is_dir()
                     else resolve_files(spec)
                 )
@@ -56,6 +60,18 @@ def input_files(inputs: list[str], source: DataSource | None) -> list[tuple[Data
                 raise ValueError(f"input {str(f)!r} is an empty file")
             out.append((source or SOURCE_BY_SUFFIX.get(f.suffix, DataSource.text), f))
     return out
+
+
+def check_outputs(outputs: list[Path], files: list[tuple[DataSource, Path]]) -> None:
+    """Refuse outputs that would overwrite an input (``prepare d.bin d.json`` wrote its sidecar over
+    the jsonl ``d.json``; ``prepare t.json ...`` its sidecar over its own tokens), before writing."""
+    inputs = {f.resolve(): f for _, f in files}
+    for out in outputs:
+        if out.resolve() in inputs:
+            raise ValueError(
+                f"output {str(out)!r} is also an input ({str(inputs[out.resolve()])!r}): writing it would "
+                "destroy that input; choose another output name"
+            )
 
 
 def records_of(files: list[tuple[DataSource, Path]], field: str, column: str) -> Iterator[Record]:
@@ -116,7 +132,13 @@ def prepare(
     tok = load_tokenizer(tok_cfg)
     if add_bos and tok.bos_id is None:
         raise ValueError(f"--add-bos: tokenizer={tok.kind.value} has no BOS token")
+    if out.suffix == ".json":
+        raise ValueError(
+            f"output {str(out)!r}: its sidecar is OUT with the suffix .json, the token file itself here; "
+            f"name the token file {out.with_suffix('.bin').name!r}"
+        )
     files = input_files(inputs, source)
+    check_outputs([out, out.with_suffix(".json")], files)
     total = sum(f.stat().st_size for _, f in files)
     workers = workers or min(8, os.cpu_count() or 1)
     writer = TokenWriter(out, tok.vocab_size)

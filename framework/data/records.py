@@ -52,6 +52,12 @@ class SourceSpec:
     key: str = "data"  # the config key that names it, for messages ("data" or "data.mix[1]")
 
 
+def is_sidecar(f: Path) -> bool:
+    """A token file's sidecar (``X.json`` beside ``X.bin``, from ``prepare``): in a folder of jsonl
+    files it is not a document file (it was read as one and refused as "not a JSON object")."""
+    return f.suffix == ".json" and f.with_suffix(".bin").is_file()
+
+
 def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
     """``data.path`` as a file, a folder (its files with the source's suffixes) or a glob."""
     path = spec.path if path is None else path
@@ -66,7 +72,7 @@ def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
         if not files:
             raise ValueError(f"{spec.key}.path={path!r}: the glob matches no files")
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes and not is_sidecar(f))
         if not files:
             raise ValueError(f"{spec.key}.path={path!r} is a folder with no {'/'.join(suffixes)} files")
     elif p.is_file():
@@ -96,6 +102,12 @@ def _text_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Record]
             offset += len(chunk)
 
 
+def setting(key: str, name: str) -> str:
+    """How a user sets ``name``: the config key (``data.field``, ``data.mix[1].field``), or the
+    flag (``--field``) for ``python -m framework.data``'s inputs (key ``input``)."""
+    return f"--{name}" if key == "input" else f"{key}.{name}"
+
+
 def json_line(raw: bytes, where: str) -> Any:
     """One jsonl line, or ValueError naming ``where`` (file:line) and what is wrong with it."""
     try:
@@ -112,13 +124,18 @@ def _jsonl_records(path: Path, field: str, key: str) -> Iterator[Record]:
             if not raw.strip():
                 continue
             row = json_line(raw, f"{path}:{lineno}")
-            if not isinstance(row, dict) or field not in row:
-                keys = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path}:{lineno}: no field {field!r} (it has {keys}); set {key}.field")
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with the field {field!r}"
+                )
+            if field not in row:
+                raise ValueError(
+                    f"{path}:{lineno}: no field {field!r} (it has {sorted(row)[:8]}); set {setting(key, 'field')}"
+                )
             text = row[field]
             if not isinstance(text, str):
                 raise ValueError(
-                    f"{path}:{lineno}: {key}.field={field!r} is a {type(text).__name__}, not text"
+                    f"{path}:{lineno}: {setting(key, 'field')}={field!r} is {type(text).__name__}, not text"
                 )
             yield text, True, True
 
@@ -132,7 +149,9 @@ def _parquet_file(path: Path, column: str, key: str) -> Any:
         raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:160]})") from e
     names = pf.schema_arrow.names
     if column not in names:
-        raise ValueError(f"{path}: no column {column!r} (columns: {names[:10]}); set {key}.column")
+        raise ValueError(
+            f"{path}: no column {column!r} (columns: {names[:10]}); set {setting(key, 'column')}"
+        )
     return pf
 
 
@@ -156,7 +175,9 @@ def _parquet_records(path: Path, column: str, key: str, skip: int = 0) -> Iterat
                 if text is None:
                     text = ""
                 if not isinstance(text, str):
-                    raise ValueError(f"{path}: {key}.column={column!r} holds {type(text).__name__}, not text")
+                    raise ValueError(
+                        f"{path}: {setting(key, 'column')}={column!r} holds {type(text).__name__}, not text"
+                    )
                 yield text, True, True
     except OSError as e:  # a corrupt page past the footer
         raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:160]})") from e

@@ -45,7 +45,7 @@ import torch
 from framework.config import DataConfig
 from framework.data.records import json_line
 from framework.model import DOC_START
-from framework.tokenizer import Tokenizer
+from framework.tokenizer import Tokenizer, eos_fix
 
 log = logging.getLogger("framework")
 
@@ -180,7 +180,7 @@ class ChatFormat:
         if tok.eos_id is None:
             raise ValueError(
                 f"data=sft needs an EOS token to end each response (and to pad); tokenizer={tok.kind.value} "
-                "has none: use tokenizer=hf|sentencepiece (or set tokenizer.eos_token)"
+                f"has none: {eos_fix(tok)}"
             )
         self.tok = tok
         self.bos = tok.bos_id if add_bos else None
