@@ -76,9 +76,11 @@ def train_forked(
     The child starts with torch, Hydra and the framework imported; everything after is the real
     thing: ``train.py`` runs as ``__main__`` with that argv (and ``env``, default this process's,
     without RUN_STAMP), Hydra composes, a multi-rank run launches its ranks as ``python train.py``
-    does. The child leads its own process group: on timeout the group (launcher and ranks) is
-    killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does; a rank left
-    behind after the launcher exited is killed too.
+    does. The child leads its own process group, killed whole when the child ends or at the
+    timeout (then ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does). Ranks of a
+    self-launch run in sessions of their own (torch's elastic launcher) and die with their launcher
+    (``framework.launch.die_with_launcher``). Output goes to files, not pipes: a rank that outlived
+    its launcher cannot keep this call waiting.
     """
     child_env = dict(os.environ if env is None else env)
     child_env.pop("RUN_STAMP", None)
