@@ -33,7 +33,7 @@ from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
 from framework.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
-from tests.entry import train_forked, train_main
+from tests.entry import train_forked, train_main, write_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -183,16 +183,18 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
     once, when it rebuilds its buckets in gradient-ready order. At 2 ranks the order cannot matter
     (a + b == b + a). The unbroken run trains step 2 on the rebuilt layout; before the fix the
     resumed ranks trained it on the construction-time one and ended ~1 ulp away (issue 19).
-    The unbroken run is a real 8-rank ``train.py`` launch. The resumed ranks run what a restarted
-    rank runs (``framework.worker``: the run's config.yaml, then ``trainer.run``: build, settle DDP,
-    load), forked from this process (tests/dist.py) instead of 8 interpreters importing torch: the
-    bug is in the trainer's math, and the 2- and 4-rank tests above cover the launcher's restart.
-    One layer and synthetic tokens keep each launch to its process starts.
+    Both runs are what a launched rank runs (``framework.worker``: the run's config.yaml, then
+    ``trainer.run``: build, settle DDP, load), on 8 ranks forked from this process (tests/dist.py)
+    instead of 2 x 8 interpreters importing torch (~40 s of CPU each time): the bug is in the
+    trainer's math, the config is composed as train.py composes it (``write_run_config``), and the
+    2- and 4-rank tests above cover the launcher and its restart. One layer and synthetic tokens
+    keep each run to its rank starts.
     """
     eight = ["mesh=8", "train.micro_batch_size=1", "model.n_layers=1", "data.source=synthetic"]
     eight += ["train.steps=2", "checkpoint.every_steps=1"]
     base, resumed = tmp_path / "base", tmp_path / "resumed"
-    ok(train(base, *eight, timeout=240))
+    write_run_config(base, *TINY, *eight)
+    run_ranks(train_rank, 8, str(base), timeout_s=300)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(base, 1), step_dir(resumed, 1))
     shutil.copy(base / "config.yaml", resumed / "config.yaml")
