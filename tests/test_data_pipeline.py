@@ -213,6 +213,8 @@ def tokens_cfg(path: Path | str, **kw: object) -> Config:
         ("shorter_than_a_sequence", ["fewer than one sequence", "train.seq_len+2=34"]),
         ("truncated", ["holds 4000 tokens, its sidecar says 5000"]),
         ("odd_size", ["not a whole number of uint16 tokens"]),
+        # tok.jsonl's ".json sidecar" is tok.bin's: it read as "not a whole number of tokens".
+        ("text_file", ["tok.jsonl' is a .jsonl file, not a token file", "data=jsonl"]),
     ],
 )
 def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> None:
@@ -243,6 +245,9 @@ def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> N
     elif case == "odd_size":
         with token_file.open("ab") as f:
             f.write(b"\x01")
+    elif case == "text_file":
+        path = token_file.with_suffix(".jsonl")
+        path.write_text('{"text": "a document"}\n')
     refused(tokens_cfg(path), *fragments)
 
 
