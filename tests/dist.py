@@ -13,10 +13,14 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# The parts of the runs trained by ``train_rank``, kept until the rank's os._exit (see there).
+_PARTS: list[object] = []
 
 
 def _entry(
@@ -86,6 +90,22 @@ def run_ranks(
             rank, err = next(iter(errors.items()))
             raise RuntimeError(f"rank {rank} failed:\n{err}")
         return [results[r] for r in range(world)]
+
+
+def train_rank(rank: int, world: int, run_dir: str) -> None:
+    """A rank as ``framework.worker`` runs it (the run dir's ``config.yaml``, then ``trainer.run``),
+    minus the interpreter start: ``run_ranks`` made the process group.
+
+    The run's parts are kept, as the worker keeps them: freeing them (DDP reducer, gloo groups)
+    after another rank had exited was seen to block a rank in a C++ destructor."""
+    from omegaconf import OmegaConf
+
+    from framework import trainer
+    from framework.config import to_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    cfg = to_config(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
+    trainer.run(cfg, Path(run_dir), keep=_PARTS)
 
 
 def _free_port() -> int:

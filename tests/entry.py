@@ -1,16 +1,25 @@
-"""Run ``train.py``'s entry point in this process, for refusals that happen before any rank starts.
+"""Run ``train.py``'s entry point without a fresh interpreter: in this process, or in a forked child.
 
 Why: a ``python train.py`` subprocess costs 4-6 s of CPU on the 2-core CI machine (a fresh
-interpreter importing torch and the framework); a refusal in this process costs the compose and
-the checks, well under a second. The real-process path of refusals keeps its own tests
-(``tests/test_rules.py``'s end-to-end cases). Runs that train still go through a subprocess.
+interpreter importing torch and the framework) before it does anything. A refusal in this
+process (``train_main``) costs the compose and the checks, well under a second. A run that
+trains goes to a child forked from this process (``train_forked``): real ``train.py``, real
+Hydra, real launcher and ranks, without the imports. The real-process path keeps its own tests
+(``tests/test_rules.py``'s end-to-end cases, the signal and launcher tests of test_elastic.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -27,19 +36,10 @@ def train_main(*argv: str) -> int:
     RUN_STAMP (and a launch would set RANK, MASTER_PORT, ...), which later tests' children and
     forked ranks would otherwise inherit; a process group it left is destroyed for the same reason.
     """
-    spec = importlib.util.spec_from_file_location("__main__", ROOT / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
     saved_argv, saved_env, saved_cwd = sys.argv, dict(os.environ), os.getcwd()
-    sys.argv = ["train.py", *argv]
     try:
         os.chdir(ROOT)
-        spec.loader.exec_module(module)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code, file=sys.stderr)  # what the interpreter does with a message as the exit code
-        return 1
+        return _exec_train(argv)
     finally:
         sys.argv = saved_argv
         os.chdir(saved_cwd)
@@ -47,4 +47,115 @@ def train_main(*argv: str) -> int:
         os.environ.update(saved_env)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # train.py armed a stack dump of this process (framework.launch.arm_stack_dump): it was for
+        # that run, and a child forked while it is armed would hang re-arming it (train_forked).
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _exec_train(argv: tuple[str, ...]) -> int:
+    """Run ``train.py`` as ``__main__`` with ``argv``; its exit status."""
+    spec = importlib.util.spec_from_file_location("__main__", ROOT / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.argv = ["train.py", *argv]
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # what the interpreter does with a message as the exit code
+        return 1
     return 0
+
+
+def train_forked(
+    *argv: str, timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """``python train.py *argv`` in a child forked from this process: its exit status and output.
+
+    The child starts with torch, Hydra and the framework imported; everything after is the real
+    thing: ``train.py`` runs as ``__main__`` with that argv (and ``env``, default this process's,
+    without RUN_STAMP), Hydra composes, a multi-rank run launches its ranks as ``python train.py``
+    does. The child leads its own process group: on timeout the group (launcher and ranks) is
+    killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does; a rank left
+    behind after the launcher exited is killed too.
+    """
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop("RUN_STAMP", None)
+    # An armed faulthandler watchdog does not survive fork: the child's train.py, re-arming it
+    # (arm_stack_dump), would wait forever for the parent's watchdog thread to stop.
+    faulthandler.cancel_dump_traceback_later()
+    with tempfile.TemporaryDirectory() as d:
+        out_path, err_path = Path(d) / "out", Path(d) / "err"
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.setsid()
+                _redirect(out_path, err_path)
+                os.environ.clear()
+                os.environ.update(child_env)
+                os.chdir(cwd)
+                code = _exec_train(argv)
+            except BaseException:  # noqa: BLE001 - what the interpreter prints, then exit 1
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        code = _wait(pid, timeout)
+        out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    if code is None:
+        raise subprocess.TimeoutExpired(["train.py", *argv], timeout, out, err)
+    return subprocess.CompletedProcess(["train.py", *argv], code, out, err)
+
+
+def _redirect(out_path: Path, err_path: Path) -> None:
+    """The child's fds 1 and 2 (inherited by its ranks) and sys.stdout/err go to two files."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    # pytest's capture replaced sys.stdout/err with its own files: point them back at fds 1 and 2.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives until os._exit
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _wait(pid: int, timeout: float) -> int | None:
+    """The child's exit status (-N for signal N, as subprocess reports it); None on timeout.
+
+    Either way nothing of its process group is left running."""
+    deadline = time.monotonic() + timeout
+    # WNOWAIT: the child stays a zombie (its pid, the group's id, cannot be reused) until killpg ran.
+    timed_out = False
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        timed_out = time.monotonic() > deadline
+        if timed_out:
+            break
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    _, raw = os.waitpid(pid, 0)
+    return None if timed_out else os.waitstatus_to_exitcode(raw)
+
+
+def write_run_config(run_dir: Path, *overrides: str) -> None:
+    """``run_dir/config.yaml`` as ``python train.py *overrides`` writes it for its ranks: composed by
+    Hydra from ``conf/``, validated, layout and batch resolved (``framework.entry.prelaunch``).
+
+    For reference runs that train on forked ranks (``tests.dist.train_rank``) instead of a launch."""
+    from hydra import compose, initialize_config_dir
+
+    from framework import config, recipes
+    from framework.config import quote_numeric_choices, to_yaml
+    from framework.entry import prelaunch
+    from framework.launch import register_resolvers
+
+    config.register()
+    recipes.register()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose("config", overrides=quote_numeric_choices(list(overrides)))
+    cfg, _, _ = prelaunch(dcfg, run_dir, None)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))

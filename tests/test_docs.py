@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from framework import docs
 from framework.config import GROUPS
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.entry import train_forked
 
 
 def test_readme_config_reference_and_help_are_not_stale() -> None:
@@ -25,20 +19,10 @@ def test_reference_covers_every_field_and_group() -> None:
 
 
 def test_help_lists_groups_with_options_and_cfg_job_prints_the_config() -> None:
-    env = {**os.environ}
-    env.pop("RUN_STAMP", None)
-    out = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    """``python train.py --help`` and ``--cfg job``, forked from this process (tests/entry.py)."""
+    out = train_forked("--help", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "sharding       parallel layout" in out.stdout
     assert "logger: console, wandb" in out.stdout and "recipe: " in out.stdout
-    cfg = subprocess.run(
-        [sys.executable, "train.py", "--cfg", "job", "logger=wandb"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cfg = train_forked("--cfg", "job", "logger=wandb", timeout=120)
     assert cfg.returncode == 0 and "kind: wandb" in cfg.stdout

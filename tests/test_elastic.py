@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
 from framework.metrics import read_metrics
-from tests.dist import run_ranks
-from tests.entry import train_main
+from tests.dist import run_ranks, train_rank
+from tests.entry import train_forked, train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -59,8 +59,9 @@ def _env() -> dict[str, str]:
 
 
 def train(run: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *TINY, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    """``python train.py`` with TINY, forked from this process (tests/entry.py); the launcher and
+    the ranks it starts are real. The signal tests below start a fresh interpreter (``_start``)."""
+    return train_forked(f"hydra.run.dir={run}", *TINY, *overrides, timeout=timeout, env=_env())
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -135,7 +136,7 @@ def unbroken_run(killed: Path, base: Path, world: int) -> None:
     unbroken.run.max_restarts, unbroken.run.fault_kill_at_step = 0, -1
     base.mkdir()
     OmegaConf.save(unbroken, base / "config.yaml")
-    run_ranks(_worker_rank, world, str(base), timeout_s=300)
+    run_ranks(train_rank, world, str(base), timeout_s=300)
 
 
 def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, Path]) -> None:
@@ -195,21 +196,12 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(base, 1), step_dir(resumed, 1))
     shutil.copy(base / "config.yaml", resumed / "config.yaml")
-    run_ranks(_worker_rank, 8, str(resumed), timeout_s=300)
+    run_ranks(train_rank, 8, str(resumed), timeout_s=300)
     [event] = events(resumed, "resumed")
     assert event["step"] == 1 and "step_000001" in event["detail"], event
     assert [r["step"] for r in loss_rows(resumed)] == [2]
     assert losses_by_step(resumed)[2] == losses_by_step(base)[2]
     assert assert_bitwise(step_dir(base, 2), step_dir(resumed, 2)) > 30
-
-
-def _worker_rank(rank: int, world: int, run_dir: str) -> None:
-    """A rank as ``framework.worker`` runs it, minus the interpreter start: the process group exists."""
-    from framework import trainer
-    from framework.config import to_config
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    trainer.run(to_config(OmegaConf.load(Path(run_dir) / "config.yaml")), Path(run_dir))
 
 
 def test_lost_time_from_kill_to_first_resumed_step_is_bounded(runs: dict[str, Path]) -> None:

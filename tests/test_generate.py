@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -14,8 +12,7 @@ from omegaconf import OmegaConf
 from framework.config import ModelConfig, ModelFamily, to_config
 from framework.generate import KVCache, forward_cached, generate, load_model, main
 from framework.model import build_model
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.entry import train_forked
 
 
 def tiny_model(n_kv_heads: int = 2, family: ModelFamily = ModelFamily.llama) -> torch.nn.Module:
@@ -70,10 +67,7 @@ def test_sampling_is_seeded_and_stays_in_the_top_k() -> None:
 def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    cmd = [
-        sys.executable,
-        "train.py",
+    proc = train_forked(
         f"hydra.run.dir={run}",
         "checkpoint=sync",
         "train.steps=30",
@@ -82,8 +76,9 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
         "train.seq_len=64",
         "freeze=none",
         "logger.plot=false",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main([str(run), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr()

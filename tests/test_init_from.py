@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,12 @@ from framework.model import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.plan import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
+from tests.entry import train_forked  # noqa: E402
 from tests.test_checkpoint_import_hf import MODELS, hf_logits, make_hf_model, tokens  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5
-# Small and fast: bytes of the standard library, 16-token windows, no freeze, no evaluation.
+# Small and fast: bytes of the standard library, 16-token windows, no freeze, no evaluation, no plot.
 FAST = [
     "train.seq_len=16",
     "train.global_batch_size=4",
@@ -38,14 +38,14 @@ FAST = [
     "train.eval_every=0",
     "train.warmup_steps=1",
     "freeze=none",
+    "logger.plot=false",
 ]
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``python train.py``, forked from this process (tests/entry.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return train_forked(f"hydra.run.dir={run_dir}", *overrides, timeout=300, env=env)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:

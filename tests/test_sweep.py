@@ -6,14 +6,13 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from framework.launch import isolated_environ
 from framework.sweep import sweep_id
+from tests.entry import train_forked
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "freeze=none",
     "data.source=synthetic",
@@ -31,14 +30,7 @@ def multirun(cwd: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, f
     for key in ("RUN_STAMP", "FRAMEWORK_SWEEP_ID"):
         env.pop(key, None)
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "-m", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = train_forked("-m", *overrides, timeout=400, env=env, cwd=cwd)  # python train.py -m, forked
     return proc, time.perf_counter() - t0
 
 
