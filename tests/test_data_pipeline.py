@@ -268,6 +268,10 @@ def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) 
 def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None:
     message = refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes")
     assert "eos_token" not in message, message  # tokenizer=bytes refuses tokenizer.eos_token
+    bos = refused(
+        cfg(DataConfig(), TokenizerConfig(add_bos=True), vocab=256), "has no BOS token", "use tokenizer=hf"
+    )
+    assert "bos_token" not in bos, bos  # ... and tokenizer.bos_token
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
     masked.model.attention = AttentionBackend.flash
