@@ -301,12 +301,13 @@ def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return SentencePieceTokenizer(path, cfg.bos_token, cfg.eos_token)
 
 
-def eos_fix(tok: Tokenizer) -> str:
-    """What to do about a tokenizer without EOS: tokenizer=bytes refuses tokenizer.eos_token (it has
-    no special tokens), so it is told to switch; a file tokenizer may name one."""
+def eos_fix(tok: Tokenizer, which: str = "eos") -> str:
+    """What to do about a tokenizer without EOS (or BOS): tokenizer=bytes refuses
+    tokenizer.eos_token / bos_token (it has no special tokens), so it is told to switch; a file
+    tokenizer may name one."""
     if tok.kind is TokenizerKind.bytes:
         return "use tokenizer=hf|sentencepiece (bytes has no special tokens)"
-    return "set tokenizer.eos_token to one of its tokens"
+    return f"set tokenizer.{which}_token to one of its tokens"
 
 
 def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = None) -> None:

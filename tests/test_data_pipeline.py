@@ -213,6 +213,8 @@ def tokens_cfg(path: Path | str, **kw: object) -> Config:
         ("shorter_than_a_sequence", ["fewer than one sequence", "train.seq_len+2=34"]),
         ("truncated", ["holds 4000 tokens, its sidecar says 5000"]),
         ("odd_size", ["not a whole number of uint16 tokens"]),
+        # tok.jsonl's ".json sidecar" is tok.bin's: it read as "not a whole number of tokens".
+        ("text_file", ["tok.jsonl' is a .jsonl file, not a token file", "data=jsonl"]),
     ],
 )
 def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> None:
@@ -243,6 +245,9 @@ def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> N
     elif case == "odd_size":
         with token_file.open("ab") as f:
             f.write(b"\x01")
+    elif case == "text_file":
+        path = token_file.with_suffix(".jsonl")
+        path.write_text('{"text": "a document"}\n')
     refused(tokens_cfg(path), *fragments)
 
 
@@ -263,6 +268,10 @@ def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) 
 def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None:
     message = refused(cfg(DataConfig(document_mask=True), vocab=256), "needs an EOS token", "tokenizer=bytes")
     assert "eos_token" not in message, message  # tokenizer=bytes refuses tokenizer.eos_token
+    bos = refused(
+        cfg(DataConfig(), TokenizerConfig(add_bos=True), vocab=256), "has no BOS token", "use tokenizer=hf"
+    )
+    assert "bos_token" not in bos, bos  # ... and tokenizer.bos_token
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
     masked.model.attention = AttentionBackend.flash

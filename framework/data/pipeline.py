@@ -116,7 +116,7 @@ def check_data(cfg: Config) -> None:
     check_vocab(tok, cfg.model.vocab_size, cfg.model.init_from)
     if cfg.tokenizer.add_bos and tok.bos_id is None:
         raise ValueError(
-            f"tokenizer.add_bos=true, but tokenizer={tok.kind.value} has no BOS token: set tokenizer.bos_token"
+            f"tokenizer.add_bos=true, but tokenizer={tok.kind.value} has no BOS token: {eos_fix(tok, 'bos')}"
         )
     check_mix(cfg.data)
     for spec, _ in entries(cfg.data):

@@ -16,6 +16,8 @@ import numpy as np
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Sidecars written before tokenizer digests existed say "tokenizer": "bytes".
 LEGACY_BYTES = "bytes"
+# Text files given as a token file: which data= option reads them.
+TEXT_SOURCES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".md": "text"}
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per chunk of the id-range scan (bounded memory on any file size)
 
 
@@ -76,6 +78,11 @@ def read_sidecar(path: Path, key: str = "data.path") -> dict[str, Any]:
         )
     if path.stat().st_size == 0:
         raise ValueError(f"{key}={str(path)!r} is an empty token file")
+    if path.suffix in TEXT_SOURCES:  # its .json "sidecar" may be another token file's (docs.bin's)
+        raise ValueError(
+            f"{key}={str(path)!r} is a {path.suffix} file, not a token file: read it with "
+            f"data={TEXT_SOURCES[path.suffix]}, or tokenize it with `python -m framework.data prepare`"
+        )
     meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
         raise ValueError(
