@@ -43,11 +43,22 @@ def arm_stack_dump() -> None:
     seconds (unset: never). For hunting hangs in CI: a test that kills a stuck run after N seconds sets
     a smaller value, and the killed run's stderr then says where each process was."""
     seconds = os.environ.get("FRAMEWORK_STACK_DUMP_S", "")
-    if seconds:
-        import faulthandler
+    if not seconds:
+        return
+    try:
+        after = float(seconds)
+    except ValueError:
+        after = 0.0
+    if not after > 0:  # also NaN
+        print(
+            f"error: FRAMEWORK_STACK_DUMP_S={seconds}: use a number of seconds > 0, or unset it",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    import faulthandler
 
-        # The process's own stderr: a test's captured sys.stderr has no file descriptor.
-        faulthandler.dump_traceback_later(float(seconds), exit=False, file=sys.__stderr__)
+    # The process's own stderr: a test's captured sys.stderr has no file descriptor.
+    faulthandler.dump_traceback_later(after, exit=False, file=sys.__stderr__)
 
 
 def run_stamp() -> str:

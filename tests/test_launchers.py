@@ -14,7 +14,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config import RunConfig
-from framework.launch import ALLOC_CONF, apply_allocator_environment, register_resolvers, task_threads
+from framework.launch import (
+    ALLOC_CONF,
+    apply_allocator_environment,
+    arm_stack_dump,
+    register_resolvers,
+    task_threads,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,3 +93,17 @@ def test_allocator_environment_is_set_once_and_never_overrides(monkeypatch: pyte
     monkeypatch.setenv(ALLOC_CONF, "max_split_size_mb:128")
     apply_allocator_environment(RunConfig())
     assert os.environ[ALLOC_CONF] == "max_split_size_mb:128"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan"])
+def test_a_bad_stack_dump_delay_is_one_line_exit_2(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``FRAMEWORK_STACK_DUMP_S`` (framework.launch.arm_stack_dump) names the value and what is valid."""
+    monkeypatch.setenv("FRAMEWORK_STACK_DUMP_S", value)
+    with pytest.raises(SystemExit) as e:
+        arm_stack_dump()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: FRAMEWORK_STACK_DUMP_S={value}: use a number of seconds > 0, or unset it"
+    ]
