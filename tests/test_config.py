@@ -38,7 +38,7 @@ def test_every_group_option_composes(group: str) -> None:
 
 
 def test_schema_defaults_are_the_composed_defaults() -> None:
-    """The config reference (README, --help) shows the schema's defaults: they must be what
+    """The config reference (docs/config.md, --help) shows the schema's defaults: they must be what
     ``python train.py`` composes. The recipe-owned groups (model, data, train) are the recipe's."""
     composed = config.flatten(
         OmegaConf.to_container(OmegaConf.structured(compose_config()), enum_to_str=True)

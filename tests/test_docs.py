@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import re
+
 from framework import docs
 from framework.config import GROUPS
 from tests.entry import train_forked
 
 
-def test_readme_config_reference_and_help_are_not_stale() -> None:
+def test_config_reference_and_help_are_not_stale() -> None:
     assert docs.stale() == [], "run `python -m framework.docs` and commit the result"
+    assert docs.BEGIN in docs.REFERENCE.read_text()
+
+
+def test_stale_reference_is_detected(tmp_path, monkeypatch) -> None:
+    """An edit by hand inside the markers of docs/config.md is caught (the check can fail)."""
+    page = tmp_path / "config.md"
+    page.write_text(docs.REFERENCE.read_text().replace("`train.steps`", "`train.stepz`"))
+    monkeypatch.setattr(docs, "REFERENCE", page)
+    assert docs.stale() == [page]
+    page.write_text(docs.replace_section(page.read_text(), docs.render_reference()))
+    assert docs.stale() == []
+
+
+def test_readme_opens_with_the_two_commands_and_links_pages_that_exist() -> None:
+    """CI and users copy the first block; the README's links all land on a docs/ page."""
+    readme = (docs.ROOT / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert first[0].startswith('pip install -e ".[dev]" && python train.py ')
+    assert first[1].startswith("pytest ")
+    assert "CPU build of torch" in readme
+    links = re.findall(r"\]\((docs/[\w.]+\.md)\)", readme)
+    assert len(set(links)) >= 10
+    assert [link for link in links if not (docs.ROOT / link).is_file()] == []
+    assert "config-reference:begin" not in readme  # the reference lives in docs/config.md
 
 
 def test_reference_covers_every_field_and_group() -> None:
