@@ -9,7 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from framework import config, recipes
+from framework import config, docs, recipes
 from framework.launch import arm_stack_dump, register_resolvers
 from framework.override_errors import one_line_errors
 
@@ -22,6 +22,7 @@ except ValueError as e:
 register_resolvers()
 arm_stack_dump()  # FRAMEWORK_STACK_DUMP_S: where a stuck run was (tests set it)
 sys.argv = config.quote_numeric_choices(sys.argv)
+sys.argv = docs.full_help_flag(sys.argv)  # --help --all: the help with the composed config
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

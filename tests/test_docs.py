@@ -44,11 +44,29 @@ def test_reference_covers_every_field_and_group() -> None:
     assert set(GROUPS) <= set(docs.GROUP_DESCRIPTIONS)
 
 
-def test_help_lists_groups_with_options_and_cfg_job_prints_the_config() -> None:
-    """``python train.py --help`` and ``--cfg job``, forked from this process (tests/entry.py)."""
+def test_help_opens_with_commands_and_the_dump_is_one_flag_away() -> None:
+    """``python train.py --help``: usage and the common commands first, groups with their options,
+    no config dump; ``--help --all``: the composed config too (with overrides applied); ``--cfg job``
+    prints the config. Forked from this process (tests/entry.py)."""
     out = train_forked("--help", timeout=120)
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("train.py: ") and lines[5] == "== Common commands =="
+    assert [ln.split()[:2] for ln in lines[6 : 6 + len(docs.EXAMPLES)]] == [
+        c.split()[:2] for c, _ in docs.EXAMPLES
+    ]
     assert "sharding       parallel layout" in out.stdout
     assert "logger: console, wandb" in out.stdout and "recipe: " in out.stdout
+    assert "== Composed config" not in out.stdout and "--help --all" in out.stdout
+    assert len(lines) < 80  # it was 250 with the dump
+    full = train_forked("--help", "--all", "train.steps=7", timeout=120)
+    assert full.returncode == 0, full.stderr
+    assert "== Composed config" in full.stdout and "  steps: 7\n" in full.stdout
+    assert "== Common commands ==" not in full.stdout
     cfg = train_forked("--cfg", "job", "logger=wandb", timeout=120)
     assert cfg.returncode == 0 and "kind: wandb" in cfg.stdout
+
+
+def test_full_help_flag_only_with_help() -> None:
+    assert docs.full_help_flag(["train.py", "--help", "--all"]) == ["train.py", "--help", docs.FULL_HELP]
+    assert docs.full_help_flag(["train.py", "--all"]) == ["train.py", "--all"]  # Hydra then refuses it
