@@ -221,6 +221,22 @@ def check_checkpoint_dir(cfg: Config) -> None:
     if not cfg.checkpoint.enabled or not cfg.checkpoint.dir:
         return
     check_dir_creatable("checkpoint.dir", cfg.checkpoint.dir)
+    check_not_nested("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_not_nested(key: str, value: str | Path) -> None:
+    """Refuse a checkpoint root inside another checkpoint root or step dir (or a step dir itself):
+    the two runs' retention, cleanup and set-aside would delete each other's checkpoints."""
+    from framework.checkpoint import store
+
+    found = store.enclosing_checkpoint(Path(value))
+    if found is not None:
+        where, why = found
+        raise ValueError(
+            f"{key}={str(value)!r} is inside {str(where)!r} ({why}): two runs sharing one checkpoint tree "
+            f"delete each other's checkpoints; valid: a directory outside any checkpoint root, e.g. "
+            f"{str(where.parent / 'checkpoints_new')!r}"
+        )
 
 
 def check_dir_creatable(key: str, value: str) -> None:
@@ -526,6 +542,7 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     from framework.checkpoint import lock
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
 
 

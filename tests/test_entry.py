@@ -27,3 +27,44 @@ def test_refusal_removes_the_run_dir_it_created(tmp_path: Path) -> None:
     run = tmp_path / "new" / "run"
     assert train_main(f"hydra.run.dir={run}", "train.lr=nan") == 2
     assert not run.exists() and not (tmp_path / "new").exists() and tmp_path.is_dir()
+
+
+def _other_run(tmp_path: Path) -> Path:
+    """Another run's checkpoint root: a committed step dir (manifest.json) and its LOCK."""
+    root = tmp_path / "team_b" / "checkpoints"
+    (root / "step_000004").mkdir(parents=True)
+    (root / "step_000004" / "manifest.json").write_text("{}")
+    (root / "LOCK").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("inside", ["nested", "step_000004", "step_000004/mine"])
+def test_checkpoint_dir_inside_another_runs_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], inside: str
+) -> None:
+    root = _other_run(tmp_path)
+    run = tmp_path / "run"
+    code = train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root / inside}")
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "checkpoint.dir=" in errors[0], errors
+    assert "delete each other's checkpoints" in errors[0] and str(root) in errors[0], errors
+    assert not run.exists() and sorted(p.name for p in root.iterdir()) == ["LOCK", "step_000004"]
+
+
+def test_run_dir_inside_another_runs_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _other_run(tmp_path)
+    assert train_main(f"hydra.run.dir={root / 'step_000004' / 'run'}", "checkpoint=sync") == 2
+    assert "hydra.run.dir=" in capsys.readouterr().err
+    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["manifest.json"]
+
+
+def test_a_folder_next_to_another_runs_checkpoints_is_fine(tmp_path: Path) -> None:
+    from framework.checkpoint.store import enclosing_checkpoint
+
+    root = _other_run(tmp_path)
+    assert enclosing_checkpoint(tmp_path / "team_b" / "mine") is None
+    assert enclosing_checkpoint(root) is None  # the root itself: resuming it is the lock's business
+    assert enclosing_checkpoint(root / "x" / "y")[0] == root.resolve()
