@@ -120,9 +120,9 @@ def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[s
     return found
 
 
-def refusal(node: Any) -> str | None:
+def refusal(node: Any, folder: Path | None = None) -> str | None:
     """Why a recipe's content may not be used, or None (the rules: framework.recipe_check)."""
-    return recipe_check.refusal(node)
+    return recipe_check.refusal(node, folder)
 
 
 def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
@@ -138,12 +138,13 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     for r in recipes.values():
         content, reason = recipe_check.load(r.path)
         if reason is None:
-            reason = refusal(content)
+            reason = refusal(content, r.path.parent)
         if reason is not None:
             REFUSED[r.name] = f"recipe {r.name!r} ({r.path}) is refused: {reason}"
             content = {}
         else:
             REFUSED.pop(r.name, None)
+            content = recipe_check.localized(content, r.path.parent)  # data next to it, made absolute
         cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
     return recipes
 
