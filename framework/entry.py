@@ -3,8 +3,9 @@
 Every check that can fail on user input runs here (``prelaunch``), before any rank starts: the
 recipe's safety (framework.recipes), every ``_target_`` against the allowlist (framework.instantiate),
 the schema, every key's rule (framework.rules), the mesh, the local resources and the plan. A
-failed check prints one clear error, removes the run dir Hydra just created (when it holds nothing
-but Hydra's own files) and exits with status 2. A run dir that is a file or not writable is refused
+failed check prints one clear error, removes what Hydra just created (the run dir only when this
+invocation created it and it holds nothing but Hydra's own files; never a folder that existed)
+and exits with status 2. A run dir that is a file or not writable is refused
 earlier still, before Hydra creates it (``RunDirCheck``).
 
 In a multirun sweep a job never ends the process: a failure is recorded in the job's ``job.json``
@@ -80,13 +81,42 @@ class JobFailed(Exception):
         self.code = code
 
 
+# Run dir (resolved) -> what existed before Hydra's mkdir: None when the run dir itself did not,
+# else the names already inside it. Recorded by ``RunDirCheck`` so that a refusal removes only what
+# this invocation created (a user's folder given as hydra.run.dir, and its train.log, stay).
+_BEFORE_HYDRA: dict[str, tuple[frozenset[str] | None, list[Path]]] = {}
+
+
+def note_run_dir(run_dir: Path) -> None:
+    """Before Hydra creates ``run_dir``: record whether it (and which parents) exist already."""
+    path = Path(run_dir).resolve()
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    inside = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
+    _BEFORE_HYDRA[str(path)] = (inside, created)
+
+
 def discard_run_dir(run_dir: Path) -> None:
-    """Remove a run dir that holds only what Hydra wrote for this invocation; never anything else."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        parent = run_dir.parent
-        if parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()
+    """Remove what Hydra wrote for this invocation, never anything else: the run dir and its new
+    parents only when this invocation created them and they hold nothing but Hydra's files; in a
+    folder that existed before, only the Hydra files that were not there. Nothing without a record."""
+    path = Path(run_dir).resolve()
+    record = _BEFORE_HYDRA.pop(str(path), None)
+    if record is None or not path.is_dir():
+        return
+    inside, created = record
+    if inside is not None:
+        for name in HYDRA_FILES - inside:
+            target = path / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target, ignore_errors=True)
+            elif target.is_file():
+                target.unlink(missing_ok=True)
+        return
+    if {p.name for p in path.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(path, ignore_errors=True)
+        for parent in created[1:]:
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
 
 
 def check_safe(dcfg: DictConfig, recipe: str | None, hydra_cfg: DictConfig | None = None) -> None:
@@ -191,6 +221,22 @@ def check_checkpoint_dir(cfg: Config) -> None:
     if not cfg.checkpoint.enabled or not cfg.checkpoint.dir:
         return
     check_dir_creatable("checkpoint.dir", cfg.checkpoint.dir)
+    check_not_nested("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_not_nested(key: str, value: str | Path) -> None:
+    """Refuse a checkpoint root inside another checkpoint root or step dir (or a step dir itself):
+    the two runs' retention, cleanup and set-aside would delete each other's checkpoints."""
+    from framework.checkpoint import store
+
+    found = store.enclosing_checkpoint(Path(value))
+    if found is not None:
+        where, why = found
+        raise ValueError(
+            f"{key}={str(value)!r} is inside {str(where)!r} ({why}): two runs sharing one checkpoint tree "
+            f"delete each other's checkpoints; valid: a directory outside any checkpoint root, e.g. "
+            f"{str(where.parent / 'checkpoints_new')!r}"
+        )
 
 
 def check_dir_creatable(key: str, value: str) -> None:
@@ -219,6 +265,7 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_run_dir("hydra.run.dir", str(config.hydra.run.dir))
+        note_run_dir(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_run_dir("hydra.sweep.dir", str(config.hydra.sweep.dir))
@@ -495,6 +542,7 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     from framework.checkpoint import lock
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
 
 

@@ -22,11 +22,15 @@ The rules, each closing one way in:
   line (``train.lr=$LR``), where the user sees it.
 - **Bounded interpolation**: every value's expansion is estimated without resolving it
   (framework.interpolation): a string-doubling chain or a cycle is refused.
-- **Keys that reach code or the process**: ``run.instantiate_allow`` (widens the ``_target_``
-  allowlist), ``executor.cache_dir`` (a compile cache is compiled code that torch unpickles), and in
-  ``nccl.env`` / ``nccl.preset_env`` anything but a known NCCL variable, or one of the variables
-  that make NCCL load a library or a file of variables (``NCCL_NET_PLUGIN``...). These are set in
-  conf/ or on the command line.
+- **Values, not places or trust** (``COMMAND_LINE_ONLY``, one table with the reason for each):
+  every path-valued key (checkpoint and cache dirs, baselines, topology files, weights, resume
+  paths, data and tokenizer files), the wandb entity, and the switches that lift a safety check
+  or grant trust (``run.instantiate_allow``, ``run.oversubscribe``...) may only be set to their
+  default. Data and tokenizer paths may name a file or folder inside the recipe's own folder
+  (resolved there and made absolute; ``..``, symlinks or globs leaving it are refused). Set any
+  other place on the command line or in conf/, where the user sees it. In ``nccl.env`` /
+  ``nccl.preset_env``: only known NCCL variables, none that loads a library or names a file
+  (``CODE_LOADING_NCCL``).
 
 ``_target_`` values are checked on the composed config (framework.instantiate), the ``hydra``
 node included.
@@ -34,8 +38,13 @@ node included.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 import re
+import typing
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +62,102 @@ RECIPE_GROUPS = tuple(g for g in config.GROUPS if g != "recipe")
 _DEFAULT_KEY = re.compile(r"override /(?P<group>[a-z_][a-z0-9_/]*)")
 _OPTION = re.compile(r"[A-Za-z0-9_.\-]+")
 
-# Keys only conf/ or the command line may set, and why.
-FORBIDDEN_KEYS: dict[str, str] = {
-    "run.instantiate_allow": "only conf/ or the command line may widen the allowlist",
-    "executor.cache_dir": (
-        "a compile cache is compiled code that torch unpickles; only conf/ or the command line may point at one"
+
+@dataclass(frozen=True)
+class Guard:
+    """A key a recipe may not set (to anything but its schema default): it names a place or grants trust.
+
+    ``local``: a relative path to a file or folder inside the recipe's own folder is allowed (data
+    shipped next to the recipe); it is resolved there, and refused when ``..``, a symlink or a
+    glob leaves the folder. ``also``: other harmless values. ``example``: a value the generated test
+    sets in a recipe (refused) and on the command line (accepted), with ``context`` keys.
+    """
+
+    why: str
+    example: Any
+    local: bool = False
+    also: tuple[Any, ...] = ()
+    context: tuple[tuple[str, Any], ...] = ()
+
+
+_CK = (("checkpoint.enabled", True),)
+_VERIFY = (("verify.enabled", True),)
+# Recipes may set values, not places or trust: the one table of what only conf/ or the command line
+# may set, and why. tests/test_recipe_check.py walks the schema so that a new path-like field
+# cannot be missing here (or from NOT_PLACES below).
+COMMAND_LINE_ONLY: dict[str, Guard] = {
+    # Places that are written (or deleted).
+    "checkpoint.dir": Guard(
+        "is where checkpoints are written and retention deletes old steps (another run's would go)",
+        "/tmp/team_b/checkpoints",
+        context=_CK,
     ),
+    "verify.baseline": Guard("is a file the run writes (the baseline store)", "/tmp/b.json", context=_VERIFY),
+    "nccl.topo_dump_file": Guard("is a file NCCL writes", "/tmp/topo.xml"),
+    "executor.cache_dir": Guard(
+        "is a compile cache: compiled code that torch unpickles",
+        "/tmp/cache",
+        context=(("executor.mode", "compile"),),
+    ),
+    # Places that are read.
+    "data.path": Guard("is a file read as training data", "/etc/passwd", local=True),
+    "data.val_path": Guard("is a file read as validation data", "/etc/passwd", local=True),
+    "data.mix[].path": Guard("is a file read as training data", "/etc/passwd", local=True),
+    "tokenizer.path": Guard("is a tokenizer file read", "/etc/passwd", local=True),
+    "model.init_from": Guard(
+        "is a checkpoint or weights folder read (a checkpoint can carry code)", "/tmp/w"
+    ),
+    "checkpoint.resume": Guard(
+        "names a checkpoint to load (a checkpoint can carry code)", "/tmp", also=("auto", "none"), context=_CK
+    ),
+    "verify.reference": Guard("is a fingerprint file read", "/tmp/f.json", context=_VERIFY),
+    "nccl.topo_file": Guard("is a topology file NCCL reads", "/tmp/topo.xml"),
+    # Other parties: an online account.
+    "logger.entity": Guard("is a wandb account the metrics are sent to", "team-b"),
+    # Trust: code, safety switches, what later runs are judged by.
+    "run.instantiate_allow": Guard(
+        "widens the _target_ allowlist (code that is run)", ["framework.", "torch."]
+    ),
+    "run.oversubscribe": Guard("lifts the CPU rank cap (gloo ranks starve and hang)", True),
+    "run.allow_over_memory": Guard("launches a plan over the device memory", True),
+    "verify.save_baseline": Guard(
+        "records this run as the baseline later runs are judged by", True, context=_VERIFY
+    ),
+    "run.fault_kill_at_step": Guard("kills a rank on purpose (fault injection)", 2),
+    "run.fault_raise_at_step": Guard("raises in a rank on purpose (fault injection)", 2),
+    "verify.inject_nan_steps": Guard("makes steps NaN on purpose (fault injection)", [1]),
+}
+# Keys that hold strings (or are named like a place) but name no place: values. The schema walk in
+# the tests requires each such field to be here or in COMMAND_LINE_ONLY, so a new one is classified.
+NOT_PLACES: dict[str, str] = {
+    "verify.reference_model_max_params": "a parameter count",
+    "model.name": "a label",
+    "tokenizer.bos_token": "a token of the vocabulary",
+    "tokenizer.eos_token": "a token of the vocabulary",
+    "data.field": "a key of each record",
+    "data.column": "a column name",
+    "data.name": "a dataset configuration name",
+    "data.split": "a split name",
+    "data.messages_field": "a key of each record",
+    "data.prompt_field": "a key of each record",
+    "data.response_field": "a key of each record",
+    "data.mix[].field": "a key of each record",
+    "data.mix[].column": "a column name",
+    "data.mix[].name": "a dataset configuration name",
+    "data.mix[].split": "a split name",
+    "optimizer._target_": "a class, checked against the allowlist",
+    "optimizer.kwargs": "keyword values of the optimizer class (names checked against its signature)",
+    "mesh.hardware.name": "a label",
+    "nccl.preset": "a label",
+    "nccl.socket_ifname": "interface names",
+    "executor.backend": "a registered torch.compile backend",
+    "logger.project": "a project of the user's own account",
+    "model.float8_skip": "layer name fragments",
+    "freeze.ignore": "module paths inside the model",
+    "freeze.export_methods": "method names",
+    "logger.tags": "labels",
+    "nccl.env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
+    "nccl.preset_env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
 }
 # NCCL variables that make every rank load code or read more variables from a file.
 CODE_LOADING_NCCL = {
@@ -66,7 +165,10 @@ CODE_LOADING_NCCL = {
     "NCCL_TUNER_PLUGIN": "loads a shared library into every rank",
     "NCCL_PROFILER_PLUGIN": "loads a shared library into every rank",
     "NCCL_CONF_FILE": "reads more variables (plugins included) from a file",
+    "NCCL_DEBUG_FILE": "writes NCCL's log to a file anywhere",
 }
+_GLOB = re.compile(r"[*?\[]")
+MAX_LOCAL_ENTRIES = 100_000  # a local data folder is walked once for symlinks that leave it
 
 
 class _Refused(Exception):
@@ -164,6 +266,111 @@ def _walk_strings(node: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
+def schema_default(key: str) -> Any:
+    """The schema's default of a dotted key (``data.mix[].path``: a fresh list entry's)."""
+    obj: Any = config.Config()
+    for part in key.split("."):
+        if part.endswith("[]"):
+            part = part[:-2]
+            hint = typing.get_type_hints(type(obj))[part]
+            obj = typing.get_args(hint)[0]()
+        else:
+            obj = getattr(obj, part)
+    return obj.value if isinstance(obj, Enum) else obj
+
+
+def _settings(
+    node: Any, pattern: str = "", written: str = "", at: tuple = ()
+) -> list[tuple[str, str, tuple, Any]]:
+    """Every leaf of a recipe as (schema key, ``[]`` for list entries; key as written; path in the node; value).
+    A list is a leaf unless it holds mappings (``data.mix``)."""
+    out: list[tuple[str, str, tuple, Any]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            sep = "." if pattern else ""
+            out += _settings(v, f"{pattern}{sep}{k}", f"{written}{sep}{k}", (*at, k))
+    elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
+        for i, v in enumerate(node):
+            out += _settings(v, f"{pattern}[]", f"{written}[{i}]", (*at, i))
+    else:
+        out.append((pattern, written, at, node))
+    return out
+
+
+def _local_path(value: Any, folder: Path | None) -> tuple[str | None, str]:
+    """``value`` resolved inside the recipe's ``folder``, or (None, why it may not be used)."""
+    if not isinstance(value, str) or not value.strip():
+        return None, "is not a path"
+    if folder is None:
+        return None, "is relative to no recipe folder"
+    if "${" in value:
+        return None, "is interpolated"
+    if value.startswith("~") or Path(value).is_absolute():
+        return None, "is not a relative path"
+    if _GLOB.search(value):
+        return None, "is a glob (name the folder instead)"
+    base = folder.resolve()
+    target = (base / value).resolve()
+    if not target.is_relative_to(base):
+        return None, f"leaves the recipe's folder {str(base)!r} (through .. or a symlink)"
+    if not target.exists():
+        return None, f"does not exist in the recipe's folder {str(base)!r}"
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(target) if target.is_dir() else ():
+        for name in (*dirnames, *filenames):
+            seen += 1
+            entry = Path(dirpath, name)
+            if seen > MAX_LOCAL_ENTRIES:
+                return None, f"holds more than {MAX_LOCAL_ENTRIES} entries"
+            if entry.is_symlink() and not entry.resolve().is_relative_to(base):
+                return None, f"holds a symlink that leaves the recipe's folder ({entry})"
+    return str(target), ""
+
+
+def check_places(node: dict[str, Any], folder: Path | None) -> tuple[str | None, list[tuple[tuple, str]]]:
+    """Why the recipe sets a ``COMMAND_LINE_ONLY`` key (None: it does not), and the local paths
+    resolved inside ``folder`` as (path in the node, absolute path) to write back."""
+    rewrites: list[tuple[tuple, str]] = []
+    for pattern, written, at, value in _settings({k: v for k, v in node.items() if k != "defaults"}):
+        if isinstance(value, str) and "${" in value:
+            covers = [
+                k for k in COMMAND_LINE_ONLY if k == pattern or k.startswith((f"{pattern}.", f"{pattern}["))
+            ]
+            if covers:
+                return (
+                    f"it sets {written}={value[:80]!r}, an interpolation that would set {covers[0]}, which "
+                    f"{COMMAND_LINE_ONLY[covers[0]].why}; a recipe may set values, not places or trust: "
+                    f"set {covers[0]} on the command line"
+                ), []
+        guard = COMMAND_LINE_ONLY.get(pattern)
+        if guard is None or value == schema_default(pattern) or value in guard.also:
+            continue
+        problem = ""
+        if guard.local:
+            resolved, problem = _local_path(value, folder)
+            if resolved is not None:
+                rewrites.append((at, resolved))
+                continue
+            problem = f" (a recipe may name a file or folder inside its own folder; this path {problem})"
+        return (
+            f"it sets {written}={value!r}, which {guard.why}{problem}; a recipe may set values, not places "
+            f"or trust: set {written} on the command line"
+        ), []
+    return None, rewrites
+
+
+def localized(node: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The recipe with its local paths (data next to it) made absolute inside ``folder``."""
+    _, rewrites = check_places(node, folder)
+    out = copy.deepcopy(node)
+    for at, resolved in rewrites:
+        parent = out
+        for k in at[:-1]:
+            parent = parent[k]
+        parent[at[-1]] = resolved
+    return out
+
+
 def _check_nccl(node: dict[str, Any]) -> str | None:
     from framework.topology import check_variable_name
 
@@ -187,8 +394,9 @@ def _check_nccl(node: dict[str, Any]) -> str | None:
     return None
 
 
-def refusal(node: Any) -> str | None:
-    """Why a recipe's raw content may not be used, or None. See the module docstring for the rules."""
+def refusal(node: Any, folder: Path | None = None) -> str | None:
+    """Why a recipe's raw content may not be used, or None. See the module docstring for the rules.
+    ``folder``: the recipe's own folder, inside which it may name data files (COMMAND_LINE_ONLY)."""
     if not isinstance(node, dict):
         return "a recipe must be a YAML mapping"
     if "hydra" in node:
@@ -200,10 +408,6 @@ def refusal(node: Any) -> str | None:
         reason = _check_defaults(node["defaults"])
         if reason:
             return reason
-    for dotted, why in FORBIDDEN_KEYS.items():
-        group, key = dotted.split(".")
-        if isinstance(node.get(group), dict) and key in node[group]:
-            return f"it sets {dotted} ({why})"
     reason = _check_nccl(node)
     if reason:
         return reason
@@ -223,7 +427,7 @@ def refusal(node: Any) -> str | None:
         check_expansion(body)
     except ValueError as e:
         return str(e)
-    return None
+    return check_places(node, folder)[0]
 
 
 def check_choices(choices: Any) -> None:

@@ -7,7 +7,9 @@ option of the group ``recipe`` (package ``_global_``) makes ``recipe=NAME`` a re
 
 Roots: ``FRAMEWORK_RECIPE_PATH`` (``os.pathsep``-separated) lists extra roots, each a folder or an
 installed package's folder as ``pkg://package.subdir`` (a team's recipes shipped as a wheel). A name
-in an earlier root wins over the same name in a later one; the shipped ``recipes/`` folder comes last.
+in an earlier root wins over the same name in a later one; the shipped ``recipes/`` folder comes last,
+and a root's file with a shipped recipe's name is refused (it would replace that recipe silently,
+the default ``llama_tiny`` included), as is a file symlinked from outside its root (never read).
 
 Safety: a recipe is untrusted input. Each file is read with a bounded parser and its content checked
 (framework.recipe_check: no Hydra keys or groups, no ``@package`` defaults, no resolvers, bounded
@@ -55,6 +57,7 @@ class Recipe:
     description: str
     sha256: str
     root: str = ""  # the root as the user wrote it (a folder or pkg://...)
+    refused: str = ""  # why the file is not even read (a symlink out of its root, a shipped name)
 
 
 def package_root(spec: str) -> Path:
@@ -101,8 +104,27 @@ def recipe_roots() -> list[tuple[str, Path]]:
     return roots
 
 
+def _unreadable(path: Path, root: Path) -> str:
+    """Why a root's file is refused before it is read: a symlink that leaves the root, or the name
+    of a shipped recipe in another root (it would replace that recipe silently, the default included)."""
+    base = root.resolve()
+    if not path.resolve().is_relative_to(base):
+        return (
+            f"it is a symlink that leaves its root {str(root)!r} (-> {path.resolve()}); a recipe is "
+            "read only from inside its root: copy the file in"
+        )
+    shipped = SHIPPED_ROOT / path.name
+    if base != SHIPPED_ROOT.resolve() and shipped.is_file():
+        return (
+            f"it has the name of the shipped recipe {shipped}, which it would replace; a root may not "
+            "replace a shipped recipe: rename the root's file"
+        )
+    return ""
+
+
 def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[str, Recipe]:
-    """Every ``*.yaml`` of every root, first root winning; reads at most ``MAX_RECIPE_BYTES`` of each."""
+    """Every ``*.yaml`` of every root, first root winning; reads at most ``MAX_RECIPE_BYTES`` of each.
+    A symlink out of its root, or a shipped name in another root, is listed refused and not read."""
     found: dict[str, Recipe] = {}
     for item in roots if roots is not None else recipe_roots():
         label, root = item if isinstance(item, tuple) else (str(item), item)
@@ -110,6 +132,10 @@ def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[s
             raise ValueError(f"recipe root {label!r} is not a directory (check FRAMEWORK_RECIPE_PATH)")
         for path in sorted(root.glob("*.yaml")):
             if path.stem in found or not path.is_file():
+                continue
+            why = _unreadable(path, root)
+            if why:
+                found[path.stem] = Recipe(path.stem, path, "", "", label, why)
                 continue
             with path.open("rb") as f:
                 data = f.read(recipe_check.MAX_RECIPE_BYTES + 1)  # a larger file is refused on load
@@ -120,9 +146,9 @@ def discover(roots: list[Path] | list[tuple[str, Path]] | None = None) -> dict[s
     return found
 
 
-def refusal(node: Any) -> str | None:
+def refusal(node: Any, folder: Path | None = None) -> str | None:
     """Why a recipe's content may not be used, or None (the rules: framework.recipe_check)."""
-    return recipe_check.refusal(node)
+    return recipe_check.refusal(node, folder)
 
 
 def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
@@ -136,14 +162,15 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     recipes = discover(roots)
     cs = ConfigStore.instance()
     for r in recipes.values():
-        content, reason = recipe_check.load(r.path)
+        content, reason = (None, r.refused) if r.refused else recipe_check.load(r.path)
         if reason is None:
-            reason = refusal(content)
+            reason = refusal(content, r.path.parent)
         if reason is not None:
             REFUSED[r.name] = f"recipe {r.name!r} ({r.path}) is refused: {reason}"
             content = {}
         else:
             REFUSED.pop(r.name, None)
+            content = recipe_check.localized(content, r.path.parent)  # data next to it, made absolute
         cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
     return recipes
 

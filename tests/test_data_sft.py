@@ -234,7 +234,7 @@ def test_train_py_refuses_a_bad_record_with_exit_2_and_no_run_dir(
 ) -> None:
     from tests.test_data_pipeline import train_main
 
-    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+    monkeypatch.chdir(ROOT)  # bad.jsonl is absolute; the recipe's own paths are relative to its folder
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     with pytest.raises(SystemExit) as e:

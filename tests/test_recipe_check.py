@@ -6,12 +6,18 @@ on raw recipe content and on real files, and the check on Hydra's composed resul
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from framework import recipe_check, recipes
+from framework import config, recipe_check, recipes
 
 CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
 
@@ -38,7 +44,10 @@ CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
         ({"defaults": "override /mesh: 2"}, "defaults must be a list"),
         # Keys that reach code or the process.
         ({"run": {"instantiate_allow": ["os."]}}, "run.instantiate_allow"),
-        ({"executor": {"cache_dir": "/shared/evil"}}, "executor.cache_dir (a compile cache is compiled code"),
+        (
+            {"executor": {"cache_dir": "/shared/evil"}},
+            "executor.cache_dir='/shared/evil', which is a compile cache",
+        ),
         ({"nccl": {"env": {"LD_PRELOAD": "/tmp/evil.so"}}}, "nccl.env.LD_PRELOAD is refused"),
         ({"nccl": {"env": {"PATH": "/evil"}}}, "nccl.env.PATH is refused"),
         ({"nccl": {"preset_env": {"PYTHONPATH": "/evil"}}}, "nccl.preset_env.PYTHONPATH is refused"),
@@ -173,3 +182,120 @@ def test_composed_result_is_checked(
     assert recipes.main(["validate", "good", *overrides]) == 2
     err = capsys.readouterr().err
     assert "is refused" in err and message in err, err
+
+
+# ------------------------------------------------------------------------------------------------
+# Recipes may set values, not places or trust: the table COMMAND_LINE_ONLY, checked against the
+# schema and tested from itself.
+# ------------------------------------------------------------------------------------------------
+# A field name that names a place (``val_path``, ``cache_dir``, ``topo_dump_file``, ``init_from``...).
+PLACE_LIKE = re.compile(
+    r"(^|_)(path|paths|dir|file|files|baseline|reference|resume|entity|url|hub|root|store|from)(_|$)"
+)
+
+
+def _schema_leaves(cls: type = config.Config, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf field of the schema (list entries of a dataclass as ``key[].field``) and its type."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], f"{prefix}{f.name}"
+        args = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            out += _schema_leaves(tp, f"{key}.")
+        elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+            out += _schema_leaves(args[0], f"{key}[].")
+        else:
+            out.append((key, tp))
+    return out
+
+
+def _holds_str(tp: Any) -> bool:
+    return tp is str or tp is Path or any(_holds_str(a) for a in typing.get_args(tp))
+
+
+def test_every_place_like_or_string_field_is_classified() -> None:
+    """A new field named like a place must be in COMMAND_LINE_ONLY; a new string field in it or in
+    NOT_PLACES (a decision, written down, that it names no place)."""
+    leaves = dict(_schema_leaves())
+    table, values = recipe_check.COMMAND_LINE_ONLY, recipe_check.NOT_PLACES
+    unknown = sorted((set(table) | set(values)) - set(leaves))
+    assert not unknown, f"not schema keys: {unknown}"
+    assert not set(table) & set(values)
+    named = [k for k in leaves if PLACE_LIKE.search(k.rsplit(".", 1)[-1])]
+    place_like = sorted(k for k in named if k not in table and k not in values)
+    assert not place_like, f"path-like fields a recipe may set: add them to COMMAND_LINE_ONLY: {place_like}"
+    strings = sorted(k for k, tp in leaves.items() if _holds_str(tp) and k not in table and k not in values)
+    assert not strings, f"string fields in neither COMMAND_LINE_ONLY nor NOT_PLACES: {strings}"
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    node: Any = value
+    for part in reversed(key.split(".")):
+        node = [node] if part.endswith("[]") else node
+        node = {part.removesuffix("[]"): node}
+    return node
+
+
+@pytest.fixture
+def cmd_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "root"
+    folder.mkdir()
+    (folder / "good.yaml").write_text("# Good.\nmodel:\n  name: good\n")
+    for key, guard in recipe_check.COMMAND_LINE_ONLY.items():
+        content = {**_nested(key, guard.example)}
+        for ck, cv in guard.context:
+            group, leaf = ck.split(".")
+            content.setdefault(group, {})[leaf] = cv
+        name = "sets_" + key.replace(".", "_").replace("[]", "")
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(content))
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("key", sorted(recipe_check.COMMAND_LINE_ONLY))
+def test_command_line_only_keys_are_refused_in_a_recipe_and_accepted_on_the_command_line(
+    cmd_root: Path, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    guard = recipe_check.COMMAND_LINE_ONLY[key]
+    name = "sets_" + key.replace(".", "_").replace("[]", "")
+    assert recipes.main(["validate", name]) == 2
+    err = capsys.readouterr().err
+    written = key.replace("[]", "[0]")
+    assert err.count("\n") == 1 and f"it sets {written}=" in err, err
+    assert f"set {written} on the command line" in err, err
+    if key == "data.mix[].path":
+        value = f"data.mix=[{{path: {guard.example}}}]"
+    else:
+        value = f"{key}={json.dumps(guard.example)}"
+    context = [f"{k}={json.dumps(v)}" for k, v in guard.context]
+    assert recipes.main(["validate", "good", *context, value]) == 0, capsys.readouterr().err
+    assert "valid" in capsys.readouterr().out
+
+
+def test_a_recipe_may_name_data_inside_its_own_folder_only(tmp_path: Path) -> None:
+    folder = tmp_path / "team"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.jsonl").write_text('{"text": "hi"}\n')
+    secret = tmp_path / "secret.txt"
+    secret.write_text("key")
+    (folder / "data" / "leak.jsonl").symlink_to(secret)
+    (folder / "link.jsonl").symlink_to(secret)
+    ok = {"data": {"path": "data/train.jsonl"}}
+    assert recipe_check.refusal(ok, folder) is None
+    assert recipe_check.localized(ok, folder)["data"]["path"] == str(
+        (folder / "data" / "train.jsonl").resolve()
+    )
+    for value, why in [
+        ("../secret.txt", "leaves the recipe's folder"),
+        ("link.jsonl", "leaves the recipe's folder"),
+        ("data", "holds a symlink that leaves the recipe's folder"),
+        (str(secret), "is not a relative path"),
+        ("~/x", "is not a relative path"),
+        ("data/*.jsonl", "is a glob"),
+        ("org/hub_dataset", "does not exist in the recipe's folder"),
+    ]:
+        reason = recipe_check.refusal({"data": {"path": value}}, folder)
+        assert reason is not None and why in reason and "set data.path on the command line" in reason, reason
+    assert recipe_check.refusal({"checkpoint": {"resume": "none"}}, folder) is None  # a value, not a place
+    assert "NCCL_DEBUG_FILE" in recipe_check.refusal({"nccl": {"env": {"NCCL_DEBUG_FILE": "/x"}}}, folder)

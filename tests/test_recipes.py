@@ -188,3 +188,37 @@ def test_unsafe_recipe_is_refused_before_anything_runs(
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
     assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
     assert not run_dir.exists() and not marker.exists()
+
+
+def test_a_root_may_not_replace_a_shipped_recipe_nor_link_files_from_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.entry import train_main
+
+    root = tmp_path / "team"
+    root.mkdir()
+    (root / "llama_tiny.yaml").write_text("# Team's own.\ntrain:\n  steps: 1\n")
+    secret = tmp_path / "credentials"
+    secret.write_text("# aws_secret_access_key = hunter2\n")
+    (root / "leak.yaml").symlink_to(secret)
+    (root / "team_tiny.yaml").write_text(TEAM_RECIPE)
+    (root / "alias.yaml").symlink_to(root / "team_tiny.yaml")  # inside the root: fine
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
+    assert recipes.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert "REFUSED: it is a symlink that leaves its root" in lines["leak"], lines["leak"]
+    assert "REFUSED: it has the name of the shipped recipe" in lines["llama_tiny"], lines["llama_tiny"]
+    assert "REFUSED" not in lines["alias"] and "REFUSED" not in lines["team_tiny"]
+    assert recipes.main(["validate", "llama_tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rename the root's file" in err, err
+    run = tmp_path / "run"
+    assert train_main(f"hydra.run.dir={run}") == 2  # the default recipe is llama_tiny: not replaced
+    err = capsys.readouterr().err
+    assert "the name of the shipped recipe" in err and not run.exists(), err
+    assert recipes.main(["validate", "alias"]) == 0
+    monkeypatch.delenv("FRAMEWORK_RECIPE_PATH")
+    recipes.register()  # the shipped llama_tiny again, for the tests that follow in this process
+    assert "llama_tiny" not in recipes.REFUSED

@@ -252,3 +252,37 @@ def set_aside(directory: Path, reason: str) -> Path:
     target.with_name(target.name + ".why").write_text(reason + "\n")
     fsync_dir(directory.parent)
     return target
+
+
+def _marker(directory: Path) -> str | None:
+    """What makes ``directory`` a checkpoint root or a step dir (None: neither): its files say so."""
+    if directory.name.startswith("step_") and (
+        parse_step(directory) is not None or directory.name.endswith((TMP_SUFFIX, DEL_SUFFIX))
+    ):
+        return f"it is a checkpoint step dir ({directory.name})"
+    if (directory / MANIFEST).is_file():
+        return f"it is a checkpoint step dir (it holds {MANIFEST})"
+    if (directory / "LOCK").is_file():
+        return "it is a checkpoint root (it holds LOCK)"
+    try:
+        held = [p.name for _, p in committed(directory) if (p / MANIFEST).is_file()]
+    except OSError:
+        return None
+    return f"it is a checkpoint root (it holds {held[0]})" if held else None
+
+
+def enclosing_checkpoint(root: Path) -> tuple[Path, str] | None:
+    """The checkpoint root or step dir that ``root`` lies inside (strictly), with why it is one.
+
+    Why: a root inside another run's tree is destroyed with it (that run's retention deletes its
+    step dirs, ``set_aside`` moves them), and its own files land in that run's checkpoints.
+    """
+    path = Path(root).expanduser().resolve()
+    if (path / MANIFEST).is_file() or parse_step(path) is not None:
+        return path, f"it is a checkpoint step dir ({path.name})"
+    for parent in path.parents:
+        if parent.is_dir():
+            why = _marker(parent)
+            if why is not None:
+                return parent, why
+    return None

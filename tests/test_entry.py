@@ -1,0 +1,70 @@
+"""The launcher's own refusals (framework.entry): what a refused config leaves behind, and
+checkpoint dirs that would share another run's tree. Through the real ``train.py`` and Hydra, in
+this process (tests/entry.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.entry import train_main
+
+
+def test_refusal_keeps_an_existing_run_dir_and_the_users_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "mine"
+    run.mkdir()  # holding only a train.log: it used to look like Hydra's own files and was removed
+    (run / "train.log").write_text("my own log\n")
+    assert train_main(f"hydra.run.dir={run}", "train.lr=nan") == 2
+    assert "train.lr=nan" in capsys.readouterr().err
+    assert (run / "train.log").read_text().startswith("my own log\n")
+    assert not (run / ".hydra").exists()  # what Hydra added for this invocation is gone
+
+
+def test_refusal_removes_the_run_dir_it_created(tmp_path: Path) -> None:
+    run = tmp_path / "new" / "run"
+    assert train_main(f"hydra.run.dir={run}", "train.lr=nan") == 2
+    assert not run.exists() and not (tmp_path / "new").exists() and tmp_path.is_dir()
+
+
+def _other_run(tmp_path: Path) -> Path:
+    """Another run's checkpoint root: a committed step dir (manifest.json) and its LOCK."""
+    root = tmp_path / "team_b" / "checkpoints"
+    (root / "step_000004").mkdir(parents=True)
+    (root / "step_000004" / "manifest.json").write_text("{}")
+    (root / "LOCK").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("inside", ["nested", "step_000004", "step_000004/mine"])
+def test_checkpoint_dir_inside_another_runs_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], inside: str
+) -> None:
+    root = _other_run(tmp_path)
+    run = tmp_path / "run"
+    code = train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root / inside}")
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "checkpoint.dir=" in errors[0], errors
+    assert "delete each other's checkpoints" in errors[0] and str(root) in errors[0], errors
+    assert not run.exists() and sorted(p.name for p in root.iterdir()) == ["LOCK", "step_000004"]
+
+
+def test_run_dir_inside_another_runs_checkpoints_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _other_run(tmp_path)
+    assert train_main(f"hydra.run.dir={root / 'step_000004' / 'run'}", "checkpoint=sync") == 2
+    assert "hydra.run.dir=" in capsys.readouterr().err
+    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["manifest.json"]
+
+
+def test_a_folder_next_to_another_runs_checkpoints_is_fine(tmp_path: Path) -> None:
+    from framework.checkpoint.store import enclosing_checkpoint
+
+    root = _other_run(tmp_path)
+    assert enclosing_checkpoint(tmp_path / "team_b" / "mine") is None
+    assert enclosing_checkpoint(root) is None  # the root itself: resuming it is the lock's business
+    assert enclosing_checkpoint(root / "x" / "y")[0] == root.resolve()
