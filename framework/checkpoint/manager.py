@@ -150,6 +150,16 @@ def verify(path: Path, channel: Channel, integrity: Integrity) -> str | None:
     return "; ".join(problems[:3]) + more
 
 
+def check_step_dir(path: Path, key: str) -> Path:
+    """``path``, a step dir the user named (resume PATH, init_from, generate, export-hf), or one
+    ValueError naming ``key`` and why it cannot be read: its metadata is refused (state.read_metadata)."""
+    try:
+        state.read_metadata(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{key}={str(path)!r} is not a usable checkpoint: {e}") from None
+    return path
+
+
 def _coverage(path: Path, manifest: store.Manifest) -> str | None:
     """Does the manifest cover the whole checkpoint? A missing required file, a manifest without
     shards, or a file on disk that the manifest does not list (another writer's) is a reason."""
@@ -519,9 +529,9 @@ class Checkpointer:
         if not isinstance(doc, dict):
             raise ValueError(f"cannot load checkpoint {path}: {doc}")
         payload, names = state.tensor_state(model, optimizer)
-        dcp.load(
+        state.load_dcp(
             payload,
-            storage_reader=state.SafeReader(path),
+            path,
             process_group=self._save_pg,
             no_dist=not dist_ready(),
         )
