@@ -417,3 +417,20 @@ def test_a_crafted_checkpoint_is_refused_by_every_read_path(
     assert ".metadata" in errors[0] and "Traceback" not in err, err[-3000:]
     assert not marker.exists()
     assert step.is_dir()  # refused, not deleted
+
+
+@pytest.mark.parametrize("read", [_read_generate, _read_init_from, _read_resume, _read_export])
+def test_a_damaged_step_dir_named_by_path_is_refused(trained_run: Path, tmp_path: Path, read: Any) -> None:
+    """The manifest is checked when a step dir is named, not only when a run dir or root is."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, symlinks=True)
+    step = max((run / "checkpoints").glob("step_*"))
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight: the load would succeed
+    shard.write_bytes(bytes(data))
+    code, err = read(step, tmp_path)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert "not a usable checkpoint" in errors[0] and shard.name in errors[0], errors[0]
+    assert shard.read_bytes() == bytes(data)  # refused, nothing moved or repaired

@@ -152,11 +152,17 @@ def verify(path: Path, channel: Channel, integrity: Integrity) -> str | None:
 
 def check_step_dir(path: Path, key: str) -> Path:
     """``path``, a step dir the user named (resume PATH, init_from, generate, export-hf), or one
-    ValueError naming ``key`` and why it cannot be read: its metadata is refused (state.read_metadata)."""
-    try:
-        state.read_metadata(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{key}={str(path)!r} is not a usable checkpoint: {e}") from None
+    ValueError naming ``key`` and why it cannot be read: it fails its manifest (a damaged file
+    loaded in silence when the step dir was named rather than found), or its metadata is refused
+    (state.read_metadata)."""
+    reason = verify(path, Channel(None), Integrity.sha256)
+    if reason is None:
+        try:
+            state.read_metadata(path)
+        except (ValueError, OSError) as e:
+            reason = str(e)
+    if reason is not None:
+        raise ValueError(f"{key}={str(path)!r} is not a usable checkpoint: {reason}")
     return path
 
 
