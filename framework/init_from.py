@@ -19,7 +19,6 @@ its own shards, and no collective runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -71,9 +70,11 @@ def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
 def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     """The model shape a framework checkpoint was saved with: ``extra.json``'s ``model`` (written
     since init_from exists), else the run's ``config.yaml`` two levels up (the default layout)."""
+    from framework.checkpoint.state import read_extra
+
     try:
-        extra = json.loads((step_dir / "extra.json").read_text()).get("extra", {})
-    except (OSError, ValueError):
+        extra = read_extra(step_dir)["extra"]
+    except ValueError:  # a malformed one: the load refuses it (auto resume then tries an older one)
         extra = {}
     if isinstance(extra.get("model"), dict):
         return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS})

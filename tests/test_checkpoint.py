@@ -434,3 +434,50 @@ def test_a_damaged_step_dir_named_by_path_is_refused(trained_run: Path, tmp_path
     assert code == 2 and len(errors) == 1, err[-3000:]
     assert "not a usable checkpoint" in errors[0] and shard.name in errors[0], errors[0]
     assert shard.read_bytes() == bytes(data)  # refused, nothing moved or repaired
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run that saved step_000001 and step_000002."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    proc = _train_run(run, "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+_BAD_EXTRA = ["[]", '{"extra": 5}', "{}", "not json"]
+
+
+@pytest.mark.parametrize("bad", _BAD_EXTRA)
+def test_a_malformed_extra_json_falls_back_to_the_older_checkpoint(
+    two_checkpoints: Path, tmp_path: Path, bad: str
+) -> None:
+    """``resume=auto``: a newest checkpoint whose extra.json is malformed (and its manifest agrees)
+    is reported in one warning naming it and why, kept (moved aside), and step 1 is resumed; an
+    explicit PATH to it is one error line, exit 2, nothing moved."""
+    from framework.metrics import read_metrics
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run, symlinks=True)
+    step = run / "checkpoints" / "step_000002"
+    (step / "extra.json").write_text(bad)
+    _rehash(step)
+    proc = _train_run(run, "train.steps=3", f"checkpoint.resume={step}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "extra.json" in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (step / "extra.json").read_text() == bad
+
+    proc = _train_run(run, "train.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    said = [
+        line for line in out.splitlines() if "checkpoint_rejected" in line or "skipping checkpoint" in line
+    ]
+    assert said and all("step_000002" in line and "extra.json" in line for line in said), out[-3000:]
+    [rejected] = [r for r in read_metrics(run) if r.get("event") == "checkpoint_rejected"]
+    assert "step_000002" in rejected["detail"] and "extra.json" in rejected["detail"]
+    [resumed] = [r for r in read_metrics(run) if r.get("event") == "resumed"]
+    assert resumed["step"] == 1
+    [kept] = [p for p in (run / "checkpoints" / "corrupt").glob("step_000002*") if p.is_dir()]
+    assert (kept / "extra.json").read_text() == bad

@@ -164,6 +164,35 @@ def check_json(name: str, value: object) -> str:
         ) from e
 
 
+_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {
+    "extra": dict,
+    "scheduler": dict,
+    "param_groups": list,
+    "step": int,
+    "world_size": int,
+}
+
+
+def read_extra(step_dir: Path) -> dict[str, Any]:
+    """``step_dir/extra.json``, or ValueError saying what is wrong with it: one that parses but
+    holds other types (a list, ``"extra": 5``) was an AttributeError traceback on every resume."""
+    path = Path(step_dir) / EXTRA_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e!r}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} holds a {type(doc).__name__}, expected an object")
+    for key, kind in _EXTRA_TYPES.items():
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise ValueError(
+                f"{path}: {key!r} is {doc.get(key)!r:.60}, expected a {getattr(kind, '__name__', kind)}"
+            )
+    if not all(isinstance(g, dict) for g in doc["param_groups"]):
+        raise ValueError(f"{path}: 'param_groups' must be a list of objects")
+    return doc
+
+
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
 
