@@ -563,7 +563,9 @@ def check_resume_model(cfg: Config, run_dir: Path) -> None:
             return
         step_dir = found[-1][1]
     else:
-        step_dir = Path(resume)
+        from framework.checkpoint.manager import check_step_dir
+
+        step_dir = check_step_dir(Path(resume), "checkpoint.resume")
     init_from.check_resume_model(
         step_dir, cfg.model, "checkpoint.resume" + ("=auto" if resume == "auto" else "")
     )

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -136,9 +135,10 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
     """``path`` itself when it is a checkpoint (has DCP ``.metadata``), else the run's newest verified one."""
     from framework.checkpoint import find_latest
     from framework.checkpoint.group import Channel
+    from framework.checkpoint.manager import check_step_dir
 
     if (path / ".metadata").is_file():
-        return path
+        return check_step_dir(path, "PATH")
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else path / "checkpoints"
     found = find_latest(root, Channel(None), cfg.checkpoint.integrity) if root.is_dir() else None
     if found is None:
@@ -150,7 +150,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
 
 def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
     """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
-    from framework.checkpoint.state import SafeReader, from_dcp, to_dcp
+    from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 
     model = build_model(cfg.model, cfg.train.seq_len)
     model.to_empty(device=device)
@@ -159,7 +159,7 @@ def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
     state = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
     with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=SafeReader(checkpoint), no_dist=True)
+        load_dcp(state, checkpoint, no_dist=True)
     set_model_state_dict(model, from_dcp(model, state["model"]))
     # Non-persistent buffers are not restored by to_empty: without this, model(tokens) read garbage
     # RoPE tables (decoding was right only because the KV cache builds its own).

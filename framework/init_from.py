@@ -19,7 +19,6 @@ its own shards, and no collective runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -49,21 +48,21 @@ def _typed(shape: dict[str, Any]) -> dict[str, Any] | None:
     return shape or None
 
 
-def framework_checkpoint(path: Path) -> Path | None:
+def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
     """The DCP step dir ``path`` names (itself, or the newest complete one under a checkpoint root
     or a run dir), or None when ``path`` is not a framework checkpoint at all. ValueError when it is
     a checkpoint root with no complete, intact checkpoint."""
     from framework.checkpoint.group import Channel
-    from framework.checkpoint.manager import find_latest
+    from framework.checkpoint.manager import check_step_dir, find_latest
     from framework.checkpoint.store import MANIFEST, committed
 
     if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
-        return path
+        return check_step_dir(path, key)
     for root in (path, path / "checkpoints"):
         if committed(root):
             latest = find_latest(root, Channel(None), Integrity.sha256)
             if latest is None:
-                raise ValueError(f"{KEY}={str(path)!r}: no complete, intact checkpoint under {root}")
+                raise ValueError(f"{key}={str(path)!r}: no complete, intact checkpoint under {root}")
             return latest
     return None
 
@@ -71,9 +70,11 @@ def framework_checkpoint(path: Path) -> Path | None:
 def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     """The model shape a framework checkpoint was saved with: ``extra.json``'s ``model`` (written
     since init_from exists), else the run's ``config.yaml`` two levels up (the default layout)."""
+    from framework.checkpoint.state import read_extra
+
     try:
-        extra = json.loads((step_dir / "extra.json").read_text()).get("extra", {})
-    except (OSError, ValueError):
+        extra = read_extra(step_dir)["extra"]
+    except ValueError:  # a malformed one: the load refuses it (auto resume then tries an older one)
         extra = {}
     if isinstance(extra.get("model"), dict):
         return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS})
@@ -178,11 +179,11 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
 
 def check_dcp_shapes(step_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
     """Every model tensor of a DCP checkpoint has the expected name and shape (ValueError otherwise)."""
-    from framework.checkpoint.state import SafeReader
+    from framework.checkpoint.state import read_metadata
 
     where = f"{KEY}={str(step_dir)!r}"
     try:
-        meta = SafeReader(step_dir).read_metadata().state_dict_metadata
+        meta = read_metadata(step_dir).state_dict_metadata
     except Exception as e:  # noqa: BLE001 - a missing or refused .metadata: one line
         raise ValueError(f"{where} is not a readable DCP checkpoint: {e!r}") from None
     stored = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items() if k.startswith("model.")}
@@ -208,14 +209,13 @@ def load(model: nn.Module, path: str) -> None:
     if import_hf.is_hf_checkpoint(source):
         import_hf.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
         return
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from framework.checkpoint.state import SafeReader, from_dcp, to_dcp
+    from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 
     payload = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
     # no_dist: each rank plans and reads its own chunks; the ranks need not agree on anything here.
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
-        dcp.load(payload, storage_reader=SafeReader(source), no_dist=True)
+        load_dcp(payload, source, no_dist=True)
     set_model_state_dict(model, from_dcp(model, payload["model"]))

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
 from framework.checkpoint.manager import _payload_bytes
 from framework.checkpoint.store import tmp_dir
-from framework.config import AsyncMode, CheckpointConfig, ModelConfig
+from framework.config import AsyncMode, CheckpointConfig, Integrity, ModelConfig
 from framework.model import build_model, materialize
 from tests.dist import run_ranks
 
@@ -299,3 +299,185 @@ def test_a_full_disk_mid_write_is_named_with_the_bytes_needed(tmp_path: Path) ->
         error
         == f"rank 0: no space left on device, {needed} bytes needed at {mount / 'ck' / 'step_000001.tmp'} (0 bytes free)"
     )
+
+
+# --- crafted checkpoints: every read path refuses them before unpickling anything -----------------
+
+_FAST = ["checkpoint=sync", "train.steps=2", "train.eval_every=0", "train.log_every=1", "train.seq_len=16"]
+_FAST += ["train.global_batch_size=4", "freeze=none", "logger.plot=false"]
+
+
+class _Payload:
+    """Unpickling it runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def _train_run(run: Path, *overrides: str) -> subprocess.CompletedProcess:
+    from tests.entry import train_forked
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return train_forked(f"hydra.run.dir={run}", *_FAST, *overrides, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("victim") / "run"
+    proc = _train_run(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def _rehash(step: Path) -> None:
+    """Rewrite the manifest to agree with the (tampered) files, as an attacker would."""
+    from framework.checkpoint import store
+
+    path = step / store.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {
+        name: store.file_digest(step / name, Integrity.sha256) for name in store.list_files(step)
+    }
+    path.write_text(json.dumps(manifest))
+
+
+def _craft(step: Path, marker: Path, how: str) -> None:
+    """``bytes``: one tensor declared as bytes, its data a pickle that runs a command (what DCP
+    reads with ``torch.load(weights_only=False)``); ``global``: the metadata pickle itself does."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    meta = pickle.loads((step / ".metadata").read_bytes())  # the framework's own, trusted here
+    key = next(k for k in meta.state_dict_metadata if k.startswith("model."))
+    if how == "bytes":
+        evil = pickle.dumps(_Payload(marker))
+        (step / "evil.distcp").write_bytes(evil)
+        meta.state_dict_metadata[key] = BytesStorageMetadata()
+        for idx in [i for i in meta.storage_data if i.fqn == key]:
+            del meta.storage_data[idx]
+        meta.storage_data[MetadataIndex(key)] = _StorageInfo("evil.distcp", 0, len(evil))
+    else:
+        meta.planner_data = _Payload(marker)
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    _rehash(step)
+
+
+def _read_generate(step: Path, tmp: Path) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from framework.generate import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([str(step), "--prompt", "x", "--max-new-tokens", "2"])
+    return code, err.getvalue()
+
+
+def _read_export(step: Path, tmp: Path) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from framework.checkpoint.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["export-hf", str(step), str(tmp / "hf")])
+    return code, err.getvalue()
+
+
+def _read_init_from(step: Path, tmp: Path) -> tuple[int, str]:
+    proc = _train_run(tmp / "fresh", f"model.init_from={step}")
+    return proc.returncode, proc.stderr
+
+
+def _read_resume(step: Path, tmp: Path) -> tuple[int, str]:
+    proc = _train_run(step.parent.parent, "train.steps=3", f"checkpoint.resume={step}")
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("how", ["bytes", "global"])
+@pytest.mark.parametrize("read", [_read_generate, _read_init_from, _read_resume, _read_export])
+def test_a_crafted_checkpoint_is_refused_by_every_read_path(
+    trained_run: Path, tmp_path: Path, read: Any, how: str
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, symlinks=True)
+    step = max((run / "checkpoints").glob("step_*"))
+    marker = tmp_path / "pwned"
+    _craft(step, marker, how)
+    code, err = read(step, tmp_path)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert ".metadata" in errors[0] and "Traceback" not in err, err[-3000:]
+    assert not marker.exists()
+    assert step.is_dir()  # refused, not deleted
+
+
+@pytest.mark.parametrize("read", [_read_generate, _read_init_from, _read_resume, _read_export])
+def test_a_damaged_step_dir_named_by_path_is_refused(trained_run: Path, tmp_path: Path, read: Any) -> None:
+    """The manifest is checked when a step dir is named, not only when a run dir or root is."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, symlinks=True)
+    step = max((run / "checkpoints").glob("step_*"))
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight: the load would succeed
+    shard.write_bytes(bytes(data))
+    code, err = read(step, tmp_path)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert "not a usable checkpoint" in errors[0] and shard.name in errors[0], errors[0]
+    assert shard.read_bytes() == bytes(data)  # refused, nothing moved or repaired
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run that saved step_000001 and step_000002."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    proc = _train_run(run, "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+_BAD_EXTRA = ["[]", '{"extra": 5}', "{}", "not json"]
+
+
+@pytest.mark.parametrize("bad", _BAD_EXTRA)
+def test_a_malformed_extra_json_falls_back_to_the_older_checkpoint(
+    two_checkpoints: Path, tmp_path: Path, bad: str
+) -> None:
+    """``resume=auto``: a newest checkpoint whose extra.json is malformed (and its manifest agrees)
+    is reported in one warning naming it and why, kept (moved aside), and step 1 is resumed; an
+    explicit PATH to it is one error line, exit 2, nothing moved."""
+    from framework.metrics import read_metrics
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run, symlinks=True)
+    step = run / "checkpoints" / "step_000002"
+    (step / "extra.json").write_text(bad)
+    _rehash(step)
+    proc = _train_run(run, "train.steps=3", f"checkpoint.resume={step}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "extra.json" in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (step / "extra.json").read_text() == bad
+
+    proc = _train_run(run, "train.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    said = [
+        line for line in out.splitlines() if "checkpoint_rejected" in line or "skipping checkpoint" in line
+    ]
+    assert said and all("step_000002" in line and "extra.json" in line for line in said), out[-3000:]
+    [rejected] = [r for r in read_metrics(run) if r.get("event") == "checkpoint_rejected"]
+    assert "step_000002" in rejected["detail"] and "extra.json" in rejected["detail"]
+    [resumed] = [r for r in read_metrics(run) if r.get("event") == "resumed"]
+    assert resumed["step"] == 1
+    [kept] = [p for p in (run / "checkpoints" / "corrupt").glob("step_000002*") if p.is_dir()]
+    assert (kept / "extra.json").read_text() == bad

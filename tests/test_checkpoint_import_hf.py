@@ -224,3 +224,29 @@ def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> Non
         (folder / "config.json").write_text(json.dumps(conf))
         with pytest.raises(ValueError, match=match):
             import_hf.model_shape(import_hf.read_hf_checkpoint(folder))
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "subfolder"])
+def test_index_naming_a_path_outside_the_folder_is_refused(
+    tmp_path: Path, hf_models: dict, where: str
+) -> None:
+    """A weight_map entry is a file name in the folder: ``..``, an absolute path or a subfolder is
+    refused, even when the file it names is a readable shard of the same model."""
+    import json
+    import shutil
+
+    src, _ = hf_models["gqa_untied"]
+    folder, outside = tmp_path / "model", tmp_path / "outside"
+    shutil.copytree(src, folder)
+    index = json.loads((folder / import_hf.INDEX_FILE).read_text())
+    tensor, shard = next(iter(index["weight_map"].items()))
+    outside.mkdir()
+    (folder / "sub").mkdir()
+    shutil.copy(folder / shard, outside / shard)
+    shutil.copy(folder / shard, folder / "sub" / shard)
+    name = {"dotdot": f"../outside/{shard}", "absolute": str(outside / shard), "subfolder": f"sub/{shard}"}
+    index["weight_map"] = {t: name[where] if f == shard else f for t, f in index["weight_map"].items()}
+    (folder / import_hf.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"weight_map; valid: the file name") as e:
+        import_hf.read_hf_checkpoint(folder)
+    assert name[where] in str(e.value) and "\n" not in str(e.value) and tensor

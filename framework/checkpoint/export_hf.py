@@ -161,12 +161,11 @@ def export_hf(
 def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a framework (DCP) checkpoint, read in one process without building the
     model: empty tensors shaped from DCP's metadata, filled by ``dcp.load``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from framework.checkpoint.state import SafeReader
+    from framework.checkpoint.state import load_dcp, read_metadata
 
-    meta = SafeReader(step_dir).read_metadata().state_dict_metadata
+    meta = read_metadata(step_dir).state_dict_metadata
     # The trainer saves {"model": {name: tensor}, "optim": ...}; DCP stores it flat as "model.NAME".
     state = {
         k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
@@ -175,7 +174,7 @@ def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
-        dcp.load({"model": state}, storage_reader=SafeReader(step_dir), no_dist=True)
+        load_dcp({"model": state}, step_dir, no_dist=True)
     return state
 
 
@@ -214,7 +213,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None =
     from framework.tokenizer import load_tokenizer
 
     checkpoint = Path(checkpoint).expanduser().resolve()
-    step_dir = framework_checkpoint(checkpoint) if checkpoint.is_dir() else None
+    step_dir = framework_checkpoint(checkpoint, "CHECKPOINT") if checkpoint.is_dir() else None
     if step_dir is None:
         raise ValueError(
             f"CHECKPOINT={str(checkpoint)!r} is not a framework checkpoint; valid: a step_N dir "

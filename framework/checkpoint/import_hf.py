@@ -100,6 +100,7 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: {INDEX_FILE} has no readable weight_map: {e!r}") from None
         names = sorted(set(weight_map.values()))
+        _check_names(names, where)
     else:
         weight_map = None
         names = sorted(p.name for p in path.glob("*.safetensors"))
@@ -124,6 +125,17 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         if missing:
             raise ValueError(f"{where}: {INDEX_FILE} lists tensors its files do not hold: {missing[:5]}")
     return HFCheckpoint(path, config, files, shapes)
+
+
+def _check_names(names: list[object], where: str) -> None:
+    """The index's file names must be plain names of files in the folder: a path (``..``, absolute,
+    a subfolder) would read weights from anywhere the index's author chose."""
+    for name in names:
+        if not isinstance(name, str) or not name or name in (".", "..") or Path(name).name != name:
+            raise ValueError(
+                f"{where}: {INDEX_FILE} names {name!r} in its weight_map; valid: the file name of a "
+                "*.safetensors file in the folder itself (no path, no '..')"
+            )
 
 
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:

@@ -150,6 +150,23 @@ def verify(path: Path, channel: Channel, integrity: Integrity) -> str | None:
     return "; ".join(problems[:3]) + more
 
 
+def check_step_dir(path: Path, key: str) -> Path:
+    """``path``, a step dir the user named (resume PATH, init_from, generate, export-hf), or one
+    ValueError naming ``key`` and why it cannot be read: it fails its manifest (a damaged file
+    loaded in silence when the step dir was named rather than found), its metadata is refused
+    (state.read_metadata) or its extra.json is malformed (state.read_extra)."""
+    reason = verify(path, Channel(None), Integrity.sha256)
+    if reason is None:
+        try:
+            state.read_metadata(path)
+            state.read_extra(path)
+        except (ValueError, OSError) as e:
+            reason = str(e)
+    if reason is not None:
+        raise ValueError(f"{key}={str(path)!r} is not a usable checkpoint: {reason}")
+    return path
+
+
 def _coverage(path: Path, manifest: store.Manifest) -> str | None:
     """Does the manifest cover the whole checkpoint? A missing required file, a manifest without
     shards, or a file on disk that the manifest does not list (another writer's) is a reason."""
@@ -512,16 +529,16 @@ class Checkpointer:
         doc: dict[str, Any] | str | None = None
         if self.channel.rank == 0:
             try:
-                doc = json.loads((path / state.EXTRA_FILE).read_bytes())
-            except (OSError, ValueError) as e:
-                doc = f"{path / state.EXTRA_FILE}: {e!r}"
+                doc = state.read_extra(path)
+            except ValueError as e:
+                doc = str(e)
         doc = self.channel.broadcast(doc)
         if not isinstance(doc, dict):
             raise ValueError(f"cannot load checkpoint {path}: {doc}")
         payload, names = state.tensor_state(model, optimizer)
-        dcp.load(
+        state.load_dcp(
             payload,
-            storage_reader=state.SafeReader(path),
+            path,
             process_group=self._save_pg,
             no_dist=not dist_ready(),
         )

@@ -12,7 +12,9 @@ Three kinds of state, three carriers:
 * Per-rank RNG states go into ``rng/rank_NNNNN.json``, one per rank, written by that rank.
 
 DCP's ``.metadata`` file is itself a pickle; ``SafeReader`` reads it with an unpickler that only
-admits DCP's own metadata classes, ``torch.Size``, dtypes and layouts.
+admits DCP's own tensor metadata classes, ``torch.Size``, dtypes and layouts, and ``check_metadata``
+refuses any entry that is not a tensor: DCP reads a bytes entry with ``torch.load(weights_only=False)``,
+and the framework never saves one, so a checkpoint that declares one was crafted (its manifest too).
 
 RNG on a world-size change: rank r restores ``rank_r`` when that file exists. When the new world is
 larger, the new ranks keep the RNG state they were seeded with; when it is smaller, the states of
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -162,6 +164,35 @@ def check_json(name: str, value: object) -> str:
         ) from e
 
 
+_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {
+    "extra": dict,
+    "scheduler": dict,
+    "param_groups": list,
+    "step": int,
+    "world_size": int,
+}
+
+
+def read_extra(step_dir: Path) -> dict[str, Any]:
+    """``step_dir/extra.json``, or ValueError saying what is wrong with it: one that parses but
+    holds other types (a list, ``"extra": 5``) was an AttributeError traceback on every resume."""
+    path = Path(step_dir) / EXTRA_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e!r}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} holds a {type(doc).__name__}, expected an object")
+    for key, kind in _EXTRA_TYPES.items():
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise ValueError(
+                f"{path}: {key!r} is {doc.get(key)!r:.60}, expected a {getattr(kind, '__name__', kind)}"
+            )
+    if not all(isinstance(g, dict) for g in doc["param_groups"]):
+        raise ValueError(f"{path}: 'param_groups' must be a list of objects")
+    return doc
+
+
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
 
@@ -199,7 +230,6 @@ _ALLOWED = {
         "MetadataIndex",
         "ChunkStorageMetadata",
         "TensorStorageMetadata",
-        "BytesStorageMetadata",
         "TensorProperties",
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
@@ -214,26 +244,62 @@ _ALLOWED = {
 }
 
 
+class UnsafeCheckpoint(ValueError, pickle.UnpicklingError):
+    """A checkpoint whose metadata names something a framework checkpoint never holds."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def check_metadata(metadata: object, path: Path) -> Metadata:
+    """``metadata`` if it is DCP Metadata of tensors only, else UnsafeCheckpoint naming ``path``."""
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpoint(
+                f"{path}: entry {key!r} is a {type(entry).__name__}, not a tensor; a framework "
+                "checkpoint holds only tensors (a non-tensor entry would be unpickled), refused"
+            )
+    return metadata
+
+
+def read_metadata(step_dir: Path) -> Metadata:
+    """The checked metadata of a DCP checkpoint (UnsafeCheckpoint, a ValueError, when refused;
+    OSError when unreadable)."""
+    path = Path(step_dir) / ".metadata"
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except UnsafeCheckpoint as e:
+        raise UnsafeCheckpoint(f"{path}: {e}, refused") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+        raise UnsafeCheckpoint(f"{path} is not a DCP metadata pickle: {e!r}") from None
+    return check_metadata(metadata, path)
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with an allowlisting unpickler for ``.metadata``."""
+    """DCP's file reader with an allowlisting unpickler for ``.metadata`` (``read_metadata``)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        metadata = read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def load_dcp(payload: dict[str, Any], step_dir: Path, **kwargs: Any) -> None:
+    """``dcp.load`` from ``step_dir`` through ``SafeReader``, its metadata checked first: DCP wraps
+    a refusal inside ``read_metadata`` into a multi-line CheckpointException; this is one ValueError."""
+    import torch.distributed.checkpoint as dcp
+
+    read_metadata(Path(step_dir))
+    dcp.load(payload, storage_reader=SafeReader(step_dir), **kwargs)
