@@ -69,7 +69,8 @@ def integer(lo: int, hi: int = INT64_MAX, *, bad: tuple[Any, ...] = (), what: st
     """An integer in [lo, hi]; ``what`` explains the special values (``0 = off``)."""
     top = "" if hi == INT64_MAX else f" and <= {hi}"
     text = f"an integer >= {lo}{top}" + (f" ({what})" if what else "")
-    return Rule(text, lambda v, _c: _is_int(v) and lo <= v <= hi, bad or (lo - 1, 10**1000))
+    above = (hi + 1,) if hi < INT64_MAX else ()
+    return Rule(text, lambda v, _c: _is_int(v) and lo <= v <= hi, bad or (lo - 1, *above, 10**1000))
 
 
 def number(
@@ -124,6 +125,33 @@ def names_list(what: str) -> Rule:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if 0 < n <= 1_000_000 else []
+
+
+# Bounds on counts that the launcher or a rank loops over or holds in memory before the first step
+# (each used to hang or fill the host: train.global_batch_size=1e11 counted its divisors one by one,
+# train.eval_batches=1e8 built 12 GB of validation batches in 69 s).
+MAX_GLOBAL_BATCH = 2**20  # sequences per step; the largest published runs use a few thousand
+MAX_PREFETCH = 1024  # global batches held ahead in the data thread's queue
+MAX_EVAL_BATCHES = 100_000
+# Validation batches are built up front (int64 tokens on every rank): 2**28 tokens = 2 GiB.
+MAX_EVAL_TOKENS = 2**28
+
+
+def _eval_tokens(v: int, c: Config) -> int:
+    return v * c.train.global_batch_size * (c.train.seq_len + 1)
+
+
+def _eval_batches_ok(v: Any, c: Config) -> bool:
+    return _is_int(v) and 1 <= v <= MAX_EVAL_BATCHES and _eval_tokens(v, c) <= MAX_EVAL_TOKENS
+
+
+def _eval_batches_valid(c: Config) -> str:
+    t = c.train
+    most = max(1, min(MAX_EVAL_BATCHES, MAX_EVAL_TOKENS // (t.global_batch_size * (t.seq_len + 1))))
+    return (
+        f"an integer in 1..{most}: the validation batches are built up front, at most {MAX_EVAL_TOKENS} "
+        f"tokens (train.global_batch_size={t.global_batch_size} x train.seq_len+1={t.seq_len + 1} each)"
+    )
 
 
 def _head_dim_ok(v: Any, c: Config) -> bool:
@@ -376,14 +404,14 @@ RULES: dict[str, Rule] = {
         checked_by="framework.data.pipeline.check_mix",
         bad=([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
     ),
-    "data.prefetch": integer(1),
+    "data.prefetch": integer(1, MAX_PREFETCH, what="global batches held ahead in memory"),
     "data.encode_batch": integer(1),
     "data.messages_field": name("a non-empty key of each jsonl line"),
     "data.prompt_field": name("a non-empty key of each jsonl line"),
     "data.response_field": name("a non-empty key of each jsonl line"),
     # train
     "train.steps": integer(0, what="0 plans, builds and evaluates without training"),
-    "train.global_batch_size": integer(1),
+    "train.global_batch_size": integer(1, MAX_GLOBAL_BATCH, what="sequences per optimizer step"),
     "train.micro_batch_size": integer(0, what="0 = the rank's whole share of the global batch"),
     "train.seq_len": integer(1),
     "train.lr": number(0, lo_open=True, bad=(math.nan, math.inf, -0.01, 0.0)),
@@ -398,7 +426,7 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
-    "train.eval_batches": integer(1),
+    "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.loop.build_optimizer, lr_lambda)
     "optimizer.name": Rule(
         _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
@@ -467,7 +495,7 @@ RULES: dict[str, Rule] = {
     "mesh.shape": Rule(
         "a list of positive integers, e.g. [8] or [2, 4]",
         checked_by="framework.topology.validate_mesh (ranks vs cores: framework.launch)",
-        bad=([0], [], [2, -1], [100_000]),
+        bad=([0], [], [2, -1], [100_000], [99_999_999_999], [2**11, 2**10]),
         context=(("run.device", "cpu"),),
     ),
     "mesh.hardware.name": name("a non-empty name ('cpu' or a conf/mesh/hardware option)"),
