@@ -254,7 +254,9 @@ BOUNDED = [
 
 
 @pytest.mark.parametrize("overrides, message", BOUNDED, ids=[b[1].split("=")[0] for b in BOUNDED])
-def test_unbounded_counts_are_refused_before_launch(tmp_path: Path, overrides: list[str], message: str) -> None:
+def test_unbounded_counts_are_refused_before_launch(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.recipes", "validate", RECIPE]):
