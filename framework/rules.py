@@ -282,7 +282,47 @@ def _optimizer_class(c: Config) -> type | None:
 
 
 def _target_ok(_v: Any, c: Config) -> bool:
-    return _optimizer_class(c) is not None
+    return _optimizer_class(c) is not None and _probe_error(c, with_kwargs=False) is None
+
+
+def _target_valid(c: Config) -> str:
+    why = _probe_error(c, with_kwargs=False) if _optimizer_class(c) is not None else None
+    text = "a torch.optim.Optimizer subclass under run.instantiate_allow"
+    if why is None:
+        return text
+    return (
+        f"{text} that builds over the model's parameter groups and steps without a closure on dense "
+        f"gradients, as the training loop does ({why})"
+    )
+
+
+def _probe_error(c: Config, with_kwargs: bool) -> str | None:
+    """Why the training loop's own optimizer (framework.loop.build_optimizer) cannot be built over a
+    tiny stand-in model and stepped once on its dense gradients; None when it can.
+
+    Why a probe: a class or a keyword value can pass the allowlist and the names check and still
+    crash every rank at its first line (LBFGS refuses parameter groups and needs a closure, SparseAdam
+    sparse gradients, betas=5 or eps=-1 are refused by the class itself): torch's own checks, run here.
+    """
+    import dataclasses as dc
+
+    import torch
+
+    from framework.loop import build_optimizer
+
+    opt = c.optimizer if with_kwargs else dc.replace(c.optimizer, kwargs={})
+    probe = torch.nn.Module()
+    probe.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False)])  # a matrix (Muon's share)
+    probe.norm = torch.nn.LayerNorm(4, bias=False)  # a 1-D weight: the no-decay group
+    try:
+        optimizer = build_optimizer(probe, c.train, torch.device("cpu"), opt, c.run.instantiate_allow)
+        for p in probe.parameters():
+            p.grad = torch.full_like(p, 0.01)
+        optimizer.step()
+    except (ValueError, TypeError, RuntimeError, KeyError, IndexError, AttributeError) as e:
+        text = " ".join(str(e).split()) or type(e).__name__
+        return f"{type(e).__name__}: {text[:200]}"
+    return None
 
 
 def _class_kwargs(cls: type) -> list[str] | None:
@@ -295,7 +335,7 @@ def _class_kwargs(cls: type) -> list[str] | None:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _kwargs_ok(v: Any, c: Config) -> bool:
+def _kwargs_names_ok(v: Any, c: Config) -> bool:
     if not all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v):
         return False
     cls = _optimizer_class(c)
@@ -303,14 +343,21 @@ def _kwargs_ok(v: Any, c: Config) -> bool:
     return takes is None or all(k in takes for k in v)
 
 
+def _kwargs_ok(v: Any, c: Config) -> bool:
+    return _kwargs_names_ok(v, c) and (not v or _probe_error(c, with_kwargs=True) is None)
+
+
 def _kwargs_valid(c: Config) -> str:
     cls = _optimizer_class(c)
     takes = _class_kwargs(cls) if cls is not None else None
     names = "" if takes is None else f": {', '.join(k for k in takes if k not in RESERVED_KWARGS)}"
-    return (
+    text = (
         f"keyword arguments that optimizer._target_={c.optimizer._target_} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
+    if _kwargs_names_ok(c.optimizer.kwargs, c):
+        text += f", with values the class accepts ({_probe_error(c, with_kwargs=True)})"
+    return text
 
 
 # lr: train.lr is the schedule's peak; weight_decay: each param group sets train.weight_decay (or 0
@@ -433,12 +480,14 @@ RULES: dict[str, Rule] = {
     ),
     # The allowlist itself: framework.instantiate.check_targets (framework.entry.check_safe), first.
     "optimizer._target_": Rule(
-        "a torch.optim.Optimizer subclass under run.instantiate_allow",
+        _target_valid,
         _target_ok,
-        ("os.system", "builtins.exec", "torch.nn.Linear"),
+        ("os.system", "builtins.exec", "torch.nn.Linear", "torch.optim.LBFGS", "torch.optim.SparseAdam"),
     ),
     "optimizer.kwargs": Rule(
-        _kwargs_valid, _kwargs_ok, ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1})
+        _kwargs_valid,
+        _kwargs_ok,
+        ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1}),
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)

@@ -215,6 +215,8 @@ E2E = [
         {},
         "optimizer._target_='os.system' is not on the instantiation allowlist",
     ),
+    (["optimizer._target_=torch.optim.LBFGS"], {}, "LBFGS doesn't support per-parameter options"),
+    (["+optimizer.kwargs.eps=-1"], {}, "Invalid epsilon value: -1"),
     (["hydra.run.dir=pyproject.toml/run"], {}, "is a file, not a directory"),
     (["mesh=2", "parallel.cp=2", "run.device=cpu"], {}, "parallel.cp=2 on the CPU: torch's context_parallel"),
     ([], {"FRAMEWORK_RECIPE_PATH": "/nonexistent/recipes"}, "is not a directory"),
