@@ -130,6 +130,7 @@ def _divisors(n: int) -> list[int]:
 # Bounds on counts that the launcher or a rank loops over or holds in memory before the first step
 # (each used to hang or fill the host: train.global_batch_size=1e11 counted its divisors one by one,
 # train.eval_batches=1e8 built 12 GB of validation batches in 69 s).
+MAX_LAYERS = 4096
 MAX_GLOBAL_BATCH = 2**20  # sequences per step; the largest published runs use a few thousand
 MAX_PREFETCH = 1024  # global batches held ahead in the data thread's queue
 MAX_EVAL_BATCHES = 100_000
@@ -387,7 +388,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.n_heads": integer(1),  # before model.dim and model.n_kv_heads, whose rules divide by it
     "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132)),
-    "model.n_layers": integer(1),
+    # Bounded: the launcher lists every layer's tensors (num_hidden_layers: 50000000 in an HF
+    # config.json hung it); the largest published models have ~128 layers.
+    "model.n_layers": integer(1, MAX_LAYERS),
     "model.n_kv_heads": Rule(
         lambda c: f"a divisor of model.n_heads={c.model.n_heads}: {_divisors(c.model.n_heads)}",
         _kv_ok,
@@ -739,6 +742,18 @@ def show(value: Any) -> str:
         value = value.value
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:24]}...({len(text)} characters)"
+
+
+def check_group(cfg: Config, group: str) -> None:
+    """``check`` for the keys of one group only (``model``): for values read from a file before the
+    whole config is checked (framework.init_from takes the shape from a checkpoint's config.json)."""
+    for key, rule in RULES.items():
+        if rule.ok is None or not key.startswith(f"{group}."):
+            continue
+        value = value_at(cfg, key)
+        if not rule.ok(value, cfg):
+            valid = rule.valid(cfg) if callable(rule.valid) else rule.valid
+            raise ValueError(f"{key}={show(value)} is not valid; valid: {valid}")
 
 
 def check(cfg: Config) -> None:
