@@ -8,6 +8,25 @@ from pathlib import Path
 
 from framework.config import DataSource, TokenizerConfig, TokenizerKind
 
+# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.rules); 1e22
+# overflowed inside the tokenizers trainer (a traceback).
+MAX_VOCAB = 2**32
+
+
+def vocab_size(text: str) -> int:
+    """``--vocab-size``: an integer (``1e5`` is accepted when it is one) in 1..MAX_VOCAB."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if isinstance(value, float) and not (
+        value == value and abs(value) != float("inf") and value.is_integer()
+    ):
+        raise argparse.ArgumentTypeError(f"{text} is not an integer")
+    if not 1 <= value <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 1..{MAX_VOCAB} (uint32 token ids)")
+    return int(value)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.data", description=__doc__.splitlines()[0])
@@ -29,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     tr = tsub.add_parser("train", help="train a byte-level BPE (tokenizers) on files; writes OUT.json")
     tr.add_argument("out", type=Path)
     tr.add_argument("inputs", nargs="+", help="files, folders or globs (.txt/.md, .jsonl, .parquet)")
-    tr.add_argument("--vocab-size", type=int, required=True)
+    tr.add_argument("--vocab-size", type=vocab_size, required=True)
     tr.add_argument("--field", default="text")
     tr.add_argument("--column", default="text")
     args = parser.parse_args(argv)
