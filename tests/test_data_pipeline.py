@@ -398,3 +398,29 @@ def test_train_py_refuses_data_without_tokens_with_exit_2(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "none of its 20 records has text" in errors[0], errors
     assert not run.exists()
+
+
+def test_a_symlink_loop_is_read_once_and_validation_may_not_share_training_files(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """A ``**`` glob through dir/loop -> dir listed each file 41 times (until ELOOP); the same file
+    named as data.val_path through the loop was trained on and validated on."""
+    import os
+
+    from framework.data.records import SourceSpec, resolve_files
+
+    d = tmp_path / "d"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.jsonl").write_text(json.dumps({"text": f"document {i} " * 20}) + "\n")
+    (d / "loop").symlink_to(d)
+    glob = str(d / "**" / "*.jsonl")
+    assert resolve_files(SourceSpec(source=DataSource.jsonl, path=glob)) == sorted(d.glob("*.jsonl"))
+    data = DataConfig(source=DataSource.jsonl, path=glob, val_path=str(d / "loop" / "1.jsonl"))
+    refused(cfg(data, bpe(corpus)), "data.val_path=", "shares 1 file(s) with data.path=", "disjoint files")
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(fifo)), bpe(corpus)),
+        f"data.path='{fifo}' is a FIFO, not a regular file",
+    )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,37 @@ def is_sidecar(f: Path) -> bool:
     return f.suffix == ".json" and f.with_suffix(".bin").is_file()
 
 
+def _kind(p: Path) -> str:
+    mode = p.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file or folder")
+
+
+def _unique(files: list[Path]) -> list[Path]:
+    """Each file once, by its real path: a ``**`` glob follows a symlink loop (dir/loop -> dir) and
+    listed every file 41 times, until the kernel's ELOOP, so it was read 41 times per epoch."""
+    seen: set[str] = set()
+    out = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
+
+
+def check_disjoint(spec: SourceSpec, val_path: str) -> None:
+    """Refuse validation files that are also training files (through a link, a glob or a folder):
+    the validation loss would be measured on trained-on text."""
+    train = {os.path.realpath(f): f for f in resolve_files(spec)}
+    both = [train[r] for r in (os.path.realpath(f) for f in resolve_files(spec, val_path)) if r in train]
+    if both:
+        raise ValueError(
+            f"{spec.key}.val_path={val_path!r} shares {len(both)} file(s) with {spec.key}.path={spec.path!r} "
+            f"(e.g. {str(both[0])!r}): validation would measure trained-on text; valid: disjoint files"
+        )
+
+
 def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
     """``data.path`` as a file, a folder (its files with the source's suffixes) or a glob."""
     # The message names the key the user set: a missing val_path was reported as data.path.
@@ -77,8 +110,13 @@ def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
             raise ValueError(f"{name}={path!r} is a folder with no {'/'.join(suffixes)} files")
     elif p.is_file():
         files = [p]
+    elif p.exists():  # a FIFO, socket or device was reported as "does not exist"
+        raise ValueError(
+            f"{name}={path!r} is {_kind(p)}, not a regular file (valid: a file, a folder or a glob)"
+        )
     else:
         raise ValueError(f"{name}={path!r} does not exist (valid: a file, a folder or a glob)")
+    files = _unique(files)
     for f in files:
         if f.stat().st_size == 0:
             raise ValueError(f"{name}: {str(f)!r} is an empty file")
