@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def vocab_size(text: str) -> int:
     if not 1 <= value <= MAX_VOCAB:
         raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 1..{MAX_VOCAB} (uint32 token ids)")
     return int(value)
+
+
+def check_output_file(flag: str, out: Path) -> None:
+    """Refuse an output path that is a folder, sits under a file, or is in a folder this user cannot
+    write, before any input is read (each was a traceback after the work, or an IsADirectoryError)."""
+    if out.is_dir():
+        raise ValueError(
+            f"{flag} {str(out)!r} is a folder; valid: a file path (e.g. {str(out / 'out.bin')!r})"
+        )
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(parent)!r} is a file")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(parent)!r} is not writable")
+            break
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ValueError(f"{flag} {str(out)!r} is read-only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prepare" and args.workers < 0:
         parser.error(f"--workers {args.workers}: valid: 0 (one per core, at most 8) or a count >= 1")
     try:
+        check_output_file("OUT", args.out)
         if args.cmd == "prepare":
             return _prepare(args)
         return _train(args)
