@@ -95,6 +95,27 @@ def note_run_dir(run_dir: Path) -> None:
     _BEFORE_HYDRA[str(path)] = (inside, created)
 
 
+def describe_failures(failures: dict[int, Any]) -> str:
+    """Which rank failed first, and how: a rank killed by a signal is the cause, and the ranks that then
+    lost their peer (gloo's "Connection closed by peer", exit 1) are consequences. torchelastic's
+    first failure is the lowest rank, so a killed pipeline rank 1 was reported as rank 0's exit 1."""
+
+    def how(f: Any) -> str:
+        if f.exitcode < 0:
+            return f"was killed by {f.signal_name()}"
+        return f"exited with {f.exitcode}" + (
+            f" ({f.message})" if f.message and "traceback" not in f.message else ""
+        )
+
+    killed = sorted((r for r, f in failures.items() if f.exitcode < 0), key=lambda r: failures[r].timestamp)
+    order = killed + sorted((r for r in failures if r not in killed), key=lambda r: failures[r].timestamp)
+    first, rest = order[0], order[1:]
+    text = f"rank {first} {how(failures[first])}"
+    if rest:
+        text += "; then " + ", ".join(f"rank {r} {how(failures[r])}" for r in rest)
+    return text
+
+
 def discard_run_dir(run_dir: Path) -> None:
     """Remove what Hydra wrote for this invocation, never anything else: the run dir and its new
     parents only when this invocation created them and they hold nothing but Hydra's files; in a
@@ -468,7 +489,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
         raise JobFailed(
-            f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1
+            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
         ) from e
     finish_run(run_dir, cfg)
     if signum is not None:

@@ -121,6 +121,60 @@ def generate(
     return out
 
 
+# The KV cache holds prompt + new tokens for every layer: 2**17 is a long context's worth; 1e9 tried
+# to allocate the cache (and RoPE tables) for a billion positions.
+MAX_NEW_TOKENS = 2**17
+
+
+def check_flags(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """Refuse a flag that would crash or hang later: one line naming it and what is valid."""
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens={max_new_tokens} is not valid; valid: 1..{MAX_NEW_TOKENS}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan made softmax sample garbage
+        raise ValueError(
+            f"--temperature={temperature} is not valid; valid: a finite number >= 0 (0 = greedy)"
+        )
+    if top_k < 0:
+        raise ValueError(f"--top-k={top_k} is not valid; valid: an integer >= 0 (0 = all tokens)")
+
+
+def parse_device(name: str) -> torch.device:
+    """``--device`` as a torch device that exists here (``cuda`` on a CPU-only torch failed deep in
+    the weight load)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device={name!r} is not a torch device; valid: cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"--device={name} but this torch {torch.__version__} sees no CUDA GPU; valid here: cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device={name} but this host has {count} CUDA GPU(s); valid: cuda:0..{count - 1}"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"--device={name} is not supported; valid: cpu or cuda[:N]")
+    return device
+
+
+def load_run_config(path: Path) -> Config:
+    """The typed config of a run's ``config.yaml``; anything else (a folder, another YAML, a TOML
+    file) is one line naming the file rather than a parser traceback."""
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    if not path.is_file():
+        raise ValueError(f"--config={path} is not a file; valid: a run's config.yaml")
+    try:
+        return to_config(OmegaConf.load(path))
+    except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, TypeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--config={path} is not a run's config.yaml ({why})") from None
+
+
 def find_run_config(path: Path) -> Path:
     """The ``config.yaml`` of the run that wrote ``path`` (a run dir, or a checkpoint inside one)."""
     for d in [path, *path.parents][:4]:
@@ -183,15 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-            raise ValueError(
-                f"--max-new-tokens={args.max_new_tokens} must be >= 1, --temperature={args.temperature} "
-                f">= 0 and --top-k={args.top_k} >= 0"
-            )
-        cfg = to_config(OmegaConf.load(args.config or find_run_config(args.path.resolve())))
+        check_flags(args.max_new_tokens, args.temperature, args.top_k)
+        device = parse_device(args.device)
+        cfg = load_run_config(args.config or find_run_config(args.path.resolve()))
         checkpoint = resolve_checkpoint(args.path.resolve(), cfg)
         tokenizer = load_tokenizer(cfg.tokenizer)
-        model = load_model(checkpoint, cfg, torch.device(args.device))
+        model = load_model(checkpoint, cfg, device)
         ids = generate(
             model,
             tokenizer.encode(args.prompt),

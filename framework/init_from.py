@@ -19,6 +19,7 @@ its own shards, and no collective runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torch import nn
 from framework.checkpoint import import_hf
 from framework.config import Config, Integrity, ModelConfig, ModelFamily
 from framework.models import SHAPE_KEYS, model_spec
+from framework.rules import check_group
 
 KEY = "model.init_from"
 RUN_CONFIG = "config.yaml"
@@ -168,13 +170,49 @@ def resolve(cfg: Config, overrides: list[str]) -> Config:
     if hf is not None and "name" not in set_on_cli:
         shape["name"] = path.name  # logs and the plan name the model loaded, not the recipe's
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
+    try:  # before anything is listed per layer: the shape is untrusted input too
+        check_group(dataclasses.replace(cfg, model=model_cfg), "model")
+    except ValueError as e:
+        raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
     expected = expected_shapes(model_cfg)
     if hf is not None:
         import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
+        check_float_weights(hf)
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)
     return dataclasses.replace(cfg, model=model_cfg)
+
+
+# safetensors dtype names of floating-point tensors: weights of any other dtype (I8, BOOL) were cast
+# into the model silently and trained from garbage.
+FINITE_CHECK_ELEMENTS = 2**26  # per block read: 128 MiB of bf16
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def check_float_weights(hf: import_hf.HFCheckpoint) -> None:
+    """Every tensor of an HF folder is floating point (from the safetensors headers) and finite (read
+    in blocks of rows, so memory stays bounded): int8/bool weights were cast and NaN weights trained
+    on silently, a NaN loss at every step."""
+    from safetensors import safe_open
+
+    for name in sorted(set(hf.files.values())):
+        with safe_open(str(hf.path / name), framework="pt") as f:
+            for t in f.keys():
+                sl = f.get_slice(t)
+                dtype = sl.get_dtype()
+                where = f"{KEY}={str(hf.path)!r}: tensor {t} in {name}"
+                if dtype not in FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{where} is {dtype}; valid: floating-point weights ({', '.join(FLOAT_DTYPES)})"
+                    )
+                shape = sl.get_shape()
+                rows = shape[0] if shape else 1
+                step = max(1, FINITE_CHECK_ELEMENTS // max(1, math.prod(shape[1:])))
+                for i in range(0, rows, step):
+                    block = sl[i : i + step] if shape else sl[:]
+                    if not bool(torch.isfinite(block).all()):
+                        raise ValueError(f"{where} holds NaN or inf; valid: finite weights")
 
 
 def check_dcp_shapes(step_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:

@@ -250,6 +250,8 @@ def _cmd_list() -> int:
 
 
 def _cmd_validate(name: str, overrides: list[str]) -> int:
+    from framework import init_from
+    from framework.data import check_data
     from framework.plan import format_plan, make_plan
     from framework.rules import check as check_rules
     from framework.topology import validate_mesh
@@ -264,8 +266,12 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
         return 2
     try:
         cfg = compose_recipe(name, overrides)
+        # The launcher's checks (framework.entry.validate), in its order: an HF config.json's shape,
+        # the data, a chat template's budget; bounds that only train.py enforced were "valid" here.
+        cfg = init_from.resolve(cfg, overrides)
         validate_mesh(cfg.mesh)
         check_rules(cfg)
+        check_data(cfg)
         # Validating plans like a dry run: a layout over the device memory is reported, not refused.
         plan = make_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)))
     except RecipeRefused as e:

@@ -69,7 +69,8 @@ def integer(lo: int, hi: int = INT64_MAX, *, bad: tuple[Any, ...] = (), what: st
     """An integer in [lo, hi]; ``what`` explains the special values (``0 = off``)."""
     top = "" if hi == INT64_MAX else f" and <= {hi}"
     text = f"an integer >= {lo}{top}" + (f" ({what})" if what else "")
-    return Rule(text, lambda v, _c: _is_int(v) and lo <= v <= hi, bad or (lo - 1, 10**1000))
+    above = (hi + 1,) if hi < INT64_MAX else ()
+    return Rule(text, lambda v, _c: _is_int(v) and lo <= v <= hi, bad or (lo - 1, *above, 10**1000))
 
 
 def number(
@@ -124,6 +125,34 @@ def names_list(what: str) -> Rule:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if 0 < n <= 1_000_000 else []
+
+
+# Bounds on counts that the launcher or a rank loops over or holds in memory before the first step
+# (each used to hang or fill the host: train.global_batch_size=1e11 counted its divisors one by one,
+# train.eval_batches=1e8 built 12 GB of validation batches in 69 s).
+MAX_LAYERS = 4096
+MAX_GLOBAL_BATCH = 2**20  # sequences per step; the largest published runs use a few thousand
+MAX_PREFETCH = 1024  # global batches held ahead in the data thread's queue
+MAX_EVAL_BATCHES = 100_000
+# Validation batches are built up front (int64 tokens on every rank): 2**28 tokens = 2 GiB.
+MAX_EVAL_TOKENS = 2**28
+
+
+def _eval_tokens(v: int, c: Config) -> int:
+    return v * c.train.global_batch_size * (c.train.seq_len + 1)
+
+
+def _eval_batches_ok(v: Any, c: Config) -> bool:
+    return _is_int(v) and 1 <= v <= MAX_EVAL_BATCHES and _eval_tokens(v, c) <= MAX_EVAL_TOKENS
+
+
+def _eval_batches_valid(c: Config) -> str:
+    t = c.train
+    most = max(1, min(MAX_EVAL_BATCHES, MAX_EVAL_TOKENS // (t.global_batch_size * (t.seq_len + 1))))
+    return (
+        f"an integer in 1..{most}: the validation batches are built up front, at most {MAX_EVAL_TOKENS} "
+        f"tokens (train.global_batch_size={t.global_batch_size} x train.seq_len+1={t.seq_len + 1} each)"
+    )
 
 
 def _head_dim_ok(v: Any, c: Config) -> bool:
@@ -254,7 +283,47 @@ def _optimizer_class(c: Config) -> type | None:
 
 
 def _target_ok(_v: Any, c: Config) -> bool:
-    return _optimizer_class(c) is not None
+    return _optimizer_class(c) is not None and _probe_error(c, with_kwargs=False) is None
+
+
+def _target_valid(c: Config) -> str:
+    why = _probe_error(c, with_kwargs=False) if _optimizer_class(c) is not None else None
+    text = "a torch.optim.Optimizer subclass under run.instantiate_allow"
+    if why is None:
+        return text
+    return (
+        f"{text} that builds over the model's parameter groups and steps without a closure on dense "
+        f"gradients, as the training loop does ({why})"
+    )
+
+
+def _probe_error(c: Config, with_kwargs: bool) -> str | None:
+    """Why the training loop's own optimizer (framework.loop.build_optimizer) cannot be built over a
+    tiny stand-in model and stepped once on its dense gradients; None when it can.
+
+    Why a probe: a class or a keyword value can pass the allowlist and the names check and still
+    crash every rank at its first line (LBFGS refuses parameter groups and needs a closure, SparseAdam
+    sparse gradients, betas=5 or eps=-1 are refused by the class itself): torch's own checks, run here.
+    """
+    import dataclasses as dc
+
+    import torch
+
+    from framework.loop import build_optimizer
+
+    opt = c.optimizer if with_kwargs else dc.replace(c.optimizer, kwargs={})
+    probe = torch.nn.Module()
+    probe.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False)])  # a matrix (Muon's share)
+    probe.norm = torch.nn.LayerNorm(4, bias=False)  # a 1-D weight: the no-decay group
+    try:
+        optimizer = build_optimizer(probe, c.train, torch.device("cpu"), opt, c.run.instantiate_allow)
+        for p in probe.parameters():
+            p.grad = torch.full_like(p, 0.01)
+        optimizer.step()
+    except (ValueError, TypeError, RuntimeError, KeyError, IndexError, AttributeError) as e:
+        text = " ".join(str(e).split()) or type(e).__name__
+        return f"{type(e).__name__}: {text[:200]}"
+    return None
 
 
 def _class_kwargs(cls: type) -> list[str] | None:
@@ -267,7 +336,7 @@ def _class_kwargs(cls: type) -> list[str] | None:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _kwargs_ok(v: Any, c: Config) -> bool:
+def _kwargs_names_ok(v: Any, c: Config) -> bool:
     if not all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v):
         return False
     cls = _optimizer_class(c)
@@ -275,14 +344,21 @@ def _kwargs_ok(v: Any, c: Config) -> bool:
     return takes is None or all(k in takes for k in v)
 
 
+def _kwargs_ok(v: Any, c: Config) -> bool:
+    return _kwargs_names_ok(v, c) and (not v or _probe_error(c, with_kwargs=True) is None)
+
+
 def _kwargs_valid(c: Config) -> str:
     cls = _optimizer_class(c)
     takes = _class_kwargs(cls) if cls is not None else None
     names = "" if takes is None else f": {', '.join(k for k in takes if k not in RESERVED_KWARGS)}"
-    return (
+    text = (
         f"keyword arguments that optimizer._target_={c.optimizer._target_} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
+    if _kwargs_names_ok(c.optimizer.kwargs, c):
+        text += f", with values the class accepts ({_probe_error(c, with_kwargs=True)})"
+    return text
 
 
 # lr: train.lr is the schedule's peak; weight_decay: each param group sets train.weight_decay (or 0
@@ -312,7 +388,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.n_heads": integer(1),  # before model.dim and model.n_kv_heads, whose rules divide by it
     "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132)),
-    "model.n_layers": integer(1),
+    # Bounded: the launcher lists every layer's tensors (num_hidden_layers: 50000000 in an HF
+    # config.json hung it); the largest published models have ~128 layers.
+    "model.n_layers": integer(1, MAX_LAYERS),
     "model.n_kv_heads": Rule(
         lambda c: f"a divisor of model.n_heads={c.model.n_heads}: {_divisors(c.model.n_heads)}",
         _kv_ok,
@@ -376,14 +454,14 @@ RULES: dict[str, Rule] = {
         checked_by="framework.data.pipeline.check_mix",
         bad=([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
     ),
-    "data.prefetch": integer(1),
+    "data.prefetch": integer(1, MAX_PREFETCH, what="global batches held ahead in memory"),
     "data.encode_batch": integer(1),
     "data.messages_field": name("a non-empty key of each jsonl line"),
     "data.prompt_field": name("a non-empty key of each jsonl line"),
     "data.response_field": name("a non-empty key of each jsonl line"),
     # train
     "train.steps": integer(0, what="0 plans, builds and evaluates without training"),
-    "train.global_batch_size": integer(1),
+    "train.global_batch_size": integer(1, MAX_GLOBAL_BATCH, what="sequences per optimizer step"),
     "train.micro_batch_size": integer(0, what="0 = the rank's whole share of the global batch"),
     "train.seq_len": integer(1),
     "train.lr": number(0, lo_open=True, bad=(math.nan, math.inf, -0.01, 0.0)),
@@ -398,19 +476,21 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
-    "train.eval_batches": integer(1),
+    "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.loop.build_optimizer, lr_lambda)
     "optimizer.name": Rule(
         _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
     ),
     # The allowlist itself: framework.instantiate.check_targets (framework.entry.check_safe), first.
     "optimizer._target_": Rule(
-        "a torch.optim.Optimizer subclass under run.instantiate_allow",
+        _target_valid,
         _target_ok,
-        ("os.system", "builtins.exec", "torch.nn.Linear"),
+        ("os.system", "builtins.exec", "torch.nn.Linear", "torch.optim.LBFGS", "torch.optim.SparseAdam"),
     ),
     "optimizer.kwargs": Rule(
-        _kwargs_valid, _kwargs_ok, ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1})
+        _kwargs_valid,
+        _kwargs_ok,
+        ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1}),
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)
@@ -467,7 +547,7 @@ RULES: dict[str, Rule] = {
     "mesh.shape": Rule(
         "a list of positive integers, e.g. [8] or [2, 4]",
         checked_by="framework.topology.validate_mesh (ranks vs cores: framework.launch)",
-        bad=([0], [], [2, -1], [100_000]),
+        bad=([0], [], [2, -1], [100_000], [99_999_999_999], [2**11, 2**10]),
         context=(("run.device", "cpu"),),
     ),
     "mesh.hardware.name": name("a non-empty name ('cpu' or a conf/mesh/hardware option)"),
@@ -662,6 +742,18 @@ def show(value: Any) -> str:
         value = value.value
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:24]}...({len(text)} characters)"
+
+
+def check_group(cfg: Config, group: str) -> None:
+    """``check`` for the keys of one group only (``model``): for values read from a file before the
+    whole config is checked (framework.init_from takes the shape from a checkpoint's config.json)."""
+    for key, rule in RULES.items():
+        if rule.ok is None or not key.startswith(f"{group}."):
+            continue
+        value = value_at(cfg, key)
+        if not rule.ok(value, cfg):
+            valid = rule.valid(cfg) if callable(rule.valid) else rule.valid
+            raise ValueError(f"{key}={show(value)} is not valid; valid: {valid}")
 
 
 def check(cfg: Config) -> None:

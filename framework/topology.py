@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 import warnings
@@ -517,10 +518,21 @@ def check_topology(summary: TopologySummary, procs_per_node: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+# Ranks in one job: the largest runs today have ~10**5 GPUs. Bounded because the layout code counts
+# the world size's divisors (mesh=99999999999 used to hang the launcher, even in a dry run).
+MAX_WORLD_SIZE = 2**20
+
+
 def validate_mesh(cfg: MeshConfig) -> None:
-    """Refuse an empty shape or a non-positive (or non-integer) entry; see MeshConfig for the meaning."""
+    """Refuse an empty shape, a non-positive (or non-integer) entry, or more than MAX_WORLD_SIZE ranks;
+    see MeshConfig for the meaning."""
     if len(cfg.shape) == 0:
         raise ValueError("mesh.shape=[] is empty; valid: a list of positive integers, e.g. [8] or [2, 4]")
     for s in cfg.shape:
         if isinstance(s, bool) or not isinstance(s, int) or s < 1:
             raise ValueError(f"mesh.shape={list(cfg.shape)} has entry {s!r}; valid: positive integers only")
+    if math.prod(cfg.shape) > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"mesh.shape={list(cfg.shape)} is {math.prod(cfg.shape)} ranks; valid: sizes whose product "
+            f"is at most {MAX_WORLD_SIZE}"
+        )

@@ -345,3 +345,82 @@ def test_train_py_refuses_bad_data_with_exit_2_and_no_run_dir(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], errors
     assert not run.exists()
+
+
+def _no_token_sources(tmp: Path) -> dict[str, DataConfig]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp / "empty_texts.jsonl").write_text('{"text": ""}\n' * 20)
+    pq.write_table(pa.table({"text": pa.array([None] * 20, type=pa.string())}), tmp / "nulls.parquet")
+    (tmp / "ok.jsonl").write_text('{"text": "hello"}\n' * 20)
+    return {
+        "empty texts": DataConfig(source=DataSource.jsonl, path=str(tmp / "empty_texts.jsonl")),
+        "null column": DataConfig(source=DataSource.parquet, path=str(tmp / "nulls.parquet")),
+        "empty split": DataConfig(source=DataSource.hf, path=str(tmp / "ok.jsonl"), split="train[:0]"),
+        "hf null column": DataConfig(source=DataSource.hf, path=str(tmp / "nulls.parquet")),
+        "missing val_path": DataConfig(
+            source=DataSource.jsonl, path=str(tmp / "ok.jsonl"), val_path=str(tmp / "nope.jsonl")
+        ),
+    }
+
+
+NO_TOKENS = [
+    ("empty texts", "data.path='{tmp}/empty_texts.jsonl': none of its 20 records has text (its data.field"),
+    ("null column", "data.path='{tmp}/nulls.parquet': none of its 20 records has text (its data.column"),
+    (
+        "empty split",
+        "ok.jsonl' with data.split='train[:0]': Instruction \"train[:0]\" corresponds to no data",
+    ),
+    ("hf null column", "none of its 20 records has text (its data.column is empty or null"),
+    ("missing val_path", "data.val_path='{tmp}/nope.jsonl' does not exist"),
+]
+
+
+@pytest.mark.parametrize("case, message", NO_TOKENS, ids=[c for c, _ in NO_TOKENS])
+def test_data_that_gives_no_tokens_is_refused_before_launch(
+    corpus: Corpus, tmp_path: Path, case: str, message: str
+) -> None:
+    """All-empty texts, an all-null parquet column and an empty split crashed the rank with a
+    traceback; a missing data.val_path was reported as data.path."""
+    data = _no_token_sources(tmp_path)[case]
+    refused(cfg(data, bpe(corpus)), message.format(tmp=tmp_path))
+
+
+def test_train_py_refuses_data_without_tokens_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_token_sources(tmp_path)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train_main(run, "data=jsonl", f"data.path={tmp_path / 'empty_texts.jsonl'}")
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "none of its 20 records has text" in errors[0], errors
+    assert not run.exists()
+
+
+def test_a_symlink_loop_is_read_once_and_validation_may_not_share_training_files(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """A ``**`` glob through dir/loop -> dir listed each file 41 times (until ELOOP); the same file
+    named as data.val_path through the loop was trained on and validated on."""
+    import os
+
+    from framework.data.records import SourceSpec, resolve_files
+
+    d = tmp_path / "d"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.jsonl").write_text(json.dumps({"text": f"document {i} " * 20}) + "\n")
+    (d / "loop").symlink_to(d)
+    glob = str(d / "**" / "*.jsonl")
+    assert resolve_files(SourceSpec(source=DataSource.jsonl, path=glob)) == sorted(d.glob("*.jsonl"))
+    data = DataConfig(source=DataSource.jsonl, path=glob, val_path=str(d / "loop" / "1.jsonl"))
+    refused(cfg(data, bpe(corpus)), "data.val_path=", "shares 1 file(s) with data.path=", "disjoint files")
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    refused(
+        cfg(DataConfig(source=DataSource.jsonl, path=str(fifo)), bpe(corpus)),
+        f"data.path='{fifo}' is a FIFO, not a regular file",
+    )

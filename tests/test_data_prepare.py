@@ -98,3 +98,42 @@ def test_a_folder_of_jsonl_skips_the_sidecar_of_a_token_file_prepared_into_it(tm
     assert [f.name for f in found] == ["a.jsonl", "b.json"]
     assert main(["prepare", str(tmp_path / "c.bin"), str(tmp_path), "--workers", "1"]) == 0
     assert json.loads((tmp_path / "c.json").read_text())["num_documents"] == 2
+
+
+def _unwritable_folder(tmp: Path) -> Path | None:
+    import os
+
+    locked = tmp / "ro"
+    locked.mkdir(mode=0o555)
+    for folder in (locked, Path("/proc/sys")):  # root ignores permission bits; /proc/sys it cannot fill
+        if not os.access(folder, os.W_OK):
+            return folder
+    return None
+
+
+@pytest.mark.parametrize("command", ["prepare", "tokenizer train"])
+@pytest.mark.parametrize("case", ["a folder", "under a file", "read-only folder"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, case: str
+) -> None:
+    """OUT as a folder was an IsADirectoryError, OUT under a file a FileExistsError, both after the
+    whole input was tokenized."""
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n")
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "dir").mkdir()
+    if case == "read-only folder":
+        folder = _unwritable_folder(tmp_path)
+        if folder is None:
+            pytest.skip("no unwritable folder on this machine")
+        out, message = folder / "o.bin", "is not writable"
+    else:
+        out, message = {
+            "a folder": (tmp_path / "dir", "is a folder; valid: a file path"),
+            "under a file": (tmp_path / "f" / "o.bin", f"cannot be created: '{tmp_path / 'f'}' is a file"),
+        }[case]
+    extra = ["--vocab-size", "300"] if command == "tokenizer train" else []
+    assert main([*command.split(), str(out), str(text), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: OUT '{out}'") and message in err[0], err
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == []

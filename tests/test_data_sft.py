@@ -292,3 +292,31 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     answers = "".join(m["content"] + "<|end_of_text|>" for m in msgs if m["role"] == "assistant")
     assert tok.decode(y[0][trained]) == answers
     assert tok.decode(x[0][: int(trained.nonzero()[0]) + 1]).endswith("<|assistant|>\n")
+
+
+ECHO = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+UNBOUNDED_TEMPLATES = [
+    ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}", "template lines"),
+    ("{{ (10 ** 100000) ** 100000 }}", "10 ** 100000 is above 4096 bits"),
+    ("{{ 'x' * 100000 * 100000 }}", "is above 1048576 items"),
+    ("{% for a in range(9999) %}{{ 'y' * 99999 }}{% endfor %}", "more than 4194304 characters"),
+]
+
+
+@pytest.mark.parametrize("template, fragment", UNBOUNDED_TEMPLATES, ids=[t[1] for t in UNBOUNDED_TEMPLATES])
+def test_an_unbounded_chat_template_is_refused_before_launch(
+    tmp_path: Path, template: str, fragment: str
+) -> None:
+    """Nested loops and huge arithmetic in a shared tokenizer folder's template hung the launcher:
+    rendering has a line, time and output budget, and * / ** / + are bounded before they compute."""
+    tok = tmp_path / "tok"
+    shutil.copytree(SHIPPED, tok)
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": template + ECHO}))
+    with pytest.raises(ValueError) as info:
+        check_data(make_cfg(SHIPPED / "train.jsonl", tok))
+    msg = str(info.value)
+    assert "\n" not in msg and "train.jsonl:1: the chat template is refused" in msg and fragment in msg, msg
+    # The same template without the unbounded part renders (the budget does not refuse real work).
+    (tok / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": ECHO}))
+    check_data(make_cfg(SHIPPED / "train.jsonl", tok, sft_pack=False))

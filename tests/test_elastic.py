@@ -472,3 +472,21 @@ def test_every_save_failing_on_a_full_disk_exits_nonzero_and_says_why(tmp_path: 
     assert "RESUME FAILED" in out and "trained to step 4, but no checkpoint is left" in out, out[-3000:]
     [event] = events(run, "no_usable_checkpoint")
     assert event["step"] == 0
+
+
+def test_a_killed_pipeline_rank_is_reported_as_itself(tmp_path: Path) -> None:
+    """Rank 1 of a 2-stage pipeline SIGKILLed with no restarts: the report names rank 1 and the
+    signal (torchelastic's first failure is rank 0's exit 1 after it lost its peer)."""
+    run = tmp_path / "run"
+    proc = train(
+        run,
+        "parallel.pp=2",
+        "model.tie_embeddings=false",
+        "train.steps=6",
+        "run.fault_kill_at_step=3",
+        "run.fault_rank=1",
+        timeout=180,
+    )
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "rank 1 was killed by SIGKILL; then rank 0 exited with 1" in errors[0], errors

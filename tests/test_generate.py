@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -98,3 +99,31 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert "no config.yaml" in capsys.readouterr().err
     assert main([str(run), "--prompt", "x", "--top-k", "-1"]) == 2
+
+
+BAD_FLAGS = [
+    (["--temperature", "nan"], "--temperature=nan is not valid"),
+    (["--temperature", "inf"], "--temperature=inf is not valid"),
+    (["--max-new-tokens", "1000000000"], "--max-new-tokens=1000000000 is not valid; valid: 1..131072"),
+    (["--max-new-tokens", "0"], "--max-new-tokens=0 is not valid"),
+    (["--top-k", "-1"], "--top-k=-1 is not valid"),
+    (["--device", "cuda:99"], "--device=cuda:99 but this"),
+    (["--device", "bogus"], "--device='bogus' is not a torch device"),
+    (["--config", "pyproject.toml"], "--config=pyproject.toml is not a run's config.yaml"),
+    (["--config", "{tmp}/other.yaml"], "other.yaml is not a run's config.yaml (Key 'a' not in 'Config')"),
+    (["--config", "{tmp}"], "is not a file; valid: a run's config.yaml"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f[0]) for f in BAD_FLAGS])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, capsys, flags: list[str], message: str) -> None:
+    """Checked before any checkpoint is read: a nan temperature sampled garbage, 1e9 new tokens
+    allocated a billion-position KV cache, --device cuda on CPU torch and a non-config --config were
+    tracebacks."""
+    (tmp_path / "other.yaml").write_text("a: 1\n")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    if flags == ["--device", "cuda:99"] and torch.cuda.device_count() > 99:
+        pytest.skip("a host with 100 GPUs")
+    assert main([str(tmp_path), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

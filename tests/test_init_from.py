@@ -7,6 +7,7 @@ Parity figures (max |logits difference|, fp32, CPU) are printed with ``pytest -s
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -199,3 +200,65 @@ def test_bad_sources_exit_2_with_one_line_and_no_run_dir(tmp_path: Path, hf_dirs
     not_there = tmp_path / "nothing"
     with pytest.raises(ValueError, match="does not exist"):
         init_from.resolve(Config(model=ModelConfig(init_from=str(not_there))), [])
+
+
+def _edit_config(folder: Path, **fields: object) -> None:
+    conf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**conf, **fields}))
+
+
+def _edit_weights(folder: Path, change: str) -> None:
+    """Rewrite the first shard with its first tensor changed (the folder may be sharded)."""
+    from safetensors.torch import save_file
+
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    first = sorted(tensors)[0]
+    t = tensors[first]
+    tensors[first] = {"int8": t.to(torch.int8), "bool": t.bool(), "nan": t.clone().fill_(math.nan)}[change]
+    shard.unlink()  # a copied shard may be read-only or a link: write a new file
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+# One per class (issue 24, part 4): the source is untrusted input, read before launch.
+BAD_HF = [
+    (lambda f: _edit_config(f, num_hidden_layers=50_000_000), "model.n_layers=50000000 is not valid"),
+    (lambda f: _edit_config(f, num_hidden_layers=2.5), "num_hidden_layers=2.5; valid: an integer"),
+    (
+        lambda f: _edit_config(f, tie_word_embeddings="false"),
+        "tie_word_embeddings='false'; valid: true or false",
+    ),
+    (lambda f: _edit_weights(f, "int8"), "is I8; valid: floating-point weights"),
+    (lambda f: _edit_weights(f, "bool"), "is BOOL; valid: floating-point weights"),
+    (lambda f: _edit_weights(f, "nan"), "holds NaN or inf; valid: finite weights"),
+]
+
+
+@pytest.mark.parametrize("edit, message", BAD_HF, ids=[m.split(";")[0] for _e, m in BAD_HF])
+def test_a_bad_hf_folder_is_one_line_before_launch(tmp_path: Path, hf_dirs: dict, edit, message: str) -> None:
+    """A 50M-layer config.json hung the launcher; a fractional layer count, a string boolean, int8,
+    bool and NaN weights trained silently. Each is one line naming the file's value."""
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dirs["gqa_untied"], folder)
+    edit(folder)
+    with pytest.raises(ValueError) as info:
+        init_from.resolve(Config(model=ModelConfig(init_from=str(folder))), [])
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"model.init_from='{folder}'") and message in msg, msg
+
+
+def test_a_50m_layer_config_exits_2_through_train_py(tmp_path: Path, hf_dirs: dict) -> None:
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dirs["gqa_untied"], folder)
+    _edit_config(folder, num_hidden_layers=50_000_000)
+    run = tmp_path / "run"
+    proc = train(run, f"model.init_from={folder}", *FAST)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "model.n_layers=50000000" in errors[0], proc.stderr[
+        -2000:
+    ]
+    assert not run.exists()

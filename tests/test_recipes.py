@@ -222,3 +222,56 @@ def test_a_root_may_not_replace_a_shipped_recipe_nor_link_files_from_outside(
     monkeypatch.delenv("FRAMEWORK_RECIPE_PATH")
     recipes.register()  # the shipped llama_tiny again, for the tests that follow in this process
     assert "llama_tiny" not in recipes.REFUSED
+
+
+def _unbounded_template_folder(tmp: Path) -> Path:
+    import json
+    import shutil
+
+    tok = tmp / "tok"
+    shutil.copytree(recipes.SHIPPED_ROOT / "data" / "sft_tiny", tok)
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    loops = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    (tok / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": loops}))
+    return tok
+
+
+def _50m_layer_hf_folder(tmp: Path) -> Path:
+    import json
+
+    from tests.test_checkpoint_import_hf import MODELS, make_hf_model
+
+    hf = tmp / "hf"
+    make_hf_model(hf, *MODELS["mha_tied"])
+    conf = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 50_000_000}))
+    return hf
+
+
+VALIDATE_BAD = [
+    ("llama_tiny", lambda _t: ["train.eval_batches=100000000"], "train.eval_batches=100000000 is not valid"),
+    ("llama_tiny", lambda _t: ["mesh=99999999999"], "is 99999999999 ranks"),
+    ("llama_tiny", lambda t: [f"model.init_from={_50m_layer_hf_folder(t)}"], "model.n_layers=50000000"),
+    (
+        "sft_tiny",
+        lambda t: [f"tokenizer.path={_unbounded_template_folder(t)}"],
+        "the chat template is refused: rendering one conversation ran over",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, overrides, message", VALIDATE_BAD, ids=[v[2][:30] for v in VALIDATE_BAD])
+def test_validate_uses_the_launchers_checks(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name,
+    overrides,
+    message,
+) -> None:
+    """`recipes validate` called these valid while train.py hung or refused them: it now runs the
+    same checks (the rules, init_from's config.json, the data and its chat template)."""
+    monkeypatch.chdir(recipes.SHIPPED_ROOT.parent)  # the recipes' data paths are relative to the repo
+    assert recipes.main(["validate", name, *overrides(tmp_path)]) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], errors

@@ -215,6 +215,8 @@ E2E = [
         {},
         "optimizer._target_='os.system' is not on the instantiation allowlist",
     ),
+    (["optimizer._target_=torch.optim.LBFGS"], {}, "LBFGS doesn't support per-parameter options"),
+    (["+optimizer.kwargs.eps=-1"], {}, "Invalid epsilon value: -1"),
     (["hydra.run.dir=pyproject.toml/run"], {}, "is a file, not a directory"),
     (["mesh=2", "parallel.cp=2", "run.device=cpu"], {}, "parallel.cp=2 on the CPU: torch's context_parallel"),
     ([], {"FRAMEWORK_RECIPE_PATH": "/nonexistent/recipes"}, "is not a directory"),
@@ -241,3 +243,37 @@ def test_train_py_refuses_with_exit_2_one_line_and_no_run_dir(
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not run.exists() and not (ROOT / "pyproject.toml" / "run").exists()
+
+
+# Values the launcher or a rank used to loop over or hold in memory before the first step (issue 24,
+# part 3): each is now one line and exit 2 within seconds, through train.py and `recipes validate`.
+BOUNDED = [
+    (["train.global_batch_size=100000000000"], "train.global_batch_size=100000000000 is not valid"),
+    (["mesh=99999999999", "run.dry_run=true"], "mesh.shape=[99999999999] is 99999999999 ranks"),
+    (["train.eval_batches=100000000"], "train.eval_batches=100000000 is not valid"),
+    (["data.prefetch=1000000000"], "data.prefetch=1000000000 is not valid"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BOUNDED, ids=[b[1].split("=")[0] for b in BOUNDED])
+def test_unbounded_counts_are_refused_before_launch(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.recipes", "validate", RECIPE]):
+        proc = subprocess.run(
+            [sys.executable, *argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert not run.exists()
+
+
+def test_layout_divisors_match_counting_one_by_one() -> None:
+    from framework.layout import divisors
+
+    for n in range(200):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    assert divisors(2**20)[-3:] == [2**18, 2**19, 2**20]

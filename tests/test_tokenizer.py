@@ -170,3 +170,29 @@ def test_tokenizer_train_cli_refuses_a_tiny_vocab(corpus: Corpus, tmp_path: Path
         )
         == 2
     )
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("1e22", "1e22 is out of range; valid: 1..4294967296"),
+        ("10000000000000000000000", "10000000000000000000000 is out of range"),
+        ("300.5", "300.5 is not an integer"),
+        ("many", "'many' is not a number"),
+    ],
+)
+def test_tokenizer_train_refuses_a_vocab_size_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    """--vocab-size 1e22 overflowed inside the tokenizers trainer (a traceback): argparse's one error
+    line and exit 2, nothing written."""
+    from framework.data import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n")
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "train", str(tmp_path / "t.json"), str(text), "--vocab-size", value])
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"argument --vocab-size: {message}" in errors[0], errors
+    assert not (tmp_path / "t.json").exists()

@@ -194,11 +194,28 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
         )
         for k, v in out.items():
             if k != "family":
-                out[k] = int(v) if k in ints else bool(v) if k == "tie_embeddings" else float(v)
-    except (KeyError, TypeError, ValueError) as e:
+                out[k] = _typed_field(k, v, ints, where)
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
     out["family"] = ModelFamily(out["family"])
     return out
+
+
+def _typed_field(k: str, v: Any, ints: tuple[str, ...], where: str) -> Any:
+    """config.json's value for our field ``k``, refused unless it has the field's type: int(2.5) made
+    a 2-layer model and bool("false") a tied one, silently."""
+    name = SHAPE_FIELDS[k]
+    if k == "tie_embeddings":
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}: config.json has {name}={v!r}; valid: true or false (a JSON boolean)")
+        return v
+    if k in ints:
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            raise ValueError(f"{where}: config.json has {name}={v!r}; valid: an integer")
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where}: config.json has {name}={v!r}; valid: a number")
+    return float(v)
 
 
 def check_against(

@@ -3,10 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from framework.config import DataSource, TokenizerConfig, TokenizerKind
+
+# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.rules); 1e22
+# overflowed inside the tokenizers trainer (a traceback).
+MAX_VOCAB = 2**32
+
+
+def vocab_size(text: str) -> int:
+    """``--vocab-size``: an integer (``1e5`` is accepted when it is one) in 1..MAX_VOCAB."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if isinstance(value, float) and not (
+        value == value and abs(value) != float("inf") and value.is_integer()
+    ):
+        raise argparse.ArgumentTypeError(f"{text} is not an integer")
+    if not 1 <= value <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 1..{MAX_VOCAB} (uint32 token ids)")
+    return int(value)
+
+
+def check_output_file(flag: str, out: Path) -> None:
+    """Refuse an output path that is a folder, sits under a file, or is in a folder this user cannot
+    write, before any input is read (each was a traceback after the work, or an IsADirectoryError)."""
+    if out.is_dir():
+        raise ValueError(
+            f"{flag} {str(out)!r} is a folder; valid: a file path (e.g. {str(out / 'out.bin')!r})"
+        )
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(parent)!r} is a file")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(parent)!r} is not writable")
+            break
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ValueError(f"{flag} {str(out)!r} is read-only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     tr = tsub.add_parser("train", help="train a byte-level BPE (tokenizers) on files; writes OUT.json")
     tr.add_argument("out", type=Path)
     tr.add_argument("inputs", nargs="+", help="files, folders or globs (.txt/.md, .jsonl, .parquet)")
-    tr.add_argument("--vocab-size", type=int, required=True)
+    tr.add_argument("--vocab-size", type=vocab_size, required=True)
     tr.add_argument("--field", default="text")
     tr.add_argument("--column", default="text")
     args = parser.parse_args(argv)
     if args.cmd == "prepare" and args.workers < 0:
         parser.error(f"--workers {args.workers}: valid: 0 (one per core, at most 8) or a count >= 1")
     try:
+        check_output_file("OUT", args.out)
         if args.cmd == "prepare":
             return _prepare(args)
         return _train(args)

@@ -21,7 +21,14 @@ import numpy as np
 import torch
 
 from framework.config import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
-from framework.data.records import CHECK_ALL_BYTES, Records, SourceSpec, check_source, resolve_files
+from framework.data.records import (
+    CHECK_ALL_BYTES,
+    Records,
+    SourceSpec,
+    check_disjoint,
+    check_source,
+    resolve_files,
+)
 from framework.data.sampler import BatchSampler, load_corpus, stdlib_files, token_files, validation_batches
 from framework.data.sft import ChatFormat, Fields, SFTWindows, check_sft, split_rows
 from framework.data.stream import (
@@ -149,10 +156,13 @@ def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
         n = check_sft(resolve_files(spec), fields, fmt, window, CHECK_ALL_BYTES)
         if val_path is not None:
             check_sft(resolve_files(spec, val_path), fields, fmt, window, CHECK_ALL_BYTES)
+            check_disjoint(spec, val_path)
     else:
         n = check_source(spec)
         if val_path is not None:
             check_source(spec, val_path)
+            if spec.source is not DataSource.hf:
+                check_disjoint(spec, val_path)
     if val_path is None and cfg.train.eval_every > 0:
         every = val_every(data.val_fraction)
         if every == 0:

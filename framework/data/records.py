@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,30 +60,66 @@ def is_sidecar(f: Path) -> bool:
     return f.suffix == ".json" and f.with_suffix(".bin").is_file()
 
 
+def _kind(p: Path) -> str:
+    mode = p.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file or folder")
+
+
+def _unique(files: list[Path]) -> list[Path]:
+    """Each file once, by its real path: a ``**`` glob follows a symlink loop (dir/loop -> dir) and
+    listed every file 41 times, until the kernel's ELOOP, so it was read 41 times per epoch."""
+    seen: set[str] = set()
+    out = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
+
+
+def check_disjoint(spec: SourceSpec, val_path: str) -> None:
+    """Refuse validation files that are also training files (through a link, a glob or a folder):
+    the validation loss would be measured on trained-on text."""
+    train = {os.path.realpath(f): f for f in resolve_files(spec)}
+    both = [train[r] for r in (os.path.realpath(f) for f in resolve_files(spec, val_path)) if r in train]
+    if both:
+        raise ValueError(
+            f"{spec.key}.val_path={val_path!r} shares {len(both)} file(s) with {spec.key}.path={spec.path!r} "
+            f"(e.g. {str(both[0])!r}): validation would measure trained-on text; valid: disjoint files"
+        )
+
+
 def resolve_files(spec: SourceSpec, path: str | None = None) -> list[Path]:
     """``data.path`` as a file, a folder (its files with the source's suffixes) or a glob."""
+    # The message names the key the user set: a missing val_path was reported as data.path.
+    name = f"{spec.key}.path" if path is None or path == spec.path else f"{spec.key}.val_path"
     path = spec.path if path is None else path
     suffixes = SUFFIXES[spec.source]
     if not path:
-        raise ValueError(
-            f"{spec.key}.source={spec.source.value} needs {spec.key}.path=<file, folder or glob>"
-        )
+        raise ValueError(f"{spec.key}.source={spec.source.value} needs {name}=<file, folder or glob>")
     p = Path(path).expanduser()
     if any(c in path for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
         if not files:
-            raise ValueError(f"{spec.key}.path={path!r}: the glob matches no files")
+            raise ValueError(f"{name}={path!r}: the glob matches no files")
     elif p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes and not is_sidecar(f))
         if not files:
-            raise ValueError(f"{spec.key}.path={path!r} is a folder with no {'/'.join(suffixes)} files")
+            raise ValueError(f"{name}={path!r} is a folder with no {'/'.join(suffixes)} files")
     elif p.is_file():
         files = [p]
+    elif p.exists():  # a FIFO, socket or device was reported as "does not exist"
+        raise ValueError(
+            f"{name}={path!r} is {_kind(p)}, not a regular file (valid: a file, a folder or a glob)"
+        )
     else:
-        raise ValueError(f"{spec.key}.path={path!r} does not exist (valid: a file, a folder or a glob)")
+        raise ValueError(f"{name}={path!r} does not exist (valid: a file, a folder or a glob)")
+    files = _unique(files)
     for f in files:
         if f.stat().st_size == 0:
-            raise ValueError(f"{spec.key}.path: {str(f)!r} is an empty file")
+            raise ValueError(f"{name}: {str(f)!r} is an empty file")
     return files
 
 
@@ -226,8 +264,11 @@ def load_hf(spec: SourceSpec, path: str | None = None) -> Any:
             )
         else:
             ds = datasets.load_dataset(path, spec.name, split=spec.split, streaming=spec.streaming)
-    except ValueError:
-        raise
+    except ValueError as e:
+        if str(e).startswith(spec.key):  # ours, naming the key already
+            raise
+        # datasets' own (an empty split is 'Instruction "train[:0]" corresponds to no data!'): name ours.
+        raise ValueError(f"{spec.key}.path={path!r} with {spec.key}.split={spec.split!r}: {e}") from None
     except Exception as e:  # noqa: BLE001 - datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise ValueError(f"{spec.key}.path={path!r}: datasets.load_dataset failed: {first}") from e
@@ -284,13 +325,29 @@ def check_source(spec: SourceSpec, path: str | None = None) -> int | None:
     head of each file); returns the number of records when all were read, else None. Raises
     ValueError naming the file, line or column."""
     records = Records(spec, path)
+    name = f"{spec.key}.path" if path is None or path == spec.path else f"{spec.key}.val_path"
+    where = f"{name}={spec.path if path is None else path!r}"
     if records.ds is not None:
         if spec.streaming:
             next(iter(records.iterate()), None)  # the first record opens the stream
             return None
+        if len(records.ds) == 0:
+            raise ValueError(f"{where}: the split {spec.split!r} has no records, so it gives no tokens")
+        if not any(rec != "" for rec, _, _ in records.iterate()):  # stops at the first text
+            raise ValueError(
+                f"{where}: none of its {len(records.ds)} records has text (its {setting(spec.key, 'column')} "
+                "is empty or null in every one), so it gives no tokens"
+            )
         return len(records.ds)
     if records.total_bytes <= CHECK_ALL_BYTES:
-        return sum(1 for _ in records.iterate())
+        n = text = 0
+        for rec, _, _ in records.iterate():
+            n, text = n + 1, text + (rec != "")
+        if text == 0:  # every text empty (or null in parquet): the rank found no tokens, a traceback
+            col = {DataSource.jsonl: "field", DataSource.parquet: "column"}.get(spec.source, "")
+            which = f" (its {setting(spec.key, col)} is empty or null in every one)" if col else ""
+            raise ValueError(f"{where}: none of its {n} records has text{which}, so it gives no tokens")
+        return n
     for f in records.files:
         read = 0
         for text, _, _ in file_records(spec, [f]):
