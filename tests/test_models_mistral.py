@@ -119,3 +119,15 @@ def test_cached_decode_keeps_the_window() -> None:
         last = forward_cached(model, x[:, i : i + 1], cache)
     with torch.no_grad():
         torch.testing.assert_close(last, model(x)[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_window_only_with_the_mistral_family() -> None:
+    """A window on a family that computes none is one line naming the key (rules, before launch)."""
+    from framework import rules
+    from framework.config import Config
+
+    cfg = Config(model=ModelConfig(sliding_window=4))
+    with pytest.raises(ValueError, match=r"model.sliding_window=4 is not valid; valid: 0 \(off\)"):
+        rules.check(cfg)
+    cfg.model.family = ModelFamily.mistral
+    rules.check(cfg)  # accepted where it applies
