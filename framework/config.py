@@ -90,6 +90,7 @@ class ModelFamily(Enum):
 
     llama = "llama"
     qwen3 = "qwen3"
+    mistral = "mistral"
 
 
 class AttentionBackend(Enum):
@@ -293,6 +294,9 @@ class ModelConfig:
     name: str = "llama_tiny"
     # The architecture (framework.models): llama, or qwen3 (an RMSNorm over each q/k head before RoPE).
     family: ModelFamily = ModelFamily.llama
+    # Mistral's sliding-window attention: each position sees itself and the window - 1 before it
+    # (transformers' ``sliding_window``); 0 = off (full causal attention, every other family).
+    sliding_window: int = 0
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4

@@ -25,7 +25,15 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from framework.config import Config, to_config
-from framework.model import Attention, Llama, TransformerBlock, apply_rope, build_model, rope_tables
+from framework.model import (
+    Attention,
+    Llama,
+    TransformerBlock,
+    apply_rope,
+    build_model,
+    causal_band,
+    rope_tables,
+)
 from framework.models import model_spec
 
 
@@ -37,6 +45,7 @@ class KVCache:
     values: list[torch.Tensor]
     rope: torch.Tensor
     length: int = 0
+    window: int = 0  # the family's sliding window (0: every cached key is seen)
 
     @classmethod
     def empty(cls, model: Llama, batch: int, capacity: int) -> KVCache:
@@ -47,7 +56,8 @@ class KVCache:
         keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         # Tables for the whole capacity: a prompt plus its continuation may be longer than training's seq_len.
-        return cls(keys, values, rope_tables(head_dim, capacity, cfg.rope_theta, p.device, cfg))
+        rope = rope_tables(head_dim, capacity, cfg.rope_theta, p.device, cfg)
+        return cls(keys, values, rope, window=model_spec(cfg).sliding_window)
 
 
 def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
@@ -59,8 +69,9 @@ def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> tor
     cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
     cache.values[layer][:, :, start:end] = v.transpose(1, 2)
     keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache).
-    mask = torch.ones(s, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
+    # the last ``sliding_window`` of them where the family has a window.
+    mask = causal_band(s, end, start, cache.window, x.device)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.gqa)
     return attn.wo(out.transpose(1, 2).reshape(b, s, -1))
 

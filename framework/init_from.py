@@ -30,7 +30,7 @@ from torch import nn
 
 from framework.checkpoint import import_hf
 from framework.config import Config, Integrity, ModelConfig, ModelFamily
-from framework.models import SHAPE_KEYS, model_spec
+from framework.models import SHAPE_KEYS, family, model_spec
 from framework.rules import check_group
 
 KEY = "model.init_from"
@@ -39,7 +39,8 @@ RUN_CONFIG = "config.yaml"
 
 def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
     """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
-    shape = {k: getattr(model_cfg, k) for k in import_hf.SHAPE_FIELDS}
+    fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields]
+    shape = {k: getattr(model_cfg, k) for k in fields}
     return shape | {"family": model_cfg.family.value}
 
 

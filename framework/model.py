@@ -190,6 +190,18 @@ DOC_START = 1 << 40
 NO_EOS = -1
 
 
+def causal_band(queries: int, keys: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
+    """SDPA's boolean mask (queries, keys): query ``i`` sits at position ``offset + i`` and sees key
+    ``j`` when ``j <= offset + i`` and, for a window > 0, ``j > offset + i - window`` (itself and the
+    ``window - 1`` before it: transformers' ``sliding_window``). Shared by training and the KV cache."""
+    q = torch.arange(offset, offset + queries, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    mask = k <= q
+    if window > 0:
+        mask = mask & (k > q - window)
+    return mask
+
+
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Which document each token belongs to, (batch, seq) int32, increasing along each row.
 
@@ -275,6 +287,13 @@ class Llama(nn.Module):
         # The document mask's kernel: None = FlexAttention where it trains (``flex_trains_on``) and
         # model.attention=auto, else SDPA with the dense mask; True / False force one (tests).
         self.document_flex: bool | None = None
+        # The family's attention window (framework.models: Mistral); None = full causal attention,
+        # an attribute TorchScript drops the branch on.
+        self.sliding_window: int | None = model_spec(cfg).sliding_window or None
+        if self.sliding_window is not None and document_eos is not None:
+            raise ValueError(
+                f"model.sliding_window={self.sliding_window} with data.document_mask: valid: one of them"
+            )
         # model.fused_cross_entropy, None for the default head: an attribute rather than a config
         # read, so TorchScript (freeze=script) drops the fused branch it cannot compile.
         self.fused_cross_entropy = (
@@ -309,9 +328,20 @@ class Llama(nn.Module):
         """
         if self.document_eos is not None:
             return self._forward_documents(tokens, targets, documents)
+        if self.sliding_window is not None:
+            return self._forward_window(tokens, targets, self.sliding_window)
         h = self._embed(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        return self._head(h, targets)
+
+    def _forward_window(self, tokens: torch.Tensor, targets: torch.Tensor | None, window: int) -> torch.Tensor:
+        """``forward`` with a sliding window: one banded causal mask for the shape, every layer."""
+        h = self._embed(tokens)
+        s = h.shape[1]
+        mask = causal_band(s, s, 0, window, h.device)
+        for layer in self.layers.values():
+            h = layer(h, self.rope, mask=mask)
         return self._head(h, targets)
 
     def _forward_documents(

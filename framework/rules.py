@@ -397,6 +397,12 @@ RULES: dict[str, Rule] = {
         (0, 3, 8),
     ),
     "model.ffn_dim": integer(1),
+    # A window only where the family computes one (framework.models: Mistral's record).
+    "model.sliding_window": Rule(
+        "0 (off), or an integer >= 1 with model.family=mistral",
+        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value == "mistral"),
+        (-1, 10**1000),
+    ),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, lo_open=True),
     "model.rope_theta": number(0, lo_open=True),

@@ -213,7 +213,7 @@ def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> Non
     for change, match in [
         ({"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}, "RoPE scaling"),
         ({"rope_scaling": {"type": "linear", "factor": 8.0}}, "linear"),
-        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"model_type": "gemma"}, "model_type='gemma'"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"use_sliding_window": True}, "use_sliding_window=true"),
     ]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from framework.config import ModelConfig
-from framework.models import model_spec
+from framework.models import family, model_spec
 from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("framework")
@@ -87,7 +87,9 @@ def hf_config(
             "high_freq_factor": model_cfg.rope_high_freq_factor,
             "original_max_position_embeddings": model_cfg.rope_original_max_position,
         }
-    return {
+    # The family's own fields (its record): our 0 (off) is HF's null.
+    own = {theirs: getattr(model_cfg, ours) or None for ours, theirs in family(model_cfg).hf_fields.items()}
+    return own | {
         "architectures": [spec.hf_architecture],
         "model_type": spec.hf_model_type,
         "hidden_size": model_cfg.dim,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from framework.config import ModelFamily
-from framework.models import model_spec
+from framework.models import FAMILIES, model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -195,7 +195,10 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
         for k, v in out.items():
             if k != "family":
                 out[k] = _typed_field(k, v, ints, where)
-    except (KeyError, TypeError) as e:
+        # The family's own integer fields (its record), 0 where HF's is null or absent (off).
+        for ours, theirs in FAMILIES[ModelFamily(out["family"])].hf_fields.items():
+            out[ours] = int(c.get(theirs) or 0)
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
     out["family"] = ModelFamily(out["family"])
     return out

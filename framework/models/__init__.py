@@ -11,20 +11,32 @@ import functools
 from torch import nn
 
 from framework.config import ModelConfig, ModelFamily
+from framework.models.family import Family
 from framework.models.llama import llama_spec
+from framework.models.mistral import MISTRAL
 from framework.models.qwen3 import qwen3_spec
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
-__all__ = ["ModelSpec", "TPStyle", "Weight", "blocks", "model_spec"]
+__all__ = ["FAMILIES", "Family", "ModelSpec", "TPStyle", "Weight", "blocks", "family", "model_spec"]
 
 
 @functools.lru_cache(maxsize=256)
 def _spec(key: tuple) -> ModelSpec:
     m = ModelConfig(**dict(key))
-    return FAMILIES[m.family](m)
+    return FAMILIES[m.family].spec(m)
 
 
-FAMILIES = {ModelFamily.llama: llama_spec, ModelFamily.qwen3: qwen3_spec}
+# The registry: one line per family.
+FAMILIES = {
+    ModelFamily.llama: Family("llama", llama_spec, "LlamaForCausalLM"),
+    ModelFamily.qwen3: Family("qwen3", qwen3_spec, "Qwen3ForCausalLM"),
+    ModelFamily.mistral: MISTRAL,
+}
+
+
+def family(m: ModelConfig) -> Family:
+    """``m``'s family record."""
+    return FAMILIES[m.family]
 
 
 def model_spec(m: ModelConfig) -> ModelSpec:
@@ -44,6 +56,7 @@ SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
+    "sliding_window",
 )
 
 

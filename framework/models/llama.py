@@ -53,12 +53,16 @@ def decoder_spec(m: ModelConfig, family: str, block: tuple[Weight, ...], hd: int
     )
 
 
-def llama_spec(m: ModelConfig) -> ModelSpec:
-    hd = head_dim(m)
-    block = (
+def llama_block(m: ModelConfig, hd: int) -> tuple[Weight, ...]:
+    """Pre-norm attention and SwiGLU: the block of Llama and of the families built on it."""
+    return (
         Weight("attention_norm", "input_layernorm.weight", (m.dim,), TPStyle.sequence),
         *attention(m, hd),
         Weight("ffn_norm", "post_attention_layernorm.weight", (m.dim,), TPStyle.sequence),
         *feed_forward(m),
     )
-    return decoder_spec(m, "llama", block, hd, "LlamaForCausalLM")
+
+
+def llama_spec(m: ModelConfig) -> ModelSpec:
+    hd = head_dim(m)
+    return decoder_spec(m, "llama", llama_block(m, hd), hd, "LlamaForCausalLM")
