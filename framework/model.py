@@ -335,7 +335,9 @@ class Llama(nn.Module):
             h = layer(h, self.rope)
         return self._head(h, targets)
 
-    def _forward_window(self, tokens: torch.Tensor, targets: torch.Tensor | None, window: int) -> torch.Tensor:
+    def _forward_window(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, window: int
+    ) -> torch.Tensor:
         """``forward`` with a sliding window: one banded causal mask for the shape, every layer."""
         h = self._embed(tokens)
         s = h.shape[1]

@@ -76,7 +76,11 @@ def imported(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
 def test_record_and_spec() -> None:
     rec = FAMILIES[ModelFamily.mistral]
     spec = model_spec(ModelConfig(family=ModelFamily.mistral, sliding_window=WINDOW))
-    assert (rec.hf_architecture, spec.hf_model_type, spec.sliding_window) == ("MistralForCausalLM", "mistral", 4)
+    assert (rec.hf_architecture, spec.hf_model_type, spec.sliding_window) == (
+        "MistralForCausalLM",
+        "mistral",
+        4,
+    )
     assert model_spec(ModelConfig()).sliding_window == 0  # the default Llama: full causal attention
 
 
