@@ -125,6 +125,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
+    check_warmup(cfg)
     check_cudagraphs(cfg, device)
     check_float8(cfg, device)
     check_fa4(cfg, device)
@@ -132,6 +133,21 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
     pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
+
+
+def check_warmup(cfg: Config) -> None:
+    """``train.warmup_steps >= train.steps``: one warning line. Why not a refusal: a short smoke run
+    of a long recipe is legitimate, but the schedule then never leaves its warmup (no decay)."""
+    t = cfg.train
+    if t.warmup_steps > 0 and t.warmup_steps >= t.steps:
+        log.warning(
+            "train.warmup_steps=%d >= train.steps=%d: the learning rate never leaves its warmup "
+            "(it peaks at step %d of %d); set train.warmup_steps below train.steps",
+            t.warmup_steps,
+            t.steps,
+            t.steps,
+            t.warmup_steps,
+        )
 
 
 def check_hardware(cfg: Config, device: torch.device) -> None:

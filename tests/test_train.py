@@ -244,3 +244,21 @@ def test_torchrun_ranks_join_and_share_one_run_dir(tmp_path: Path) -> None:
     assert len(run_dirs) == 1, run_dirs  # one dir for both ranks, named by torchrun's run id
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
+
+
+@pytest.mark.parametrize(("warmup", "warned"), [(20, True), (5, True), (4, False)])
+def test_warmup_as_long_as_the_run_warns_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], warmup: int, warned: bool
+) -> None:
+    code = train_main(
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "run.dry_run=true",
+        "train.steps=5",
+        f"train.warmup_steps={warmup}",
+    )
+    assert code == 0
+    out, err = capfd.readouterr()
+    lines = [line for line in (out + err).splitlines() if "never leaves its warmup" in line]
+    assert len(lines) == (1 if warned else 0), out + err
+    if warned:
+        assert f"train.warmup_steps={warmup} >= train.steps=5" in lines[0]
