@@ -544,8 +544,29 @@ def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> Non
     (run_dir / "provenance.json").write_text(json.dumps(provenance(recipe, config_yaml), indent=2) + "\n")
 
 
+def link_latest(run_dir: Path) -> Path | None:
+    """``outputs/latest`` -> the newest run dir, for a run dir directly under a folder named
+    ``outputs`` (the default ``hydra.run.dir``; elsewhere nothing is written outside the run dir).
+
+    Rank 0 only; atomic: a new link under a temporary name replaces the old one (``os.replace``), so
+    a reader never sees it missing. A ``latest`` that is not a symlink (a user's folder) is kept."""
+    parent = run_dir.resolve().parent
+    if parent.name != "outputs" or os.environ.get("RANK", "0") != "0":
+        return None
+    latest = parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        log.warning("not linking %s: it exists and is not a symlink", latest)
+        return None
+    tmp = parent / f".latest.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.resolve().name)
+    os.replace(tmp, latest)
+    return latest
+
+
 def finish_run(run_dir: Path, cfg: Config) -> None:
-    """Rank 0, after training: the run's PNG, and its path recorded in ``summary.json``."""
+    """Rank 0, after training: ``outputs/latest``, the run's PNG, and its path in ``summary.json``."""
+    link_latest(run_dir)
     summary_path = run_dir / "summary.json"
     if not cfg.logger.plot or not summary_path.is_file():
         return

@@ -262,3 +262,18 @@ def test_warmup_as_long_as_the_run_warns_in_one_line(
     assert len(lines) == (1 if warned else 0), out + err
     if warned:
         assert f"train.warmup_steps={warmup} >= train.steps=5" in lines[0]
+
+
+def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path) -> None:
+    outputs = tmp_path / "outputs"
+    quick = ["train.steps=2", "train.eval_every=0", "train.log_every=1", "freeze=none", "logger.plot=false"]
+    for name in ("a", "b"):
+        proc = train(outputs / name, *quick)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        latest = outputs / "latest"
+        assert latest.is_symlink() and os.readlink(latest) == name
+        assert (latest / "summary.json").is_file()
+    assert sorted(p.name for p in outputs.iterdir()) == ["a", "b", "latest"]  # no temporary link left
+    # A run dir elsewhere links nothing next to it.
+    assert train(tmp_path / "c", *quick).returncode == 0
+    assert not (tmp_path / "latest").exists()
