@@ -277,3 +277,15 @@ def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path) -> None:
     # A run dir elsewhere links nothing next to it.
     assert train(tmp_path / "c", *quick).returncode == 0
     assert not (tmp_path / "latest").exists()
+
+
+def test_each_checkpoint_save_is_announced_in_one_line_with_its_path(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    quick = ["train.steps=4", "train.eval_every=0", "freeze=none", "logger.plot=false"]
+    proc = train(run, *quick, "checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (run / "train.log").read_text().splitlines() if "saved checkpoint" in line]
+    steps = sorted(int(p.name.split("_")[-1]) for p in (run / "checkpoints").glob("step_*"))
+    assert len(lines) == len(steps) >= 2, lines
+    for line, step in zip(lines, steps, strict=True):
+        assert f"saved checkpoint of step {step}: " in line and line.endswith(f"checkpoints/step_{step:06d}")
