@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from framework import docs
 from framework.config import GROUPS
 from tests.entry import train_forked
@@ -26,3 +30,33 @@ def test_help_lists_groups_with_options_and_cfg_job_prints_the_config() -> None:
     assert "logger: console, wandb" in out.stdout and "recipe: " in out.stdout
     cfg = train_forked("--cfg", "job", "logger=wandb", timeout=120)
     assert cfg.returncode == 0 and "kind: wandb" in cfg.stdout
+
+
+def readme_dry_runs() -> list[str]:
+    """Every ``python train.py ... run.dry_run=true`` line of README.md's (and docs/*.md's) bash blocks."""
+    import re
+    import shlex
+
+    from tests.entry import ROOT
+
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    lines = []
+    for path in texts:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.splitlines():
+                cmd = line.split("  #")[0].strip()
+                if cmd.startswith("python train.py ") and "run.dry_run=true" in cmd and " -m " not in cmd:
+                    lines.append(" ".join(shlex.split(cmd)[2:]))
+    return lines
+
+
+@pytest.mark.parametrize("args", readme_dry_runs())
+def test_each_readme_dry_run_exits_0_and_fits_its_devices(tmp_path: Path, args: str) -> None:
+    import json
+
+    from tests.entry import train_main
+
+    run = tmp_path / "run"
+    assert train_main(f"hydra.run.dir={run}", *args.split()) == 0, args
+    memory = json.loads((run / "plan.json").read_text())["memory"]
+    assert memory["total"] <= memory["device"], (args, memory)
