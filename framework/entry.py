@@ -176,6 +176,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
+    check_warmup(cfg)
     check_cudagraphs(cfg, device)
     check_float8(cfg, device)
     check_fa4(cfg, device)
@@ -183,6 +184,21 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
     pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
+
+
+def check_warmup(cfg: Config) -> None:
+    """``train.warmup_steps >= train.steps``: one warning line. Why not a refusal: a short smoke run
+    of a long recipe is legitimate, but the schedule then never leaves its warmup (no decay)."""
+    t = cfg.train
+    if t.warmup_steps > 0 and t.warmup_steps >= t.steps:
+        log.warning(
+            "train.warmup_steps=%d >= train.steps=%d: the learning rate never leaves its warmup "
+            "(it peaks at step %d of %d); set train.warmup_steps below train.steps",
+            t.warmup_steps,
+            t.steps,
+            t.steps,
+            t.warmup_steps,
+        )
 
 
 def check_hardware(cfg: Config, device: torch.device) -> None:
@@ -599,8 +615,29 @@ def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> Non
     (run_dir / "provenance.json").write_text(json.dumps(provenance(recipe, config_yaml), indent=2) + "\n")
 
 
+def link_latest(run_dir: Path) -> Path | None:
+    """``outputs/latest`` -> the newest run dir, for a run dir directly under a folder named
+    ``outputs`` (the default ``hydra.run.dir``; elsewhere nothing is written outside the run dir).
+
+    Rank 0 only; atomic: a new link under a temporary name replaces the old one (``os.replace``), so
+    a reader never sees it missing. A ``latest`` that is not a symlink (a user's folder) is kept."""
+    parent = run_dir.resolve().parent
+    if parent.name != "outputs" or os.environ.get("RANK", "0") != "0":
+        return None
+    latest = parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        log.warning("not linking %s: it exists and is not a symlink", latest)
+        return None
+    tmp = parent / f".latest.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.resolve().name)
+    os.replace(tmp, latest)
+    return latest
+
+
 def finish_run(run_dir: Path, cfg: Config) -> None:
-    """Rank 0, after training: the run's PNG, and its path recorded in ``summary.json``."""
+    """Rank 0, after training: ``outputs/latest``, the run's PNG, and its path in ``summary.json``."""
+    link_latest(run_dir)
     summary_path = run_dir / "summary.json"
     if not cfg.logger.plot or not summary_path.is_file():
         return

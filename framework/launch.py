@@ -129,8 +129,7 @@ def cpu_rank_cap() -> int:
     Each gloo rank needs core time to answer its collectives: 64 ranks on 2 cores hung in
     rendezvous. 4 ranks per usable core, never fewer than 8 (the shipped meshes run on 2 cores).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(8, 4 * cores)
+    return max(8, 4 * available_cores())
 
 
 def check_local_resources(cfg: Config, device: torch.device) -> None:
@@ -288,7 +287,7 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
     # Like torchrun (the elastic launcher API does not do it): one share of the cores per rank.
     # Without it each rank runs as many intra-op threads as there are cores; measured on 2 cores,
     # 2 DDP ranks then stalled for seconds (p99 step 3.4 s, p50 0.42 s vs 0.16 s with this).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(task_threads(world_size)))
     # torch 2.13's c10d rendezvous keeps ONE agent-hosted TCPStore across restarts (cached in
     # DynamicRendezvousHandler) while the workers' env:// store adds no per-attempt prefix: restarted
     # ranks read the dead ranks' gloo addresses and hang in init_process_group (pytorch#135712,
@@ -390,12 +389,24 @@ def adopt_submitit_environment() -> bool:
     return True
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share), not
+    the host's count that ``os.cpu_count`` gives."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def task_threads(local_tasks: int, cpus_per_task: str | None = None) -> int:
     """Intra-op threads for one of ``local_tasks`` ranks on this host: SLURM's ``--cpus-per-task``
-    when it is set, else an equal share of the cores (as torchrun and ``spawn_local`` do)."""
+    when it is set, else an equal share of the available cores less one core left to the rest of
+    the machine (never fewer than 1).
+
+    Why one core less: an OpenMP team waits at every barrier for its slowest thread, so one thread
+    descheduled by another process stalls every op. Measured on 2 cores (benchmarks/PERF.md), 30
+    steps of the default recipe took 196 s with 2 threads next to one busy process, 26 s with 1."""
     if cpus_per_task and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
         return int(cpus_per_task)
-    return max(1, (os.cpu_count() or 1) // max(1, local_tasks))
+    share = available_cores() // max(1, local_tasks)
+    return max(1, share - 1)
 
 
 def set_task_threads(local_tasks: int) -> int:

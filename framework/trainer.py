@@ -39,7 +39,7 @@ from framework.config import Config, ExecutorMode, FreezeMode, Policy, flatten, 
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.init_from import shape_of
-from framework.launch import DistEnv, process_group, resolve_device
+from framework.launch import DistEnv, process_group, resolve_device, set_task_threads
 from framework.loop import evaluate
 from framework.metrics import Metrics, format_row, perplexity, validation_row
 from framework.model import build_model, flops_per_token, num_params
@@ -249,6 +249,10 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
 def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
     """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
     env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
+    if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
+        threads = set_task_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if env.is_main:
+            log.info("intra-op threads: %d (OMP_NUM_THREADS, when set, wins)", threads)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     digest = check_same_config(cfg, env, run_dir)

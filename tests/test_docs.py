@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import pytest
 
 from framework import docs
 from framework.config import GROUPS
@@ -70,3 +73,33 @@ def test_help_opens_with_commands_and_the_dump_is_one_flag_away() -> None:
 def test_full_help_flag_only_with_help() -> None:
     assert docs.full_help_flag(["train.py", "--help", "--all"]) == ["train.py", "--help", docs.FULL_HELP]
     assert docs.full_help_flag(["train.py", "--all"]) == ["train.py", "--all"]  # Hydra then refuses it
+
+
+def readme_dry_runs() -> list[str]:
+    """Every ``python train.py ... run.dry_run=true`` line of README.md's (and docs/*.md's) bash blocks."""
+    import re
+    import shlex
+
+    from tests.entry import ROOT
+
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    lines = []
+    for path in texts:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.splitlines():
+                cmd = line.split("  #")[0].strip()
+                if cmd.startswith("python train.py ") and "run.dry_run=true" in cmd and " -m " not in cmd:
+                    lines.append(" ".join(shlex.split(cmd)[2:]))
+    return lines
+
+
+@pytest.mark.parametrize("args", readme_dry_runs())
+def test_each_readme_dry_run_exits_0_and_fits_its_devices(tmp_path: Path, args: str) -> None:
+    import json
+
+    from tests.entry import train_main
+
+    run = tmp_path / "run"
+    assert train_main(f"hydra.run.dir={run}", *args.split()) == 0, args
+    memory = json.loads((run / "plan.json").read_text())["memory"]
+    assert memory["total"] <= memory["device"], (args, memory)

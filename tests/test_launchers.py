@@ -69,7 +69,7 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     ]
     with (sweep_dir / "sweep_summary.csv").open() as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["ok"]
-    share = max(1, (os.cpu_count() or 1) // 2)
+    share = task_threads(2)
     logs = (
         "".join(p.read_text() for p in job_folder.glob("*_log.*"))
         + (sweep_dir / "0" / "train.log").read_text()
@@ -78,10 +78,27 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
         assert f"submitit task {rank}: {share} intra-op threads (OMP_NUM_THREADS)" in logs
 
 
-def test_task_threads_share_the_cores_or_take_slurms_figure() -> None:
-    cores = os.cpu_count() or 1
-    assert task_threads(1) == cores and task_threads(cores * 4) == 1
-    assert task_threads(2, "3") == 3 and task_threads(2, "") == max(1, cores // 2)
+def test_task_threads_share_the_available_cores_less_one_or_take_slurms_figure() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert task_threads(1) == max(1, cores - 1) and task_threads(cores * 4) == 1
+    assert task_threads(2, "3") == 3 and task_threads(2, "") == max(1, cores // 2 - 1)
+
+
+def test_a_cpu_run_sets_its_threads_unless_omp_num_threads_was_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's choice reaches torch in the run, and a user's OMP_NUM_THREADS wins over it."""
+    from tests.entry import train_forked
+
+    script = "train.steps=1 train.eval_every=0 freeze=none logger.plot=false".split()
+    for threads, want in ((None, max(1, len(os.sched_getaffinity(0)) - 1)), ("2", 2)):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = threads
+        run = tmp_path / str(threads)
+        proc = train_forked(f"hydra.run.dir={run}", *script, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"intra-op threads: {want}" in (run / "train.log").read_text()
 
 
 def test_allocator_environment_is_set_once_and_never_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

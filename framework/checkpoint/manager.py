@@ -456,7 +456,8 @@ class Checkpointer:
                 files = {n: d for share, _ in gathered for n, d in share.items()}
                 manifest = store.Manifest(p.step, channel.world, time.time(), integrity, files)
                 try:
-                    store.commit(p.tmp, manifest)
+                    final = store.commit(p.tmp, manifest)
+                    log.info("saved checkpoint of step %d: %s", p.step, final)
                     self._prune(p.step)
                 except OSError as e:
                     result = [f"rank 0 committing: {e!r}"]
