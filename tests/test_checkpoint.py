@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
 from framework.checkpoint.manager import _payload_bytes
 from framework.checkpoint.store import tmp_dir
-from framework.config import AsyncMode, CheckpointConfig, ModelConfig
+from framework.config.schema import AsyncMode, CheckpointConfig, ModelConfig
 from framework.model import build_model, materialize
 from tests.dist import run_ranks
 
@@ -274,7 +274,7 @@ FULL_DISK = """
 import sys, warnings
 from pathlib import Path
 from framework.checkpoint import Checkpointer
-from framework.config import CheckpointConfig
+from framework.config.schema import CheckpointConfig
 from tests.test_checkpoint import _build
 model, opt, sch = _build(0, "plain")
 ck = Checkpointer(CheckpointConfig(enabled=True), Path(sys.argv[1]))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from framework import docs
-from framework.config import GROUPS
+from framework.config.schema import GROUPS
+from framework.launch import docs
 from tests.entry import train_forked
 
 

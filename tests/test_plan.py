@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from framework.config import (
+from framework.config.schema import (
     ActivationCheckpointing,
     CompileScope,
     Config,
@@ -17,8 +17,9 @@ from framework.config import (
     ModelConfig,
     Strategy,
 )
+from framework.launch.rules import check_option_fields
 from framework.model import build_model, num_params
-from framework.plan import (
+from framework.planner.plan import (
     GIB,
     check_world_size,
     format_plan,
@@ -27,7 +28,6 @@ from framework.plan import (
     plan_from_dict,
     plan_to_dict,
 )
-from framework.rules import check_option_fields
 
 GPU = HardwareConfig(
     name="h100_sxm",
@@ -282,7 +282,7 @@ def test_json_round_trip_and_table() -> None:
 
 
 def test_auto_micro_batch_is_the_whole_rank_share() -> None:
-    from framework.plan import resolve_batch
+    from framework.planner.plan import resolve_batch
 
     for strategy, shape, tp, expected in [("ddp", [8], 1, 4), ("fsdp_tp", [2, 4], 2, 8), ("ddp", [1], 1, 32)]:
         cfg = resolve_batch(cfg_for(strategy, shape, tp, gbs=32, mbs=0))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from framework.config import DataSource, TokenizerConfig, TokenizerKind
+from framework.config.schema import DataSource, TokenizerConfig, TokenizerKind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +56,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from framework.data.prepare import check_outputs, input_files, records_of
-    from framework.tokenizer import train_bpe
+    from framework.data.tokenizer import train_bpe
 
     files = input_files(args.inputs, None)
     check_outputs([args.out], files)

@@ -10,7 +10,7 @@ import functools
 
 from torch import nn
 
-from framework.config import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily
 from framework.models.llama import llama_spec
 from framework.models.qwen3 import qwen3_spec
 from framework.models.spec import ModelSpec, TPStyle, Weight

@@ -6,7 +6,7 @@ stages deleted, and the embedding (all but the first stage) or the final norm an
 them. Parameter names stay those of the single-process model (``layers.5.attention.wq.weight``),
 so the per-name initialisation gives every layout the single-process weights and DCP checkpoints
 load across pp degrees. The plan says which blocks each stage holds (``Plan.pp_split``, by the
-per-layer cost model) and which stages each pp rank holds (``framework.stages.stage_ids``).
+per-layer cost model) and which stages each pp rank holds (``framework.planner.stages.stage_ids``).
 
 One rank may hold several stages (interleaved schedules); ``PipelineModel`` shows them to the rest
 of the trainer as one module under the single-process names (the optimizer, gradient clipping and
@@ -53,9 +53,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
-from framework.config import PPSchedule
-from framework.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
+from framework.config.schema import PPSchedule
 from framework.model import Llama, document_ids
+from framework.train.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -128,7 +128,7 @@ class PipelineModel(nn.Module):
         return self.num_stages - 1 in self.stage_ids
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.loop), not a call")
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.train.loop), not a call")
 
 
 class PipelineLoss:
@@ -298,7 +298,7 @@ def pipeline_step(
     io: HostIO | None = None,
     scales: list[float] | None = None,
 ) -> StepResult:
-    """``framework.loop.train_step`` under pipeline parallelism: the schedule runs forward and
+    """``framework.train.loop.train_step`` under pipeline parallelism: the schedule runs forward and
     backward over the rank's batch (its micro batches, concatenated and cut again by the schedule);
     the loss (last stage) and the gradient norm (all stages) are made whole on every rank; then
     clip and optimiser step as without pipelining (a non-finite loss or norm skips the step).
