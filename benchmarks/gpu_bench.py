@@ -44,13 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from framework import config as config_mod  # noqa: E402
-from framework import recipes  # noqa: E402
+from framework.config import schema as config_mod  # noqa: E402
 from framework.config.schema import Config, Float8Recipe, ModelConfig, quote_numeric_choices, to_config  # noqa: E402
+from framework.launch import recipes  # noqa: E402
 from framework.launch.ranks import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
+from framework.parallel.step import loss_fn  # noqa: E402
 from framework.planner.plan import make_plan  # noqa: E402
-from framework.train.loop import loss_fn  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 datasheet figure
 

@@ -254,7 +254,7 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from framework.data.cli import main as data_main
-    from framework.train.metrics import read_metrics
+    from framework.record.metrics import read_metrics
     from tests.test_data_pipeline import train_main
 
     hf = tmp_path / "hf"

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
 from tests.entry import train_forked, train_main, write_run_config
 

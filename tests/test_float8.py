@@ -22,7 +22,7 @@ from framework.launch.entry import check_float8
 from framework.launch.rules import check_option_fields
 from framework.model import build_model, materialize
 from framework.planner.plan import make_plan
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on

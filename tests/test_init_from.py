@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
-from framework import init_from  # noqa: E402
+from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402

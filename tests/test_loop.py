@@ -17,10 +17,10 @@ from framework.config.schema import (
 from framework.data import BatchSampler
 from framework.model import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
+from framework.parallel.step import HostIO
 from framework.train.loop import (
     OWN_CLASS,
     Combined,
-    HostIO,
     attach_in_backward,
     build_optimizer,
     build_scheduler,

@@ -431,7 +431,7 @@ def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
 
 
 def _nan_trace(run_dir: Path) -> tuple[list, list]:
-    from framework.train.metrics import read_metrics
+    from framework.record.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]

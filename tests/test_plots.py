@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.train.metrics import Metrics
+from framework.record.metrics import Metrics
 from framework.train.plots import plot_run, plot_sweep
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
 from tests.entry import train_forked, train_main, write_run_config
 

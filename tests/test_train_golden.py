@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.test_train import ROOT
 
 # The x86-64 kernel paths every such machine has (AVX2), whatever its newest instructions.

@@ -36,7 +36,7 @@ from framework.config.schema import (
     Strategy,
     TrainConfig,
 )
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from framework.train.runner import InjectedFault
 from tests.corpus import documents
 from tests.dist import run_ranks

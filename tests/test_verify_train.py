@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from framework.verify.__main__ import main as verify_cli
 from tests.test_train import train
 

@@ -125,11 +125,9 @@ def command_line_keys(overrides: list[str]) -> dict[str, str]:
 
 
 def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the model ``model_cfg`` builds (on meta: no memory)."""
-    from framework.model import build_model
-
-    model = build_model(dataclasses.replace(model_cfg, init_from=None), 1)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    """Parameter name -> shape of the model ``model_cfg`` builds, read from its spec (framework.models,
+    the source of ``named_parameters()``'s names): no model is built, and checkpoint/ needs no model."""
+    return {name: w.shape for name, w, _ in model_spec(model_cfg).params()}
 
 
 def resolve(cfg: Config, overrides: list[str]) -> Config:

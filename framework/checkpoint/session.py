@@ -25,8 +25,8 @@ from torch import nn
 from framework.checkpoint.manager import Checkpointer
 from framework.checkpoint.preempt import PreemptionHandler
 from framework.config.schema import CheckpointConfig, TrainConfig
-from framework.train.metrics import Metrics, read_metrics
-from framework.train.train_state import TrainState
+from framework.record.metrics import Metrics, read_metrics
+from framework.record.train_state import TrainState
 
 log = logging.getLogger("framework")
 Record = Callable[[int, str, str, str], Any]  # Verifier.fallback(step, trigger, action, detail)

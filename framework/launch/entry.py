@@ -438,7 +438,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
 
 def preemption(run_dir: Path, since: float) -> dict | None:
     """The ``preempted`` event this launch's ranks logged (None: they stopped without one)."""
-    from framework.train.metrics import read_metrics
+    from framework.record.metrics import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("event") == "preempted" and r.get("time", 0) >= since]
     return rows[-1] if rows else None

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
 from framework.model import Llama, document_ids
-from framework.train.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
+from framework.parallel.step import HostIO, StepResult, StepTimer, autocast, step_result, to_device, update
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -306,10 +306,10 @@ def pipeline_step(
     over the rank's trained targets is the step's weight of each trained target (``PipelineLoss``).
     A tied weight's two uses are summed before the norm and its copy updated after the step."""
     assert model.schedule is not None
-    timer = _StepTimer(device)
+    timer = StepTimer(device)
     lr = scheduler.get_last_lr()[0]
-    x = _to_device(torch.cat([b[0] for b in micro_batches]), device, io)
-    y = _to_device(torch.cat([b[1] for b in micro_batches]), device, io)
+    x = to_device(torch.cat([b[0] for b in micro_batches]), device, io)
+    y = to_device(torch.cat([b[1] for b in micro_batches]), device, io)
     args, kwargs = _stage_args(model, x, y)
     model.loss.weight = None if scales is None else sum(scales) / max(1, int((y >= 0).sum()))
     losses: list[torch.Tensor] = []
@@ -326,7 +326,7 @@ def pipeline_step(
     if model.tied is not None:
         model.tied.broadcast()
     timer.stop()
-    return _result(total, norm, finite, lr, timer, io)
+    return step_result(total, norm, finite, lr, timer, io)
 
 
 # The actions a forward-only pass keeps (``_forward_only``).

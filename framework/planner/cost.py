@@ -33,7 +33,20 @@ from framework.models import model_spec
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
-    from framework.planner.plan import CommEstimate
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """One collective per step on one mesh axis, costed with the alpha-beta model."""
+
+    axis: str
+    collective: str
+    group_size: int
+    link: str  # "intra" or "inter" node
+    calls: int
+    bytes_per_call: int  # payload (the full tensor the collective works on)
+    volume_bytes: int  # bytes each rank sends per step: ring factor x payload x calls
+    time_s: float
+
 
 # Fitted to the one-H200 profile of llama1b (b16 compile, 476 ms step: GEMMs 345 ms + attention
 # 55 ms = 400 ms of compute -> gemm_efficiency 0.68 in h200.yaml; Inductor's pointwise kernels 66 ms;

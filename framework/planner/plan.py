@@ -30,7 +30,7 @@ from framework.config.schema import (
 from framework.kernels.float8 import saved_activation_bytes_per_layer
 from framework.models import model_spec
 from framework.planner import stages as pipeline_stages
-from framework.planner.cost import StepPrediction, predict_step
+from framework.planner.cost import CommEstimate, StepPrediction, predict_step
 from framework.planner.layout import (
     DP_AXES,
     Degrees,
@@ -82,20 +82,6 @@ class MemoryEstimate:
     activations_by_mode: dict[str, int]
     total: int
     device: int
-
-
-@dataclass(frozen=True)
-class CommEstimate:
-    """One collective per step on one mesh axis, costed with the alpha-beta model."""
-
-    axis: str
-    collective: str
-    group_size: int
-    link: str  # "intra" or "inter" node
-    calls: int
-    bytes_per_call: int  # payload (the full tensor the collective works on)
-    volume_bytes: int  # bytes each rank sends per step: ring factor x payload x calls
-    time_s: float
 
 
 @dataclass(frozen=True)

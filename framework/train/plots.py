@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 
 RUN_PLOT = "metrics.png"
 SWEEP_PLOT = "sweep_summary.png"

@@ -25,13 +25,11 @@ from framework.model import build_model
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
+from framework.parallel.step import HostIO, StepResult, autocast
 from framework.planner.plan import Plan
 from framework.train.loop import (
-    HostIO,
     InBackward,
-    StepResult,
     attach_in_backward,
-    autocast,
     build_optimizer,
     build_scheduler,
     mark_graph_recorded,

@@ -7,8 +7,8 @@ state and timing, steps them (``train``, the loop) and writes the summary (``fin
 - ``StepRunner`` (framework.train.runner): the executed model, the lag and the warm-up count;
 - ``Verifier`` (framework.verify): bad steps, the latency breaker and the fallback ladder;
 - ``RunCheckpoints`` (framework.checkpoint.session): when to save, preemption, resume, rollback;
-- ``Metrics`` (framework.train.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
-- ``TrainState`` (framework.train.train_state): the counters they share, passed, never captured.
+- ``Metrics`` (framework.record.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
+- ``TrainState`` (framework.record.train_state): the counters they share, passed, never captured.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from framework.launch.ranks import DistEnv, process_group, resolve_device
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.planner.plan import Plan, make_plan, resolve_batch
+from framework.record.metrics import Metrics, format_row, perplexity, validation_row
+from framework.record.train_state import TrainState
 from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
 from framework.train.loop import evaluate
-from framework.train.metrics import Metrics, format_row, perplexity, validation_row
 from framework.train.profiling import NullProfiler, StepProfiler, format_top_operators, make_profiler
 from framework.train.runner import Step, StepRunner
-from framework.train.train_state import TrainState
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import flatten
 from framework.freeze import graph_diff, load_fingerprint
-from framework.train.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from framework.verify.consistency import FINGERPRINT_PATH
 from framework.verify.report import read_report
 

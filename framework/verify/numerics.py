@@ -30,7 +30,7 @@ from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.model import build_model, materialize, num_params
-from framework.train.loop import autocast, loss_fn
+from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 
 

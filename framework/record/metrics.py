@@ -1,7 +1,7 @@
 """Run-dir metrics: ``metrics.jsonl`` (always), a progress bar or plain log lines, and sinks.
 
 Sinks are objects with ``log(row)`` and ``close()``; ``Metrics.start_sinks`` builds them from
-``LoggerConfig`` (``logger=wandb`` adds ``framework.train.wandb_sink.WandbSink``) and ``close`` (or the end
+``LoggerConfig`` (``logger=wandb`` adds ``framework.record.wandb_sink.WandbSink``) and ``close`` (or the end
 of its ``with`` block) closes them with the file. Only rank 0 writes. Every JSONL row has ``step``; training rows have ``loss``, validation rows
 ``val_loss`` and ``val_ppl`` (its perplexity, exp of the mean per-token loss), events (fallbacks, restarts, checkpoint failures) have ``event``.
 """
@@ -104,7 +104,7 @@ def make_sinks(
     ``run_id``: the wandb run id saved in the checkpoint being resumed, so the same run continues.
     """
     if logger.kind is LoggerKind.wandb:
-        from framework.train.wandb_sink import start_wandb
+        from framework.record.wandb_sink import start_wandb
 
         return [start_wandb(logger, run_dir, config, run_id)]
     return []
