@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from framework.launch.recipes import compose_recipe  # noqa: E402
-from framework.planner.plan import make_plan  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
 
 H200 = ["mesh/hardware=h200", "run.device=cuda"]
 IN_BACKWARD = ["train.optimizer_in_backward=true", "train.grad_clip=0"]

@@ -55,7 +55,7 @@ def bench_recipe(recipe: str, overrides: list[str]) -> None:
     """A shipped recipe as ``train.py recipe=NAME OVERRIDES run.dry_run=true`` plans it: the search
     (when the layout is left to it) and the fake-backend dry run of the chosen layout, timed apart."""
     from framework.launch.recipes import compose_recipe
-    from framework.planner.plan import resolve_batch
+    from framework.planner.resolve import resolve_batch
     from framework.planner.search import format_search, maybe_search
 
     cfg = compose_recipe(recipe, [*overrides, "run.dry_run=true"])

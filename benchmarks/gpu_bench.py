@@ -50,7 +50,7 @@ from framework.launch import recipes  # noqa: E402
 from framework.launch.ranks import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
 from framework.parallel.step import loss_fn  # noqa: E402
-from framework.planner.plan import make_plan  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 datasheet figure
 

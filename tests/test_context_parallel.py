@@ -27,7 +27,7 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.context import sequence_shard
 from framework.parallel.mesh import dp_mesh_info
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 
 SEQ, BATCH, STEPS, RTOL = 32, 4, 3, 1e-5

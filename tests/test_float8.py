@@ -21,7 +21,7 @@ from framework.kernels.target import MissingPackage
 from framework.launch.entry import check_float8
 from framework.launch.rules import check_option_fields
 from framework.model import build_model, materialize
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from framework.record.metrics import read_metrics
 from tests.entry import train_main
 from tests.test_config import compose_config

@@ -17,7 +17,7 @@ from framework.launch.entry import check_fused_ce
 from framework.model import Llama, build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.planner import search
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from tests.test_config import compose_config
 from tests.test_target import on
 from tests.test_train import train

@@ -32,7 +32,8 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
 from framework.parallel.compile import apply_compile, inductor_mode
-from framework.planner.plan import Plan, make_plan
+from framework.planner.plan import Plan
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 
 SEQ, GLOBAL_BATCH, STEPS, RTOL = 32, 8, 4, 1e-5

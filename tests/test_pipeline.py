@@ -18,7 +18,7 @@ from framework.config.schema import Config, PPSchedule
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.pipeline import PipelineModel
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from framework.train.loop import build_optimizer, build_scheduler, train_step
 from tests.dist import run_ranks
 

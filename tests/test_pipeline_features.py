@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from framework.config.schema import Config
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 from tests.test_parallel import parallel_model
 from tests.test_pipeline import GLOBAL_BATCH, RTOL, SEQ, STEPS, _check, batches, make_cfg, run_steps

@@ -32,7 +32,7 @@ from framework.launch import recipes
 from framework.launch.entry import check_dir_creatable, prelaunch
 from framework.launch.ranks import check_local_resources, cpu_rank_cap, register_resolvers
 from framework.launch.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "llama_tiny"  # the default recipe: the config every bad value is set on

@@ -27,7 +27,6 @@ KNOWN = {
     ("framework.kernels.float8", "framework.models"): "linear_shapes walks the spec",
     ("framework.model", "framework.checkpoint.init_from"): "materialize loads init_from (point 4)",
     ("framework.train.trainer", "framework.launch.ranks"): "process_group lives in launch",
-    ("framework.planner.plan", "framework.planner.search"): "resolve_batch calls the search",
 }
 
 

@@ -14,7 +14,7 @@ from framework.config.schema import Config, FreezeConfig, FreezeMode, ModelConfi
 from framework.freeze import freeze
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.planner.plan import make_plan
+from framework.planner.resolve import make_plan
 from framework.verify import RankMismatchError, check_numerics, check_ranks
 from framework.verify.consistency import meta_example
 from framework.verify.numerics import reference_model

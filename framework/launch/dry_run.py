@@ -37,7 +37,8 @@ from framework.kernels import float8
 from framework.model import build_model
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.float8 import is_float8
-from framework.planner.plan import GIB, Plan, make_plan, pp_rank_param_bytes, pp_rank_specs
+from framework.planner.plan import GIB, Plan, pp_rank_param_bytes, pp_rank_specs
+from framework.planner.resolve import make_plan
 
 
 @dataclass(frozen=True)

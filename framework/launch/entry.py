@@ -59,7 +59,8 @@ from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
-from framework.planner.plan import Plan, format_plan, make_plan, plan_to_dict, resolve_batch
+from framework.planner.plan import Plan, format_plan, plan_to_dict
+from framework.planner.resolve import make_plan, resolve_batch
 from framework.planner.search import SearchResult, format_search, maybe_search, search_to_dict
 from framework.planner.topology import (
     apply_nccl_environment,

@@ -224,7 +224,8 @@ def _cmd_list() -> int:
 
 def _cmd_validate(name: str, overrides: list[str]) -> int:
     from framework.launch.rules import check as check_rules
-    from framework.planner.plan import format_plan, make_plan
+    from framework.planner.plan import format_plan
+    from framework.planner.resolve import make_plan
     from framework.planner.topology import validate_mesh
 
     recipes = discover()

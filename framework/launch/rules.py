@@ -462,7 +462,7 @@ RULES: dict[str, Rule] = {
         (-2, 1, 64),
     ),
     "run.oversubscribe": TYPED,  # the CPU rank cap: framework.launch.ranks.check_local_resources
-    "run.allow_over_memory": TYPED,  # the memory refusal: framework.planner.plan.make_plan
+    "run.allow_over_memory": TYPED,  # the memory refusal: framework.planner.resolve.make_plan
     # mesh
     "mesh.shape": Rule(
         "a list of positive integers, e.g. [8] or [2, 4]",

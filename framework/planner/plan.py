@@ -138,7 +138,7 @@ def _divisors(n: int) -> list[int]:
     return divisors(n)
 
 
-def _check_mesh(cfg: Config) -> None:
+def check_mesh(cfg: Config) -> None:
     shape = list(cfg.mesh.shape)
     if not shape or any(s < 1 for s in shape):
         raise ValueError(
@@ -636,64 +636,15 @@ def needs_search(cfg: Config) -> bool:
     return fixed_degrees(cfg) is None or cfg.sharding.activation_checkpointing == ActivationCheckpointing.auto
 
 
-def resolve_batch(cfg: Config) -> Config:
-    """Resolve everything the planner decides, once: the layout (a preset or the search's choice,
-    written as explicit ``parallel.*`` degrees), activation checkpointing under ``auto``, and
-    ``train.micro_batch_size=0``, which with a fixed layout is each data-parallel rank's whole share
-    of the global batch, with no accumulation (the same recipe runs on 1, 4 or 8 ranks unchanged).
-
-    Returns ``cfg`` itself when nothing is left to resolve (what entry.py wrote to config.yaml).
-    Raises ValueError when the global batch does not split across the data-parallel ranks, or as
-    the search does when nothing fits.
-    """
-    _check_mesh(cfg)
-    if needs_search(cfg):
-        from framework.planner.search import search
-
-        return search(cfg).chosen_cfg
-    d = fixed_degrees(cfg)
-    assert d is not None
-    out = cfg if explicit_degrees_equal(cfg, d) else with_degrees(cfg, d)
-    if cfg.train.micro_batch_size != 0:
-        return out
-    dp, gbs = d.dp, cfg.train.global_batch_size
-    if gbs < dp or gbs % dp:
-        raise ValueError(
-            f"train.global_batch_size={gbs} does not split across {dp} data-parallel ranks: use a "
-            f"multiple of {dp} (e.g. {[dp * k for k in (1, 2, 4, 8)]})"
-        )
-    # Under a pipeline the rank's batch is cut into the schedule's micro batches.
-    pieces = pipeline_stages.microbatches(cfg, d.pp, dp) if d.pp > 1 else 1
-    if (gbs // dp) % pieces:
-        pipeline_stages.check_pipeline(cfg, d.pp, dp)  # names the micro batches that would divide it
-    micro = gbs // dp // pieces
-    return dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=micro))
-
-
 def explicit_degrees_equal(cfg: Config, d: Degrees) -> bool:
     return all(getattr(cfg.parallel, k) == v for k, v in dataclasses.asdict(d).items())
-
-
-def make_plan(cfg: Config) -> Plan:
-    """Resolve the layout (``resolve_batch``), then plan it (``plan_for``); refuse what cannot work.
-
-    Raises ValueError naming the bad value, the reason and a fix: degrees whose product is not the
-    world size, pp/cp > 1, a TP degree that does not divide heads / FFN / world, a global batch that
-    does not split across data-parallel ranks and micro batches, ``sharding=auto`` with nothing that
-    fits, or a per-rank memory estimate above the device memory (only a warning under
-    ``run.dry_run`` or ``run.allow_over_memory``).
-    """
-    cfg = resolve_batch(cfg)
-    d = fixed_degrees(cfg)
-    assert d is not None
-    return plan_for(cfg, d)
 
 
 def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     """The plan of one concrete layout: ``cfg`` has a micro batch and an activation checkpointing
     mode; ``d`` are its degrees. ``check_memory=False`` (the search) reports a layout that does not
     fit instead of refusing it."""
-    _check_mesh(cfg)
+    check_mesh(cfg)
     warnings: list[str] = []
     world = cfg.mesh.world_size
     assert d.world_size == world, (d, cfg.mesh.shape)

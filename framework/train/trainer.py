@@ -41,7 +41,8 @@ from framework.freeze import FrozenResult, freeze
 from framework.launch.ranks import DistEnv, process_group, resolve_device
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info
-from framework.planner.plan import Plan, make_plan, resolve_batch
+from framework.planner.plan import Plan
+from framework.planner.resolve import load_plan, resolve_batch
 from framework.record.metrics import Metrics, format_row, perplexity, validation_row
 from framework.record.train_state import TrainState
 from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
@@ -297,7 +298,7 @@ def build(
     """Plan, build on meta, freeze, check the graph across ranks (before any training collective).
     The runner parallelizes (which places and initialises) and makes the optimizer when the verifier
     starts the ladder (``Verifier.start``)."""
-    plan: Plan = make_plan(cfg)
+    plan: Plan = load_plan(cfg, run_dir)  # resolved once, by the launcher
     mesh = build_mesh(plan, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
     if env.is_main:

@@ -67,7 +67,7 @@ def baseline_key(cfg: Config, world_size: int, device_name: str, executor: Execu
     """The store key; ``executor`` is the mode that actually ran (after a fallback), default the configured one."""
     mode = (executor or cfg.executor.mode).value
     from framework.planner.layout import fixed_degrees
-    from framework.planner.plan import resolve_batch
+    from framework.planner.resolve import resolve_batch
 
     # The layout from its degrees (a no-op resolve for the trainer's config, which is resolved).
     degrees = fixed_degrees(resolve_batch(cfg))
