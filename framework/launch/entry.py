@@ -384,39 +384,56 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         log.info("dry run:\n%s", format_dry_run(report))
         return None
 
-    from framework.train import trainer
-
     started = time.time()
     if joined_torchrun():
-        from framework.launch.ranks import KEPT_PARTS, die_with_launcher, finish
-
-        die_with_launcher()
-        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
-        failed = None
-        if rank == 0:
-            finish_run(run_dir, cfg)
-            failed = failed_saves(run_dir)
-        if os.environ.get("SUBMITIT_EXECUTOR"):
-            # A submitit task must return (submitit pickles the result); it ends the group itself.
-            _end_in_process_group()
-            if failed:
-                raise JobFailed(failed, 1)
-            return _result(run_dir)
-        if failed:
-            log.error("error: %s", failed)
-        finish(1 if failed else 0, barrier=True)
+        return _run_torchrun_rank(cfg, run_dir, rank)
     if cfg.mesh.world_size == 1:
-        try:
-            trainer.run(cfg, run_dir)
-        finally:
-            _end_in_process_group()
+        return _run_in_process(cfg, run_dir, started)
+    return _run_spawned(cfg, run_dir, started)
+
+
+def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
+    """This process is one rank that torchrun (or submitit) started: train, then end the process
+    with ``finish`` (``os._exit``), except under submitit, whose task must return its result."""
+    from framework.launch.ranks import KEPT_PARTS, die_with_launcher, finish
+    from framework.train import trainer
+
+    die_with_launcher()
+    trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    failed = None
+    if rank == 0:
         finish_run(run_dir, cfg)
-        stop = preemption(run_dir, started)
-        if stop is not None:  # a signal to this process (Ctrl-C): the rank saved, or says it could not
-            if not stop.get("saved"):
-                raise JobFailed(stop_report(run_dir, cfg, stop), 1)
-            log.warning("%s", stop_report(run_dir, cfg, stop))
-        return _check_saves(run_dir)
+        failed = failed_saves(run_dir)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        # A submitit task must return (submitit pickles the result); it ends the group itself.
+        _end_in_process_group()
+        if failed:
+            raise JobFailed(failed, 1)
+        return _result(run_dir)
+    if failed:
+        log.error("error: %s", failed)
+    finish(1 if failed else 0, barrier=True)
+
+
+def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
+    """One rank, in this process: train, then report a stop by a signal."""
+    from framework.train import trainer
+
+    try:
+        trainer.run(cfg, run_dir)
+    finally:
+        _end_in_process_group()
+    finish_run(run_dir, cfg)
+    stop = preemption(run_dir, started)
+    if stop is not None:  # a signal to this process (Ctrl-C): the rank saved, or says it could not
+        if not stop.get("saved"):
+            raise JobFailed(stop_report(run_dir, cfg, stop), 1)
+        log.warning("%s", stop_report(run_dir, cfg, stop))
+    return _check_saves(run_dir)
+
+
+def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
+    """Several ranks on this host: spawn them (elastic, with restarts), wait, report a preemption."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
