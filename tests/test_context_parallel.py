@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from framework.config.schema import Config, Device, ModelConfig, ParallelConfig, ResidualDtype
-from framework.launch.ranks import init_distributed
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.context import sequence_shard
 from framework.parallel.mesh import dp_mesh_info
+from framework.parallel.process import init_distributed
 from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 

@@ -26,7 +26,6 @@ KNOWN = {
     ("framework.kernels.fa4", "framework.models"): "fa4.check reads the head size from the spec",
     ("framework.kernels.float8", "framework.models"): "linear_shapes walks the spec",
     ("framework.model", "framework.checkpoint.init_from"): "materialize loads init_from (point 4)",
-    ("framework.train.trainer", "framework.launch.ranks"): "process_group lives in launch",
 }
 
 

@@ -52,11 +52,11 @@ from framework.launch.ranks import (
     check_torch,
     isolated_environ,
     joined_torchrun,
-    resolve_device,
     spawn_local,
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys
+from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
 from framework.planner.plan import Plan, format_plan, plan_to_dict
@@ -395,7 +395,8 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
 def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
     """This process is one rank that torchrun (or submitit) started: train, then end the process
     with ``finish`` (``os._exit``), except under submitit, whose task must return its result."""
-    from framework.launch.ranks import KEPT_PARTS, die_with_launcher, finish
+    from framework.launch.ranks import die_with_launcher
+    from framework.parallel.process import KEPT_PARTS, finish
     from framework.train import trainer
 
     die_with_launcher()

@@ -18,22 +18,18 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning_utilities.core.imports import RequirementCache
-from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
-from framework.config.schema import Config, Device, RunConfig
+from framework.config.schema import Config, RunConfig
+from framework.parallel.process import free_port
 
 log = logging.getLogger("framework")
 
@@ -115,14 +111,6 @@ def check_torch() -> None:
         raise ValueError(f"torch {torch.__version__} is too old: {TORCH_REQUIREMENT.message}")
 
 
-def resolve_device(device: Device) -> torch.device:
-    if device is Device.auto:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device is Device.cuda and not torch.cuda.is_available():
-        raise ValueError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(device.value)
-
-
 def cpu_rank_cap() -> int:
     """Most local CPU ranks a self-launch starts without ``run.oversubscribe=true``.
 
@@ -161,112 +149,6 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
         )
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(device: torch.device, timeout_s: float) -> DistEnv:
-    """Create the default process group; world 1 when nothing launched us.
-
-    On CUDA the group has two backends, NCCL for CUDA tensors and gloo for CPU ones, so that the
-    small CPU collectives (verification's cross-rank max, object gathers) work next to NCCL; a
-    NCCL-only group refuses them ("No backend type associated with device type cpu").
-    """
-    if not dist.is_initialized() and "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if dist.is_initialized():  # a group made by the caller (a test's forked ranks): its ranks rule
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    rank_zero_only.rank = rank  # lightning-utilities' rank-zero helpers (``@rank_zero_only``) read it
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
-    return DistEnv(rank, world, local_rank, device)
-
-
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@contextlib.contextmanager
-def process_group(device: torch.device, timeout_s: float) -> Iterator[DistEnv]:
-    """``init_distributed`` for the length of a ``with`` block.
-
-    A group this call created is destroyed at the end: after a barrier when the block ended normally
-    (gloo's exit race, see ``finish``), without one after an exception (the other ranks may never
-    reach it; destroying the group ends their pending collectives with an error instead of a hang).
-    The launcher variables it set are removed again. A group that existed before (a test's forked
-    ranks) is the caller's and is left alone.
-    """
-    created = not dist.is_initialized()
-    unset = [k for k in LAUNCH_VARS if k not in os.environ]
-    env = init_distributed(device, timeout_s)
-    ended = False
-    try:
-        yield env
-        ended = True
-    finally:
-        try:
-            if created and dist.is_initialized():
-                if ended:
-                    dist.barrier()
-                dist.destroy_process_group()
-        finally:
-            for key in unset:
-                os.environ.pop(key, None)
-
-
-# The parts of a run on a rank that ends with ``finish`` (its ``os._exit``): trainer.run's ``keep``.
-# Never freed, because freeing them can deadlock (torch 2.13, about 1 in 5 four-rank CPU runs; stacks
-# from py-spy --native): the process group is destroyed first, so the DDP Reducer holds the last
-# reference to the gloo group; its pybind dealloc keeps the GIL while ~ProcessGroupGloo joins the
-# group's worker thread, and that thread, freeing a finished barrier's work, waits for the GIL to
-# decref its tensors. The class of bug is pytorch/pytorch#56297 (blocking destructors under the GIL).
-KEPT_PARTS: list[object] = []
-
-
-def finish(code: int, barrier: bool | None = None) -> None:
-    """End a worker without gloo's exit race: barrier, destroy, flush, ``os._exit``.
-
-    ``barrier`` defaults to ``code == 0`` (a failed rank may not reach it); rank 0 of a run that
-    ended but must report failure passes True, since the other ranks wait for it there."""
-    try:
-        if dist.is_initialized():
-            if code == 0 if barrier is None else barrier:
-                dist.barrier()
-            dist.destroy_process_group()
-    finally:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None:
     """Start ``world_size`` ranks on this host through torch's elastic launcher; raise if any failed.
 
@@ -301,7 +183,7 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
         nproc_per_node=world_size,
         run_id=run_dir.name,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",

@@ -2,7 +2,7 @@
 
 Reads the resolved config that the launching process wrote to ``RUN_DIR/config.yaml`` (so every
 rank runs exactly the same config in the same run dir), trains, and exits through
-``launch.finish`` (gloo's exit race).
+``framework.parallel.process.finish`` (gloo's exit race).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.config.schema import to_config
-from framework.launch.ranks import KEPT_PARTS, arm_stack_dump, die_with_launcher, finish
+from framework.launch.ranks import arm_stack_dump, die_with_launcher
+from framework.parallel.process import KEPT_PARTS, finish
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

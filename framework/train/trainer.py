@@ -38,9 +38,9 @@ from framework.checkpoint.session import RunCheckpoints
 from framework.config.schema import Config, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
-from framework.launch.ranks import DistEnv, process_group, resolve_device
 from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info
+from framework.parallel.process import DistEnv, process_group, resolve_device
 from framework.planner.plan import Plan
 from framework.planner.resolve import load_plan, resolve_batch
 from framework.record.metrics import Metrics, format_row, perplexity, validation_row
@@ -161,7 +161,7 @@ def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary
     restored and the process group (when this call created it) is destroyed.
 
     ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
-    rank that ends with ``os._exit`` (``launch.finish``) passes ``launch.KEPT_PARTS``: freeing the
+    rank that ends with ``os._exit`` (``framework.parallel.process.finish``) passes ``KEPT_PARTS``: freeing the
     DDP reducer after its process group was destroyed can deadlock on the GIL (see there)."""
     state = TrainState(0)
     cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
