@@ -1,7 +1,7 @@
 """Entry point: ``python train.py [group=option ...] [key=value ...]``.
 
 Reads like a table of contents: compose (Hydra) -> validate and plan -> launch ranks -> each rank
-builds, freezes, parallelizes, trains, checkpoints and verifies (framework.trainer).
+builds, freezes, parallelizes, trains, checkpoints and verifies (framework.train.trainer).
 """
 
 import sys
@@ -9,9 +9,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from framework import config, docs, recipes
-from framework.launch import arm_stack_dump, register_resolvers
-from framework.override_errors import one_line_errors
+from framework.config import schema as config
+from framework.config.override_errors import one_line_errors
+from framework.launch import docs, recipes
+from framework.launch.ranks import arm_stack_dump, register_resolvers
 
 config.register()
 try:
@@ -27,11 +28,11 @@ sys.argv = docs.full_help_flag(sys.argv)  # --help --all: the help with the comp
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from framework.entry import run_job
+    from framework.launch.entry import run_job
 
     return run_job(cfg)
 
 
 if __name__ == "__main__":
-    with one_line_errors(sys.argv):  # an override Hydra rejects: one line, exit 2 (framework.override_errors)
+    with one_line_errors(sys.argv):  # an override Hydra rejects: one line, exit 2 (framework.config.override_errors)
         main()

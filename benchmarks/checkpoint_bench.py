@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from framework.checkpoint import Checkpointer
-from framework.config import AsyncMode, CheckpointConfig, ModelConfig
+from framework.config.schema import AsyncMode, CheckpointConfig, ModelConfig
 from framework.model import build_model, materialize
 
 SHAPES = {

@@ -1,8 +1,8 @@
-"""Predicted (framework.cost) against measured step time for the GPU runs of benchmarks/PERF.md.
+"""Predicted (framework.planner.cost) against measured step time for the GPU runs of benchmarks/PERF.md.
 
 Every row is a run already measured on the lent H200s (tokens/s from PERF.md, the round named);
 the planner predicts it from the recipe and overrides alone. Rows marked ``calibration`` are the
-ones a constant was fitted to (framework/cost.py and conf/mesh/hardware/h200.yaml say which); the
+ones a constant was fitted to (framework/planner/cost.py and conf/mesh/hardware/h200.yaml say which); the
 others are predictions. Runs on the CPU machine in a second: ``python benchmarks/cost_check.py``.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from framework.plan import make_plan  # noqa: E402
-from framework.recipes import compose_recipe  # noqa: E402
+from framework.launch.recipes import compose_recipe  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
 
 H200 = ["mesh/hardware=h200", "run.device=cuda"]
 IN_BACKWARD = ["train.optimizer_in_backward=true", "train.grad_clip=0"]

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from framework.config import (  # noqa: E402
+from framework.config.schema import (  # noqa: E402
     Config,
     DataConfig,
     DataSource,
@@ -41,7 +41,7 @@ from framework.config import (  # noqa: E402
 )
 from framework.data import build_data  # noqa: E402
 from framework.data.prepare import prepare  # noqa: E402
-from framework.tokenizer import train_bpe  # noqa: E402
+from framework.data.tokenizer import train_bpe  # noqa: E402
 
 
 def write_jsonl(path: Path, megabytes: float) -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from framework.config import ActivationCheckpointing, Config, HardwareConfig, ModelConfig, Strategy
-from framework.dry_run import dry_run, format_dry_run
-from framework.plan import GIB, format_plan
+from framework.config.schema import ActivationCheckpointing, Config, HardwareConfig, ModelConfig, Strategy
+from framework.launch.dry_run import dry_run, format_dry_run
+from framework.planner.plan import GIB, format_plan
 
 LLAMA70B = ModelConfig(
     name="llama70b",
@@ -54,9 +54,9 @@ def bench_config(nodes: int, procs: int) -> Config:
 def bench_recipe(recipe: str, overrides: list[str]) -> None:
     """A shipped recipe as ``train.py recipe=NAME OVERRIDES run.dry_run=true`` plans it: the search
     (when the layout is left to it) and the fake-backend dry run of the chosen layout, timed apart."""
-    from framework.plan import resolve_batch
-    from framework.recipes import compose_recipe
-    from framework.search import format_search, maybe_search
+    from framework.launch.recipes import compose_recipe
+    from framework.planner.resolve import resolve_batch
+    from framework.planner.search import format_search, maybe_search
 
     cfg = compose_recipe(recipe, [*overrides, "run.dry_run=true"])
     start = time.perf_counter()

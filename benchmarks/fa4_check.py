@@ -26,8 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from framework import fa4  # noqa: E402
-from framework.config import AttentionBackend, ModelConfig  # noqa: E402
+from framework.config.schema import AttentionBackend, ModelConfig  # noqa: E402
+from framework.kernels import fa4  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 
 

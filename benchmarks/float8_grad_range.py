@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from framework import recipes  # noqa: E402
 from framework.data.sampler import load_stdlib  # noqa: E402
+from framework.launch import recipes  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 
 

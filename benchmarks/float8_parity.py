@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from framework.metrics import read_metrics  # noqa: E402
+from framework.record.metrics import read_metrics  # noqa: E402
 
 
 def curves(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:

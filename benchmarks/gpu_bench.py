@@ -3,7 +3,7 @@
     python benchmarks/gpu_bench.py --models llama_125m,llama1b --modes eager,compile,cudagraphs
 
 For each recipe and executor mode it composes the real config (Hydra compose API, the same groups
-as ``train.py``), runs ``framework.trainer.run`` in this process on one GPU (world 1 goes through
+as ``train.py``), runs ``framework.train.trainer.run`` in this process on one GPU (world 1 goes through
 the same path as N ranks: DDP over a one-rank group), and reads the run's summary. In the same
 process it times a hand-written loop of the same model (same Llama module, fused AdamW, bf16
 autocast, fp32 master weights; by default the whole model compiled as one graph, the strongest
@@ -44,13 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from framework import config as config_mod  # noqa: E402
-from framework import recipes  # noqa: E402
-from framework.config import Config, Float8Recipe, ModelConfig, quote_numeric_choices, to_config  # noqa: E402
-from framework.launch import apply_allocator_environment, register_resolvers  # noqa: E402
-from framework.loop import loss_fn  # noqa: E402
+from framework.config import schema as config_mod  # noqa: E402
+from framework.config.schema import Config, Float8Recipe, ModelConfig, quote_numeric_choices, to_config  # noqa: E402
+from framework.launch import recipes  # noqa: E402
+from framework.launch.ranks import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.model import build_model, flops_per_token, materialize  # noqa: E402
-from framework.plan import make_plan  # noqa: E402
+from framework.parallel.step import loss_fn  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 datasheet figure
 
@@ -113,7 +113,7 @@ def packed_source(out: Path, kind: str, megabytes: float, vocab_size: int) -> li
 def framework_run(
     recipe: str, mode: str, steps: int, out: Path, extra: list[str], name: str | None = None
 ) -> dict:
-    from framework import trainer
+    from framework.train import trainer
 
     base = [
         f"recipe={recipe}",
@@ -328,9 +328,9 @@ def main() -> None:
     if args.one is not None:  # a child of --variants
         recipe, mode, *extra = args.one.split()
         if "bench:same_stream" in extra:  # diagnostic: the optimiser in backward without its own stream
-            import framework.loop
+            import framework.train.loop
 
-            framework.loop.OPTIMIZER_SIDE_STREAM = False
+            framework.train.loop.OPTIMIZER_SIDE_STREAM = False
         float8_diagnostics([e for e in extra if e.startswith("bench:")])
         extra = [e for e in extra if not e.startswith("bench:")]
         name = f"{args.row.stem}-{recipe}-{mode.replace(':', '_')}"

@@ -18,16 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "train": ("train.py", [], "train a model: GROUP=OPTION and KEY=VALUE overrides, as python train.py"),
     "evaluate": (
-        "framework.evaluate",
+        "framework.generate.evaluate",
         [],
         "validation loss of a run dir's newest checkpoint (or a checkpoint)",
     ),
-    "generate": ("framework.generate", [], "sample text from a run dir or checkpoint"),
+    "generate": ("framework.generate.decode", [], "sample text from a run dir or checkpoint"),
     "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
     "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
-    "recipes": ("framework.recipes", [], "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)"),
+    "recipes": ("framework.launch.recipes", [], "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)"),
     "verify": ("framework.verify.__main__", [], "compare two run dirs side by side"),
-    "docs": ("framework.docs", [], "regenerate (or --check) docs/config.md and the --help text"),
+    "docs": ("framework.launch.docs", [], "regenerate (or --check) docs/config.md and the --help text"),
 }
 
 

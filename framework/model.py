@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from framework.config import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
-from framework.fused_ce import linear_cross_entropy
+from framework.config.schema import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
+from framework.kernels.fused_ce import linear_cross_entropy
 from framework.models import model_spec
 
 _SDPA_BACKENDS = {
@@ -25,7 +25,7 @@ _SDPA_BACKENDS = {
     AttentionBackend.cudnn: SDPBackend.CUDNN_ATTENTION,
     AttentionBackend.efficient: SDPBackend.EFFICIENT_ATTENTION,
     AttentionBackend.math: SDPBackend.MATH,
-    # The flash backend, whose kernels framework.fa4.activate swaps for flash-attn-4's.
+    # The flash backend, whose kernels framework.kernels.fa4.activate swaps for flash-attn-4's.
     AttentionBackend.fa4: SDPBackend.FLASH_ATTENTION,
 }
 
@@ -397,7 +397,7 @@ class Llama(nn.Module):
         """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
         executor can compile it as its own region: with a 128K vocabulary it is a large share of
         the step). ``model.fused_cross_entropy`` replaces the projection and the loss with one fused
-        kernel (framework.fused_ce) that never writes the logits."""
+        kernel (framework.kernels.fused_ce) that never writes the logits."""
         if self.fused_cross_entropy is not None:
             return linear_cross_entropy(self.fused_cross_entropy, self.norm(h), self.output.weight, targets)
         logits = self.output(self.norm(h))
@@ -509,7 +509,7 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
 
 def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it:
-    from ``model.init_from`` when set (each rank reads its own shards, framework.init_from), else
+    from ``model.init_from`` when set (each rank reads its own shards, framework.checkpoint.init_from), else
     ``init_weights(seed)``.
 
     ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
@@ -517,7 +517,7 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     """
     model.to_empty(device=device)
     if model.cfg.attention is AttentionBackend.fa4:
-        from framework import fa4
+        from framework.kernels import fa4
 
         fa4.activate()  # process-wide: where the model meets its device, before any forward
     if model.cfg.residual_dtype == ResidualDtype.autocast:
@@ -526,7 +526,7 @@ def materialize(model: Llama, device: torch.device | str, seed: int) -> None:
     if model.cfg.init_from is None:
         model.init_weights(seed)
         return
-    from framework.init_from import load
+    from framework.checkpoint.init_from import load
 
     load(model, model.cfg.init_from)
     # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).

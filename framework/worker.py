@@ -1,54 +1,6 @@
-"""One rank of a self-launched job: ``python -m framework.worker RUN_DIR``.
+"""`python -m framework.worker` stays the command line; the module lives in its layer as `framework.launch.worker`."""
 
-Reads the resolved config that the launching process wrote to ``RUN_DIR/config.yaml`` (so every
-rank runs exactly the same config in the same run dir), trains, and exits through
-``launch.finish`` (gloo's exit race).
-"""
-
-from __future__ import annotations
-
-import logging
-import sys
-import traceback
-from pathlib import Path
-
-from omegaconf import OmegaConf
-
-from framework.config import to_config
-from framework.launch import KEPT_PARTS, arm_stack_dump, die_with_launcher, finish
-
-
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Rank 0 logs to the console and to the run's log file; other ranks log warnings only."""
-    root = logging.getLogger()
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
-    console = logging.StreamHandler(sys.stdout)
-    console.setFormatter(fmt)
-    root.addHandler(console)
-    if rank == 0:
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-
-
-def main(run_dir: Path) -> int:
-    import os
-
-    from framework import trainer
-
-    die_with_launcher()
-    arm_stack_dump()
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(run_dir, rank)
-    try:
-        cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
-        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
-        return 0
-    except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
-        logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
-        return 1
-
+import runpy
 
 if __name__ == "__main__":
-    finish(main(Path(sys.argv[1])))
+    runpy.run_module("framework.launch.worker", run_name="__main__", alter_sys=True)

@@ -7,7 +7,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # A run the suite launches that is still going after 150 s dumps its threads' stacks to its stderr
-# (framework.launch.arm_stack_dump); a test killing it at its timeout then shows where it hung.
+# (framework.launch.ranks.arm_stack_dump); a test killing it at its timeout then shows where it hung.
 os.environ.setdefault("FRAMEWORK_STACK_DUMP_S", "150")
 
 

@@ -47,7 +47,7 @@ def train_main(*argv: str) -> int:
         os.environ.update(saved_env)
         if dist.is_initialized():
             dist.destroy_process_group()
-        # train.py armed a stack dump of this process (framework.launch.arm_stack_dump): it was for
+        # train.py armed a stack dump of this process (framework.launch.ranks.arm_stack_dump): it was for
         # that run, and a child forked while it is armed would hang re-arming it (train_forked).
         faulthandler.cancel_dump_traceback_later()
 
@@ -79,7 +79,7 @@ def train_forked(
     does. The child leads its own process group, killed whole when the child ends or at the
     timeout (then ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does). Ranks of a
     self-launch run in sessions of their own (torch's elastic launcher) and die with their launcher
-    (``framework.launch.die_with_launcher``). Output goes to files, not pipes: a rank that outlived
+    (``framework.launch.ranks.die_with_launcher``). Output goes to files, not pipes: a rank that outlived
     its launcher cannot keep this call waiting.
     """
     child_env = dict(os.environ if env is None else env)
@@ -143,15 +143,16 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 def write_run_config(run_dir: Path, *overrides: str) -> None:
     """``run_dir/config.yaml`` as ``python train.py *overrides`` writes it for its ranks: composed by
-    Hydra from ``conf/``, validated, layout and batch resolved (``framework.entry.prelaunch``).
+    Hydra from ``conf/``, validated, layout and batch resolved (``framework.launch.entry.prelaunch``).
 
     For reference runs that train on forked ranks (``tests.dist.train_rank``) instead of a launch."""
     from hydra import compose, initialize_config_dir
 
-    from framework import config, recipes
-    from framework.config import quote_numeric_choices, to_yaml
-    from framework.entry import prelaunch
-    from framework.launch import register_resolvers
+    from framework.config import schema as config
+    from framework.config.schema import quote_numeric_choices, to_yaml
+    from framework.launch import recipes
+    from framework.launch.entry import prelaunch
+    from framework.launch.ranks import register_resolvers
 
     config.register()
     recipes.register()

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
 from framework.checkpoint.manager import _payload_bytes
 from framework.checkpoint.store import tmp_dir
-from framework.config import AsyncMode, CheckpointConfig, Integrity, ModelConfig
+from framework.config.schema import AsyncMode, CheckpointConfig, Integrity, ModelConfig
 from framework.model import build_model, materialize
 from tests.dist import run_ranks
 
@@ -274,7 +274,7 @@ FULL_DISK = """
 import sys, warnings
 from pathlib import Path
 from framework.checkpoint import Checkpointer
-from framework.config import CheckpointConfig
+from framework.config.schema import CheckpointConfig
 from tests.test_checkpoint import _build
 model, opt, sch = _build(0, "plain")
 ck = Checkpointer(CheckpointConfig(enabled=True), Path(sys.argv[1]))
@@ -371,7 +371,7 @@ def _read_generate(step: Path, tmp: Path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from framework.generate import main
+    from framework.generate.decode import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -455,7 +455,7 @@ def test_a_malformed_extra_json_falls_back_to_the_older_checkpoint(
     """``resume=auto``: a newest checkpoint whose extra.json is malformed (and its manifest agrees)
     is reported in one warning naming it and why, kept (moved aside), and step 1 is resumed; an
     explicit PATH to it is one error line, exit 2, nothing moved."""
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
 
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run, symlinks=True)

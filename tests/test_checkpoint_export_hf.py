@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from framework.checkpoint import export_hf, to_hf_state_dict
 from framework.checkpoint.export_hf import permute_rope_rows
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
 from framework.model import apply_rope, build_model, materialize, rope_tables
 
 GQA = ModelConfig(
@@ -144,7 +144,7 @@ def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
     """SIGTERM mid-run with ``checkpoint.export_hf=true``: the run saves, exports that same step
     (the job may not come back) and exits 0; ``export-hf`` on the checkpoint gives the same tensors."""
     from framework.checkpoint.__main__ import main as checkpoint_cli
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
 
     root = Path(__file__).resolve().parent.parent
     run = tmp_path / "run"

@@ -8,9 +8,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from framework import config, recipes
-from framework.config import Config, Strategy, quote_numeric_choices, to_config
-from framework.launch import register_resolvers
+from framework.config import schema as config
+from framework.config.schema import Config, Strategy, quote_numeric_choices, to_config
+from framework.launch import recipes
+from framework.launch.ranks import register_resolvers
 from framework.model import build_model, num_params
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -82,7 +83,7 @@ def test_published_shapes() -> None:
 def test_default_recipe_and_typed_values() -> None:
     cfg = compose_config()
     assert cfg.model.name == "llama_tiny"
-    assert cfg.sharding.strategy is Strategy.auto  # the planner's choice (framework.search)
+    assert cfg.sharding.strategy is Strategy.auto  # the planner's choice (framework.planner.search)
 
 
 def test_command_line_beats_recipe() -> None:

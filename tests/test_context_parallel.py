@@ -1,7 +1,7 @@
 """Context parallelism (framework.parallel.context): torch's ring attention, where it can run.
 
 On the CPU it cannot: the first tests pin down why (they fail, on purpose, the day torch runs CP on
-the CPU, so the refusal in framework.layout.check_cp can be lifted). The equivalence tests (cp=2,
+the CPU, so the refusal in framework.planner.layout.check_cp can be lifted). The equivalence tests (cp=2,
 and cp=2 x dp_shard=2, against one process, rtol 1e-5) run one rank per GPU on NCCL, as the launcher
 makes them, and skip cleanly without that many GPUs (CI has none). Sharing one GPU between gloo
 ranks (NCCL refuses two ranks on one GPU) was tried on torch 2.11: gloo crashed on CUDA tensors
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.config import Config, Device, ModelConfig, ParallelConfig, ResidualDtype
-from framework.launch import init_distributed
+from framework.config.schema import Config, Device, ModelConfig, ParallelConfig, ResidualDtype
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.context import sequence_shard
 from framework.parallel.mesh import dp_mesh_info
-from framework.plan import make_plan
+from framework.parallel.process import init_distributed
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 
 SEQ, BATCH, STEPS, RTOL = 32, 4, 3, 1e-5
@@ -51,7 +51,7 @@ def test_torch_ring_attention_does_not_run_on_cpu() -> None:
     """What the CPU refusal rests on: DTensor has no sharding strategy for the CPU SDPA kernel."""
     errors = run_ranks(_torch_cp_on_cpu, 1)  # one rank hits the same dispatch
     assert errors[0] != "ran", (
-        "torch now runs context_parallel on the CPU: lift framework.layout.check_cp's refusal"
+        "torch now runs context_parallel on the CPU: lift framework.planner.layout.check_cp's refusal"
     )
     assert (
         "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config import DataConfig, DataSource
+from framework.config.schema import DataConfig, DataSource
 from framework.data import BatchSampler, load_corpus, main, open_tokens, validation_batches
 
 
@@ -110,7 +110,7 @@ def test_default_batches_are_pinned() -> None:
     same path the trainer takes (build_data)."""
     import hashlib
 
-    from framework.config import Config
+    from framework.config.schema import Config
     from framework.data import build_data
 
     cfg = Config()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from framework.config import (
+from framework.config.schema import (
     AttentionBackend,
     Config,
     DataConfig,
@@ -253,7 +253,7 @@ def test_bad_token_files(token_file: Path, case: str, fragments: list[str]) -> N
 
 def test_token_file_made_with_another_tokenizer(corpus: Corpus, tmp_path: Path) -> None:
     from framework.data import prepare
-    from framework.tokenizer import ByteTokenizer, load_tokenizer
+    from framework.data.tokenizer import ByteTokenizer, load_tokenizer
 
     out = tmp_path / "bpe.bin"
     prepare(out, [str(corpus.jsonl)], bpe(corpus), workers=1)

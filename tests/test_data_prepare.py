@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from framework.config import TokenizerConfig, TokenizerKind
+from framework.config.schema import TokenizerConfig, TokenizerKind
 from framework.data import main, open_tokens, prepare
+from framework.data.tokenizer import ByteTokenizer, load_tokenizer
 from framework.data.tokens import tokenizer_digest
-from framework.tokenizer import ByteTokenizer, load_tokenizer
 from tests.corpus import Corpus, write_corpus
 
 
@@ -88,7 +88,7 @@ def test_an_output_that_would_overwrite_an_input_is_refused(tmp_path: Path) -> N
 
 def test_a_folder_of_jsonl_skips_the_sidecar_of_a_token_file_prepared_into_it(tmp_path: Path) -> None:
     """``data=jsonl data.path=FOLDER`` read ``a.json`` (the sidecar of ``a.bin``) as a document file."""
-    from framework.config import DataSource
+    from framework.config.schema import DataSource
     from framework.data.records import SourceSpec, resolve_files
 
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.config import (
+from framework.config.schema import (
     AttentionBackend,
     Config,
     DataConfig,
@@ -26,8 +26,8 @@ from framework.config import (
 )
 from framework.data import build_data, check_data
 from framework.data.sft import IGNORE_INDEX, ChatFormat, Fields, read_records
+from framework.data.tokenizer import load_tokenizer
 from framework.model import build_model, materialize
-from framework.tokenizer import load_tokenizer
 from tests.corpus import ROOT
 
 SHIPPED = ROOT / "recipes" / "data" / "sft_tiny"
@@ -254,7 +254,7 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from framework.data.cli import main as data_main
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
     from tests.test_data_pipeline import train_main
 
     hf = tmp_path / "hf"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config import (
+from framework.config.schema import (
     Config,
     DataConfig,
     DataSource,
@@ -24,7 +24,7 @@ from framework.config import (
 )
 from framework.data import build_data
 from framework.data.stream import StreamSampler, compose
-from framework.tokenizer import load_tokenizer
+from framework.data.tokenizer import load_tokenizer
 from tests.corpus import Corpus, write_corpus
 
 GBS, MBS, SEQ = 8, 2, 32
@@ -214,7 +214,7 @@ def test_mixture_follows_its_weights_and_depends_only_on_seed_and_index() -> Non
 def test_training_on_packed_jsonl_with_document_mask_resumes_exactly(corpus: Corpus, tmp_path: Path) -> None:
     """Through train.py (in this process): a run stopped at step 3 and resumed to step 6 from its
     checkpoint (the packer's cursor in extra state, as JSON) ends on the uninterrupted run's loss."""
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
     from tests.test_data_pipeline import train_main
 
     common = [
@@ -244,7 +244,7 @@ def test_two_rank_run_on_packed_jsonl_resumes_on_one_rank_with_the_same_samples(
     steps 4-6 on the same samples (same losses: another sample gives another loss) and ends at the
     same data position (batches consumed, record and offset in the stream), so none was skipped or
     repeated across the change of degree."""
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
     from tests.test_data_pipeline import train_main
     from tests.test_train import train
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from framework import docs
-from framework.config import GROUPS
+from framework.config.schema import GROUPS
+from framework.launch import docs
 from tests.entry import train_forked
 
 

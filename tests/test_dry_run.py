@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from framework.config import Config, ModelConfig, Strategy
-from framework.dry_run import dry_run, format_dry_run
+from framework.config.schema import Config, ModelConfig, Strategy
+from framework.launch.dry_run import dry_run, format_dry_run
 from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on

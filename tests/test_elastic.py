@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
-from framework.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
 from tests.entry import train_forked, train_main, write_run_config
 
@@ -183,7 +183,7 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
     once, when it rebuilds its buckets in gradient-ready order. At 2 ranks the order cannot matter
     (a + b == b + a). The unbroken run trains step 2 on the rebuilt layout; before the fix the
     resumed ranks trained it on the construction-time one and ended ~1 ulp away (issue 19).
-    Both runs are what a launched rank runs (``framework.worker``: the run's config.yaml, then
+    Both runs are what a launched rank runs (``framework.launch.worker``: the run's config.yaml, then
     ``trainer.run``: build, settle DDP, load), on 8 ranks forked from this process (tests/dist.py)
     instead of 2 x 8 interpreters importing torch (~40 s of CPU each time): the bug is in the
     trainer's math, the config is composed as train.py composes it (``write_run_config``), and the
@@ -410,7 +410,7 @@ def test_ranks_die_with_their_sigkilled_launcher(tmp_path: Path) -> None:
     try:
         _wait_for_steps(proc, run, 2)
         ranks = [
-            c for c in _children(proc.pid) if b"framework.worker" in Path(f"/proc/{c}/cmdline").read_bytes()
+            c for c in _children(proc.pid) if b"framework.launch.worker" in Path(f"/proc/{c}/cmdline").read_bytes()
         ]
         assert len(ranks) == 2, ranks
         proc.send_signal(signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""The launcher's own refusals (framework.entry): what a refused config leaves behind, and
+"""The launcher's own refusals (framework.launch.entry): what a refused config leaves behind, and
 checkpoint dirs that would share another run's tree. Through the real ``train.py`` and Hydra, in
 this process (tests/entry.py)."""
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import fa4, search
-from framework.config import AttentionBackend, Config
-from framework.entry import check_fa4
+from framework.config.schema import AttentionBackend, Config
+from framework.kernels import fa4
+from framework.launch.entry import check_fa4
 from framework.model import _SDPA_BACKENDS
+from framework.planner import search
 from tests.test_config import compose_config
 from tests.test_data_pipeline import train_main
 from tests.test_target import on
@@ -69,7 +70,7 @@ def test_registers_itself_in_torchs_registry() -> None:
         fa4.register()  # once per process: the second call changes nothing
         assert attention.current_flash_attention_impl() == fa4.IMPL
         assert attention.list_flash_attention_impls().count(fa4.IMPL) == 1
-        assert torch.nn.attention._fa4._FA4_MODULE_PATH == "framework.fa4"
+        assert torch.nn.attention._fa4._FA4_MODULE_PATH == "framework.kernels.fa4"
     finally:
         attention.restore_flash_attention_impl()
     assert attention.current_flash_attention_impl() is None

@@ -15,14 +15,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from framework import float8
-from framework.config import Config, Float8GradDtype, Float8Recipe, ModelConfig
-from framework.entry import check_float8
-from framework.metrics import read_metrics
+from framework.config.schema import Config, Float8GradDtype, Float8Recipe, ModelConfig
+from framework.kernels import float8
+from framework.kernels.target import MissingPackage
+from framework.launch.entry import check_float8
+from framework.launch.rules import check_option_fields
 from framework.model import build_model, materialize
-from framework.plan import make_plan
-from framework.rules import check_option_fields
-from framework.target import MissingPackage
+from framework.planner.resolve import make_plan
+from framework.record.metrics import read_metrics
 from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on
@@ -209,8 +209,7 @@ def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
     """Three NaN steps in a row under float8 (with activation checkpointing): the ladder's float8
     rung rebuilds the run in bf16 (same executor, weights and optimiser carried over), records why,
     and training finishes."""
-    from framework import trainer
-    from framework.config import (
+    from framework.config.schema import (
         ActivationCheckpointing,
         DataConfig,
         DataSource,
@@ -221,6 +220,7 @@ def test_nonfinite_float8_run_falls_back_to_bf16(tmp_path: Path) -> None:
         TrainConfig,
         VerifyConfig,
     )
+    from framework.train import trainer
 
     cfg = Config(
         model=ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False),

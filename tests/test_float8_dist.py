@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from framework.checkpoint import Checkpointer
-from framework.config import CheckpointConfig, Config, Float8Recipe
+from framework.config.schema import CheckpointConfig, Config, Float8Recipe
 from framework.parallel import dp_mesh_info
 from tests.dist import run_ranks
 from tests.test_checkpoint import _digest, _lr

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.config import FreezeConfig, FreezeMode, ModelConfig
+from framework.config.schema import FreezeConfig, FreezeMode, ModelConfig
 from framework.freeze import (
     ArtifactMismatchError,
     StaticGraphError,

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import fused_ce, search
-from framework.config import CompileScope, FusedCrossEntropy
-from framework.entry import check_fused_ce
+from framework.config.schema import CompileScope, FusedCrossEntropy
+from framework.kernels import fused_ce
+from framework.launch.entry import check_fused_ce
 from framework.model import Llama, build_model, materialize
 from framework.parallel.compile import apply_compile
-from framework.plan import make_plan
+from framework.planner import search
+from framework.planner.resolve import make_plan
 from tests.test_config import compose_config
 from tests.test_target import on
 from tests.test_train import train

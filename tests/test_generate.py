@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config import ModelConfig, ModelFamily, to_config
-from framework.generate import KVCache, forward_cached, generate, load_model, main
+from framework.config.schema import ModelConfig, ModelFamily, to_config
+from framework.generate.decode import KVCache, forward_cached, generate, load_model, main
 from framework.model import build_model
 from tests.entry import train_forked
 

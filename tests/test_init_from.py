@@ -19,12 +19,12 @@ from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
-from framework import init_from  # noqa: E402
+from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
-from framework.config import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
+from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
-from framework.plan import make_plan  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.entry import train_forked  # noqa: E402
 from tests.test_checkpoint_import_hf import MODELS, hf_logits, make_hf_model, tokens  # noqa: E402

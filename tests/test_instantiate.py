@@ -6,12 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.instantiate import check_target, check_targets, is_allowed_name, safe_instantiate
+from framework.config.instantiate import check_target, check_targets, is_allowed_name, safe_instantiate
 
 ALLOW = ["framework.", "torch.optim.", "torch.nn."]
 
 
-@pytest.mark.parametrize("path", ["torch.optim.AdamW", "torch.nn.Linear", "framework.sweep.SweepSummary"])
+@pytest.mark.parametrize("path", ["torch.optim.AdamW", "torch.nn.Linear", "framework.launch.sweep.SweepSummary"])
 def test_allowed_targets_pass(path: str) -> None:
     check_target(path, ALLOW)
 
@@ -25,10 +25,10 @@ def test_allowed_targets_pass(path: str) -> None:
         ("posix.system", ALLOW, "not on the instantiation allowlist"),
         # GHSA-37p2-j732-x8pj: an allowed-looking module that re-exports os.
         ("logging.os.system", [*ALLOW, "logging."], "'logging.os' is really 'os'"),
-        ("framework.entry.os.system", ALLOW, "'framework.entry.os' is really 'os'"),
-        ("framework.entry.shutil.rmtree", ALLOW, "is really 'shutil'"),
+        ("framework.launch.entry.os.system", ALLOW, "'framework.launch.entry.os' is really 'os'"),
+        ("framework.launch.entry.shutil.rmtree", ALLOW, "is really 'shutil'"),
         # A name imported into an allowed module keeps its real home.
-        ("framework.instantiate.OmegaConf", ALLOW, "is really 'omegaconf"),
+        ("framework.config.instantiate.OmegaConf", ALLOW, "is really 'omegaconf"),
         ("torch.optim.NoSuchThing", ALLOW, "cannot be resolved"),
     ],
 )
@@ -51,7 +51,7 @@ def test_scan_finds_nested_and_interpolated_targets() -> None:
             "evil": "os.system",
             "nccl": {"env": {"_target_": "${evil}"}},
             "run": {"things": [{"_target_": "torch.nn.ReLU"}]},
-            "hydra": {"callbacks": {"x": {"_target_": "framework.sweep.SweepSummary"}}},
+            "hydra": {"callbacks": {"x": {"_target_": "framework.launch.sweep.SweepSummary"}}},
         }
     )
     with pytest.raises(ValueError, match=r"nccl\.env\._target_='os\.system'"):
@@ -93,7 +93,7 @@ def test_hydra_own_plugins_and_logging_pass() -> None:
     hydra = {
         "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
         "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
-        "callbacks": {"s": {"_target_": "framework.sweep.SweepSummary"}},
+        "callbacks": {"s": {"_target_": "framework.launch.sweep.SweepSummary"}},
         "job_logging": {
             "handlers": {"c": {"class": "logging.StreamHandler"}, "f": {"class": "logging.FileHandler"}}
         },

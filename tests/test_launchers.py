@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.config import RunConfig
-from framework.launch import (
+from framework.config.schema import RunConfig
+from framework.launch.ranks import (
     ALLOC_CONF,
     apply_allocator_environment,
     arm_stack_dump,
@@ -116,7 +116,7 @@ def test_allocator_environment_is_set_once_and_never_overrides(monkeypatch: pyte
 def test_a_bad_stack_dump_delay_is_one_line_exit_2(
     value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``FRAMEWORK_STACK_DUMP_S`` (framework.launch.arm_stack_dump) names the value and what is valid."""
+    """``FRAMEWORK_STACK_DUMP_S`` (framework.launch.ranks.arm_stack_dump) names the value and what is valid."""
     monkeypatch.setenv("FRAMEWORK_STACK_DUMP_S", value)
     with pytest.raises(SystemExit) as e:
         arm_stack_dump()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config import Config, Device, HardwareConfig, ModelConfig, ParallelConfig, Strategy
-from framework.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
-from framework.plan import make_plan
+from framework.config.schema import Config, Device, HardwareConfig, ModelConfig, ParallelConfig, Strategy
+from framework.planner.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
+from framework.planner.resolve import make_plan
 
 
 def cfg_for(shape: list[int], strategy: str = "auto", sharding_tp: int = 1, **degrees: int) -> Config:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from framework.config import (
+from framework.config.schema import (
     BucketingConfig,
     LRSchedulerConfig,
     LRSchedulerName,
@@ -15,18 +15,18 @@ from framework.config import (
     TrainConfig,
 )
 from framework.data import BatchSampler
-from framework.loop import (
+from framework.model import build_model, materialize
+from framework.parallel.data_parallel import apply_ddp
+from framework.parallel.step import HostIO
+from framework.train.loop import (
     OWN_CLASS,
     Combined,
-    HostIO,
     attach_in_backward,
     build_optimizer,
     build_scheduler,
     lr_lambda,
     train_step,
 )
-from framework.model import build_model, materialize
-from framework.parallel.data_parallel import apply_ddp
 from tests.dist import run_ranks
 
 # A skipped (non-finite) step and the optimiser-in-backward step still call the main optimiser's
@@ -186,7 +186,7 @@ def test_host_io_ring_copies_in_and_out() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the updates' own stream is CUDA only")
 def test_optimizer_in_backward_side_stream_matches_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the per-parameter updates run on their own stream: same weights as the plain step."""
-    import framework.loop as loop_mod
+    import framework.train.loop as loop_mod
 
     cuda = torch.device("cuda")
     results = []
@@ -207,7 +207,7 @@ def test_optimizer_in_backward_side_stream_matches_the_plain_step(monkeypatch: p
 
 
 # ---------------------------------------------------------------------------------------------
-# The optimizer and lr_scheduler groups (framework.config.OptimizerConfig, LRSchedulerConfig).
+# The optimizer and lr_scheduler groups (framework.config.schema.OptimizerConfig, LRSchedulerConfig).
 # ---------------------------------------------------------------------------------------------
 
 FIXED = TrainConfig(steps=12, global_batch_size=8, seq_len=16, lr=1e-2, warmup_steps=2, grad_clip=1.0)
@@ -398,8 +398,9 @@ def test_a_recipe_names_its_own_optimizer_class_on_the_command_line() -> None:
     """``optimizer._target_=torch.optim.NAdam`` through real Hydra composition, built via the allowlist."""
     from hydra import compose, initialize_config_dir
 
-    from framework import config, recipes
-    from framework.launch import register_resolvers
+    from framework.config import schema as config
+    from framework.launch import recipes
+    from framework.launch.ranks import register_resolvers
 
     config.register()
     recipes.register()

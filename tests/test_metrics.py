@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from framework.config import LoggerConfig, LoggerKind, WandbMode
-from framework.metrics import Metrics, perplexity, read_metrics, validation_row
-from framework.wandb_sink import REDACTED, has_api_key, resolve_mode, strip_secrets
+from framework.config.schema import LoggerConfig, LoggerKind, WandbMode
+from framework.record.metrics import Metrics, perplexity, read_metrics, validation_row
+from framework.record.wandb_sink import REDACTED, has_api_key, resolve_mode, strip_secrets
 
 
 def test_jsonl_always_written_and_console_has_no_sink(tmp_path: Path) -> None:

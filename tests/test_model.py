@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.config import ModelConfig, ResidualDtype
+from framework.config.schema import ModelConfig, ResidualDtype
 from framework.model import build_model, compute_dtype, materialize
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily
 from framework.model import build_model
 from framework.models import TPStyle, blocks, model_spec
 

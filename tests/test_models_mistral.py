@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
-from framework.config import ModelConfig, ModelFamily  # noqa: E402
-from framework.generate import KVCache, forward_cached  # noqa: E402
+from framework.config.schema import ModelConfig, ModelFamily  # noqa: E402
+from framework.generate.decode import KVCache, forward_cached  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 from framework.models import FAMILIES, model_spec  # noqa: E402
 
@@ -127,8 +127,8 @@ def test_cached_decode_keeps_the_window() -> None:
 
 def test_window_only_with_the_mistral_family() -> None:
     """A window on a family that computes none is one line naming the key (rules, before launch)."""
-    from framework import rules
-    from framework.config import Config
+    from framework.config.schema import Config
+    from framework.launch import rules
 
     cfg = Config(model=ModelConfig(sliding_window=4))
     with pytest.raises(ValueError, match=r"model.sliding_window=4 is not valid; valid: 0 \(off\)"):

@@ -1,5 +1,5 @@
 """A command-line override Hydra rejects at compose time: one line naming it and what is valid, exit 2,
-nothing written (framework.override_errors)."""
+nothing written (framework.config.override_errors)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig
 from omegaconf.errors import ValidationError
 
-from framework import config, recipes
-from framework.config import quote_numeric_choices
-from framework.launch import register_resolvers
-from framework.override_errors import explain
+from framework.config import schema as config
+from framework.config.override_errors import explain
+from framework.config.schema import quote_numeric_choices
+from framework.launch import recipes
+from framework.launch.ranks import register_resolvers
 from tests.entry import train_main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from framework.config import (
+from framework.config.schema import (
     ActivationCheckpointing,
     CompileScope,
     Config,
@@ -32,7 +32,8 @@ from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
 from framework.parallel.compile import apply_compile, inductor_mode
-from framework.plan import Plan, make_plan
+from framework.planner.plan import Plan
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 
 SEQ, GLOBAL_BATCH, STEPS, RTOL = 32, 8, 4, 1e-5
@@ -278,7 +279,7 @@ def test_ac_modes_count_blocks() -> None:
 
 
 def test_eager_compiles_nothing() -> None:
-    """(cudagraphs off CUDA is refused before launch, in framework.entry: tests/test_train.py.)"""
+    """(cudagraphs off CUDA is refused before launch, in framework.launch.entry: tests/test_train.py.)"""
     model = build_model(Config().model, SEQ)
     assert apply_compile(model, ExecutorConfig(mode=ExecutorMode.eager), torch.device("cpu")) == 0
 

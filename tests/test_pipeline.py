@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from framework.checkpoint import Checkpointer
-from framework.config import Config, PPSchedule
-from framework.loop import build_optimizer, build_scheduler, train_step
+from framework.config.schema import Config, PPSchedule
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.pipeline import PipelineModel
-from framework.plan import make_plan
+from framework.planner.resolve import make_plan
+from framework.train.loop import build_optimizer, build_scheduler, train_step
 from tests.dist import run_ranks
 
 SEQ, GLOBAL_BATCH, STEPS, RTOL = 16, 8, 4, 1e-5
@@ -227,8 +227,9 @@ BAD = [
 def composed() -> object:
     from hydra import compose, initialize_config_dir
 
-    from framework import config, recipes
-    from framework.launch import register_resolvers
+    from framework.config import schema as config
+    from framework.launch import recipes
+    from framework.launch.ranks import register_resolvers
 
     config.register()
     recipes.register()
@@ -245,7 +246,7 @@ def test_bad_pipeline_refused_before_launch(
 
     from omegaconf import OmegaConf
 
-    from framework.entry import prelaunch
+    from framework.launch.entry import prelaunch
 
     d = copy.deepcopy(composed)
     for k, v in values.items():
@@ -264,7 +265,7 @@ def test_a_set_micro_batch_size_gives_the_pipelines_micro_batches(composed: obje
 
     from omegaconf import OmegaConf
 
-    from framework.entry import prelaunch
+    from framework.launch.entry import prelaunch
 
     d = copy.deepcopy(composed)
     for k, v in {**PP2, "train.micro_batch_size": 4}.items():
@@ -280,7 +281,7 @@ def test_pipeline_fields_shape_the_search_under_sharding_auto(composed: object, 
 
     from omegaconf import OmegaConf
 
-    from framework.entry import prelaunch_with_search
+    from framework.launch.entry import prelaunch_with_search
 
     d = copy.deepcopy(composed)
     for k, v in {"mesh.shape": [2], "parallel.pp_schedule": "gpipe"}.items():
@@ -333,7 +334,7 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     assert (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("*4*"))
     from safetensors import safe_open
 
-    from framework.config import ModelConfig
+    from framework.config.schema import ModelConfig
     from framework.models import model_spec
 
     with safe_open(str(run / "hf" / "model.safetensors"), "pt") as f:  # every stage's weights, once
@@ -348,7 +349,7 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
 
 def _plan_cfg(world: int = 8, **parallel: object) -> Config:
     """Llama 3 8B's shape (128K vocabulary) on H100s, planned only (nothing is built)."""
-    from framework.config import HardwareConfig
+    from framework.config.schema import HardwareConfig
 
     cfg = make_cfg(world, **parallel)
     m = cfg.model
@@ -360,7 +361,7 @@ def _plan_cfg(world: int = 8, **parallel: object) -> Config:
 
 
 def test_split_by_cost_gives_the_head_stage_fewer_blocks_and_is_printed() -> None:
-    from framework.plan import format_plan
+    from framework.planner.plan import format_plan
 
     plan = make_plan(_plan_cfg(8, pp=8, pp_microbatches=16))
     blocks = [b - a for a, b in plan.pp_split]
@@ -373,7 +374,7 @@ def test_split_by_cost_gives_the_head_stage_fewer_blocks_and_is_printed() -> Non
 
 
 def test_bubble_and_activations_per_schedule() -> None:
-    from framework.stages import bubble_fraction, in_flight
+    from framework.planner.stages import bubble_fraction, in_flight
 
     one_f1b = make_plan(_plan_cfg(4, pp=4, pp_microbatches=16))
     gpipe = make_plan(_plan_cfg(4, pp=4, pp_microbatches=16, pp_schedule="gpipe"))
@@ -395,7 +396,7 @@ def test_bubble_and_activations_per_schedule() -> None:
 
 
 def test_search_plans_pipelines_and_says_when_the_bubble_loses() -> None:
-    from framework.search import search
+    from framework.planner.search import search
 
     cfg = make_cfg(4)
     cfg.train.seq_len = 64
@@ -407,7 +408,7 @@ def test_search_plans_pipelines_and_says_when_the_bubble_loses() -> None:
 
 def test_pp_with_activation_checkpointing_and_compile_per_stage(reference: list[tuple]) -> None:
     """Full AC and per-block compile (aot_eager) inside each stage of a pp=2 1F1B pipeline."""
-    from framework.config import ActivationCheckpointing, CompileScope, ExecutorConfig, ExecutorMode
+    from framework.config.schema import ActivationCheckpointing, CompileScope, ExecutorConfig, ExecutorMode
 
     cfg = make_cfg(2, pp=2)
     cfg.sharding.activation_checkpointing = ActivationCheckpointing.full

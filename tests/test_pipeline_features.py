@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from framework.config import Config
+from framework.config.schema import Config
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.plan import make_plan
+from framework.planner.resolve import make_plan
 from tests.dist import run_ranks
 from tests.test_parallel import parallel_model
 from tests.test_pipeline import GLOBAL_BATCH, RTOL, SEQ, STEPS, _check, batches, make_cfg, run_steps
@@ -55,7 +55,7 @@ def val_batches(micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def tied_val(micro: int) -> float:
     """One process's validation loss at initialisation (the trainer evaluates before step 1)."""
-    from framework.loop import evaluate
+    from framework.train.loop import evaluate
 
     model = build_model(tied_cfg(1).model, SEQ)
     materialize(model, "cpu", 0)
@@ -125,7 +125,7 @@ def _tied_worker(
     rank: int, world: int, cfg: Config, steps: slice = slice(None), ckpt: tuple | None = None
 ) -> dict:
     from framework.checkpoint import full_model_state
-    from framework.loop import evaluate
+    from framework.train.loop import evaluate
 
     model, mesh, plan = parallel_model(cfg, SEQ)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
@@ -248,8 +248,8 @@ def test_tied_checkpoint_loads_across_pp_degrees(
 def test_plan_counts_the_tied_copy_as_the_dry_run_measures_it() -> None:
     """zbv puts the embedding and the last stage's copy on pp rank 0: the fake-backend dry run
     measures both, and the plan counts the copy as a parameter (and gradient) without AdamW moments."""
-    from framework.dry_run import dry_run, format_dry_run
-    from framework.plan import _ADAMW_STATES, _MASTER_BYTES
+    from framework.launch.dry_run import dry_run, format_dry_run
+    from framework.planner.plan import _ADAMW_STATES, _MASTER_BYTES
 
     cfg = tied_cfg(2, pp=2, pp_schedule="zbv", pp_stages_per_rank=2)  # zbv runs without dp
     report = dry_run(cfg)
@@ -292,7 +292,7 @@ def _doc_steps(
     sft: bool,
     weighted: bool = True,
 ) -> list[tuple]:
-    from framework.loop import build_optimizer, build_scheduler, train_step
+    from framework.train.loop import build_optimizer, build_scheduler, train_step
 
     opt = build_optimizer(model, cfg.train, torch.device("cpu"))
     sched = build_scheduler(opt, cfg.train)
@@ -393,7 +393,7 @@ def nan_cfg(pp: int) -> Config:
     """The trainer in-process: 6 steps, a synchronous checkpoint every 2; the batches of steps 3-5
     (0-based 2-4) poisoned, so 3 bad steps in a row (verify.max_bad_steps) roll back to the last
     checkpoint (step 4's: skipped steps leave the weights of step 2)."""
-    from framework.config import (
+    from framework.config.schema import (
         CheckpointConfig,
         Device,
         FreezeConfig,
@@ -420,18 +420,18 @@ def nan_cfg(pp: int) -> Config:
     return cfg
 
 
-_KEPT: list[object] = []  # a forked rank's run parts, never freed: it ends with os._exit (framework.worker)
+_KEPT: list[object] = []  # a forked rank's run parts, never freed: it ends with os._exit (framework.launch.worker)
 
 
 def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
-    from framework import trainer
+    from framework.train import trainer
 
     summary = trainer.run(cfg, run_dir, keep=_KEPT)
     return {"skipped": summary.skipped_steps, "steps": summary.steps}
 
 
 def _nan_trace(run_dir: Path) -> tuple[list, list]:
-    from framework.metrics import read_metrics
+    from framework.record.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     losses = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]

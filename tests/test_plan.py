@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from framework.config import (
+from framework.config.schema import (
     ActivationCheckpointing,
     CompileScope,
     Config,
@@ -17,17 +18,17 @@ from framework.config import (
     ModelConfig,
     Strategy,
 )
+from framework.launch.rules import check_option_fields
 from framework.model import build_model, num_params
-from framework.plan import (
+from framework.planner.plan import (
     GIB,
     check_world_size,
     format_plan,
-    make_plan,
     param_specs,
     plan_from_dict,
     plan_to_dict,
 )
-from framework.rules import check_option_fields
+from framework.planner.resolve import make_plan
 
 GPU = HardwareConfig(
     name="h100_sxm",
@@ -282,7 +283,7 @@ def test_json_round_trip_and_table() -> None:
 
 
 def test_auto_micro_batch_is_the_whole_rank_share() -> None:
-    from framework.plan import resolve_batch
+    from framework.planner.resolve import resolve_batch
 
     for strategy, shape, tp, expected in [("ddp", [8], 1, 4), ("fsdp_tp", [2, 4], 2, 8), ("ddp", [1], 1, 32)]:
         cfg = resolve_batch(cfg_for(strategy, shape, tp, gbs=32, mbs=0))
@@ -324,3 +325,16 @@ def test_optimizer_in_backward_refusals_and_memory() -> None:
         ValueError, match=r"mesh.shape=\[2\] \(world 2\): the per-parameter step fires before"
     ):
         make_plan(bad)
+
+
+def test_ranks_read_the_launchers_plan_and_refuse_one_of_another_layout(tmp_path: Path) -> None:
+    from framework.planner.resolve import load_plan, resolve_batch
+
+    cfg = resolve_batch(cfg_for("fsdp", [4], gbs=32, mbs=2))
+    assert load_plan(cfg, tmp_path) == make_plan(cfg)  # no plan.json: planned in-process
+    written = make_plan(cfg)
+    (tmp_path / "plan.json").write_text(json.dumps(plan_to_dict(written) | {"search": {"tried": 0}}))
+    assert load_plan(cfg, tmp_path) == written
+    other = resolve_batch(cfg_for("ddp", [4], gbs=32, mbs=2))
+    with pytest.raises(ValueError, match=r"plan.json was planned for another layout \(fsdp.* than this config \(ddp"):
+        load_plan(other, tmp_path)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.metrics import Metrics
-from framework.plots import plot_run, plot_sweep
+from framework.record.metrics import Metrics
+from framework.train.plots import plot_run, plot_sweep
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.config import ProfileRanks, RunConfig
-from framework.profiling import NullProfiler, format_top_operators, make_profiler
+from framework.config.schema import ProfileRanks, RunConfig
+from framework.train.profiling import NullProfiler, format_top_operators, make_profiler
 
 
 def _train(prof, steps: int) -> None:

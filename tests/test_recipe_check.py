@@ -1,4 +1,4 @@
-"""What a recipe may contain: one row per way in that an attacker's recipe tried (framework.recipe_check).
+"""What a recipe may contain: one row per way in that an attacker's recipe tried (framework.launch.recipe_check).
 
 The end-to-end runs through train.py are in tests/test_recipes.py; these are the rules themselves,
 on raw recipe content and on real files, and the check on Hydra's composed result.
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from framework import config, recipe_check, recipes
+from framework.config import schema as config
+from framework.launch import recipe_check, recipes
 
 CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework import recipes
+from framework.launch import recipes
 
 ROOT = Path(__file__).resolve().parent.parent
 TEAM_RECIPE = """# Team recipe: the tiny model with a shorter schedule.
@@ -120,7 +120,7 @@ def test_refusal_reasons() -> None:
 def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[Path, Path]) -> None:
     site, _ = team_package
     out = subprocess.run(
-        [sys.executable, "-m", "framework.recipes", "list"],
+        [sys.executable, "-m", "framework.launch.recipes", "list"],
         cwd=ROOT,
         env=_env(site, "pkg://teamrecipes.llama"),
         capture_output=True,

@@ -1,8 +1,8 @@
-"""The rule table (framework.rules), tested from the table itself.
+"""The rule table (framework.launch.rules), tested from the table itself.
 
 For every schema key: a rule exists (a field added without one fails here), and each of the rule's
 out-of-range values, set on the composed default config, is refused by the launcher's pre-launch
-checks (``framework.entry.prelaunch``, in-process: fast) with one line naming the key and the value,
+checks (``framework.launch.entry.prelaunch``, in-process: fast) with one line naming the key and the value,
 writing nothing. A handful of them also go through the real ``python train.py`` (exit 2, one error
 line, no run dir); the classes whose check is not a key's value (recipes, run dirs, memory, CPU
 ranks, intent) have a test each below.
@@ -26,12 +26,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from framework import config, recipes
-from framework.config import Config, RunConfig
-from framework.entry import check_dir_creatable, prelaunch
-from framework.launch import check_local_resources, cpu_rank_cap, register_resolvers
-from framework.plan import make_plan
-from framework.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
+from framework.config import schema as config
+from framework.config.schema import Config, RunConfig
+from framework.launch import recipes
+from framework.launch.entry import check_dir_creatable, prelaunch
+from framework.launch.ranks import check_local_resources, cpu_rank_cap, register_resolvers
+from framework.launch.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
+from framework.planner.resolve import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "llama_tiny"  # the default recipe: the config every bad value is set on
@@ -68,7 +69,7 @@ def refusal(base: DictConfig, values: dict[str, Any], tmp: Path) -> str:
 def test_every_schema_key_has_exactly_one_rule() -> None:
     keys = dict(schema_keys())
     missing = sorted(set(keys) - set(RULES))
-    assert not missing, f"schema keys without a rule in framework/rules.py RULES: {missing}"
+    assert not missing, f"schema keys without a rule in framework/launch/rules.py RULES: {missing}"
     assert not sorted(set(RULES) - set(keys)), "rules for keys the schema does not have"
     for key, rule in RULES.items():
         tp = keys[key]
@@ -261,7 +262,7 @@ def test_unbounded_counts_are_refused_before_launch(
 ) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.recipes", "validate", RECIPE]):
+    for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.launch.recipes", "validate", RECIPE]):
         proc = subprocess.run(
             [sys.executable, *argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
         )
@@ -272,7 +273,7 @@ def test_unbounded_counts_are_refused_before_launch(
 
 
 def test_layout_divisors_match_counting_one_by_one() -> None:
-    from framework.layout import divisors
+    from framework.planner.layout import divisors
 
     for n in range(200):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n

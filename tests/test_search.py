@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.config import ActivationCheckpointing
-from framework.plan import GIB, make_plan, resolve_batch
-from framework.recipes import compose_recipe
-from framework.search import format_search, search
+from framework.config.schema import ActivationCheckpointing
+from framework.launch.recipes import compose_recipe
+from framework.planner.plan import GIB
+from framework.planner.resolve import make_plan, resolve_batch
+from framework.planner.search import format_search, search
 from tests.entry import train_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def test_sharding_tp_pins_the_search() -> None:
 
 def test_muon_keeps_the_search_to_whole_matrices() -> None:
     """Muon orthogonalizes whole matrices: under auto only replicated layouts; a sharded preset is refused."""
-    from framework.rules import check
+    from framework.launch.rules import check
 
     cfg = compose_recipe("llama_tiny", ["mesh=4", "optimizer=muon"])
     check(cfg)
@@ -98,8 +99,8 @@ def test_cp_is_searched_for_long_sequences() -> None:
 
 def test_cp_with_pp_is_searched_in_dry_runs_only() -> None:
     """A dry run plans cp together with pp (Llama 3's long-context layout); a launch's search leaves
-    them apart, since a launch of both is refused (framework.layout.check_cp)."""
-    from framework.search import _degree_options
+    them apart, since a launch of both is refused (framework.planner.layout.check_cp)."""
+    from framework.planner.search import _degree_options
 
     long = ["mesh=2x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "run.device=cuda"]
     launch = _degree_options(compose_recipe("llama7b", long))

@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from framework.launch import isolated_environ
-from framework.sweep import sweep_id
+from framework.launch.ranks import isolated_environ
+from framework.launch.sweep import sweep_id
 from tests.entry import train_forked
 
 TINY = [

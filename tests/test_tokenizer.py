@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.config import TokenizerConfig, TokenizerKind
-from framework.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
+from framework.config.schema import TokenizerConfig, TokenizerKind
+from framework.data.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
 from tests.corpus import Corpus, documents, write_corpus
 
 TEXT = "def héllo(wörld):\n    return 'ünïcode' + \"\\t\"  # ✓ 🙂\n"

@@ -1,4 +1,4 @@
-"""NCCL presets and validation, topology XML, hardware presets and mesh shapes (framework.topology)."""
+"""NCCL presets and validation, topology XML, hardware presets and mesh shapes (framework.planner.topology)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from framework.config import HardwareConfig, MeshConfig, NcclConfig
-from framework.topology import (
+from framework.config.schema import HardwareConfig, MeshConfig, NcclConfig
+from framework.planner.topology import (
     NcclDebugVariableWarning,
     TopologySummary,
     apply_nccl_environment,
@@ -425,8 +425,9 @@ def test_presets_compose_through_hydra(tmp_path: Path) -> None:
     """The whole primary config with these groups chosen, as the trainer composes it."""
     from hydra import compose, initialize_config_dir
 
-    from framework import config, recipes
-    from framework.config import quote_numeric_choices, to_config
+    from framework.config import schema as config
+    from framework.config.schema import quote_numeric_choices, to_config
+    from framework.launch import recipes
 
     config.register()
     recipes.register()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
 from tests.entry import train_forked, train_main, write_run_config
 from tests.test_train_golden import composed, reference_run
@@ -202,7 +202,7 @@ def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
     """checkpoint.resume=auto into a model of another shape: one line naming each differing field,
     exit 2, before launch; the checkpoint stays where it is. The step dir holds the ``extra.json``
     the trainer writes (its ``model``: init_from.shape_of of the run's model)."""
-    from framework.init_from import shape_of
+    from framework.checkpoint.init_from import shape_of
     from tests.test_config import compose_config
 
     root, run = tmp_path / "ck", tmp_path / "run"

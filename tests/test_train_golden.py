@@ -22,13 +22,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from framework import config, recipes
-from framework.config import Config, quote_numeric_choices
+from framework.config import schema as config
+from framework.config.schema import Config, quote_numeric_choices
 from framework.data import build_data, document_eos
-from framework.entry import prelaunch
-from framework.launch import register_resolvers
-from framework.metrics import read_metrics
+from framework.launch import recipes
+from framework.launch.entry import prelaunch
+from framework.launch.ranks import register_resolvers
 from framework.model import build_model, materialize
+from framework.record.metrics import read_metrics
 from tests.entry import ROOT, train_forked
 
 GOLDEN_OVERRIDES = [

@@ -1,4 +1,4 @@
-"""``framework.trainer.run`` when a step raises: nothing is left behind, the last checkpoint holds.
+"""``framework.train.trainer.run`` when a step raises: nothing is left behind, the last checkpoint holds.
 
 Two forked gloo ranks run the trainer in-process, as launched ranks do (the trainer makes and ends
 its own process group). The forward of step 5 raises on both (``run.fault_raise_at_step``) while the
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from framework.checkpoint import store, verify
 from framework.checkpoint.group import Channel
-from framework.config import (
+from framework.config.schema import (
     AsyncMode,
     CheckpointConfig,
     Config,
@@ -36,8 +36,8 @@ from framework.config import (
     Strategy,
     TrainConfig,
 )
-from framework.metrics import read_metrics
-from framework.runner import InjectedFault
+from framework.record.metrics import read_metrics
+from framework.train.runner import InjectedFault
 from tests.corpus import documents
 from tests.dist import run_ranks
 
@@ -67,7 +67,7 @@ def _resources() -> dict[str, object]:
 
 
 def _raise_in_a_step(rank: int, world: int, cfg: Config, run_dir: Path) -> dict[str, object]:
-    from framework import trainer
+    from framework.train import trainer
 
     # The first TCPStore of a process opens a pipe that lives as long as the process (torch's, once):
     # open it before counting, with a store of no use.

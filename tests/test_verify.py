@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from framework.config import (
+from framework.config.schema import (
     Config,
     ExecutorConfig,
     ExecutorMode,
@@ -25,9 +25,9 @@ from framework.config import (
     VerifyConfig,
 )
 from framework.freeze import freeze
-from framework.loop import build_optimizer, build_scheduler, train_step
 from framework.model import build_model, materialize
 from framework.parallel.compile import apply_compile
+from framework.train.loop import build_optimizer, build_scheduler, train_step
 from framework.verify import (
     BadStepTracker,
     CheckResult,

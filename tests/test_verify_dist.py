@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.config import Config, FreezeConfig, FreezeMode, ModelConfig, Strategy
+from framework.config.schema import Config, FreezeConfig, FreezeMode, ModelConfig, Strategy
 from framework.freeze import freeze
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.plan import make_plan
+from framework.planner.resolve import make_plan
 from framework.verify import RankMismatchError, check_numerics, check_ranks
 from framework.verify.consistency import meta_example
 from framework.verify.numerics import reference_model

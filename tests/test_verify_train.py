@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from framework.verify.__main__ import main as verify_cli
 from tests.test_train import train
 
@@ -26,7 +26,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     nan = ["checkpoint=sync", "checkpoint.every_steps=4", "verify.inject_nan_steps=[4,5,6]"]
     procs = {
         # A registered backend whose package is not installed (TVM): the first compiled call fails.
-        # (An unregistered name is refused before launch by framework.rules.)
+        # (An unregistered name is refused before launch by framework.launch.rules.)
         "compile": train(out["compile"], *TINY, "executor=compile", "executor.backend=tvm"),
         "nan": train(out["nan"], *TINY, *nan),
         # verify off: plain steps are read one step late (the trainer's lag), rollback included.

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
+from framework.data.tokenizer import Tokenizer
 from framework.models import family, model_spec
-from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("framework")
 
@@ -140,7 +140,7 @@ def export_hf(
 
     ``model_state`` is the full, unsharded state (``full_model_state`` on rank 0); call this on
     rank 0 only. Pass the training ``seq_len`` (or the longest context the model is meant for) as
-    ``max_position_embeddings``. ``tokenizer`` is a ``framework.tokenizer.Tokenizer``; its
+    ``max_position_embeddings``. ``tokenizer`` is a ``framework.data.tokenizer.Tokenizer``; its
     ``bos_id``/``eos_id`` go into both configs.
     """
     from safetensors.torch import save_file
@@ -210,9 +210,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None =
 
     from omegaconf import OmegaConf
 
-    from framework.config import to_config
-    from framework.init_from import framework_checkpoint, saved_shape
-    from framework.tokenizer import load_tokenizer
+    from framework.checkpoint.init_from import framework_checkpoint, saved_shape
+    from framework.config.schema import to_config
+    from framework.data.tokenizer import load_tokenizer
 
     checkpoint = Path(checkpoint).expanduser().resolve()
     step_dir = framework_checkpoint(checkpoint, "CHECKPOINT") if checkpoint.is_dir() else None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.config import ModelFamily
+from framework.config.schema import ModelFamily
 from framework.models import FAMILIES, model_spec
 
 INDEX_FILE = "model.safetensors.index.json"

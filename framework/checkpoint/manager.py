@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from framework.checkpoint import lock, state, store
 from framework.checkpoint.group import Channel, dist_ready, new_gloo_group
-from framework.config import AsyncMode, CheckpointConfig, Integrity
+from framework.config.schema import AsyncMode, CheckpointConfig, Integrity
 
 log = logging.getLogger("framework")
 _ANOTHER_RANK = "another rank failed"

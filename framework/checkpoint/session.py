@@ -24,16 +24,16 @@ from torch import nn
 
 from framework.checkpoint.manager import Checkpointer
 from framework.checkpoint.preempt import PreemptionHandler
-from framework.config import CheckpointConfig, TrainConfig
-from framework.metrics import Metrics, read_metrics
-from framework.train_state import TrainState
+from framework.config.schema import CheckpointConfig, TrainConfig
+from framework.record.metrics import Metrics, read_metrics
+from framework.record.train_state import TrainState
 
 log = logging.getLogger("framework")
 Record = Callable[[int, str, str, str], Any]  # Verifier.fallback(step, trigger, action, detail)
 
 
 class Trainable(Protocol):
-    """What a checkpoint saves and loads (``framework.runner.StepRunner``); ``build()`` makes fresh ones."""
+    """What a checkpoint saves and loads (``framework.train.runner.StepRunner``); ``build()`` makes fresh ones."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from framework.config import Integrity
+from framework.config.schema import Integrity
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -7,9 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from framework.config import DataSource, TokenizerConfig, TokenizerKind
+from framework.config.schema import DataSource, TokenizerConfig, TokenizerKind
 
-# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.rules); 1e22
+# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.launch.rules); 1e22
 # overflowed inside the tokenizers trainer (a traceback).
 MAX_VOCAB = 2**32
 
@@ -95,7 +95,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from framework.data.prepare import check_outputs, input_files, records_of
-    from framework.tokenizer import train_bpe
+    from framework.data.tokenizer import train_bpe
 
     files = input_files(args.inputs, None)
     check_outputs([args.out], files)

@@ -1,6 +1,6 @@
 """From the typed config to a sampler: which sources, which tokenizer, and every check before launch.
 
-``check_data`` runs in the launcher (framework.entry) before any rank starts and before the run dir
+``check_data`` runs in the launcher (framework.launch.entry) before any rank starts and before the run dir
 is written: the tokenizer parses and fits ``model.vocab_size``, every file exists and reads (UTF-8,
 JSON lines with the field, parquet with the column), token files match their sidecar, the vocab and
 this run's tokenizer, mixture weights are valid, and ``data.document_mask`` can work. ``build_data``
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from framework.config import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.config.schema import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
 from framework.data.records import (
     CHECK_ALL_BYTES,
     Records,
@@ -39,9 +39,9 @@ from framework.data.stream import (
     fixed_windows,
     holdout,
 )
+from framework.data.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 from framework.data.tokens import tokenizer_digest
 from framework.model import NO_EOS
-from framework.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)

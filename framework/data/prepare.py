@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from framework.config import DataSource, TokenizerConfig
+from framework.config.schema import DataSource, TokenizerConfig
 from framework.data.records import PIECE_BYTES, Record, SourceSpec, file_records, is_sidecar, resolve_files
+from framework.data.tokenizer import Tokenizer, load_tokenizer
 from framework.data.tokens import TokenWriter
-from framework.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_RECORDS = 256  # records per task sent to a worker
 SOURCE_BY_SUFFIX = {".jsonl": DataSource.jsonl, ".json": DataSource.jsonl, ".parquet": DataSource.parquet}

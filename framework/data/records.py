@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.config import DataSource
-from framework.tokenizer import needs
+from framework.config.schema import DataSource
+from framework.data.tokenizer import needs
 
 Record = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 PIECE_BYTES = 16 * 1024

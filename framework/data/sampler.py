@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from framework.config import DataConfig, DataSource
+from framework.config.schema import DataConfig, DataSource
 from framework.data.records import SourceSpec, resolve_files
 from framework.data.tokens import open_token_paths
 

@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from framework.config import DataConfig
+from framework.config.schema import DataConfig
 from framework.data.records import json_line
+from framework.data.tokenizer import Tokenizer, eos_fix
 from framework.model import DOC_START
-from framework.tokenizer import Tokenizer, eos_fix
 
 log = logging.getLogger("framework")
 

@@ -32,7 +32,7 @@ import torch
 
 from framework.data.records import Records
 from framework.data.sft import split_rows
-from framework.tokenizer import Tokenizer
+from framework.data.tokenizer import Tokenizer
 
 # Mixes the batch index into the source-choice generator's seed (distinct from BatchSampler's stream).
 MIX_SALT = 7_919

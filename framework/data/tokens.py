@@ -1,7 +1,7 @@
 """Token files: a flat ``.bin`` of uint16/uint32 ids and a JSON sidecar (``.json``) describing it.
 
 The sidecar records the dtype, the vocabulary size, the token count and the digest of the tokenizer
-that wrote it (framework.tokenizer): training refuses a file made with another tokenizer, naming
+that wrote it (framework.data.tokenizer): training refuses a file made with another tokenizer, naming
 both digests, because its ids would mean other words. Files are memory-mapped, never unpickled.
 """
 
@@ -62,7 +62,7 @@ class TokenWriter:
 
 def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int, meta: dict[str, Any] | None = None) -> None:
     """Write a token file and its sidecar (``path.with_suffix('.json')``) in one go."""
-    from framework.tokenizer import ByteTokenizer
+    from framework.data.tokenizer import ByteTokenizer
 
     w = TokenWriter(path, vocab_size)
     w.write(np.asarray(tokens))
@@ -132,7 +132,7 @@ def open_tokens(path: Path, key: str = "data.path", scan: bool = False) -> tuple
 
 def tokenizer_digest(path: Path) -> str | None:
     """The digest of the tokenizer that wrote ``path`` (None when the sidecar names none)."""
-    from framework.tokenizer import ByteTokenizer
+    from framework.data.tokenizer import ByteTokenizer
 
     meta = read_sidecar(path)
     if "tokenizer_digest" in meta:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from framework.config import FreezeConfig, FreezeMode
+from framework.config.schema import FreezeConfig, FreezeMode
 from framework.freeze.artifact import (
     FROZEN_DIR,
     ArtifactMismatchError,

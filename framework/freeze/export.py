@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from framework.config import FreezeConfig
+from framework.config.schema import FreezeConfig
 
 Location = tuple[str, int]  # (absolute filename, line)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.config import FreezeConfig
+from framework.config.schema import FreezeConfig
 
 TS_NAMESPACE = "torchscript-v1"
 _MANGLE = re.compile(r"___torch_mangle_\d+\.")

@@ -10,7 +10,7 @@ import functools
 
 from torch import nn
 
-from framework.config import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily
 from framework.models.family import Family
 from framework.models.llama import llama_spec
 from framework.models.mistral import MISTRAL

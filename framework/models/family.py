@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
 from framework.models.spec import ModelSpec
 
 

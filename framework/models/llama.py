@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
 from framework.models.llama import attention, decoder_spec, feed_forward, head_dim
 from framework.models.spec import ModelSpec, TPStyle, Weight
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from framework.config import (
+from framework.config.schema import (
     ActivationCheckpointing,
     BucketingConfig,
     ExecutorConfig,
@@ -28,8 +28,8 @@ from framework.parallel.float8 import apply_float8
 from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mesh
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
-from framework.plan import DP_AXES, MeshAxis, Plan
-from framework.stages import ZERO_BUBBLE, stage_ids
+from framework.planner.plan import DP_AXES, MeshAxis, Plan
+from framework.planner.stages import ZERO_BUBBLE, stage_ids
 
 __all__ = ["build_mesh", "dp_mesh_info", "parallelize"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.config import ActivationCheckpointing
+from framework.config.schema import ActivationCheckpointing
 from framework.model import Llama
 from framework.models import blocks
 

@@ -15,7 +15,7 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-from framework.config import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy
+from framework.config.schema import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy
 from framework.model import Llama
 from framework.models import blocks
 
@@ -49,13 +49,13 @@ def apply_compile(
     when each region first compiles, so each call sets it (None: torch's default) rather than
     patching it around every region call on the hot path; a process trains one model.
     Users' combinations are refused before launch, each in one place: ``cudagraphs`` off CUDA by
-    ``framework.entry.check_cudagraphs``, a budget with the eager executor by ``framework.plan``.
+    ``framework.launch.entry.check_cudagraphs``, a budget with the eager executor by ``framework.planner.plan``.
     """
     if executor.mode == ExecutorMode.eager:
-        assert memory_budget is None, "activation_checkpointing=budget with eager: refused by framework.plan"
+        assert memory_budget is None, "activation_checkpointing=budget with eager: refused by framework.planner.plan"
         return 0
     assert executor.mode != ExecutorMode.cudagraphs or device.type == "cuda", (
-        "refused by framework.entry.check_cudagraphs"
+        "refused by framework.launch.entry.check_cudagraphs"
     )
     mode = inductor_mode(executor)
     functorch_config.activation_memory_budget = _DEFAULT_BUDGET if memory_budget is None else memory_budget
@@ -69,7 +69,7 @@ def apply_compile(
         block.forward = _compile(block.forward, executor, mode)
     # The loss head (final norm, output projection, fp32 cross-entropy) is its own region: with a
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
-    # log-softmax instead of materialising fp32 logits. A fused cross-entropy kernel (framework.fused_ce)
+    # log-softmax instead of materialising fp32 logits. A fused cross-entropy kernel (framework.kernels.fused_ce)
     # cannot be traced (it reads the targets on the host): then only the final norm is compiled.
     if model.cfg.fused_cross_entropy is FusedCrossEntropy.none:
         model.head_loss = _compile(model.head_loss, executor, mode)

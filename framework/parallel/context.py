@@ -5,13 +5,13 @@ CP acts per step, not on the model: inside ``context_parallel`` the tokens, the 
 RoPE tables are cut along the sequence (in place), and SDPA is dispatched to the ring, which passes
 K and V between the CP ranks. For causal attention the cut is load-balanced (torch's head-tail
 balancer: 2 x cp chunks, rank i keeps chunks i and 2cp-1-i, so every rank does the same share of
-the causal work; framework.layout.check_cp refuses a ``train.seq_len`` that 2 x cp does not
+the causal work; framework.planner.layout.check_cp refuses a ``train.seq_len`` that 2 x cp does not
 divide). The parameters are FSDP2-sharded over dp_shard x cp (framework.parallel.mesh.fsdp_mesh),
 which also averages the CP ranks' gradients; each rank's loss is the mean over its equal share of
 the tokens, so the average is the whole sequence's mean.
 
 Runs on CUDA only: torch's ring dispatches SDPA's flash / memory-efficient / cuDNN kernels; the CPU
-kernel has no DTensor sharding strategy (framework.layout.CP_CPU_ERROR), and the planner refuses CP
+kernel has no DTensor sharding strategy (framework.planner.layout.CP_CPU_ERROR), and the planner refuses CP
 on a CPU launch. Evaluation runs outside the context: every CP rank then computes whole sequences.
 """
 
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework.model import Llama
 from framework.parallel.mesh import sub_mesh
-from framework.plan import MeshAxis, Plan
+from framework.planner.plan import MeshAxis, Plan
 
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
 

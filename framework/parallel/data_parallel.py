@@ -9,7 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.config import BucketingConfig, DType, ShardingConfig
+from framework.config.schema import BucketingConfig, DType, ShardingConfig
 from framework.model import Llama
 from framework.models import blocks
 

@@ -6,7 +6,7 @@ of the row-parallel outputs in float8), compile must trace their casts, and FSDP
 weight subclass to all-gather in float8 (``enable_fsdp_float8_all_gather``, tensorwise only). The parameters keep their names and
 their fp32 master values (``Float8Linear`` subclasses ``nn.Linear`` and casts in forward), so
 checkpoints, the per-name init and the fallback ladder's state carry-over see the same state dict
-with float8 on or off. Which layers convert is ``framework.float8.converts`` (shared with the
+with float8 on or off. Which layers convert is ``framework.kernels.float8.converts`` (shared with the
 planner and the refusals).
 """
 
@@ -17,8 +17,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from framework.config import Float8GradDtype, Float8Recipe, ModelConfig
-from framework.float8 import converts
+from framework.config.schema import Float8GradDtype, Float8Recipe, ModelConfig
+from framework.kernels.float8 import converts
 
 
 def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8LinearConfig
@@ -42,7 +42,7 @@ def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8Li
 
 
 def apply_float8(model: nn.Module, m: ModelConfig, fsdp_all_gather: bool = False) -> list[str]:
-    """Swap the Linear layers that ``framework.float8.converts`` picks; returns their names.
+    """Swap the Linear layers that ``framework.kernels.float8.converts`` picks; returns their names.
 
     ``fsdp_all_gather``: FSDP2 will shard this model over more than one rank. No-op (returns [])
     for ``model.float8=none``. Raises RuntimeError when the filter picked nothing (the refusals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from framework.plan import DP_AXES, MeshAxis, Plan
+from framework.planner.plan import DP_AXES, MeshAxis, Plan
 
 DP_SHARD_CP = "dp_shard_cp"  # the flattened dp_shard x cp axis FSDP2 shards over
 

@@ -6,7 +6,7 @@ stages deleted, and the embedding (all but the first stage) or the final norm an
 them. Parameter names stay those of the single-process model (``layers.5.attention.wq.weight``),
 so the per-name initialisation gives every layout the single-process weights and DCP checkpoints
 load across pp degrees. The plan says which blocks each stage holds (``Plan.pp_split``, by the
-per-layer cost model) and which stages each pp rank holds (``framework.stages.stage_ids``).
+per-layer cost model) and which stages each pp rank holds (``framework.planner.stages.stage_ids``).
 
 One rank may hold several stages (interleaved schedules); ``PipelineModel`` shows them to the rest
 of the trainer as one module under the single-process names (the optimizer, gradient clipping and
@@ -53,9 +53,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
-from framework.config import PPSchedule
-from framework.loop import HostIO, StepResult, _result, _StepTimer, _to_device, autocast, update
+from framework.config.schema import PPSchedule
 from framework.model import Llama, document_ids
+from framework.parallel.step import HostIO, StepResult, StepTimer, autocast, step_result, to_device, update
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -128,7 +128,7 @@ class PipelineModel(nn.Module):
         return self.num_stages - 1 in self.stage_ids
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.loop), not a call")
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.train.loop), not a call")
 
 
 class PipelineLoss:
@@ -298,7 +298,7 @@ def pipeline_step(
     io: HostIO | None = None,
     scales: list[float] | None = None,
 ) -> StepResult:
-    """``framework.loop.train_step`` under pipeline parallelism: the schedule runs forward and
+    """``framework.train.loop.train_step`` under pipeline parallelism: the schedule runs forward and
     backward over the rank's batch (its micro batches, concatenated and cut again by the schedule);
     the loss (last stage) and the gradient norm (all stages) are made whole on every rank; then
     clip and optimiser step as without pipelining (a non-finite loss or norm skips the step).
@@ -306,10 +306,10 @@ def pipeline_step(
     over the rank's trained targets is the step's weight of each trained target (``PipelineLoss``).
     A tied weight's two uses are summed before the norm and its copy updated after the step."""
     assert model.schedule is not None
-    timer = _StepTimer(device)
+    timer = StepTimer(device)
     lr = scheduler.get_last_lr()[0]
-    x = _to_device(torch.cat([b[0] for b in micro_batches]), device, io)
-    y = _to_device(torch.cat([b[1] for b in micro_batches]), device, io)
+    x = to_device(torch.cat([b[0] for b in micro_batches]), device, io)
+    y = to_device(torch.cat([b[1] for b in micro_batches]), device, io)
     args, kwargs = _stage_args(model, x, y)
     model.loss.weight = None if scales is None else sum(scales) / max(1, int((y >= 0).sum()))
     losses: list[torch.Tensor] = []
@@ -326,7 +326,7 @@ def pipeline_step(
     if model.tied is not None:
         model.tied.broadcast()
     timer.stop()
-    return _result(total, norm, finite, lr, timer, io)
+    return step_result(total, norm, finite, lr, timer, io)
 
 
 # The actions a forward-only pass keeps (``_forward_only``).

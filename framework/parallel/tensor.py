@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.config import Float8Recipe
+from framework.config.schema import Float8Recipe
 from framework.model import Llama, tie
 from framework.models import ModelSpec, TPStyle, Weight, blocks, model_spec
 from framework.parallel.float8 import tp_styles

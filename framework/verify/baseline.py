@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from framework.config import Config, ExecutorMode, VerifyConfig
+from framework.config.schema import Config, ExecutorMode, VerifyConfig
 from framework.verify.report import CheckResult
 
 DEFAULT_STORE = Path("outputs") / "baselines.json"
@@ -66,8 +66,8 @@ def perf_figures(
 def baseline_key(cfg: Config, world_size: int, device_name: str, executor: ExecutorMode | None = None) -> str:
     """The store key; ``executor`` is the mode that actually ran (after a fallback), default the configured one."""
     mode = (executor or cfg.executor.mode).value
-    from framework.layout import fixed_degrees
-    from framework.plan import resolve_batch
+    from framework.planner.layout import fixed_degrees
+    from framework.planner.resolve import resolve_batch
 
     # The layout from its degrees (a no-op resolve for the trainer's config, which is resolved).
     degrees = fixed_degrees(resolve_batch(cfg))

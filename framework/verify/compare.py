@@ -12,9 +12,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from framework.config import flatten
+from framework.config.schema import flatten
 from framework.freeze import graph_diff, load_fingerprint
-from framework.metrics import read_metrics
+from framework.record.metrics import read_metrics
 from framework.verify.consistency import FINGERPRINT_PATH
 from framework.verify.report import read_report
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.config import FreezeConfig, FreezeMode
+from framework.config.schema import FreezeConfig, FreezeMode
 from framework.freeze import export_model, graph_diff, graph_summary, load_fingerprint
 from framework.freeze.fingerprint import Summary, summary_fingerprint
 from framework.verify.policy import VerificationError

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from framework.config import ExecutorMode, Float8Recipe
+from framework.config.schema import ExecutorMode, Float8Recipe
 from framework.verify.baseline import percentile
 
 LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
@@ -41,7 +41,7 @@ def next_mode(mode: ExecutorMode) -> ExecutorMode | None:
 
 
 class Rungs(Protocol):
-    """What the ladder acts on (``framework.runner.StepRunner``): the executed model, its executor
+    """What the ladder acts on (``framework.train.runner.StepRunner``): the executed model, its executor
     and float8 rungs, and a rebuild for another rung (``carry``: keep the trained state)."""
 
     model: nn.Module

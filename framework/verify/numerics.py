@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.config import ModelConfig
-from framework.loop import autocast, loss_fn
+from framework.config.schema import ModelConfig
 from framework.model import build_model, materialize, num_params
+from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from framework.config import Policy
+from framework.config.schema import Policy
 from framework.verify.report import CheckResult
 
 log = logging.getLogger("framework")

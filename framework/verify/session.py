@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.config import Config, ExecutorMode, Float8Recipe, Policy
+from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
 from framework.freeze import FrozenResult
 from framework.model import Llama
 from framework.verify import baseline as baseline_mod
@@ -166,7 +166,7 @@ class Verifier:
                 ref.document_eos = document_eos(self.cfg)  # the same attention mask as the run's model
                 return ref
 
-        # The loop runs bf16 autocast on CUDA (framework.loop.autocast): rounding differs more;
+        # The loop runs bf16 autocast on CUDA (framework.train.loop.autocast): rounding differs more;
         # float8 GEMMs (model.float8, in the reference model too) more still.
         logits_rtol = self.vcfg.logits_rtol_bf16 if device.type == "cuda" else self.vcfg.logits_rtol
         if self.cfg.model.float8 is not Float8Recipe.none:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from framework.config import ModelConfig
+from framework.config.schema import ModelConfig
 from framework.models.family import Family
 from framework.models.llama import decoder_spec, head_dim, llama_block
 from framework.models.spec import ModelSpec

@@ -1,0 +1,262 @@
+"""``model.init_from``: start training from existing weights instead of a random init.
+
+Two kinds of source, told apart by their files:
+
+* a Hugging Face Llama or Qwen3 folder (``config.json`` + safetensors, sharded with
+  ``model.safetensors.index.json`` or not), read by ``framework.checkpoint.import_hf``;
+* a framework checkpoint: a DCP ``step_N`` directory of another run, its checkpoint root, or that
+  run's dir (then its newest complete checkpoint). Only the model is read: the optimizer, schedule,
+  data position and step start afresh (fine-tuning, not resuming).
+
+Two stages, as everywhere: ``resolve`` runs in the entry point, before the plan. It takes the model
+shape from the source (config.json, or the shape the run saved), so ``model.init_from=PATH`` alone
+is enough, refuses a command-line shape override that contradicts it, and checks every tensor's
+name and shape against the model, all without reading tensor data. ``load`` runs on every rank
+after the (possibly sharded) model is placed (``framework.model.materialize``): each rank reads only
+its own shards, and no collective runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from framework.checkpoint import import_hf
+from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily
+from framework.models import SHAPE_KEYS, family, model_spec
+
+KEY = "model.init_from"
+RUN_CONFIG = "config.yaml"
+
+
+def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
+    fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields]
+    shape = {k: getattr(model_cfg, k) for k in fields}
+    return shape | {"family": model_cfg.family.value}
+
+
+def _typed(shape: dict[str, Any]) -> dict[str, Any] | None:
+    """A recorded shape back as ``ModelConfig`` values (the family is an Enum); None when empty."""
+    if "family" in shape:
+        shape["family"] = ModelFamily(shape["family"])
+    return shape or None
+
+
+def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
+    """The DCP step dir ``path`` names (itself, or the newest complete one under a checkpoint root
+    or a run dir), or None when ``path`` is not a framework checkpoint at all. ValueError when it is
+    a checkpoint root with no complete, intact checkpoint."""
+    from framework.checkpoint.group import Channel
+    from framework.checkpoint.manager import check_step_dir, find_latest
+    from framework.checkpoint.store import MANIFEST, committed
+
+    if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
+        return check_step_dir(path, key)
+    for root in (path, path / "checkpoints"):
+        if committed(root):
+            latest = find_latest(root, Channel(None), Integrity.sha256)
+            if latest is None:
+                raise ValueError(f"{key}={str(path)!r}: no complete, intact checkpoint under {root}")
+            return latest
+    return None
+
+
+def saved_shape(step_dir: Path) -> dict[str, Any] | None:
+    """The model shape a framework checkpoint was saved with: ``extra.json``'s ``model`` (written
+    since init_from exists), else the run's ``config.yaml`` two levels up (the default layout)."""
+    from framework.checkpoint.state import read_extra
+
+    try:
+        extra = read_extra(step_dir)["extra"]
+    except ValueError:  # a malformed one: the load refuses it (auto resume then tries an older one)
+        extra = {}
+    if isinstance(extra.get("model"), dict):
+        return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS})
+    run_config = step_dir.parent.parent / RUN_CONFIG
+    if run_config.is_file():
+        try:
+            model = OmegaConf.to_container(OmegaConf.load(run_config)).get("model", {})
+        except Exception:  # noqa: BLE001 - an unreadable config.yaml just gives no shape
+            return None
+        return _typed({k: model[k] for k in import_hf.SHAPE_FIELDS if k in model})
+    return None
+
+
+def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None:
+    """Refuse resuming ``step_dir`` into a model of another shape, naming each differing field.
+
+    Why before launch: such a resume either fails to load in every rank (the checkpoint is then
+    moved to ``corrupt/`` as if damaged, and the run trains from step 0) or, for an untied
+    checkpoint resumed with ``model.tie_embeddings=true``, loads in silence without the trained
+    output head. The head size is compared as the model uses it (``head_dim=0`` is dim / n_heads).
+    """
+    saved = saved_shape(step_dir)
+    if not saved:
+        return  # a checkpoint from before shapes were recorded: the load itself checks
+    theirs = dataclasses.replace(model_cfg, **saved)
+
+    def value(m: ModelConfig, k: str) -> Any:
+        v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k)
+        return str(v).lower() if isinstance(v, bool) else getattr(v, "value", v)
+
+    differ = [k for k in SHAPE_KEYS if k in saved and value(theirs, k) != value(model_cfg, k)]
+    if differ:
+        diffs = ", ".join(f"model.{k}={value(theirs, k)} there, {value(model_cfg, k)} here" for k in differ)
+        raise ValueError(
+            f"{key}: {step_dir} holds another model ({diffs}); resume with the checkpoint's model "
+            "settings, or start afresh with checkpoint.resume=none or another checkpoint.dir"
+        )
+
+
+def command_line_keys(overrides: list[str]) -> dict[str, str]:
+    """``model.X`` keys set on the command line (``model.dim=64``, ``+model.dim=64``) -> their text."""
+    out = {}
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        key = key.lstrip("+~")
+        if sep and key.startswith("model."):
+            out[key.removeprefix("model.")] = value
+    return out
+
+
+def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model ``model_cfg`` builds, read from its spec (framework.models,
+    the source of ``named_parameters()``'s names): no model is built, and checkpoint/ needs no model."""
+    return {name: w.shape for name, w, _ in model_spec(model_cfg).params()}
+
+
+def resolve(
+    cfg: Config, overrides: list[str], check_shape: Callable[[Config], None] | None = None
+) -> Config:
+    """Take the model shape from ``model.init_from`` and check the source against it.
+
+    Returns ``cfg`` with the shape fields replaced and ``init_from`` made absolute (for a run dir or
+    a checkpoint root: the concrete step dir, so every rank and ``config.yaml`` name the same one).
+    Raises ValueError (one line) for a missing path, a folder with no weights, a contradicting
+    command-line override (naming the key and both values), and a tensor of another name or shape.
+    """
+    if cfg.model.init_from is None or not cfg.model.init_from.strip():
+        return cfg  # unset; an empty string is refused by its rule (framework.launch.rules)
+    path = Path(cfg.model.init_from).expanduser().resolve()
+    if not path.exists():
+        raise ValueError(
+            f"{KEY}={cfg.model.init_from!r} does not exist; valid: a Hugging Face safetensors folder, "
+            "or a framework checkpoint (step dir, checkpoint root or run dir)"
+        )
+    hf = None
+    step_dir = None if import_hf.is_hf_checkpoint(path) else framework_checkpoint(path)
+    if step_dir is None:
+        hf = import_hf.read_hf_checkpoint(path, KEY)
+        shape = import_hf.model_shape(hf, KEY)
+    else:
+        shape = saved_shape(step_dir) or {}
+    set_on_cli = command_line_keys(overrides)
+    for k, v in shape.items():
+        if k in set_on_cli and getattr(cfg.model, k) != v:
+            v = getattr(v, "value", v)  # the family: its name
+            theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
+            raise ValueError(
+                f"model.{k}={set_on_cli[k]} on the command line contradicts {KEY}={str(path)!r}, whose "
+                f"{theirs}; drop the override (init_from sets the shape)"
+            )
+    if hf is not None and "name" not in set_on_cli:
+        shape["name"] = path.name  # logs and the plan name the model loaded, not the recipe's
+    model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
+    try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
+        # rules, passed in: this layer sits below them)
+        if check_shape is not None:
+            check_shape(dataclasses.replace(cfg, model=model_cfg))
+    except ValueError as e:
+        raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
+    expected = expected_shapes(model_cfg)
+    if hf is not None:
+        import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
+        check_float_weights(hf)
+    else:
+        assert step_dir is not None
+        check_dcp_shapes(step_dir, expected)
+    return dataclasses.replace(cfg, model=model_cfg)
+
+
+# safetensors dtype names of floating-point tensors: weights of any other dtype (I8, BOOL) were cast
+# into the model silently and trained from garbage.
+FINITE_CHECK_ELEMENTS = 2**26  # per block read: 128 MiB of bf16
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def check_float_weights(hf: import_hf.HFCheckpoint) -> None:
+    """Every tensor of an HF folder is floating point (from the safetensors headers) and finite (read
+    in blocks of rows, so memory stays bounded): int8/bool weights were cast and NaN weights trained
+    on silently, a NaN loss at every step."""
+    from safetensors import safe_open
+
+    for name in sorted(set(hf.files.values())):
+        with safe_open(str(hf.path / name), framework="pt") as f:
+            for t in f.keys():
+                sl = f.get_slice(t)
+                dtype = sl.get_dtype()
+                where = f"{KEY}={str(hf.path)!r}: tensor {t} in {name}"
+                if dtype not in FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{where} is {dtype}; valid: floating-point weights ({', '.join(FLOAT_DTYPES)})"
+                    )
+                shape = sl.get_shape()
+                rows = shape[0] if shape else 1
+                step = max(1, FINITE_CHECK_ELEMENTS // max(1, math.prod(shape[1:])))
+                for i in range(0, rows, step):
+                    block = sl[i : i + step] if shape else sl[:]
+                    if not bool(torch.isfinite(block).all()):
+                        raise ValueError(f"{where} holds NaN or inf; valid: finite weights")
+
+
+def check_dcp_shapes(step_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every model tensor of a DCP checkpoint has the expected name and shape (ValueError otherwise)."""
+    from framework.checkpoint.state import read_metadata
+
+    where = f"{KEY}={str(step_dir)!r}"
+    try:
+        meta = read_metadata(step_dir).state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a missing or refused .metadata: one line
+        raise ValueError(f"{where} is not a readable DCP checkpoint: {e!r}") from None
+    stored = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items() if k.startswith("model.")}
+    for name, shape in expected.items():
+        if name in stored and stored[name] != shape:
+            raise ValueError(
+                f"{where}: tensor {name} has shape {list(stored[name])}, the model expects {list(shape)}"
+            )
+    missing = sorted(set(expected) - set(stored))
+    # A tied model's state dict also names output.weight (the same tensor); an untied one needs it.
+    unknown = sorted(set(stored) - set(expected) - {"output.weight"})
+    if missing or unknown:
+        raise ValueError(
+            f"{where}: tensor names do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
+        )
+
+
+@torch.no_grad()
+def load(model: nn.Module, path: str) -> None:
+    """Fill a materialised (possibly sharded) model from ``path`` as ``resolve`` left it; every rank
+    reads its own shards, no collective runs."""
+    source = Path(path)
+    if import_hf.is_hf_checkpoint(source):
+        import_hf.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
+        return
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
+
+    payload = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
+    # no_dist: each rank plans and reads its own chunks; the ranks need not agree on anything here.
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        load_dcp(payload, source, no_dist=True)
+    set_model_state_dict(model, from_dcp(model, payload["model"]))

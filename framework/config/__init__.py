@@ -1,0 +1,1 @@
+"""config: see framework/__init__.py for the layer order."""

@@ -1,0 +1,1 @@
+"""generate: see framework/__init__.py for the layer order."""

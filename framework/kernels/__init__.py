@@ -1,0 +1,1 @@
+"""kernels: see framework/__init__.py for the layer order."""

@@ -1,0 +1,1 @@
+"""launch: see framework/__init__.py for the layer order."""

@@ -1,0 +1,689 @@
+"""What ``train.py`` does with a composed config: validate, plan, write the run files, launch.
+
+Every check that can fail on user input runs here (``prelaunch``), before any rank starts: the
+recipe's safety (framework.launch.recipes), every ``_target_`` against the allowlist (framework.config.instantiate),
+the schema, every key's rule (framework.launch.rules), the mesh, the local resources and the plan. A
+failed check prints one clear error, removes what Hydra just created (the run dir only when this
+invocation created it and it holds nothing but Hydra's own files; never a folder that existed)
+and exits with status 2. A run dir that is a file or not writable is refused
+earlier still, before Hydra creates it (``RunDirCheck``).
+
+In a multirun sweep a job never ends the process: a failure is recorded in the job's ``job.json``
+and the job returns NaN, so the other jobs run and the sweep summary (framework.launch.sweep) reports it;
+a job that already completed in a previous run of the same sweep is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config.schema import (
+    AttentionBackend,
+    Config,
+    ExecutorMode,
+    Float8Recipe,
+    RunConfig,
+    to_config,
+    to_yaml,
+)
+from framework.kernels import fa4, float8, fused_ce, target
+from framework.launch import sweep
+from framework.launch.ranks import (
+    adopt_submitit_environment,
+    apply_allocator_environment,
+    check_local_resources,
+    check_torch,
+    isolated_environ,
+    joined_torchrun,
+    spawn_local,
+)
+from framework.launch.rules import check as check_rules
+from framework.launch.rules import check_known_keys, check_model_shape
+from framework.parallel.process import resolve_device
+from framework.planner import stages as pipeline_stages
+from framework.planner.layout import fixed_degrees
+from framework.planner.plan import Plan, format_plan, plan_to_dict
+from framework.planner.resolve import make_plan, resolve_batch
+from framework.planner.search import SearchResult, format_search, maybe_search, search_to_dict
+from framework.planner.topology import (
+    apply_nccl_environment,
+    describe_nccl,
+    nccl_environment,
+    validate_mesh,
+    write_nccl_record,
+)
+
+log = logging.getLogger("framework")
+HYDRA_FILES = {".hydra", "train.log"}
+
+
+class JobFailed(Exception):
+    """A job's ranks failed or its config was refused; carries the exit status of a single run."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Run dir (resolved) -> what existed before Hydra's mkdir: None when the run dir itself did not,
+# else the names already inside it. Recorded by ``RunDirCheck`` so that a refusal removes only what
+# this invocation created (a user's folder given as hydra.run.dir, and its train.log, stay).
+_BEFORE_HYDRA: dict[str, tuple[frozenset[str] | None, list[Path]]] = {}
+
+
+def note_run_dir(run_dir: Path) -> None:
+    """Before Hydra creates ``run_dir``: record whether it (and which parents) exist already."""
+    path = Path(run_dir).resolve()
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    inside = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
+    _BEFORE_HYDRA[str(path)] = (inside, created)
+
+
+def describe_failures(failures: dict[int, Any]) -> str:
+    """Which rank failed first, and how: a rank killed by a signal is the cause, and the ranks that then
+    lost their peer (gloo's "Connection closed by peer", exit 1) are consequences. torchelastic's
+    first failure is the lowest rank, so a killed pipeline rank 1 was reported as rank 0's exit 1."""
+
+    def how(f: Any) -> str:
+        if f.exitcode < 0:
+            return f"was killed by {f.signal_name()}"
+        return f"exited with {f.exitcode}" + (
+            f" ({f.message})" if f.message and "traceback" not in f.message else ""
+        )
+
+    killed = sorted((r for r, f in failures.items() if f.exitcode < 0), key=lambda r: failures[r].timestamp)
+    order = killed + sorted((r for r in failures if r not in killed), key=lambda r: failures[r].timestamp)
+    first, rest = order[0], order[1:]
+    text = f"rank {first} {how(failures[first])}"
+    if rest:
+        text += "; then " + ", ".join(f"rank {r} {how(failures[r])}" for r in rest)
+    return text
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """Remove what Hydra wrote for this invocation, never anything else: the run dir and its new
+    parents only when this invocation created them and they hold nothing but Hydra's files; in a
+    folder that existed before, only the Hydra files that were not there. Nothing without a record."""
+    path = Path(run_dir).resolve()
+    record = _BEFORE_HYDRA.pop(str(path), None)
+    if record is None or not path.is_dir():
+        return
+    inside, created = record
+    if inside is not None:
+        for name in HYDRA_FILES - inside:
+            target = path / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target, ignore_errors=True)
+            elif target.is_file():
+                target.unlink(missing_ok=True)
+        return
+    if {p.name for p in path.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(path, ignore_errors=True)
+        for parent in created[1:]:
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+
+
+def check_safe(dcfg: DictConfig, recipe: str | None, hydra_cfg: DictConfig | None = None) -> None:
+    """Refuse a refused recipe, recipe content composed outside the top level, an interpolation that
+    would expand without bound and any ``_target_`` off the allowlist (``hydra.*`` included), before
+    anything resolves, builds or runs (framework.launch.recipe_check.check_composed)."""
+    from framework.launch.recipe_check import check_composed
+    from framework.launch.recipes import REFUSED
+
+    if recipe in REFUSED:
+        raise ValueError(REFUSED[recipe])
+    allow = OmegaConf.select(dcfg, "run.instantiate_allow", default=None)
+    allow = list(allow) if isinstance(allow, ListConfig) else RunConfig().instantiate_allow
+    check_composed(dcfg, hydra_cfg, allow)
+
+
+def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
+    """The typed config, once every key passed its rule (framework.launch.rules) and the local checks.
+    ``overrides``: the command line's, which ``model.init_from`` may not contradict
+    (framework.checkpoint.init_from: the shape comes from the checkpoint)."""
+    from framework.checkpoint import init_from
+
+    check_torch()
+    check_known_keys(dcfg)
+    cfg = init_from.resolve(to_config(dcfg), overrides or [], check_model_shape)
+    validate_mesh(cfg.mesh)
+    check_rules(cfg)
+    from framework.data import check_data
+
+    check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
+    # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
+    # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
+    device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
+    check_local_resources(cfg, device)
+    check_checkpoint_dir(cfg)
+    if cfg.executor.cache_dir:
+        check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
+    check_hardware(cfg, device)
+    check_warmup(cfg)
+    check_cudagraphs(cfg, device)
+    check_float8(cfg, device)
+    check_fa4(cfg, device)
+    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
+    check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
+    pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
+    return cfg
+
+
+def check_warmup(cfg: Config) -> None:
+    """``train.warmup_steps >= train.steps``: one warning line. Why not a refusal: a short smoke run
+    of a long recipe is legitimate, but the schedule then never leaves its warmup (no decay)."""
+    t = cfg.train
+    if t.warmup_steps > 0 and t.warmup_steps >= t.steps:
+        log.warning(
+            "train.warmup_steps=%d >= train.steps=%d: the learning rate never leaves its warmup "
+            "(it peaks at step %d of %d); set train.warmup_steps below train.steps",
+            t.warmup_steps,
+            t.steps,
+            t.steps,
+            t.warmup_steps,
+        )
+
+
+def check_hardware(cfg: Config, device: torch.device) -> None:
+    """A launch on another kind of device than ``mesh/hardware`` declares: one warning line
+    (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one."""
+    if cfg.run.dry_run:
+        return
+    warning = target.mismatch(cfg.mesh.hardware, target.local(device))
+    if warning:
+        log.warning("%s", warning)
+
+
+def check_cudagraphs(cfg: Config, device: torch.device) -> None:
+    """``executor=cudagraphs``: CUDA (the declared hardware's in a dry run, framework.kernels.target)."""
+    where = target.of_run(cfg, device)
+    if cfg.executor.mode is ExecutorMode.cudagraphs and where.type != "cuda":
+        raise ValueError(
+            f"executor=cudagraphs needs a CUDA device, this run uses {where.type}: "
+            "use executor=compile or executor=eager"
+        )
+
+
+def check_float8(cfg: Config, device: torch.device) -> None:
+    """``model.float8``: layers float8 can multiply (also per TP shard), float8 tensor cores (the
+    declared hardware's in a dry run, framework.kernels.target), torchao (a dry run only warns)."""
+    recipe = cfg.model.float8
+    if recipe is Float8Recipe.none:
+        return
+    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
+    float8.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
+    where = target.of_run(cfg, device)
+    float8.check_device(recipe, where.type, where.capability, where.name)
+    with target.tolerate_missing_packages(where):
+        float8.check_torchao(recipe)
+
+
+def check_fa4(cfg: Config, device: torch.device) -> None:
+    """``model.attention=fa4``: a Hopper or Blackwell GPU (the declared hardware's in a dry run),
+    a head size its kernels have, the package (a dry run only warns)."""
+    if cfg.model.attention is not AttentionBackend.fa4:
+        return
+    where = target.of_run(cfg, device)
+    with target.tolerate_missing_packages(where):
+        fa4.check(cfg, where.type, where.capability, where.name)
+
+
+def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:
+    """``model.fused_cross_entropy``: CUDA (the declared hardware's in a dry run), no whole-model
+    graph, no TP, the package (a dry run only warns)."""
+    where = target.of_run(cfg, device)
+    with target.tolerate_missing_packages(where):
+        fused_ce.check(cfg, where.type, tp)
+
+
+def check_checkpoint_dir(cfg: Config) -> None:
+    """A ``checkpoint.dir`` that cannot become a directory fails here, not in every rank later."""
+    if not cfg.checkpoint.enabled or not cfg.checkpoint.dir:
+        return
+    check_dir_creatable("checkpoint.dir", cfg.checkpoint.dir)
+    check_not_nested("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_not_nested(key: str, value: str | Path) -> None:
+    """Refuse a checkpoint root inside another checkpoint root or step dir (or a step dir itself):
+    the two runs' retention, cleanup and set-aside would delete each other's checkpoints."""
+    from framework.checkpoint import store
+
+    found = store.enclosing_checkpoint(Path(value))
+    if found is not None:
+        where, why = found
+        raise ValueError(
+            f"{key}={str(value)!r} is inside {str(where)!r} ({why}): two runs sharing one checkpoint tree "
+            f"delete each other's checkpoints; valid: a directory outside any checkpoint root, e.g. "
+            f"{str(where.parent / 'checkpoints_new')!r}"
+        )
+
+
+def check_dir_creatable(key: str, value: str) -> None:
+    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file, or when the
+    nearest existing folder is not writable (this user cannot create or fill the directory)."""
+    path = Path(value)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"{key}={value!r} cannot be created: {str(p)!r} is a file, not a directory")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ValueError(
+                    f"{key}={value!r} cannot be written: {str(p)!r} is not writable by this user; "
+                    "valid: a directory you can create and write"
+                )
+            return
+
+
+class RunDirCheck(Callback):
+    """Refuse an unusable ``hydra.run.dir`` / ``hydra.sweep.dir`` before Hydra creates it.
+
+    Hydra makes the run dir before our task function runs, and a file or a read-only folder there
+    was a Python traceback from Hydra's ``mkdir`` (or, for read-only, a failure in every rank later).
+    Registered in conf/config.yaml's ``hydra.callbacks``; exits 2 with one line, having written nothing.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_run_dir("hydra.run.dir", str(config.hydra.run.dir))
+        note_run_dir(Path(str(config.hydra.run.dir)))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_run_dir("hydra.sweep.dir", str(config.hydra.sweep.dir))
+
+
+def _refuse_run_dir(key: str, value: str) -> None:
+    try:
+        check_dir_creatable(key, value)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_job(dcfg: DictConfig) -> float | None:
+    """The Hydra task function: one job (a single run, or one job of a sweep)."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    with isolated_environ():
+        adopt_submitit_environment()
+        rank = int(os.environ.get("RANK", "0")) if joined_torchrun() else 0
+        marked = False  # this job's "running" marker is written
+        try:
+            job = prepare(dcfg, run_dir, hydra_cfg)
+            if multirun:
+                # Keyed on the resolved config: an edited recipe reruns, reordered overrides do not.
+                done = sweep.completed(run_dir, job.config_sha256)
+                if done is not None:
+                    summary, source = done
+                    if rank == 0:
+                        sweep.record_skip(run_dir, overrides, job.config_sha256, source)
+                    log.info(
+                        "job %s: skipped, the same resolved config completed in a previous run of this "
+                        "sweep (%s)",
+                        run_dir.name,
+                        source,
+                    )
+                    return sweep.objective(summary)
+                if rank == 0:
+                    sweep.set_aside_previous_attempt(run_dir)
+                    sweep.write_job(run_dir, overrides, "running", config_sha256=job.config_sha256)
+                marked = True
+            result = _run(job, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
+        except JobFailed as e:
+            # A refusal before launch (exit 2, no run dir kept) is one line on stderr; a failure whose
+            # run dir stays, or a sweep's job, also goes to the job's log.
+            if multirun or e.code != 2:
+                log.error("error: %s", e)
+            print(f"error: {e}", file=sys.stderr)
+            if not multirun:
+                if e.code == 2:
+                    discard_run_dir(run_dir)
+                sys.exit(e.code)
+            if rank == 0:
+                if not marked:
+                    sweep.set_aside_previous_attempt(run_dir)
+                sweep.write_job(run_dir, overrides, "failed", error=str(e))
+            return math.nan
+        except Exception as e:  # noqa: BLE001 - a sweep records the failure and goes on to the next job
+            if not multirun:
+                raise
+            log.error("job %s failed:\n%s", run_dir.name, traceback.format_exc())
+            if rank == 0:
+                if not marked:
+                    sweep.set_aside_previous_attempt(run_dir)
+                sweep.write_job(run_dir, overrides, "failed", error=f"{type(e).__name__}: {e}")
+            return math.nan
+        if multirun and rank == 0:
+            sweep.write_job(run_dir, overrides, "ok", config_sha256=job.config_sha256)
+        return result
+
+
+def prelaunch(
+    dcfg: DictConfig, run_dir: Path, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> tuple[Config, Plan, dict[str, str]]:
+    """Every check that can fail on user input, in order, writing nothing: the typed config with
+    its batch resolved, the plan and the NCCL environment. Raises ValueError (one line) on the first
+    failure, an unresolvable interpolation (``train.lr=${train.lr}``) included. ``hydra_cfg`` (the
+    composed ``hydra`` node) is checked too (framework.launch.recipe_check.check_composed); its command-line
+    overrides are what ``model.init_from`` may not contradict (framework.checkpoint.init_from)."""
+    cfg, plan, nccl_env, _ = prelaunch_with_search(dcfg, run_dir, recipe, hydra_cfg)
+    return cfg, plan, nccl_env
+
+
+def prelaunch_with_search(
+    dcfg: DictConfig, run_dir: Path, recipe: str | None, hydra_cfg: DictConfig | None = None
+) -> tuple[Config, Plan, dict[str, str], SearchResult | None]:
+    """``prelaunch``, and the layout search when the planner chose (``sharding=auto``), for plan.json."""
+    overrides = list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
+    try:
+        check_safe(dcfg, recipe, hydra_cfg)
+        cfg = validate(dcfg, overrides)
+        # The layout (sharding=auto: the planner's search), activation checkpointing under auto and
+        # train.micro_batch_size=0 are resolved once here and written to config.yaml as explicit
+        # values, so every rank plans the same layout without searching again.
+        found = maybe_search(cfg)
+        cfg = found.chosen_cfg if found is not None else resolve_batch(cfg)
+        plan = make_plan(cfg)
+        nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+        raise ValueError(f"{key}: {msg}" if key else f"config cannot be resolved: {msg}") from e
+    return cfg, plan, nccl_env, found
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job's validated inputs (``prelaunch``): everything checked before the run dir gets its files."""
+
+    cfg: Config
+    plan: Plan
+    nccl_env: dict[str, str]
+    config_yaml: str  # what config.yaml holds (the resolved config)
+    search: SearchResult | None = None  # the planner's layout search (sharding=auto), for plan.json
+
+    @property
+    def config_sha256(self) -> str:
+        return hashlib.sha256(self.config_yaml.encode()).hexdigest()
+
+
+def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJob:
+    """``prelaunch`` for a job; a failure is a JobFailed with exit status 2."""
+    try:
+        cfg, plan, nccl_env, found = prelaunch_with_search(
+            dcfg, run_dir, hydra_cfg.runtime.choices.get("recipe"), hydra_cfg
+        )
+    except ValueError as e:
+        raise JobFailed(str(e), 2) from e
+    return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg), found)
+
+
+def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+    cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
+    if rank == 0:
+        try:
+            check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
+            check_resume_model(cfg, run_dir)
+        except ValueError as e:
+            raise JobFailed(str(e), 2) from e
+        config_yaml = job.config_yaml
+        (run_dir / "config.yaml").write_text(config_yaml)
+        record = plan_to_dict(plan)
+        if job.search is not None:
+            record["search"] = search_to_dict(job.search)
+            log.info("%s", format_search(job.search))
+        (run_dir / "plan.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_provenance(run_dir, recipe, config_yaml)
+        log.info("plan:\n%s", format_plan(plan))
+        write_nccl_record(run_dir, nccl_env)
+        if nccl_env:
+            log.info("nccl: %s", describe_nccl(nccl_env))
+    # Before any process group exists, and before spawning: the ranks inherit it.
+    apply_nccl_environment(nccl_env)
+    apply_allocator_environment(cfg.run)
+    if cfg.run.dry_run:
+        from framework.launch.dry_run import dry_run, format_dry_run
+
+        report = dry_run(cfg)
+        log.info("dry run:\n%s", format_dry_run(report))
+        return None
+
+    started = time.time()
+    if joined_torchrun():
+        return _run_torchrun_rank(cfg, run_dir, rank)
+    if cfg.mesh.world_size == 1:
+        return _run_in_process(cfg, run_dir, started)
+    return _run_spawned(cfg, run_dir, started)
+
+
+def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
+    """This process is one rank that torchrun (or submitit) started: train, then end the process
+    with ``finish`` (``os._exit``), except under submitit, whose task must return its result."""
+    from framework.launch.ranks import die_with_launcher
+    from framework.parallel.process import KEPT_PARTS, finish
+    from framework.train import trainer
+
+    die_with_launcher()
+    trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    failed = None
+    if rank == 0:
+        finish_run(run_dir, cfg)
+        failed = failed_saves(run_dir)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        # A submitit task must return (submitit pickles the result); it ends the group itself.
+        _end_in_process_group()
+        if failed:
+            raise JobFailed(failed, 1)
+        return _result(run_dir)
+    if failed:
+        log.error("error: %s", failed)
+    finish(1 if failed else 0, barrier=True)
+
+
+def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
+    """One rank, in this process: train, then report a stop by a signal."""
+    from framework.train import trainer
+
+    try:
+        trainer.run(cfg, run_dir)
+    finally:
+        _end_in_process_group()
+    finish_run(run_dir, cfg)
+    stop = preemption(run_dir, started)
+    if stop is not None:  # a signal to this process (Ctrl-C): the rank saved, or says it could not
+        if not stop.get("saved"):
+            raise JobFailed(stop_report(run_dir, cfg, stop), 1)
+        log.warning("%s", stop_report(run_dir, cfg, stop))
+    return _check_saves(run_dir)
+
+
+def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
+    """Several ranks on this host: spawn them (elastic, with restarts), wait, report a preemption."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
+    except ChildFailedError as e:
+        raise JobFailed(
+            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
+        ) from e
+    finish_run(run_dir, cfg)
+    if signum is not None:
+        # Preemption: exit 0 (the scheduler requeues; the same run dir resumes) only when the ranks
+        # really saved at the step they stopped; otherwise say so and exit 128 + signal.
+        stop = preemption(run_dir, started)
+        message = stop_report(run_dir, cfg, stop, signum)
+        if stop is None or not stop.get("saved"):
+            raise JobFailed(message, 128 + signum)
+        log.warning("%s", message)
+    return _check_saves(run_dir)
+
+
+def preemption(run_dir: Path, since: float) -> dict | None:
+    """The ``preempted`` event this launch's ranks logged (None: they stopped without one)."""
+    from framework.record.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r.get("event") == "preempted" and r.get("time", 0) >= since]
+    return rows[-1] if rows else None
+
+
+def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | None = None) -> str:
+    """The one true line about a stop by a signal: which checkpoint exists now, and how to resume."""
+    from framework.checkpoint import store
+    from framework.train.trainer import checkpoint_root
+
+    name = f"signal {signum}" if signum is not None else "a signal"
+    root = checkpoint_root(cfg, run_dir)
+    if stop is not None and stop.get("saved"):
+        path = store.step_dir(root, int(stop["step"]))
+        return (
+            f"stopped by {name}: the ranks saved a checkpoint at step {stop['step']} ({path}); "
+            f"run again with hydra.run.dir={run_dir} to resume"
+        )
+    committed = store.committed(root) if cfg.checkpoint.enabled else []
+    latest = f"the latest checkpoint is {committed[-1][1]}" if committed else "there is no checkpoint"
+    if not cfg.checkpoint.enabled:
+        why = "checkpointing is off (checkpoint=sync|async saves on a signal)"
+    elif stop is None:
+        why = "the ranks stopped before they agreed on a step to save"
+    else:
+        why = f"the save at step {stop['step']} failed: {stop.get('detail', '')}"
+    return f"stopped by {name}: no checkpoint was saved at the stop ({why}); {latest}"
+
+
+def failed_saves(run_dir: Path) -> str | None:
+    """Why this run must not exit 0: it checkpointed, and every one of its saves failed."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return None
+    ck = json.loads(summary_path.read_text()).get("checkpoint") or {}
+    if ck.get("failed") and not ck.get("saved"):
+        return (
+            f"every checkpoint save of this run failed ({ck['failed']} of {ck['failed']}; see "
+            f"summary.json): {ck.get('last_error')}"
+        )
+    return None
+
+
+def _check_saves(run_dir: Path) -> float | None:
+    failed = failed_saves(run_dir)
+    if failed:
+        raise JobFailed(failed, 1)
+    return _result(run_dir)
+
+
+def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
+    """Before launch: refuse (exit 2, nothing written) when another live run holds the checkpoint dir."""
+    if not cfg.checkpoint.enabled:
+        return
+    from framework.checkpoint import lock
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
+    lock.check_free(root, str(run_dir))
+
+
+def check_resume_model(cfg: Config, run_dir: Path) -> None:
+    """Before launch: refuse (exit 2, nothing written) resuming a checkpoint of another model shape
+    (framework.checkpoint.init_from.check_resume_model): the newest committed one under the checkpoint root
+    for ``checkpoint.resume=auto``, else the one it names."""
+    resume = cfg.checkpoint.resume
+    if not cfg.checkpoint.enabled or resume == "none":
+        return
+    from framework.checkpoint import init_from, store
+
+    if resume == "auto":
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        found = store.committed(root)
+        if not found:
+            return
+        step_dir = found[-1][1]
+    else:
+        from framework.checkpoint.manager import check_step_dir
+
+        step_dir = check_step_dir(Path(resume), "checkpoint.resume")
+    init_from.check_resume_model(
+        step_dir, cfg.model, "checkpoint.resume" + ("=auto" if resume == "auto" else "")
+    )
+
+
+def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> None:
+    """``provenance.json``: the recipe (name, source file, its hash), the config hash, the code's commit."""
+    from framework.launch.recipes import provenance
+
+    (run_dir / "provenance.json").write_text(json.dumps(provenance(recipe, config_yaml), indent=2) + "\n")
+
+
+def link_latest(run_dir: Path) -> Path | None:
+    """``outputs/latest`` -> the newest run dir, for a run dir directly under a folder named
+    ``outputs`` (the default ``hydra.run.dir``; elsewhere nothing is written outside the run dir).
+
+    Rank 0 only; atomic: a new link under a temporary name replaces the old one (``os.replace``), so
+    a reader never sees it missing. A ``latest`` that is not a symlink (a user's folder) is kept."""
+    parent = run_dir.resolve().parent
+    if parent.name != "outputs" or os.environ.get("RANK", "0") != "0":
+        return None
+    latest = parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        log.warning("not linking %s: it exists and is not a symlink", latest)
+        return None
+    tmp = parent / f".latest.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.resolve().name)
+    os.replace(tmp, latest)
+    return latest
+
+
+def finish_run(run_dir: Path, cfg: Config) -> None:
+    """Rank 0, after training: ``outputs/latest``, the run's PNG, and its path in ``summary.json``."""
+    link_latest(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not cfg.logger.plot or not summary_path.is_file():
+        return
+    from framework.train.plots import plot_run
+
+    try:
+        plot = plot_run(run_dir)
+    except ValueError as e:  # no loss rows (e.g. zero steps): nothing to draw
+        log.warning("no plot: %s", e)
+        return
+    info = json.loads(summary_path.read_text())
+    info["plot"] = str(plot)
+    summary_path.write_text(json.dumps(info, indent=2) + "\n")
+    log.info("plot: %s", plot)
+
+
+def _result(run_dir: Path) -> float | None:
+    """The job's objective (final val loss, else train loss): what Hydra's sweepers (Optuna) minimise."""
+    summary_path = run_dir / "summary.json"
+    return sweep.objective(json.loads(summary_path.read_text())) if summary_path.is_file() else None
+
+
+def _end_in_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)

@@ -1,0 +1,464 @@
+"""What a recipe may contain: the checks that make a shared recipe plain configuration.
+
+A recipe comes from another team, like a pickle from the internet. Hydra composes it with
+``package=_global_`` before any of our code runs, and Hydra itself instantiates ``hydra.callbacks``,
+launchers and sweepers, sets ``hydra.job.env_set`` in the process and adds ``hydra.searchpath``
+sources. So what a recipe file holds is checked when it is registered, on its raw YAML, and a
+refused recipe is registered empty (framework.launch.recipes); nothing of it ever reaches Hydra.
+
+The rules, each closing one way in:
+- **Bounded parsing**: at most ``MAX_RECIPE_BYTES``, UTF-8, nesting at most ``MAX_YAML_DEPTH``,
+  and no YAML anchors or aliases (``&a`` / ``*a``: an alias bomb of a few hundred bytes expands
+  to gigabytes). Scanned as a stream of events, so a refused file costs its length, never its
+  expansion.
+- **Top-level keys** are the schema's groups (``model``, ``train``...) and ``defaults``; never
+  ``hydra``.
+- **Defaults** entries are ``_self_`` or ``override /GROUP: OPTION`` for a config group other than
+  ``recipe``; no ``@package`` (which moves content anywhere, ``hydra.callbacks`` included), no
+  Hydra groups, no interpolated choices.
+- **No resolvers**: ``${oc.env:...}``, ``${oc.decode:...}`` and every other ``${name:...}`` call
+  read or compute outside the config; a recipe may only interpolate other keys
+  (``${train.seq_len}``). There is no allowlist: pass a value from the environment on the command
+  line (``train.lr=$LR``), where the user sees it.
+- **Bounded interpolation**: every value's expansion is estimated without resolving it
+  (framework.config.interpolation): a string-doubling chain or a cycle is refused.
+- **Values, not places or trust** (``COMMAND_LINE_ONLY``, one table with the reason for each):
+  every path-valued key (checkpoint and cache dirs, baselines, topology files, weights, resume
+  paths, data and tokenizer files), the wandb entity, and the switches that lift a safety check
+  or grant trust (``run.instantiate_allow``, ``run.oversubscribe``...) may only be set to their
+  default. Data and tokenizer paths may name a file or folder inside the recipe's own folder
+  (resolved there and made absolute; ``..``, symlinks or globs leaving it are refused). Set any
+  other place on the command line or in conf/, where the user sees it. In ``nccl.env`` /
+  ``nccl.preset_env``: only known NCCL variables, none that loads a library or names a file
+  (``CODE_LOADING_NCCL``).
+
+``_target_`` values are checked on the composed config (framework.config.instantiate), the ``hydra``
+node included.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from framework.config import schema as config
+from framework.config.interpolation import check_expansion, resolver_calls
+
+MAX_RECIPE_BYTES = 1 << 20  # 1 MiB: the largest shipped recipe is under 1 KiB
+MAX_YAML_DEPTH = 32  # nested mappings/lists; a recipe needs 3
+
+TOP_LEVEL = tuple(f.name for f in dataclasses.fields(config.Config))
+# Groups a recipe may override: every group but ``recipe`` (its options are untrusted files too).
+RECIPE_GROUPS = tuple(g for g in config.GROUPS if g != "recipe")
+_DEFAULT_KEY = re.compile(r"override /(?P<group>[a-z_][a-z0-9_/]*)")
+_OPTION = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A key a recipe may not set (to anything but its schema default): it names a place or grants trust.
+
+    ``local``: a relative path to a file or folder inside the recipe's own folder is allowed (data
+    shipped next to the recipe); it is resolved there, and refused when ``..``, a symlink or a
+    glob leaves the folder. ``also``: other harmless values. ``example``: a value the generated test
+    sets in a recipe (refused) and on the command line (accepted), with ``context`` keys.
+    """
+
+    why: str
+    example: Any
+    local: bool = False
+    also: tuple[Any, ...] = ()
+    context: tuple[tuple[str, Any], ...] = ()
+
+
+_CK = (("checkpoint.enabled", True),)
+_VERIFY = (("verify.enabled", True),)
+# Recipes may set values, not places or trust: the one table of what only conf/ or the command line
+# may set, and why. tests/test_recipe_check.py walks the schema so that a new path-like field
+# cannot be missing here (or from NOT_PLACES below).
+COMMAND_LINE_ONLY: dict[str, Guard] = {
+    # Places that are written (or deleted).
+    "checkpoint.dir": Guard(
+        "is where checkpoints are written and retention deletes old steps (another run's would go)",
+        "/tmp/team_b/checkpoints",
+        context=_CK,
+    ),
+    "verify.baseline": Guard("is a file the run writes (the baseline store)", "/tmp/b.json", context=_VERIFY),
+    "nccl.topo_dump_file": Guard("is a file NCCL writes", "/tmp/topo.xml"),
+    "executor.cache_dir": Guard(
+        "is a compile cache: compiled code that torch unpickles",
+        "/tmp/cache",
+        context=(("executor.mode", "compile"),),
+    ),
+    # Places that are read.
+    "data.path": Guard("is a file read as training data", "/etc/passwd", local=True),
+    "data.val_path": Guard("is a file read as validation data", "/etc/passwd", local=True),
+    "data.mix[].path": Guard("is a file read as training data", "/etc/passwd", local=True),
+    "tokenizer.path": Guard("is a tokenizer file read", "/etc/passwd", local=True),
+    "model.init_from": Guard(
+        "is a checkpoint or weights folder read (a checkpoint can carry code)", "/tmp/w"
+    ),
+    "checkpoint.resume": Guard(
+        "names a checkpoint to load (a checkpoint can carry code)", "/tmp", also=("auto", "none"), context=_CK
+    ),
+    "verify.reference": Guard("is a fingerprint file read", "/tmp/f.json", context=_VERIFY),
+    "nccl.topo_file": Guard("is a topology file NCCL reads", "/tmp/topo.xml"),
+    # Other parties: an online account.
+    "logger.entity": Guard("is a wandb account the metrics are sent to", "team-b"),
+    # Trust: code, safety switches, what later runs are judged by.
+    "run.instantiate_allow": Guard(
+        "widens the _target_ allowlist (code that is run)", ["framework.", "torch."]
+    ),
+    "run.oversubscribe": Guard("lifts the CPU rank cap (gloo ranks starve and hang)", True),
+    "run.allow_over_memory": Guard("launches a plan over the device memory", True),
+    "verify.save_baseline": Guard(
+        "records this run as the baseline later runs are judged by", True, context=_VERIFY
+    ),
+    "run.fault_kill_at_step": Guard("kills a rank on purpose (fault injection)", 2),
+    "run.fault_raise_at_step": Guard("raises in a rank on purpose (fault injection)", 2),
+    "verify.inject_nan_steps": Guard("makes steps NaN on purpose (fault injection)", [1]),
+}
+# Keys that hold strings (or are named like a place) but name no place: values. The schema walk in
+# the tests requires each such field to be here or in COMMAND_LINE_ONLY, so a new one is classified.
+NOT_PLACES: dict[str, str] = {
+    "verify.reference_model_max_params": "a parameter count",
+    "model.name": "a label",
+    "tokenizer.bos_token": "a token of the vocabulary",
+    "tokenizer.eos_token": "a token of the vocabulary",
+    "data.field": "a key of each record",
+    "data.column": "a column name",
+    "data.name": "a dataset configuration name",
+    "data.split": "a split name",
+    "data.messages_field": "a key of each record",
+    "data.prompt_field": "a key of each record",
+    "data.response_field": "a key of each record",
+    "data.mix[].field": "a key of each record",
+    "data.mix[].column": "a column name",
+    "data.mix[].name": "a dataset configuration name",
+    "data.mix[].split": "a split name",
+    "optimizer._target_": "a class, checked against the allowlist",
+    "optimizer.kwargs": "keyword values of the optimizer class (names checked against its signature)",
+    "mesh.hardware.name": "a label",
+    "nccl.preset": "a label",
+    "nccl.socket_ifname": "interface names",
+    "executor.backend": "a registered torch.compile backend",
+    "logger.project": "a project of the user's own account",
+    "model.float8_skip": "layer name fragments",
+    "freeze.ignore": "module paths inside the model",
+    "freeze.export_methods": "method names",
+    "logger.tags": "labels",
+    "nccl.env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
+    "nccl.preset_env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
+}
+# NCCL variables that make every rank load code or read more variables from a file.
+CODE_LOADING_NCCL = {
+    "NCCL_NET_PLUGIN": "loads a shared library into every rank",
+    "NCCL_TUNER_PLUGIN": "loads a shared library into every rank",
+    "NCCL_PROFILER_PLUGIN": "loads a shared library into every rank",
+    "NCCL_CONF_FILE": "reads more variables (plugins included) from a file",
+    "NCCL_DEBUG_FILE": "writes NCCL's log to a file anywhere",
+}
+_GLOB = re.compile(r"[*?\[]")
+MAX_LOCAL_ENTRIES = 100_000  # a local data folder is walked once for symlinks that leave it
+
+
+class _Refused(Exception):
+    """Internal: carries a refusal reason out of the YAML scan."""
+
+
+def _check_events(text: str) -> None:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise _Refused(
+                    "it uses YAML anchors/aliases (&name / *name), which can expand without bound; "
+                    "write the values out"
+                )
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise _Refused(f"it nests deeper than {MAX_YAML_DEPTH} levels")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise _Refused(f"it is not valid YAML: {problem}{where}") from None
+
+
+def load(path: Path) -> tuple[Any, str | None]:
+    """The recipe's content as a plain container, or (None, why it cannot be read safely).
+
+    Bounded: reads at most ``MAX_RECIPE_BYTES + 1`` bytes and never expands an alias.
+    """
+    with path.open("rb") as f:
+        data = f.read(MAX_RECIPE_BYTES + 1)
+    if len(data) > MAX_RECIPE_BYTES:
+        return None, f"it is larger than {MAX_RECIPE_BYTES} bytes"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"it is not UTF-8 text ({e})"
+    try:
+        _check_events(text)
+    except _Refused as e:
+        return None, str(e)
+    from omegaconf import OmegaConf
+
+    try:
+        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except Exception as e:  # noqa: BLE001 - OmegaConf's YAML/grammar errors all mean "cannot be read"
+        return None, f"it cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+    return OmegaConf.to_container(node, resolve=False), None
+
+
+def _check_defaults(entries: Any) -> str | None:
+    valid = "`override /GROUP: OPTION` with GROUP one of " + ", ".join(RECIPE_GROUPS) + ", or `_self_`"
+    if not isinstance(entries, list):
+        return f"its defaults must be a list of {valid}"
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        text = str(entry)
+        if "hydra" in text:
+            return f"its defaults select a Hydra option ({text}); a recipe may not configure Hydra"
+        ok = isinstance(entry, dict) and len(entry) == 1
+        if ok:
+            ((key, value),) = entry.items()
+            m = _DEFAULT_KEY.fullmatch(str(key).strip())
+            ok = (
+                m is not None
+                and m["group"] in RECIPE_GROUPS
+                and isinstance(value, (str, int))
+                and not isinstance(value, bool)
+                and _OPTION.fullmatch(str(value)) is not None
+            )
+        if not ok:
+            return (
+                f"its defaults entry {text} is not allowed (a package `@...`, the recipe group or an "
+                f"interpolated choice can move content anywhere, hydra.* included); valid: {valid}"
+            )
+    return None
+
+
+def _walk_strings(node: Any, prefix: str = "") -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _walk_strings(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _walk_strings(v, f"{prefix}[{i}]")
+    elif isinstance(node, str):
+        out.append((prefix, node))
+    return out
+
+
+def schema_default(key: str) -> Any:
+    """The schema's default of a dotted key (``data.mix[].path``: a fresh list entry's)."""
+    obj: Any = config.Config()
+    for part in key.split("."):
+        if part.endswith("[]"):
+            part = part[:-2]
+            hint = typing.get_type_hints(type(obj))[part]
+            obj = typing.get_args(hint)[0]()
+        else:
+            obj = getattr(obj, part)
+    return obj.value if isinstance(obj, Enum) else obj
+
+
+def _settings(
+    node: Any, pattern: str = "", written: str = "", at: tuple = ()
+) -> list[tuple[str, str, tuple, Any]]:
+    """Every leaf of a recipe as (schema key, ``[]`` for list entries; key as written; path in the node; value).
+    A list is a leaf unless it holds mappings (``data.mix``)."""
+    out: list[tuple[str, str, tuple, Any]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            sep = "." if pattern else ""
+            out += _settings(v, f"{pattern}{sep}{k}", f"{written}{sep}{k}", (*at, k))
+    elif isinstance(node, list) and any(isinstance(v, dict) for v in node):
+        for i, v in enumerate(node):
+            out += _settings(v, f"{pattern}[]", f"{written}[{i}]", (*at, i))
+    else:
+        out.append((pattern, written, at, node))
+    return out
+
+
+def _local_path(value: Any, folder: Path | None) -> tuple[str | None, str]:
+    """``value`` resolved inside the recipe's ``folder``, or (None, why it may not be used)."""
+    if not isinstance(value, str) or not value.strip():
+        return None, "is not a path"
+    if folder is None:
+        return None, "is relative to no recipe folder"
+    if "${" in value:
+        return None, "is interpolated"
+    if value.startswith("~") or Path(value).is_absolute():
+        return None, "is not a relative path"
+    if _GLOB.search(value):
+        return None, "is a glob (name the folder instead)"
+    base = folder.resolve()
+    target = (base / value).resolve()
+    if not target.is_relative_to(base):
+        return None, f"leaves the recipe's folder {str(base)!r} (through .. or a symlink)"
+    if not target.exists():
+        return None, f"does not exist in the recipe's folder {str(base)!r}"
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(target) if target.is_dir() else ():
+        for name in (*dirnames, *filenames):
+            seen += 1
+            entry = Path(dirpath, name)
+            if seen > MAX_LOCAL_ENTRIES:
+                return None, f"holds more than {MAX_LOCAL_ENTRIES} entries"
+            if entry.is_symlink() and not entry.resolve().is_relative_to(base):
+                return None, f"holds a symlink that leaves the recipe's folder ({entry})"
+    return str(target), ""
+
+
+def check_places(node: dict[str, Any], folder: Path | None) -> tuple[str | None, list[tuple[tuple, str]]]:
+    """Why the recipe sets a ``COMMAND_LINE_ONLY`` key (None: it does not), and the local paths
+    resolved inside ``folder`` as (path in the node, absolute path) to write back."""
+    rewrites: list[tuple[tuple, str]] = []
+    for pattern, written, at, value in _settings({k: v for k, v in node.items() if k != "defaults"}):
+        if isinstance(value, str) and "${" in value:
+            covers = [
+                k for k in COMMAND_LINE_ONLY if k == pattern or k.startswith((f"{pattern}.", f"{pattern}["))
+            ]
+            if covers:
+                return (
+                    f"it sets {written}={value[:80]!r}, an interpolation that would set {covers[0]}, which "
+                    f"{COMMAND_LINE_ONLY[covers[0]].why}; a recipe may set values, not places or trust: "
+                    f"set {covers[0]} on the command line"
+                ), []
+        guard = COMMAND_LINE_ONLY.get(pattern)
+        if guard is None or value == schema_default(pattern) or value in guard.also:
+            continue
+        problem = ""
+        if guard.local:
+            resolved, problem = _local_path(value, folder)
+            if resolved is not None:
+                rewrites.append((at, resolved))
+                continue
+            problem = f" (a recipe may name a file or folder inside its own folder; this path {problem})"
+        return (
+            f"it sets {written}={value!r}, which {guard.why}{problem}; a recipe may set values, not places "
+            f"or trust: set {written} on the command line"
+        ), []
+    return None, rewrites
+
+
+def localized(node: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The recipe with its local paths (data next to it) made absolute inside ``folder``."""
+    _, rewrites = check_places(node, folder)
+    out = copy.deepcopy(node)
+    for at, resolved in rewrites:
+        parent = out
+        for k in at[:-1]:
+            parent = parent[k]
+        parent[at[-1]] = resolved
+    return out
+
+
+def _check_nccl(node: dict[str, Any]) -> str | None:
+    from framework.planner.topology import check_variable_name
+
+    nccl = node.get("nccl")
+    if not isinstance(nccl, dict):
+        return None
+    for source in ("env", "preset_env"):
+        variables = nccl.get(source) or {}
+        if not isinstance(variables, dict):
+            continue
+        for name in variables:
+            if name in CODE_LOADING_NCCL:
+                return (
+                    f"it sets nccl.{source}.{name}, which {CODE_LOADING_NCCL[name]}; only conf/ or the "
+                    "command line may set it"
+                )
+            try:
+                check_variable_name(str(name), f"nccl.{source}")
+            except ValueError as e:
+                return str(e)
+    return None
+
+
+def refusal(node: Any, folder: Path | None = None) -> str | None:
+    """Why a recipe's raw content may not be used, or None. See the module docstring for the rules.
+    ``folder``: the recipe's own folder, inside which it may name data files (COMMAND_LINE_ONLY)."""
+    if not isinstance(node, dict):
+        return "a recipe must be a YAML mapping"
+    if "hydra" in node:
+        return "it sets `hydra:` keys (a recipe may not configure Hydra: callbacks and launchers run code)"
+    unknown = [str(k) for k in node if k not in TOP_LEVEL and k != "defaults"]
+    if unknown:
+        return f"it sets top-level key(s) {unknown}; valid: defaults, {', '.join(TOP_LEVEL)}"
+    if "defaults" in node:
+        reason = _check_defaults(node["defaults"])
+        if reason:
+            return reason
+    reason = _check_nccl(node)
+    if reason:
+        return reason
+    body = {k: v for k, v in node.items() if k != "defaults"}
+    for key, value in _walk_strings(body):
+        try:
+            calls = resolver_calls(value)
+        except ValueError as e:
+            return f"{key}={value[:80]!r}: {e}"
+        if calls:
+            return (
+                f"{key}={value[:80]!r} calls the resolver {calls[0]!r}; a recipe may interpolate other "
+                "keys (${train.seq_len}) but call no resolver (oc.env, oc.decode... read outside the "
+                "config): pass such a value on the command line"
+            )
+    try:
+        check_expansion(body)
+    except ValueError as e:
+        return str(e)
+    return check_places(node, folder)[0]
+
+
+def check_choices(choices: Any) -> None:
+    """Refuse recipe content placed anywhere but the top level (``recipe@PACKAGE=NAME``).
+
+    Applied to the composed result's ``hydra.runtime.choices``, whatever put the entry there (a
+    recipe's defaults, another group, the command line): a package moves untrusted content into any
+    node, ``hydra.callbacks`` included.
+    """
+    for key, value in dict(choices or {}).items():
+        group, _, package = str(key).partition("@")
+        if group.strip("/") == "recipe" and package:
+            raise ValueError(
+                f"the recipe {value!r} is composed into {package!r} ({key}={value}); a recipe may only be "
+                "chosen as recipe=NAME (at the top level of the config)"
+            )
+
+
+def check_composed(dcfg: Any, hydra_cfg: Any, allow: list[str]) -> None:
+    """The checks on the composed result, before anything resolves it (see the module docstring).
+
+    ``dcfg`` is the task config, ``hydra_cfg`` the ``hydra`` node (None when composed without it).
+    Order matters: the expansion bound runs before the ``_target_`` scan, which resolves values.
+    """
+    from omegaconf import OmegaConf
+
+    from framework.config.instantiate import check_hydra_targets, check_targets
+
+    if hydra_cfg is not None:
+        check_choices(OmegaConf.select(hydra_cfg, "runtime.choices", default=None))
+    check_expansion(OmegaConf.to_container(dcfg, resolve=False))
+    check_targets(dcfg, allow)
+    if hydra_cfg is not None:
+        check_hydra_targets(hydra_cfg, allow)

@@ -1,0 +1,1 @@
+"""planner: see framework/__init__.py for the layer order."""

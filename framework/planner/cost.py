@@ -1,0 +1,177 @@
+"""Predicted step time of one layout: compute at a calibrated efficiency, memory-bound work, and the
+communication that compute does not hide.
+
+Why a model and not a measurement: ``sharding=auto`` ranks hundreds of layouts for clusters that
+are not here, before anything runs. Each term is simple and each constant is measured (the sources
+are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml``):
+
+- **compute**: the model's flops (``framework.model.flops_per_token``: 6N + 12·L·H·Q·T, plus the
+  forward recomputed by activation checkpointing) at ``gemm_efficiency`` x ``peak_tflops``. TP
+  splits the flops of every rank's tokens by its degree; CP gives each rank 1/cp of the tokens.
+- **memory-bound work** at ``hbm_gbps``: the pointwise kernels of each block (norms, RoPE, SwiGLU,
+  residual adds; ``_POINTWISE_BYTES`` per element of a block's width per token), the loss head's
+  pass over the logits (``_LOGIT_BYTES`` per logit), the bf16 weight casts once per micro batch, the
+  gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
+  Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
+- **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
+  TP's collectives, CP's K/V passes and a pipeline's tied-embedding transfers (between backward and
+  the optimizer step, and after it) sit on the critical path; FSDP's all-gathers / reduce-scatters and the
+  data-parallel all-reduce overlap the compute by ``comm_overlap`` (and never by more than the
+  compute lasts).
+
+How well it predicts the GPU runs of benchmarks/PERF.md is the table of ``benchmarks/cost_check.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode
+from framework.model import flops_per_token, num_params
+from framework.models import model_spec
+
+if TYPE_CHECKING:
+    from framework.planner.layout import Degrees
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """One collective per step on one mesh axis, costed with the alpha-beta model."""
+
+    axis: str
+    collective: str
+    group_size: int
+    link: str  # "intra" or "inter" node
+    calls: int
+    bytes_per_call: int  # payload (the full tensor the collective works on)
+    volume_bytes: int  # bytes each rank sends per step: ring factor x payload x calls
+    time_s: float
+
+
+# Fitted to the one-H200 profile of llama1b (b16 compile, 476 ms step: GEMMs 345 ms + attention
+# 55 ms = 400 ms of compute -> gemm_efficiency 0.68 in h200.yaml; Inductor's pointwise kernels 66 ms;
+# fused AdamW 10 ms; benchmarks/PERF.md, "Where the code's constants and choices come from"): the
+# pointwise kernels less the loss head's and the
+# weight casts' share, over tokens x layers x (2 dim + ffn_dim) elements, is 40 bytes per element
+# at the H200's 4.8 TB/s.
+_POINTWISE_BYTES = 40.0
+# The loss head reads and writes each logit about six times in bf16 (logits, log-softmax forward,
+# its gradient, the output projection's backward input): 12 bytes per logit.
+_LOGIT_BYTES = 12.0
+# Fused AdamW: reads parameter, gradient and both moments (fp32) and writes three back (28 bytes),
+# plus the bf16 copy it leaves for autocast (6) and zeroing the gradient (4): 38 bytes, which is
+# the 1B profile's 10 ms for 1.24B parameters at 4.8 TB/s (39 bytes).
+_ADAMW_BYTES = 38.0
+# Autocast casts each fp32 weight to bf16 once per forward (read 4, write 2).
+_CAST_BYTES = 6.0
+# Accumulating a micro batch's fp32 gradient into the previous ones: read both, write one.
+_ACCUM_BYTES = 12.0
+# Eager runs each pointwise op as its own kernel: the eager loop spent 3.4x (1B) and 4.8x (125M)
+# the compiled loop's pointwise time (benchmarks/PERF.md, same section); we take 4.
+_EAGER_POINTWISE = 4.0
+# A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
+# checkpointing recomputes every other block.
+_RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
+# Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
+# all-gathers K and V before the attention that needs them).
+_BLOCKING_AXES = ("tp", "cp")
+# A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
+# the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied).
+_BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Seconds per optimizer step on one rank, by term, and what that means for throughput."""
+
+    compute_s: float  # GEMMs and attention, recompute included
+    memory_s: float  # pointwise, loss head, casts, gradient accumulation
+    optimizer_s: float
+    comm_s: float  # all communication at the achieved link speed
+    exposed_comm_s: float  # what compute does not hide
+    step_time_s: float
+    tokens_per_s: float  # whole job
+    mfu: float  # 6N + 12LHQT flops per token (no recompute) over world x peak
+    bubble_s: float = 0.0  # pipeline: the busiest rank's idle time in the schedule's fill and drain
+
+    @property
+    def predicted_step_time_s(self) -> float:
+        return self.step_time_s
+
+
+def _recompute_flops_per_token(cfg: Config) -> float:
+    """Forward flops of the blocks (what a checkpointed block runs again): 2 N_blocks + 4·L·H·Q·T."""
+    m = cfg.model
+    blocks = num_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    head_dim = model_spec(m).head_dim
+    return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
+
+
+def predict_step(
+    cfg: Config,
+    d: Degrees,
+    comm: list[CommEstimate],
+    accum: int,
+    unit_bytes: list[int],
+    pipeline: tuple[float, float] | None = None,
+) -> StepPrediction:
+    """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode).
+
+    ``pipeline`` (pp > 1): (the busiest rank's share of the model's cost, the schedule's bubble as a
+    fraction of that rank's compute; framework.planner.stages). The rank computes its share of the model's
+    work and then idles for the bubble; ``unit_bytes`` and ``comm`` are that rank's already. The
+    point-to-point sends between stages are on the critical path (like TP's collectives).
+    """
+    hw, m = cfg.mesh.hardware, cfg.model
+    peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
+    hbm = hw.hbm_gbps * 1e9
+    # Per rank: its data-parallel share, and of that its sequence shard under CP (load-balanced, so
+    # each CP rank also does 1/cp of the causal attention).
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp
+    mode = cfg.sharding.activation_checkpointing.value
+    if mode == ActivationCheckpointing.budget.value:
+        recompute = _RECOMPUTE["budget"] * (1.0 - cfg.sharding.activation_memory_budget)
+    else:
+        recompute = _RECOMPUTE.get(mode, 0.0)
+    flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
+    compute_s = flops * tokens / d.tp / peak
+
+    width = m.n_layers * (2 * m.dim + m.ffn_dim)
+    pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + recompute / 3.0)
+    logits = tokens * m.vocab_size * _LOGIT_BYTES  # the full logits on every TP rank
+    if cfg.executor.mode == ExecutorMode.eager:
+        pointwise *= _EAGER_POINTWISE
+        logits *= _EAGER_POINTWISE
+    unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
+    local = unsharded / d.fsdp_shard
+    casts = accum * unsharded * _CAST_BYTES
+    accumulate = (accum - 1) * local * _ACCUM_BYTES
+    memory_s = (pointwise + logits + casts + accumulate) / hbm
+    optimizer_s = local * _ADAMW_BYTES / hbm
+    bubble_s = 0.0
+    if pipeline is not None:
+        fraction, bubble = pipeline
+        # casts and accumulation above already count only this rank's parameters (unit_bytes)
+        compute_s *= fraction
+        memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
+        bubble_s = (compute_s + memory_s) * bubble
+
+    blocks = [c.axis in _BLOCKING_AXES or c.collective in _BLOCKING_COLLECTIVES for c in comm]
+    blocking = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if b) / hw.link_efficiency
+    overlappable = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if not b) / hw.link_efficiency
+    window = compute_s + memory_s
+    exposed = blocking + max(overlappable * (1.0 - hw.comm_overlap), overlappable - window)
+    step = compute_s + memory_s + optimizer_s + exposed + bubble_s
+    job_tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    mfu = flops_per_token(m, cfg.train.seq_len) * job_tokens / (step * hw.peak_tflops * 1e12 * d.world_size)
+    return StepPrediction(
+        compute_s=compute_s,
+        memory_s=memory_s,
+        optimizer_s=optimizer_s,
+        comm_s=blocking + overlappable,
+        exposed_comm_s=exposed,
+        step_time_s=step,
+        tokens_per_s=job_tokens / step,
+        mfu=mfu,
+        bubble_s=bubble_s,
+    )

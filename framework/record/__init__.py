@@ -1,0 +1,1 @@
+"""record: see framework/__init__.py for the layer order."""

@@ -1,0 +1,1 @@
+"""train: see framework/__init__.py for the layer order."""

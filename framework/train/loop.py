@@ -1,0 +1,426 @@
+"""The training step: forward, backward with gradient accumulation, clip, optimiser step.
+
+Kept free of logging, checkpointing and launching so it can be driven (and tested) on its own.
+With ``train.optimizer_in_backward`` the optimiser step moves into the backward pass instead
+(:class:`InBackward`): each parameter is updated as soon as its gradient is complete and the gradient
+is freed, so the step never holds every gradient at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from framework.config.instantiate import check_target, safe_instantiate
+from framework.config.schema import (
+    LRSchedulerConfig,
+    LRSchedulerName,
+    OptimizerConfig,
+    OptimizerName,
+    RunConfig,
+    TrainConfig,
+)
+from framework.parallel.step import (
+    HostIO,
+    StepResult,
+    StepTimer,
+    autocast,
+    mean_over_ranks,
+    step_result,
+    to_device,
+    update,
+)
+
+
+def lr_lambda(cfg: TrainConfig, sched: LRSchedulerConfig | None = None) -> Callable[[int], float]:
+    """The learning-rate factor of each step (``lr_scheduler.name``): linear warmup to ``lr``, then
+    cosine or linear decay to ``lr * min_lr_ratio`` at ``steps``, a constant ``lr``, or
+    warmup-stable-decay (constant, then linear decay over the last ``decay_fraction`` of the steps)."""
+    sched = sched or LRSchedulerConfig()
+    name = sched.name
+    floor = cfg.min_lr_ratio
+    decay_start = cfg.warmup_steps
+    if name is LRSchedulerName.wsd:
+        decay_start = max(cfg.warmup_steps, cfg.steps - round(sched.decay_fraction * cfg.steps))
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if name is LRSchedulerName.constant or step < decay_start:
+            return 1.0
+        span = max(1, cfg.steps - decay_start)
+        progress = min(1.0, (step - decay_start) / span)
+        if name is LRSchedulerName.cosine:
+            cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+            return floor + (1.0 - floor) * cosine
+        return floor + (1.0 - floor) * (1.0 - progress)  # linear, and wsd's decay
+
+    return factor
+
+
+# The class each option names in its conf/optimizer/NAME.yaml: called with the option's own arguments.
+OWN_CLASS = {
+    OptimizerName.adamw: "torch.optim.AdamW",
+    OptimizerName.adam: "torch.optim.Adam",
+    OptimizerName.sgd: "torch.optim.SGD",
+    OptimizerName.muon: "torch.optim.Muon",
+}
+
+
+class Combined(torch.optim.Optimizer):
+    """Optimizers over disjoint parameters, seen as one (``optimizer=muon``: Muon and AdamW).
+
+    Why one object: the trainer, the scheduler, optimizer-in-backward and DCP's ``get_state_dict``
+    all take one optimizer. Its ``param_groups`` are the parts' own group dicts (the scheduler's lr
+    reaches every part) and its ``state`` is the one dict that every part reads and writes, so
+    ``state_dict`` / ``load_state_dict`` are torch's own; loading rebinds the parts to the new dicts.
+    """
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        super().__init__([{"params": g["params"]} for o in parts for g in o.param_groups], {})
+        self._bind(sum((o.param_groups for o in parts), []))
+
+    def _bind(self, groups: list[dict]) -> None:
+        self.param_groups = groups
+        i = 0
+        for o in self.parts:
+            n = len(o.param_groups)
+            o.param_groups = groups[i : i + n]
+            o.state = self.state
+            i += n
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.parts:
+            o.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._bind(self.param_groups)
+
+
+def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """No weight decay on norms (1-D weights)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _optimizer_class(opt: OptimizerConfig, allow: list[str]) -> Callable[..., torch.optim.Optimizer]:
+    """``optimizer._target_`` through the allowlist; the caller passes ``optimizer.kwargs`` over the
+    option's own arguments (bound here, the option's own won: a kwargs betas did nothing)."""
+    check_target(opt._target_, allow, where="optimizer._target_")  # the error names the key
+    return safe_instantiate({"_target_": opt._target_, "_partial_": True}, allow)
+
+
+def build_optimizer(
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    opt: OptimizerConfig | None = None,
+    allow: list[str] | None = None,
+) -> torch.optim.Optimizer:
+    """The ``optimizer`` group's optimizer (AdamW by default: fused kernel on CUDA). No weight decay
+    on norms. Under ``muon``, Muon steps the blocks' 2-D weight matrices and AdamW the rest."""
+    opt = opt or OptimizerConfig()
+    allow = RunConfig().instantiate_allow if allow is None else allow
+    # A pipeline's copy of a tied weight is stepped through the embedding it copies.
+    copies = {id(p) for p in getattr(model, "tied_copies", ())}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in copies]
+    own = opt._target_ == OWN_CLASS[opt.name]
+    fused = device.type == "cuda"
+    adam = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "fused": fused}
+    make = _optimizer_class(opt, allow)
+    kwargs = dict(opt.kwargs)  # over the option's own arguments, as the schema says
+    if opt.name is OptimizerName.muon:
+        matrices = [p for n, p in named if p.ndim == 2 and "layers" in n.split(".")]
+        taken = {id(p) for p in matrices}
+        rest = [p for _n, p in named if id(p) not in taken]
+        muon_kw: dict[str, Any] = {"lr": cfg.lr}
+        if own:
+            muon_kw |= {
+                "momentum": opt.momentum,
+                "nesterov": opt.nesterov,
+                "adjust_lr_fn": opt.muon_adjust_lr.value,
+                "ns_steps": opt.muon_ns_steps,
+            }
+        muon = make([{"params": matrices, "weight_decay": cfg.weight_decay}], **(muon_kw | kwargs))
+        return Combined([muon, torch.optim.AdamW(_decay_groups(rest, cfg.weight_decay), **adam)])
+    groups = _decay_groups([p for _n, p in named], cfg.weight_decay)
+    if not own:
+        return make(groups, lr=cfg.lr, **kwargs)
+    if opt.name is OptimizerName.sgd:
+        return make(groups, **({"lr": cfg.lr, "momentum": opt.momentum, "nesterov": opt.nesterov} | kwargs))
+    return make(groups, **(adam | kwargs))  # adamw, adam
+
+
+# train.optimizer_in_backward on CUDA: run the per-parameter updates on their own stream (InBackward).
+# A module constant, not a config field: the benchmark flips it to measure the overlap.
+OPTIMIZER_SIDE_STREAM = True
+
+
+@dataclass
+class InBackward:
+    """The optimiser step run inside backward, one parameter at a time (``train.optimizer_in_backward``).
+
+    Why: the fp32 gradients are as large as the weights (27 GB for a 7B model); stepping each
+    parameter from its post-accumulate-grad hook and dropping its gradient at once frees that memory
+    for activations (less recompute, or a larger batch). It is the mechanism of torchtitan's
+    ``optimizer.early_step_in_backward`` and torch's ``_apply_optimizer_in_backward``.
+
+    The main optimiser stays the one that is checkpointed and scheduled: each per-parameter optimiser
+    reads and writes the main one's ``state`` (so checkpoints are the same with or without this option)
+    and takes its group's learning rate on every step. What is given up, and therefore refused by the
+    planner: a global gradient-norm clip (the norm is only known after the last gradient), gradient
+    accumulation, and data parallelism (the hook fires before DDP/FSDP reduce the gradient). A
+    non-finite loss still skips the whole step, and a non-finite gradient skips its parameter's update
+    (fused AdamW's ``found_inf``, no host sync), so no NaN reaches the weights; but a step with a finite
+    loss and a non-finite gradient somewhere has updated the other parameters. The gradient norm is
+    still measured, for the logs.
+    """
+
+    main: torch.optim.Optimizer
+    per_param: dict[nn.Parameter, tuple[torch.optim.Optimizer, dict]]
+    poison: torch.Tensor  # 0.0, or NaN when this step's loss is non-finite
+    norm_sq: torch.Tensor  # sum of the squared gradient norms seen this step
+    handles: list[RemovableHandle]
+    stream: torch.cuda.Stream | None = None  # CUDA: the updates' own stream (see _step)
+
+    def _update(self, p: torch.Tensor) -> None:
+        opt, group = self.per_param[p]
+        opt.state = self.main.state  # the main optimiser's load_state_dict replaces its dict
+        opt.param_groups[0]["lr"] = group["lr"]  # moved by the scheduler
+        assert p.grad is not None
+        g_norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        self.norm_sq += g_norm.square()
+        ok = torch.isfinite(g_norm + self.poison)  # this gradient and the loss are finite
+        if group.get("fused"):
+            opt.found_inf = (~ok).float()  # type: ignore[attr-defined]  # no host sync
+            opt.step()
+        elif bool(ok):
+            opt.step()
+
+    def _step(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        assert grad is not None
+        if self.stream is None:
+            self._update(p)
+        else:
+            # On CUDA the update runs on a stream of its own, so the memory-bound AdamW of one layer
+            # overlaps the backward GEMMs of the layers before it. The side stream first waits for
+            # all work queued so far (this gradient, and the backward ops that read this weight),
+            # and the gradient's memory is not reused before the side stream is done with it.
+            # ``finish`` makes the main stream wait for the updates before the next forward.
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self._update(p)
+            grad.record_stream(self.stream)
+        p.grad = None
+
+    def finish(self) -> None:
+        """After backward: the main stream waits for the updates (and the gradient norm)."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def attach_in_backward(optimizer: torch.optim.Optimizer) -> InBackward:
+    """Hook a per-parameter copy of ``optimizer`` onto each of its parameters (see :class:`InBackward`)."""
+    device = optimizer.param_groups[0]["params"][0].device
+    ib = InBackward(
+        main=optimizer,
+        per_param={},
+        poison=torch.zeros((), device=device),
+        norm_sq=torch.zeros((), device=device),
+        handles=[],
+    )
+    if device.type == "cuda" and OPTIMIZER_SIDE_STREAM:
+        ib.stream = torch.cuda.Stream(device)
+    parts = optimizer.parts if isinstance(optimizer, Combined) else [optimizer]
+    for part in parts:
+        for group in part.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            # The group's hyper-parameters (incl. ``fused``) drive the step; the constructor only
+            # validates them (and takes ``fused`` only where the class has it: not Muon's).
+            fused = {"fused": hyper["fused"]} if "fused" in hyper else {}
+            for p in group["params"]:
+                sub = type(part)([{**hyper, "params": [p]}], **fused)
+                ib.per_param[p] = (sub, group)
+                ib.handles.append(p.register_post_accumulate_grad_hook(ib._step))
+    return ib
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, sched: LRSchedulerConfig | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, sched))
+
+
+# DDP modules whose static graph has been recorded (their first synced iteration is done): from then
+# on a micro-batch may skip the gradient sync. Weak: a module replaced by a fallback drops out.
+_GRAPH_RECORDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_graph_recorded(model: nn.Module) -> None:
+    """``model`` (a DDP module; anything else is ignored) has run one synced forward + backward."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        _GRAPH_RECORDED.add(model)
+
+
+def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on all but the last micro-batch (DDP and FSDP2)."""
+    if last:
+        return contextlib.nullcontext()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # DDP(static_graph=True) records the graph on its first iteration and asserts
+        # ("expect_autograd_hooks_") if that iteration skips the sync: sync every micro-batch once.
+        if model.static_graph and model not in _GRAPH_RECORDED:
+            return contextlib.nullcontext()
+        return model.no_sync()
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2's FSDPModule
+
+        @contextlib.contextmanager
+        def fsdp_no_sync() -> Iterator[None]:
+            set_sync(False)
+            try:
+                yield
+            finally:
+                set_sync(True)
+
+        return fsdp_no_sync()
+    return contextlib.nullcontext()
+
+
+def global_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` (inf: measure only) and return the total norm as a plain tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2 / TP
+    return full() if full is not None else norm
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip: float,
+    device: torch.device,
+    in_backward: InBackward | None = None,
+    io: HostIO | None = None,
+    scales: list[float] | None = None,
+    seq_shard: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager] | None = None,
+) -> StepResult:
+    """One optimiser step over this rank's micro-batches of one global batch.
+
+    Each micro-batch loss is divided by the number of micro-batches, so the accumulated gradient is
+    the mean over this rank's share; DDP/FSDP average over ranks, giving the global-batch mean.
+    With masked targets (data=sft) ``scales`` gives each micro-batch's weight instead (the sampler's
+    ``loss_scales``: its share of the global batch's trained targets times the data-parallel degree),
+    so the loss is the mean over every trained target of the global batch.
+    A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
+    With ``in_backward`` the step happens during backward (one micro-batch, no clip; a non-finite
+    loss skips it).
+    ``seq_shard`` (context parallelism, framework.parallel.context) cuts each micro-batch to this
+    rank's sequence shard, in place, around its forward and backward.
+    """
+    if in_backward is not None:
+        return _step_in_backward(model, in_backward, scheduler, micro_batches, device, io)
+    if getattr(model, "schedule", None) is not None:  # pipeline parallel: the schedule runs the step
+        from framework.parallel.pipeline import pipeline_step
+
+        return pipeline_step(model, optimizer, scheduler, micro_batches, grad_clip, device, io, scales)  # type: ignore[arg-type]
+    timer = StepTimer(device)
+    if device.type == "cuda":
+        # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
+        torch.compiler.cudagraph_mark_step_begin()
+    lr = scheduler.get_last_lr()[0]
+    n = len(micro_batches)
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = to_device(x, device, io), to_device(y, device, io)
+        if seq_shard is not None:  # it cuts in place: never the host-transfer slots
+            x, y = x.clone(), y.clone()
+        shard = seq_shard(x, y) if seq_shard is not None else contextlib.nullcontext()
+        with shard, _no_grad_sync(model, last=i == n - 1):
+            with autocast(device):
+                loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
+            loss.backward()
+        total += loss.detach()
+    mark_graph_recorded(model)
+    norm = global_grad_norm(model, grad_clip)
+    finite = torch.isfinite(norm) & torch.isfinite(total)
+    update(optimizer, scheduler, finite)
+    timer.stop()
+    return step_result(total, norm, finite, lr, timer, io)
+
+
+def _step_in_backward(
+    model: nn.Module,
+    ib: InBackward,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    io: HostIO | None,
+) -> StepResult:
+    # One micro-batch per step: the planner refuses anything else (framework.planner.plan._check_in_backward).
+    assert len(micro_batches) == 1, len(micro_batches)
+    timer = StepTimer(device)
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+    lr = scheduler.get_last_lr()[0]
+    ((x, y),) = micro_batches
+    x, y = to_device(x, device, io), to_device(y, device, io)
+    ib.norm_sq.zero_()
+    with autocast(device):
+        loss = model(x, y)
+    total = loss.detach().float()
+    ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
+    loss.backward()
+    ib.finish()
+    norm = ib.norm_sq.sqrt()
+    finite = torch.isfinite(norm) & torch.isfinite(total)
+    # The per-parameter copies did this step's updates and dropped every gradient, so the main
+    # optimiser's step() updates nothing; it runs so that the step the scheduler follows (and any
+    # step hook) is the main optimiser's, in torch's order (the scheduler warns otherwise).
+    ib.main.step()
+    scheduler.step()
+    timer.stop()
+    return step_result(total, norm, finite, lr, timer, io)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
+    """Mean loss over this rank's validation batches, averaged over ranks."""
+    if getattr(model, "schedule", None) is not None:  # pipeline parallel: through the schedule
+        from framework.parallel.pipeline import pipeline_evaluate
+
+        return mean_over_ranks(pipeline_evaluate(model, batches, device))  # type: ignore[arg-type]
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        with autocast(device):
+            total += model(x.to(device), y.to(device)).float()
+    model.train(was_training)
+    return mean_over_ranks(total / max(1, len(batches)))

@@ -1,0 +1,262 @@
+"""``StepRunner``: the executed model and how its steps are queued and read.
+
+It owns the executor (the parallelized model, its optimizer, scheduler and optimizer-in-backward
+hooks, rebuilt for each rung of the fallback ladder), the lag (a step's figures are read once the
+next step is queued, through pinned host buffers: ``loop.HostIO``) and the warm-up count (each
+build's first ``executor.warmup_steps`` steps pay for compilation and stay out of throughput). The
+verifier decides which rung to run (``framework.verify``); the runner builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from framework import data as data_mod
+from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
+from framework.model import build_model
+from framework.parallel import parallelize
+from framework.parallel.context import SequenceShard, sequence_shard
+from framework.parallel.float8 import attach_scale_precompute
+from framework.parallel.step import HostIO, StepResult, autocast
+from framework.planner.plan import Plan
+from framework.train.loop import (
+    InBackward,
+    attach_in_backward,
+    build_optimizer,
+    build_scheduler,
+    mark_graph_recorded,
+    train_step,
+)
+from framework.verify import carry_state, inject_nan
+
+log = logging.getLogger("framework")
+
+
+@dataclass
+class Step:
+    """One queued optimizer step: its figures (read lazily), its number, and whether it came after
+    its build's warm-up."""
+
+    result: StepResult
+    step: int
+    warm: bool
+    build: int  # which build of the runner ran it (a rebuild starts a new warm-up)
+    wait_s: float = 0.0  # how long the sampler kept the loop waiting for this step's batch
+
+
+class InjectedFault(RuntimeError):
+    """``run.fault_raise_at_step``: the exception a step raises on purpose (to test cleanup)."""
+
+
+class StepRunner:
+    """Builds the executed model for a ladder rung and runs its steps; see the module docstring.
+
+    ``model``, ``optimizer`` and ``scheduler`` are what a checkpoint saves and loads; they are
+    replaced by ``build``, so the other parts read them here each time, never keep them.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        plan: Plan,
+        mesh: DeviceMesh | None,
+        executor: ExecutorConfig,
+        device: torch.device,
+        lag: bool,
+        rank: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.mesh = mesh
+        self.executor = executor
+        self.float8 = cfg.model.float8  # the configured recipe until a fallback to bf16
+        self.device = device
+        self.lag = lag
+        self.rank = rank
+        self.model: nn.Module = None  # type: ignore[assignment]  # made by build()
+        self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR = None  # type: ignore[assignment]
+        self.in_backward: InBackward | None = None
+        self.seq_shard: SequenceShard | None = None
+        self.io = HostIO(device)
+        self._builds = 0
+        self._since_build = 0  # steps queued since the last build: each build pays its own warm-up
+        self._late: Step | None = None  # queued, not read yet
+        self._read_any = False
+        self._nan_batches = set(cfg.verify.inject_nan_steps)
+
+    @property
+    def mode(self) -> ExecutorMode:
+        return self.executor.mode
+
+    # -- the rungs ---------------------------------------------------------------------------------
+
+    def build(
+        self, mode: ExecutorMode | None = None, float8: Float8Recipe | None = None, carry: bool = False
+    ) -> None:
+        """(Re)build the executed model from a fresh meta model for ``mode`` and ``float8`` (None:
+        the current one), with a new optimizer and scheduler. ``carry``: copy the trained weights,
+        optimizer state and LR schedule over from the model being replaced (a mid-run fallback).
+
+        The state dicts have the same keys and fp32 values with float8 on or off (Float8Linear keeps
+        the high-precision weights), so the float8 rung carries over as the executor rungs do.
+        """
+        old = (self.model, self.optimizer, self.scheduler)
+        if mode is not None:
+            self.executor = dataclasses.replace(self.executor, mode=mode)
+        if float8 is not None:
+            self.float8 = float8
+        cfg = self.cfg
+        model = build_model(
+            dataclasses.replace(cfg.model, float8=self.float8), cfg.train.seq_len, data_mod.document_eos(cfg)
+        )
+        self.model = parallelize(
+            model,
+            self.mesh,
+            self.plan,
+            cfg.sharding,
+            cfg.bucketing,
+            self.executor,
+            self.device,
+            cfg.train.seed,
+        )
+        # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
+        self.seq_shard = sequence_shard(self.model, self.mesh, self.plan) if self.mesh is not None else None
+        self.optimizer = build_optimizer(
+            self.model, cfg.train, self.device, cfg.optimizer, cfg.run.instantiate_allow
+        )
+        if self.float8 is not Float8Recipe.none:
+            attach_scale_precompute(self.model, self.optimizer)  # FSDP2's float8 all-gather only
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.lr_scheduler)
+        if self.in_backward is not None:
+            self.in_backward.remove()  # hooks of the model being replaced
+        self.in_backward = attach_in_backward(self.optimizer) if cfg.train.optimizer_in_backward else None
+        settle_ddp_buckets(self.model, cfg.train.micro_batch_size, cfg.train.seq_len, self.device)
+        if carry:
+            carry_state(old[0], old[1], self.model, self.optimizer)
+            self.scheduler.load_state_dict(old[2].state_dict())
+        self._builds += 1
+        self._since_build = 0
+
+    # -- the steps ---------------------------------------------------------------------------------
+
+    def step(self, sampler: data_mod.BatchSampler | data_mod.StreamSampler, number: int) -> Step:
+        """Queue optimizer step ``number`` on the sampler's next batch (``verify.inject_nan_steps``
+        and ``run.fault_raise_at_step`` apply here); its figures are read later, see ``defer``."""
+        # A batch index: fires once, even after a rollback.
+        poison = sampler.consumed_batches in self._nan_batches
+        batch = sampler.next_batch()
+        wait_s = sampler.last_wait_s  # the sampler times its own wait
+        with inject_nan(self.model, poison), self._fault(number):
+            result = train_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                batch,
+                self.cfg.train.grad_clip,
+                self.device,
+                self.in_backward,
+                self.io,
+                sampler.loss_scales(),
+                self.seq_shard,
+            )
+        warm = self._since_build >= self.executor.warmup_steps
+        self._since_build += 1
+        return Step(result, number, warm, self._builds, wait_s)
+
+    def defer(self, s: Step) -> bool:
+        """Leave ``s`` unread until the next step is queued (True), so the device does not idle while
+        the host logs, counts and prepares the next batch; or say it must be read now (False): the
+        lag is off (verify on: the breaker may swap the executor before the next step), it is this
+        launch's first step, or it ends at a log row, an evaluation, the end of the run or a fault
+        injection. Checkpoints and preemption are decided by the caller (they are collectives)."""
+        t = self.cfg.train
+        due = (
+            not self.lag
+            or not self._read_any
+            or s.step % t.log_every == 0
+            or s.step >= t.steps
+            or (t.eval_every > 0 and s.step % t.eval_every == 0)
+            or s.step == self.cfg.run.fault_kill_at_step
+        )
+        if due:
+            self._read_any = True
+            return False
+        self._late = s
+        return True
+
+    def take_late(self) -> Step | None:
+        """The step left unread by ``defer`` (read it now that the next one is queued), or None."""
+        late, self._late = self._late, None
+        return late
+
+    def discard(self, s: Step) -> None:
+        """Forget queued step ``s`` (a rollback replaced the weights it ran on; the checkpointer gives
+        its batch back): it no longer counts toward its build's warm-up."""
+        if s.build == self._builds:
+            self._since_build -= 1
+
+    @contextlib.contextmanager
+    def _fault(self, number: int) -> Iterator[None]:
+        """``run.fault_raise_at_step``: the forward of that step raises on ``run.fault_rank`` (-1:
+        every rank), from inside the model, as a bug in a step would."""
+        run = self.cfg.run
+        if number != run.fault_raise_at_step or run.fault_rank not in (-1, self.rank):
+            yield
+            return
+
+        def fail(_m: nn.Module, _inputs: tuple) -> None:
+            raise InjectedFault(f"run.fault_raise_at_step={number}: injected fault on rank {self.rank}")
+
+        # A pipeline's schedule calls its stages, never the model (framework.parallel.pipeline).
+        modules = getattr(self.model, "stages", None) or [self.model]
+        handles = [m.register_forward_pre_hook(fail) for m in modules]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def settle_ddp_buckets(model: nn.Module, micro_batch_size: int, seq_len: int, device: torch.device) -> None:
+    """Bring a fresh DDP to the bucket layout it keeps for the whole run, on zero losses, before step 1.
+
+    DDP builds its gradient buckets in parameter order, records the order in which gradients become
+    ready on one synced iteration, and rebuilds the buckets in that order at the next forward, once.
+    Under ``static_graph=True`` the first iteration only records the graph (its gradient hooks return
+    before the ready order is noted), so the ready order comes from the second iteration and the
+    rebuild happens at the third forward; without a static graph, from the first and at the second.
+    The layout decides where each parameter sits in the bucket, so which chunk of the ring all-reduce
+    it falls in and in which order the ranks' values are summed: with more than 2 ranks another order
+    changes the last bits (at 2, a + b == b + a). Each process start (a fresh run, a restart, a
+    resume, a fallback rebuild) must therefore reach the rebuilt layout before its first real step,
+    or that step is summed differently from the unbroken run (issue 19: not bitwise at 8 ranks).
+
+    The static graph's recording iteration must also sync every micro-batch (``loop._no_grad_sync``),
+    which sums accumulated gradients in another order than later steps (avg(g1) + avg(g2) instead of
+    avg(g1 + g2)): one more reason it must not be a real step.
+
+    The zero loss gives zero gradients, which are dropped; weights, optimiser and RNG state are
+    untouched. Cost: one or two forward + backward + all-reduce of one micro-batch per process
+    start, nothing per step (every step after the first already ran on the rebuilt layout).
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
+    for _ in range(2 if model.static_graph else 1):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast(device):
+            loss = model(tokens, tokens) * 0.0
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+    mark_graph_recorded(model)

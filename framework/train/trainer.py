@@ -1,0 +1,476 @@
+"""The Trainer wires the stages, in one direction: plan -> build -> freeze -> verify -> parallelize -> run.
+
+It does none of their work: each stage is a module of ``framework`` that takes the previous stage's
+plain result. ``run`` executes on every rank: it builds the parts once (``setup``), each owning its
+state and timing, steps them (``train``, the loop) and writes the summary (``finish``):
+
+- ``StepRunner`` (framework.train.runner): the executed model, the lag and the warm-up count;
+- ``Verifier`` (framework.verify): bad steps, the latency breaker and the fallback ladder;
+- ``RunCheckpoints`` (framework.checkpoint.session): when to save, preemption, resume, rollback;
+- ``Metrics`` (framework.record.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
+- ``TrainState`` (framework.record.train_state): the counters they share, passed, never captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
+from omegaconf import OmegaConf
+
+from framework import data as data_mod
+from framework.checkpoint import export_hf, full_model_state
+from framework.checkpoint.init_from import shape_of
+from framework.checkpoint.session import RunCheckpoints
+from framework.config.schema import Config, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
+from framework.data.sft import split_rows
+from framework.freeze import FrozenResult, freeze
+from framework.model import build_model, flops_per_token, num_params
+from framework.parallel import build_mesh, dp_mesh_info
+from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
+from framework.planner.plan import Plan
+from framework.planner.resolve import load_plan, resolve_batch
+from framework.record.metrics import Metrics, format_row, perplexity, validation_row
+from framework.record.train_state import TrainState
+from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
+from framework.train.loop import evaluate
+from framework.train.profiling import NullProfiler, StepProfiler, format_top_operators, make_profiler
+from framework.train.runner import Step, StepRunner
+from framework.verify import StepAction, Verifier, next_mode, perf_figures
+from framework.verify.baseline import device_name
+
+log = logging.getLogger("framework")
+Profiler = StepProfiler | NullProfiler
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
+
+
+def check_same_config(cfg: Config, env: DistEnv, run_dir: Path | None = None) -> str:
+    """All ranks must run the same resolved config in the same run dir; stop naming the differing
+    keys, or the ranks' run dirs, otherwise.
+
+    Why the run dir: under torchrun each rank composes its own config, and a ``RUN_STAMP`` that
+    differs between ranks (exported per host) puts them in different run dirs. The configs agree,
+    but rank 0 then writes the run files where the others never look and every checkpoint save
+    fails (each rank's files land in its own ``checkpoints/``)."""
+    digest = config_hash(cfg)
+    if env.world_size == 1:
+        return digest
+    mine = (digest, str(run_dir) if run_dir is not None else None)
+    pairs: list[tuple[str, str | None]] = [("", None)] * env.world_size
+    dist.all_gather_object(pairs, mine)
+    dirs = [d for _, d in pairs]
+    if len(set(dirs)) > 1:
+        differ = {r: d for r, d in enumerate(dirs) if d != dirs[0]}
+        raise ValueError(
+            f"ranks {sorted(differ)} run in a different run dir than rank 0 ({dirs[0]}): "
+            f"{', '.join(f'rank {r}: {d}' for r, d in sorted(differ.items())[:4])}. Every rank must share "
+            "one run dir: export the same RUN_STAMP on every host (or none, and pass the same --rdzv-id "
+            "to torchrun)"
+        )
+    hashes = [h for h, _ in pairs]
+    if len(set(hashes)) == 1:
+        return digest
+    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    flats: list[dict[str, Any]] = [{}] * env.world_size
+    dist.all_gather_object(flats, flat)
+    bad = sorted({k for f in flats for k in set(f) | set(flats[0]) if f.get(k) != flats[0].get(k)})
+    ranks = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    raise ValueError(f"ranks {ranks} resolved a different config than rank 0; differing keys: {bad}")
+
+
+def peak_tflops(cfg: Config, device: torch.device) -> float | None:
+    """Peak dense TFLOP/s per device for MFU: the declared hardware's figure, on CUDA only."""
+    if device.type != "cuda":
+        return None
+    return cfg.mesh.hardware.peak_tflops if cfg.mesh.hardware.name != "cpu" else 989.0
+
+
+@dataclass
+class Summary:
+    steps: int = 0
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    first_val_loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_mem_gib: float | None = None
+    time_to_first_step_s: float | None = None
+    # The first step's own time less the median step: torch.compile (and CUDA graph capture) time.
+    compile_s: float | None = None
+    train_time_s: float = 0.0
+    skipped_steps: int = 0
+    step_p50_s: float | None = None
+    step_p99_s: float | None = None
+    # The time the loop waited for its batches (framework.data's ``last_wait_s``) over the warm steps:
+    # per step, and as a share of the step time (an upper bound of the device's idle time: on CUDA
+    # the host waits while the previous step still runs).
+    data_wait_ms: float | None = None
+    data_wait_share: float | None = None
+    executor: str | None = None  # the executor the run ended on (after any fallback)
+    # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
+    # rejected checkpoints, failed saves, preemption.
+    events: list[str] = field(default_factory=list)
+    # checkpoint=...: saves committed and failed, and the last failure (None without checkpointing).
+    checkpoint: dict[str, Any] | None = None
+    # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
+    compile_cache: dict[str, int] | None = None
+
+
+Data = data_mod.Pipeline
+
+
+@dataclass
+class Parts:
+    """What ``setup`` built once, for the loop and ``finish``."""
+
+    cfg: Config
+    env: DistEnv
+    run_dir: Path
+    digest: str
+    plan: Plan
+    runner: StepRunner
+    data: Data
+    metrics: Metrics
+    verifier: Verifier
+    ckpt: RunCheckpoints
+    cache: CacheStats | None  # executor.cache_dir on a compiled executor
+    peak_flops: float | None  # of the whole job, for MFU (CUDA only)
+
+
+def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary:
+    """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``.
+
+    Every part is closed on the way out, also when a step raises: an async save is finished, the
+    sampler's thread, wandb, the metrics file and the profiler are closed, the signal handlers are
+    restored and the process group (when this call created it) is destroyed.
+
+    ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
+    rank that ends with ``os._exit`` (``framework.parallel.process.finish``) passes ``KEPT_PARTS``: freeing the
+    DDP reducer after its process group was destroyed can deadlock on the GIL (see there)."""
+    state = TrainState(0)
+    cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
+    with contextlib.ExitStack() as stack:
+        p = setup(cfg, run_dir, state, stack)
+        if keep is not None:
+            keep.append(p)
+        with make_profiler(cfg.run, run_dir, p.env.rank) as profiler:
+            train(p, state, profiler)
+        return finish(p, state, profiler)
+
+
+def train(p: Parts, state: TrainState, profiler: Profiler) -> None:
+    """The loop, to ``train.steps`` or a preemption. Each step: validate when due; queue the step;
+    read the figures that are due (count, verify, log); roll back when the verifier asks; save
+    when the checkpointer decides.
+
+    The lag (``StepRunner.defer``): the runner queues step k+1 before the host reads step k, so the
+    device does not idle while the host logs. A bad step found one step late rolls back and undoes
+    the step queued after it, so the run is the same as one read step by step.
+    """
+    cfg, runner, ckpt = p.cfg, p.runner, p.ckpt
+    while state.step < cfg.train.steps:
+        if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0:
+            validate(p, state, state.step)
+        queued = runner.step(p.data.sampler, state.step + 1)
+        state.step, state.tokens_seen = queued.step, state.tokens_seen + state.tokens_per_step
+        profiler.step()
+        late = runner.take_late()  # the previous step, read now that this one is queued
+        if late is not None and read(p, state, late) is StepAction.rollback:
+            if ckpt.rollback(late.step, rewind=True) is not None:
+                runner.discard(queued)
+                continue
+        # Once per step and in the same order on every rank: it can be a collective.
+        if not ckpt.decide(state.step) and runner.defer(queued):
+            continue
+        if read(p, state, queued) is StepAction.rollback:
+            ckpt.rollback(queued.step, rewind=False)
+            continue
+        kill_if_asked(cfg, p.env, state.step)
+        if ckpt.save_if_due(state.step):  # preempted: saved (or the event says why not)
+            break
+
+
+def read(p: Parts, state: TrainState, s: Step) -> StepAction:
+    """Read one step's figures: count them, let the verifier judge them (it may change the rung),
+    log the row when one is due. Reading the loss is a collective: every rank reads the same steps."""
+    r, train_cfg = s.result, p.cfg.train
+    if state.time_to_first_step_s is None:
+        state.first_step(r.seconds)
+    if not r.finite:
+        p.metrics.log({"step": s.step, "event": "skipped_step", "detail": "non-finite loss or gradient"})
+    timed = r.seconds if s.warm and r.finite else None  # warm-up steps stay out of throughput
+    state.count(timed, r.finite, s.wait_s)
+    action = p.verifier.observe(s.step, r.finite, timed, p.runner)
+    p.metrics.advance()
+    if s.step % train_cfg.log_every == 0 or s.step == train_cfg.steps:
+        window = state.take_log_window()
+        tps = window.pop("tokens_per_s")
+        row: dict[str, Any] = {
+            "step": s.step,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "tokens_per_s": tps,
+            "step_ms": r.seconds * 1e3,
+            **window,  # data_wait_ms and data_wait_share, when a timed step ran
+        }
+        if p.peak_flops is not None and tps is not None:
+            row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
+        if p.env.device.type == "cuda":
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
+        p.metrics.log(row)
+        # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
+        state.final_loss, state.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
+    return action
+
+
+def validate(p: Parts, state: TrainState, step: int) -> None:
+    state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
+    if state.first_val_loss is None:
+        state.first_val_loss = state.last_val_loss
+    p.metrics.log(validation_row(step, state.last_val_loss))
+
+
+def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
+    """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
+    env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
+    if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
+        threads = set_task_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if env.is_main:
+            log.info("intra-op threads: %d (OMP_NUM_THREADS, when set, wins)", threads)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    digest = check_same_config(cfg, env, run_dir)
+    verifier = Verifier(
+        cfg, run_dir, env.is_main, world_size=env.world_size, device_name=device_name(env.device)
+    )
+    plan, runner = build(cfg, env, run_dir, verifier, digest)
+    data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
+    stack.callback(data.sampler.close)
+    metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
+    verifier.attach(metrics.log)
+    cache = None
+    if cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager:
+        cache = CacheStats(loaded=load_cache(cfg.executor.cache_dir))
+    verifier.start(runner, lambda: split_rows(data.sampler.peek()[: cfg.train.micro_batch_size]))
+    state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    ckpt = RunCheckpoints(
+        cfg.checkpoint,
+        cfg.train,
+        checkpoint_root(cfg, run_dir),
+        run_dir,
+        runner,
+        data.sampler,
+        state,
+        metrics,
+        {"config_hash": digest, "model": shape_of(cfg.model)},
+        verifier.fallback,
+        cfg.verify.max_bad_steps,
+    )
+    stack.enter_context(ckpt)
+    resumed = ckpt.resume(cfg.checkpoint.resume, digest, env.is_main)
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    # The wandb run id saved in the checkpoint: the same wandb run continues after a restart.
+    metrics.start_sinks(cfg.logger, run_dir, plain, run_id=resumed.get("wandb_run_id"))
+    peak = peak_tflops(cfg, env.device)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    state.train_started = time.perf_counter()
+    peak_flops = None if peak is None else peak * 1e12 * env.world_size
+    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, cache, peak_flops)
+
+
+def build(
+    cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
+) -> tuple[Plan, StepRunner]:
+    """Plan, build on meta, freeze, check the graph across ranks (before any training collective).
+    The runner parallelizes (which places and initialises) and makes the optimizer when the verifier
+    starts the ladder (``Verifier.start``)."""
+    plan: Plan = load_plan(cfg, run_dir)  # resolved once, by the launcher
+    mesh = build_mesh(plan, env.device.type)
+    model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
+    if env.is_main:
+        log.info(
+            "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
+            cfg.model.name,
+            num_params(cfg.model) / 1e6,
+            flops_per_token(cfg.model, cfg.train.seq_len),
+            cfg.train.seq_len,
+        )
+    frozen = freeze_stage(model, cfg, run_dir, env)
+    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    executor = cfg.executor
+    can_fall = next_mode(executor.mode) is not None
+    if verifier.check_graph(model, frozen, digest, flat, can_fall) is Policy.fallback:
+        executor = dataclasses.replace(executor, mode=ExecutorMode.eager)
+        verifier.fallback(
+            0, "graph", f"executor {cfg.executor.mode.value} -> eager", "reference graph differs"
+        )
+    # Lag only without verify: with it, every step is read at once (the breaker may swap the
+    # executor before the next step).
+    runner = StepRunner(cfg, plan, mesh, executor, env.device, lag=not verifier.enabled, rank=env.rank)
+    return plan, runner
+
+
+def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
+    """After the loop: the final evaluation, the compile cache, the performance verdict, the last
+    commit, the Hugging Face export and the summary."""
+    cfg, env = p.cfg, p.env
+    if env.is_main and profiler.top_operators():
+        log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
+    if cfg.train.eval_every > 0 and not p.ckpt.preempted:
+        state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
+    s = Summary(
+        steps=state.step,
+        final_loss=state.final_loss,
+        final_val_loss=state.last_val_loss,
+        first_val_loss=state.first_val_loss,
+        tokens_per_s=state.tokens_per_s,
+        peak_mem_gib=state.peak_mem_gib,
+        time_to_first_step_s=state.time_to_first_step_s,
+        train_time_s=time.perf_counter() - state.train_started,
+        skipped_steps=state.skipped_steps,
+        executor=p.runner.mode.value,
+    )
+    s.data_wait_ms, s.data_wait_share = state.data_wait
+    if p.peak_flops is not None and s.tokens_per_s is not None:
+        s.mfu = flops_per_token(cfg.model, cfg.train.seq_len) * s.tokens_per_s / p.peak_flops
+    if p.cache is not None:
+        p.cache.hits, p.cache.misses = cache_counters()
+        if env.is_main and p.cache.misses:  # something new was compiled: keep it for the next run
+            p.cache.saved = save_cache(cfg.executor.cache_dir)
+        s.compile_cache = dataclasses.asdict(p.cache)
+    figures = perf_figures(state.step_seconds, state.tokens_per_step, s.mfu, s.peak_mem_gib)
+    if figures is not None:
+        s.step_p50_s, s.step_p99_s = figures.step_p50_s, figures.step_p99_s
+        if p.runner.mode is not ExecutorMode.eager and state.first_step_s is not None:
+            s.compile_s = max(0.0, state.first_step_s - figures.step_p50_s)
+    meta = {"run_dir": str(p.run_dir), "config_hash": p.digest}
+    p.verifier.finish(
+        figures, env.world_size, device_name(env.device), meta, p.runner.mode, can_fall_back=False
+    )
+    p.ckpt.close()  # the last async commit: its failure is an event below
+    s.checkpoint = p.ckpt.summary(env.is_main)
+    s.events = [format_row(r) for r in p.metrics.rows if "event" in r]
+    if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
+        export_model(cfg, p.runner.model, p.run_dir, env, s.steps)
+    p.metrics.close()
+    write_summary(p.run_dir, cfg, p.plan, s, p.digest, env)
+    return s
+
+
+def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
+    """``checkpoint.export_hf``: the trained model as a Hugging Face folder in ``run_dir/hf``."""
+    state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
+    if env.is_main:
+        from framework.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+        log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
+
+
+def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
+    data = data_mod.build_data(cfg, dp_rank, dp_size)
+    if env.is_main:
+        log.info("data: %s", data.description)
+    return data
+
+
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def kill_if_asked(cfg: Config, env: DistEnv, step: int) -> None:
+    """``run.fault_kill_at_step``: SIGKILL this rank (no cleanup, like a node failure) on the first
+    attempt; ``run.fault_rank=-1``: every rank."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if step == cfg.run.fault_kill_at_step and cfg.run.fault_rank in (-1, env.rank) and first_attempt:
+        log.warning("run.fault_kill_at_step=%d: rank %d kills itself", step, env.rank)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEnv) -> FrozenResult:
+    """Freeze the unsharded meta-device model at the run's static shapes (fake tensors: no weights).
+
+    Tracing on meta costs no memory, so a 70B shape freezes on any host, and the fingerprint is the
+    same on every device type. The artifact (graph and signature; weights live in checkpoints) and
+    its manifest go to ``run_dir/frozen`` on rank 0.
+    """
+    example = torch.zeros(cfg.train.micro_batch_size, cfg.train.seq_len, dtype=torch.long, device="meta")
+    result = freeze(
+        model,
+        (example,),
+        cfg.freeze,
+        run_dir,
+        write=env.is_main,
+        manifest_extra={"model": cfg.model.name, "seq_len": cfg.train.seq_len},
+    )
+    if env.is_main and cfg.freeze.mode is not FreezeMode.none:
+        log.info(
+            "froze the model (%s) in %.1fs: graph fingerprint %s",
+            cfg.freeze.mode.value,
+            result.seconds,
+            (result.fingerprint or "")[:16],
+        )
+    return result
+
+
+@rank_zero_only
+def write_summary(
+    run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv
+) -> None:
+    info = {
+        **summary.__dict__,
+        "config_hash": digest,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "device_name": device_name(env.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(info, indent=2) + "\n")
+    lines = [f"run dir: {run_dir}", f"steps: {summary.steps} in {summary.train_time_s:.1f}s"]
+    if summary.first_val_loss is not None and summary.final_val_loss is not None:
+        lines.append(
+            f"val loss: {summary.first_val_loss:.4f} -> {summary.final_val_loss:.4f}"
+            f" (perplexity {perplexity(summary.final_val_loss):.2f})"
+        )
+    if summary.final_loss is not None:
+        lines.append(f"final train loss: {summary.final_loss:.4f}")
+    if summary.tokens_per_s:
+        lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
+    if summary.data_wait_share is not None:
+        lines.append(
+            f"data wait: {summary.data_wait_ms:.2f} ms/step ({summary.data_wait_share:.2%} of the step time)"
+        )
+    if summary.mfu is not None:
+        lines.append(f"MFU: {summary.mfu:.1%}")
+    if summary.time_to_first_step_s is not None:
+        lines.append(f"time to first step: {summary.time_to_first_step_s:.1f}s")
+    if summary.compile_s is not None:
+        lines.append(f"compile (first step less a median step): {summary.compile_s:.1f}s")
+    if summary.compile_cache is not None:
+        c = summary.compile_cache
+        lines.append(
+            f"compile cache: {c['loaded']} artifacts loaded, {c['hits']} graph hits, {c['misses']} misses, "
+            f"{c['saved']} saved"
+        )
+    log.info("summary:\n  %s", "\n  ".join(lines))
