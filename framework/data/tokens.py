@@ -19,6 +19,8 @@ LEGACY_BYTES = "bytes"
 # Text files given as a token file: which data= option reads them.
 TEXT_SOURCES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".md": "text"}
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per chunk of the id-range scan (bounded memory on any file size)
+# The field every sidecar this framework writes carries: `prepare` replaces only a file it wrote.
+WRITTEN_BY = "framework.data prepare"
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -56,6 +58,7 @@ class TokenWriter:
             "num_tokens": self.num_tokens,
             "max_id": self.max_id,
             **meta,
+            "written_by": WRITTEN_BY,
         }
         self.path.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
 
@@ -67,6 +70,19 @@ def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int, meta: dict[str
     w = TokenWriter(path, vocab_size)
     w.write(np.asarray(tokens))
     w.close(meta or {"tokenizer": "bytes", "tokenizer_digest": ByteTokenizer().digest()})
+
+
+def is_our_sidecar(path: Path) -> bool:
+    """Whether ``path`` is a sidecar this framework wrote: it carries ``written_by``, or (written
+    before the marker) the fields only a sidecar has; a tokenizer.json or a jsonl is not."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(meta, dict):
+        return False
+    legacy = meta.get("dtype") in TOKEN_DTYPES and {"vocab_size", "num_tokens", "max_id"} <= meta.keys()
+    return meta.get("written_by") == WRITTEN_BY or legacy
 
 
 def read_sidecar(path: Path, key: str = "data.path") -> dict[str, Any]:
