@@ -451,8 +451,12 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
             log.error("error: %s", failed)
         finish(1 if failed else 0, barrier=True)
     if cfg.mesh.world_size == 1:
+        from framework.data.tokens import DataChanged
+
         try:
             trainer.run(cfg, run_dir)
+        except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
+            raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
         finally:
             _end_in_process_group()
         finish_run(run_dir, cfg)
@@ -480,6 +484,17 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
             raise JobFailed(message, 128 + signum)
         log.warning("%s", message)
     return _check_saves(run_dir)
+
+
+def data_changed_report(run_dir: Path, cfg: Config, e: Exception) -> str:
+    """One line: which data file changed, and which checkpoints the run keeps."""
+    from framework.checkpoint import store
+    from framework.trainer import checkpoint_root
+
+    committed = store.committed(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else []
+    if not committed:
+        return f"{e}; no checkpoint was saved"
+    return f"{e}; the checkpoints up to step {committed[-1][0]} are kept ({committed[-1][1].parent})"
 
 
 def preemption(run_dir: Path, since: float) -> dict | None:

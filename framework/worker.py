@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.config import to_config
+from framework.data.tokens import DataChanged
 from framework.launch import KEPT_PARTS, arm_stack_dump, die_with_launcher, finish
 
 
@@ -45,6 +46,9 @@ def main(run_dir: Path) -> int:
         cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
         trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
+    except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
+        logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
+        return 1
     except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
         logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
         return 1

@@ -129,3 +129,56 @@ def test_default_batches_are_pinned() -> None:
         v.update(y.numpy().tobytes())
     assert len(data.val_batches) == cfg.train.eval_batches == 4
     assert v.hexdigest() == "a71d93074bb080cc7bdedb06165a85b6c66db856357cfea09ae11b75e98c7ead"
+
+
+def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
+    """Truncating a ``data=tokens`` file during a run was a SIGBUS (reading the memory map past its
+    new end) that killed the process and left the checkpoint LOCK: now the sampler sees the change
+    before its next read, the run exits non-zero with one line naming the file and the sizes, its
+    committed checkpoints stay intact (and resumable: no LOCK left behind)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from framework.checkpoint import store
+    from framework.data.tokens import write_tokens
+
+    data = tmp_path / "d.bin"
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    overrides = [f"hydra.run.dir={run}", "data=tokens", f"data.path={data}", "train.steps=100000"]
+    overrides += ["train.seq_len=16", "train.global_batch_size=4", "train.eval_every=0", "freeze=none"]
+    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUN_STAMP", None)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *overrides],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(store.committed(ckpts)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never saved"
+            time.sleep(0.05)
+        before = data.stat().st_size
+        os.truncate(data, 1000)  # the memory map now ends long before the windows it reads
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, -signal.SIGBUS), err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"data file {data} changed during the run (size {before} -> 1000 bytes)" in errors[0]
+    saved = store.committed(ckpts)
+    assert f"the checkpoints up to step {saved[-1][0]} are kept" in errors[0]
+    assert not (ckpts / "LOCK").exists()
+    assert all((p / "manifest.json").is_file() for _, p in saved)

@@ -8,6 +8,8 @@ both digests, because its ids would mean other words. Files are memory-mapped, n
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,41 @@ TEXT_SOURCES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".tx
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per chunk of the id-range scan (bounded memory on any file size)
 # The field every sidecar this framework writes carries: `prepare` replaces only a file it wrote.
 WRITTEN_BY = "framework.data prepare"
+
+
+class DataChanged(Exception):
+    """A data file changed on disk while the run read it. Reading a truncated memory map past its
+    new end is a SIGBUS that kills the process (and leaves its checkpoint LOCK); so the sampler
+    checks the file before each batch and stops the run with this one line instead."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a data file was when the run opened it: its size, mtime and inode."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileStamp:
+        st = os.stat(path)
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def check_unchanged(stamps: list[FileStamp]) -> None:
+    """Raise DataChanged naming the first file whose size, mtime or inode differs from its stamp
+    (one ``os.stat`` per file: cheap next to a batch)."""
+    for s in stamps:
+        try:
+            st = os.stat(s.path)
+        except OSError:
+            raise DataChanged(f"data file {s.path} was removed during the run") from None
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != (s.size, s.mtime_ns, s.inode):
+            raise DataChanged(
+                f"data file {s.path} changed during the run (size {s.size} -> {st.st_size} bytes)"
+            )
 
 
 def dtype_for(vocab_size: int) -> str:
