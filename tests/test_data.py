@@ -131,11 +131,10 @@ def test_default_batches_are_pinned() -> None:
     assert v.hexdigest() == "a71d93074bb080cc7bdedb06165a85b6c66db856357cfea09ae11b75e98c7ead"
 
 
-def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
-    """Truncating a ``data=tokens`` file during a run was a SIGBUS (reading the memory map past its
-    new end) that killed the process and left the checkpoint LOCK: now the sampler sees the change
-    before its next read, the run exits non-zero with one line naming the file and the sizes, its
-    committed checkpoints stay intact (and resumable: no LOCK left behind)."""
+def _run_and_change(tmp_path: Path, data: Path, source: str, change) -> None:
+    """A real ``train.py`` run on ``data`` that saves every 2 steps; ``change(data)`` once two
+    checkpoints are committed. Asserts the run stops non-zero (not by a signal) with one line
+    naming the file, its sizes and the checkpoints kept, intact and with no LOCK left behind."""
     import os
     import signal
     import subprocess
@@ -143,13 +142,10 @@ def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpo
     import time
 
     from framework.checkpoint import store
-    from framework.data.tokens import write_tokens
 
-    data = tmp_path / "d.bin"
-    write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    overrides = [f"hydra.run.dir={run}", "data=tokens", f"data.path={data}", "train.steps=100000"]
+    overrides = [f"hydra.run.dir={run}", f"data={source}", f"data.path={data}", "train.steps=100000"]
     overrides += ["train.seq_len=16", "train.global_batch_size=4", "train.eval_every=0", "freeze=none"]
     overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -169,7 +165,8 @@ def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpo
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never saved"
             time.sleep(0.05)
         before = data.stat().st_size
-        os.truncate(data, 1000)  # the memory map now ends long before the windows it reads
+        change(data)
+        after = data.stat().st_size
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -177,8 +174,34 @@ def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpo
     assert proc.returncode not in (0, -signal.SIGBUS), err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert f"data file {data} changed during the run (size {before} -> 1000 bytes)" in errors[0]
+    assert f"data file {data} changed during the run (size {before} -> {after} bytes)" in errors[0]
     saved = store.committed(ckpts)
     assert f"the checkpoints up to step {saved[-1][0]} are kept" in errors[0]
     assert not (ckpts / "LOCK").exists()
     assert all((p / "manifest.json").is_file() for _, p in saved)
+
+
+def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
+    """Truncating a ``data=tokens`` file during a run was a SIGBUS (reading the memory map past its
+    new end) that killed the process and left the checkpoint LOCK: now the sampler sees the change
+    before its next read."""
+    import os
+
+    from framework.data.tokens import write_tokens
+
+    data = tmp_path / "d.bin"
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
+    _run_and_change(tmp_path, data, "tokens", lambda f: os.truncate(f, 1000))
+
+
+def test_a_jsonl_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
+    """A jsonl rewritten during the run (here: cut in the middle of a line, as a half-saved edit)
+    was a 100-line traceback from the packer thread on its broken line; now one line naming it."""
+    data = tmp_path / "d.jsonl"
+    docs = [json.dumps({"text": f"document {i}: " + "words " * (i % 13)}) for i in range(3000)]
+    data.write_text("\n".join(docs) + "\n")
+
+    def cut(f: Path) -> None:
+        f.write_bytes(f.read_bytes()[:5000] + b'{"text": "half')
+
+    _run_and_change(tmp_path, data, "jsonl", cut)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import DataSource
+from framework.data.tokens import FileStamp, check_unchanged
 from framework.tokenizer import needs
 
 Record = tuple[str, bool, bool]  # (text, starts a document, ends a document)
@@ -255,8 +256,15 @@ def hf_records(spec: SourceSpec, ds: Any, skip: int = 0) -> Iterator[Record]:
             yield ("" if text is None else str(text)), True, True
 
 
+CHECK_EVERY = 256  # records between two checks that the files are unchanged (an os.stat each)
+
+
 class Records:
-    """The ordered records of one source: ``iterate(skip)`` yields them from record ``skip`` on."""
+    """The ordered records of one source: ``iterate(skip)`` yields them from record ``skip`` on.
+
+    The files are stamped when opened and checked every ``CHECK_EVERY`` records and on any read
+    error: a file edited during the run stops it with ``DataChanged`` (one line naming the file),
+    not with whatever its new bytes fail on (a traceback through the packer thread)."""
 
     def __init__(self, spec: SourceSpec, path: str | None = None, files: list[Path] | None = None) -> None:
         self.spec = spec
@@ -268,11 +276,23 @@ class Records:
             self.ds = load_hf(spec, path)
         else:
             self.files = resolve_files(spec, path)
+        self.stamps = [FileStamp.of(f) for f in self.files]
 
     def iterate(self, skip: int = 0) -> Iterator[Record]:
         if self.ds is not None:
             return hf_records(self.spec, self.ds, skip)
-        return file_records(self.spec, self.files, skip)
+        return self._checked(file_records(self.spec, self.files, skip))
+
+    def _checked(self, records: Iterator[Record]) -> Iterator[Record]:
+        try:
+            for i, rec in enumerate(records):
+                if i % CHECK_EVERY == 0:
+                    check_unchanged(self.stamps)
+                yield rec
+        except (ValueError, OSError):
+            check_unchanged(self.stamps)  # edited under us: say so, not what its new bytes look like
+            raise
+        check_unchanged(self.stamps)
 
     @property
     def total_bytes(self) -> int:
