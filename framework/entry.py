@@ -46,6 +46,7 @@ from framework.config import (
     to_config,
     to_yaml,
 )
+from framework.data.tokens import DATA_CHANGED, DataChanged
 from framework.launch import (
     adopt_submitit_environment,
     apply_allocator_environment,
@@ -451,8 +452,6 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
             log.error("error: %s", failed)
         finish(1 if failed else 0, barrier=True)
     if cfg.mesh.world_size == 1:
-        from framework.data.tokens import DataChanged
-
         try:
             trainer.run(cfg, run_dir)
         except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
@@ -471,9 +470,10 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
     try:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
-        raise JobFailed(
-            f"ranks failed (see {run_dir / 'train.log'}): {e.get_first_failure()[1].message}", 1
-        ) from e
+        message = e.get_first_failure()[1].message
+        if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.worker.tell_launcher
+            raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
+        raise JobFailed(f"ranks failed (see {run_dir / 'train.log'}): {message}", 1) from e
     finish_run(run_dir, cfg)
     if signum is not None:
         # Preemption: exit 0 (the scheduler requeues; the same run dir resumes) only when the ranks
@@ -486,7 +486,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
     return _check_saves(run_dir)
 
 
-def data_changed_report(run_dir: Path, cfg: Config, e: Exception) -> str:
+def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
     """One line: which data file changed, and which checkpoints the run keeps."""
     from framework.checkpoint import store
     from framework.trainer import checkpoint_root

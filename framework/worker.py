@@ -33,6 +33,18 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         root.addHandler(handler)
 
 
+def tell_launcher(message: str) -> None:
+    """Hand ``message`` to torch's elastic agent (its per-rank error file): the launcher's
+    ``ChildFailedError`` then carries it, and framework.entry reports it as the run's one line."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+
+
 def main(run_dir: Path) -> int:
     import os
 
@@ -48,6 +60,7 @@ def main(run_dir: Path) -> int:
         return 0
     except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
+        tell_launcher(str(e))
         return 1
     except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
         logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())

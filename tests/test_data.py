@@ -131,7 +131,7 @@ def test_default_batches_are_pinned() -> None:
     assert v.hexdigest() == "a71d93074bb080cc7bdedb06165a85b6c66db856357cfea09ae11b75e98c7ead"
 
 
-def _run_and_change(tmp_path: Path, data: Path, source: str, change) -> None:
+def _run_and_change(tmp_path: Path, data: Path, source: str, change, *extra: str) -> None:
     """A real ``train.py`` run on ``data`` that saves every 2 steps; ``change(data)`` once two
     checkpoints are committed. Asserts the run stops non-zero (not by a signal) with one line
     naming the file, its sizes and the checkpoints kept, intact and with no LOCK left behind."""
@@ -147,7 +147,7 @@ def _run_and_change(tmp_path: Path, data: Path, source: str, change) -> None:
     ckpts = run / "checkpoints"
     overrides = [f"hydra.run.dir={run}", f"data={source}", f"data.path={data}", "train.steps=100000"]
     overrides += ["train.seq_len=16", "train.global_batch_size=4", "train.eval_every=0", "freeze=none"]
-    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
+    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RUN_STAMP", None)
     root = Path(__file__).resolve().parent.parent
@@ -192,6 +192,19 @@ def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpo
     data = tmp_path / "d.bin"
     write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
     _run_and_change(tmp_path, data, "tokens", lambda f: os.truncate(f, 1000))
+
+
+def test_a_token_file_truncated_under_two_ranks_is_the_same_one_line(tmp_path: Path) -> None:
+    """Self-launched ranks: the rank that sees the change hands its line to the launcher (the
+    elastic agent's error file), which said only "ranks failed ... To enable traceback see"."""
+    import os
+
+    from framework.data.tokens import write_tokens
+
+    data = tmp_path / "d.bin"
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
+    change = lambda f: os.truncate(f, 1000)  # noqa: E731
+    _run_and_change(tmp_path, data, "tokens", change, "mesh=2", "run.oversubscribe=true")
 
 
 def test_a_jsonl_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:

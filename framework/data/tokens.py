@@ -25,6 +25,9 @@ SCAN_CHUNK = 64 * 1024 * 1024  # tokens per chunk of the id-range scan (bounded 
 WRITTEN_BY = "framework.data prepare"
 
 
+DATA_CHANGED = "data file "  # how every DataChanged message starts (the launcher recognises it)
+
+
 class DataChanged(Exception):
     """A data file changed on disk while the run read it. Reading a truncated memory map past its
     new end is a SIGBUS that kills the process (and leaves its checkpoint LOCK); so the sampler
@@ -53,10 +56,10 @@ def check_unchanged(stamps: list[FileStamp]) -> None:
         try:
             st = os.stat(s.path)
         except OSError:
-            raise DataChanged(f"data file {s.path} was removed during the run") from None
+            raise DataChanged(f"{DATA_CHANGED}{s.path} was removed during the run") from None
         if (st.st_size, st.st_mtime_ns, st.st_ino) != (s.size, s.mtime_ns, s.inode):
             raise DataChanged(
-                f"data file {s.path} changed during the run (size {s.size} -> {st.st_size} bytes)"
+                f"{DATA_CHANGED}{s.path} changed during the run (size {s.size} -> {st.st_size} bytes)"
             )
 
 
