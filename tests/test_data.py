@@ -131,8 +131,11 @@ def test_default_batches_are_pinned() -> None:
     assert v.hexdigest() == "a71d93074bb080cc7bdedb06165a85b6c66db856357cfea09ae11b75e98c7ead"
 
 
-def _run_and_change(tmp_path: Path, data: Path, source: str, change, *extra: str) -> None:
-    """A real ``train.py`` run on ``data`` that saves every 2 steps; ``change(data)`` once two
+SMALL = ("train.seq_len=16", "train.global_batch_size=4")
+
+
+def run_and_change(tmp_path: Path, data: Path, change, *extra: str) -> None:
+    """A real ``train.py`` run (``extra`` overrides) on ``data`` that saves every 2 steps; ``change(data)`` once two
     checkpoints are committed. Asserts the run stops non-zero (not by a signal) with one line
     naming the file, its sizes and the checkpoints kept, intact and with no LOCK left behind."""
     import os
@@ -145,9 +148,9 @@ def _run_and_change(tmp_path: Path, data: Path, source: str, change, *extra: str
 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    overrides = [f"hydra.run.dir={run}", f"data={source}", f"data.path={data}", "train.steps=100000"]
-    overrides += ["train.seq_len=16", "train.global_batch_size=4", "train.eval_every=0", "freeze=none"]
-    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0", *extra]
+    overrides = [f"hydra.run.dir={run}", *extra, f"data.path={data}", "train.steps=100000"]
+    overrides += ["train.eval_every=0", "freeze=none"]
+    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RUN_STAMP", None)
     root = Path(__file__).resolve().parent.parent
@@ -191,7 +194,7 @@ def test_a_token_file_truncated_mid_run_stops_it_in_one_line_keeping_the_checkpo
 
     data = tmp_path / "d.bin"
     write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
-    _run_and_change(tmp_path, data, "tokens", lambda f: os.truncate(f, 1000))
+    run_and_change(tmp_path, data, lambda f: os.truncate(f, 1000), "data=tokens", *SMALL)
 
 
 def test_a_token_file_truncated_under_two_ranks_is_the_same_one_line(tmp_path: Path) -> None:
@@ -204,7 +207,7 @@ def test_a_token_file_truncated_under_two_ranks_is_the_same_one_line(tmp_path: P
     data = tmp_path / "d.bin"
     write_tokens(data, np.random.default_rng(0).integers(0, 256, 400_000), 256)
     change = lambda f: os.truncate(f, 1000)  # noqa: E731
-    _run_and_change(tmp_path, data, "tokens", change, "mesh=2", "run.oversubscribe=true")
+    run_and_change(tmp_path, data, change, "data=tokens", *SMALL, "mesh=2", "run.oversubscribe=true")
 
 
 def test_a_jsonl_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
@@ -217,4 +220,4 @@ def test_a_jsonl_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp
     def cut(f: Path) -> None:
         f.write_bytes(f.read_bytes()[:5000] + b'{"text": "half')
 
-    _run_and_change(tmp_path, data, "jsonl", cut)
+    run_and_change(tmp_path, data, cut, "data=jsonl", *SMALL)

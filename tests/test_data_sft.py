@@ -292,3 +292,17 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     answers = "".join(m["content"] + "<|end_of_text|>" for m in msgs if m["role"] == "assistant")
     assert tok.decode(y[0][trained]) == answers
     assert tok.decode(x[0][: int(trained.nonzero()[0]) + 1]).endswith("<|assistant|>\n")
+
+
+def test_an_sft_file_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
+    """recipe=sft_tiny on a copy of its conversations, cut mid-line during the run: one line naming
+    the file (not the parser's traceback on the broken line), checkpoints kept, no LOCK."""
+    from tests.test_data import run_and_change
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(SHIPPED / "train.jsonl", data)
+
+    def cut(f: Path) -> None:
+        f.write_bytes(f.read_bytes()[:3000] + b'{"messages": [')
+
+    run_and_change(tmp_path, data, cut, "recipe=sft_tiny", "logger.plot=false")

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from framework.config import DataSource
 from framework.data.tokens import FileStamp, check_unchanged
@@ -257,6 +257,21 @@ def hf_records(spec: SourceSpec, ds: Any, skip: int = 0) -> Iterator[Record]:
 
 
 CHECK_EVERY = 256  # records between two checks that the files are unchanged (an os.stat each)
+T = TypeVar("T")
+
+
+def watched(records: Iterator[T], stamps: list[FileStamp]) -> Iterator[T]:
+    """``records``, checking every ``CHECK_EVERY`` records, at the end and on any read error that
+    the files are as stamped: an edit raises DataChanged, not what the new bytes fail on."""
+    try:
+        for i, rec in enumerate(records):
+            if i % CHECK_EVERY == 0:
+                check_unchanged(stamps)
+            yield rec
+    except (ValueError, OSError):
+        check_unchanged(stamps)
+        raise
+    check_unchanged(stamps)
 
 
 class Records:
@@ -281,18 +296,7 @@ class Records:
     def iterate(self, skip: int = 0) -> Iterator[Record]:
         if self.ds is not None:
             return hf_records(self.spec, self.ds, skip)
-        return self._checked(file_records(self.spec, self.files, skip))
-
-    def _checked(self, records: Iterator[Record]) -> Iterator[Record]:
-        try:
-            for i, rec in enumerate(records):
-                if i % CHECK_EVERY == 0:
-                    check_unchanged(self.stamps)
-                yield rec
-        except (ValueError, OSError):
-            check_unchanged(self.stamps)  # edited under us: say so, not what its new bytes look like
-            raise
-        check_unchanged(self.stamps)
+        return watched(file_records(self.spec, self.files, skip), self.stamps)
 
     @property
     def total_bytes(self) -> int:
