@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from framework.checkpoint import export_hf, to_hf_state_dict
 from framework.checkpoint.export_hf import permute_rope_rows
@@ -83,6 +83,12 @@ def test_export_out_must_be_a_folder_outside_the_checkpoint_root(tmp_path: Path)
         with pytest.raises(ValueError, match=fragment):
             check_out_dir(out, step)
     check_out_dir(tmp_path / "run" / "hf", step)  # beside the checkpoints: fine
+    other = tmp_path / "other_model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="export-hf did not write"):
+        check_out_dir(other, step)
+    check_out_dir(other, step, force=True)
 
 
 def test_unknown_keys_are_refused() -> None:
@@ -176,6 +182,17 @@ def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
         load_file(str(tmp_path / "cli" / "model.safetensors")),
     )
     assert sorted(exported) == sorted(cli) and all(torch.equal(exported[k], cli[k]) for k in cli)
+    assert checkpoint_cli(["export-hf", str(step), str(tmp_path / "cli")]) == 0  # its own export again
+    # Another model's folder (a real safetensors and config) survives byte for byte; --force replaces it.
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"w": torch.arange(6.0)}, str(other / "model.safetensors"))
+    (other / "config.json").write_text('{"model_type": "gpt2"}\n')
+    before = {f.name: f.read_bytes() for f in other.iterdir()}
+    assert checkpoint_cli(["export-hf", str(step), str(other)]) == 2
+    assert {f.name: f.read_bytes() for f in other.iterdir()} == before
+    assert checkpoint_cli(["export-hf", str(step), str(other), "--force"]) == 0
+    assert sorted(load_file(str(other / "model.safetensors"))) == sorted(cli)
     # The exported folders load with AutoTokenizer as they are (the byte tokenizer: ids = bytes).
     from transformers import AutoTokenizer
 

@@ -137,3 +137,46 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_work(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: OUT '{out}'") and message in err[0], err
     assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == []
+
+
+def test_prepare_and_tokenizer_train_refuse_to_overwrite_a_file_they_did_not_write(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """``prepare tokenizer.bin`` wrote its sidecar over ``tokenizer.json``; ``tokenizer train d.json``
+    its tokenizer over the sidecar of ``d.bin``: each exits 2 with one line, the file byte for byte
+    intact; ``--force`` replaces it; a file the command wrote itself is replaced without it."""
+    tok_json = tmp_path / "tokenizer.json"
+    tok_json.write_bytes(corpus.bpe.read_bytes())
+    before = tok_json.read_bytes()
+    prep = ["prepare", str(tmp_path / "tokenizer.bin"), str(corpus.jsonl), "--workers", "1"]
+    assert main(prep) == 2
+    assert tok_json.read_bytes() == before and not (tmp_path / "tokenizer.bin").exists()
+    (tmp_path / "plain.bin").write_bytes(b"not tokens")  # no sidecar: not ours either
+    assert main(["prepare", str(tmp_path / "plain.bin"), str(corpus.jsonl), "--workers", "1"]) == 2
+    assert (tmp_path / "plain.bin").read_bytes() == b"not tokens"
+    assert main([*prep, "--force"]) == 0
+    assert json.loads(tok_json.read_text())["dtype"] == "uint16"
+    assert main(prep) == 0  # its own sidecar now: replaced as before
+
+    assert main(["prepare", str(tmp_path / "d.bin"), str(corpus.jsonl), "--workers", "1"]) == 0
+    side = tmp_path / "d.json"
+    sidecar = side.read_bytes()
+    train = ["tokenizer", "train", str(side), str(corpus.jsonl), "--vocab-size", "300"]
+    assert main(train) == 2
+    assert side.read_bytes() == sidecar
+    assert main([*train, "--force"]) == 0
+    assert load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(side))).vocab_size == 300
+    assert main(train) == 0  # a tokenizer it trained: replaced as before
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert (
+        main(["tokenizer", "train", str(tmp_path / "notes.txt"), str(corpus.jsonl), "--vocab-size", "300"])
+        == 2
+    )
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_the_refusal_is_one_line_naming_the_file(corpus: Corpus, tmp_path: Path, capsys) -> None:
+    (tmp_path / "t.json").write_bytes(corpus.bpe.read_bytes())
+    assert main(["prepare", str(tmp_path / "t.bin"), str(corpus.jsonl), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "t.json" in err and "--force" in err

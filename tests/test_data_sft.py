@@ -320,3 +320,17 @@ def test_an_unbounded_chat_template_is_refused_before_launch(
     # The same template without the unbounded part renders (the budget does not refuse real work).
     (tok / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": ECHO}))
     check_data(make_cfg(SHIPPED / "train.jsonl", tok, sft_pack=False))
+
+
+def test_an_sft_file_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints(tmp_path: Path) -> None:
+    """recipe=sft_tiny on a copy of its conversations, cut mid-line during the run: one line naming
+    the file (not the parser's traceback on the broken line), checkpoints kept, no LOCK."""
+    from tests.test_data import run_and_change
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(SHIPPED / "train.jsonl", data)
+
+    def cut(f: Path) -> None:
+        f.write_bytes(f.read_bytes()[:3000] + b'{"messages": [')
+
+    run_and_change(tmp_path, data, cut, "recipe=sft_tiny", "logger.plot=false")

@@ -25,12 +25,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the run's config.yaml (default: two levels above the step dir)",
     )
+    exp.add_argument(
+        "--force", action="store_true", help="replace the files of an OUT folder export-hf did not write"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from framework.checkpoint.export_hf import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.config)
+        out = export_checkpoint(args.checkpoint, args.out, args.config, args.force)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

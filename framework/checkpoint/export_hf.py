@@ -26,6 +26,8 @@ from framework.data.tokenizer import Tokenizer
 from framework.models import family, model_spec
 
 log = logging.getLogger("framework")
+# Written into every export: ``export-hf`` replaces a folder holding it, and refuses another model's.
+EXPORT_MARKER = "framework_export.json"
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -155,6 +157,8 @@ def export_hf(
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = generation_config(bos, eos)
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    marker = {"written_by": "framework.checkpoint export-hf", "architecture": cfg["architectures"]}
+    (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     if not save_tokenizer(tokenizer, out_dir):
         log.warning("HF export %s: no tokenizer given, so AutoTokenizer will not load the folder", out_dir)
     return out_dir
@@ -180,10 +184,11 @@ def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_out_dir(out_dir: Path, step_dir: Path) -> None:
+def check_out_dir(out_dir: Path, step_dir: Path, force: bool = False) -> None:
     """OUT must be a folder outside the checkpoint root: an existing file was a FileExistsError
     traceback, and files written into a step dir lie beside its manifest, so that checkpoint would
-    be rejected as foreign at the next resume."""
+    be rejected as foreign at the next resume. A non-empty folder without ``EXPORT_MARKER`` (another
+    model's, whose weights and config the export overwrote) is refused unless ``force``."""
     out = out_dir.expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(
@@ -195,16 +200,24 @@ def check_out_dir(out_dir: Path, step_dir: Path) -> None:
             f"OUT={str(out_dir)!r} is inside the checkpoint root {str(root)!r}: files beside a checkpoint "
             "make it fail its manifest check; valid: a folder outside it (e.g. RUN_DIR/hf)"
         )
+    if not force and out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ValueError(
+            f"OUT={str(out_dir)!r} is a folder export-hf did not write (no {EXPORT_MARKER}): refusing to "
+            "overwrite it; valid: a new or empty folder, an earlier export, or --force to replace its files"
+        )
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None = None) -> Path:
+def export_checkpoint(
+    checkpoint: Path, out_dir: Path, run_config: Path | None = None, force: bool = False
+) -> Path:
     """``python -m framework.checkpoint export-hf``: a framework checkpoint -> a Hugging Face folder.
 
     ``checkpoint``: a ``step_N`` dir, a checkpoint root or a run dir (its newest complete
     checkpoint). The model shape comes from the checkpoint (``extra.json``) or the run's
     ``config.yaml`` (``run_config``, default two levels above the step dir), which also gives the
     tokenizer and ``max_position_embeddings`` (the training ``seq_len``). Raises ValueError when the
-    path is not a checkpoint or its shape cannot be found.
+    path is not a checkpoint or its shape cannot be found, or OUT holds what export-hf did not
+    write (unless ``force``).
     """
     import dataclasses
 
@@ -221,7 +234,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, run_config: Path | None =
             f"CHECKPOINT={str(checkpoint)!r} is not a framework checkpoint; valid: a step_N dir "
             "(with manifest.json), a checkpoint root or a run dir holding one"
         )
-    check_out_dir(Path(out_dir), step_dir)
+    check_out_dir(Path(out_dir), step_dir, force)
     run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
     cfg = None
     if run_config.is_file():

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--column", default="text", help="parquet: the column of the document text")
     p.add_argument("--workers", type=int, default=0, help="encoding processes (0 = one per core, at most 8)")
     p.add_argument("--add-bos", action="store_true", help="put BOS before every document")
+    p.add_argument("--force", action="store_true", help="replace an OUT / OUT.json prepare did not write")
     t = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = t.add_subparsers(dest="tcmd", required=True)
     tr = tsub.add_parser("train", help="train a byte-level BPE (tokenizers) on files; writes OUT.json")
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--vocab-size", type=vocab_size, required=True)
     tr.add_argument("--field", default="text")
     tr.add_argument("--column", default="text")
+    tr.add_argument("--force", action="store_true", help="replace an OUT that is not a trained tokenizer")
     args = parser.parse_args(argv)
     if args.cmd == "prepare" and args.workers < 0:
         parser.error(f"--workers {args.workers}: valid: 0 (one per core, at most 8) or a count >= 1")
@@ -88,17 +90,29 @@ def _prepare(args: argparse.Namespace) -> int:
 
     tok = TokenizerConfig(kind=TokenizerKind(args.tokenizer), path=args.tokenizer_path)
     source = DataSource(args.source) if args.source else None
-    n = prepare(args.out, args.inputs, tok, source, args.field, args.column, args.workers, args.add_bos)
+    n = prepare(
+        args.out,
+        args.inputs,
+        tok,
+        source,
+        args.field,
+        args.column,
+        args.workers,
+        args.add_bos,
+        force=args.force,
+    )
     print(f"wrote {n} tokens to {args.out} (sidecar {args.out.with_suffix('.json')})")
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from framework.data.prepare import check_outputs, input_files, records_of
-    from framework.data.tokenizer import train_bpe
+    from framework.data.prepare import check_outputs, input_files, records_of, refuse_foreign
+    from framework.data.tokenizer import is_trained_bpe, train_bpe
 
     files = input_files(args.inputs, None)
     check_outputs([args.out], files)
+    if args.out.exists() and not is_trained_bpe(args.out):
+        refuse_foreign(args.out, "not a tokenizer `tokenizer train` wrote", args.force)
     texts = (text for text, _, _ in records_of(files, args.field, args.column))
     tok = train_bpe(args.out, texts, args.vocab_size)
     print(

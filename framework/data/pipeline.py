@@ -260,8 +260,10 @@ def _sources(
         train = None if corpus is None else corpus.train
         val = None if corpus is None else corpus.val
         desc = "synthetic tokens" if corpus is None else corpus.description
+        windows = RandomWindows(train, cfg.model.vocab_size, window, seed, index)
+        windows.stamps = [] if corpus is None else corpus.stamps
         return (
-            RandomWindows(train, cfg.model.vocab_size, window, seed, index),
+            windows,
             RandomWindows(val, cfg.model.vocab_size, window, VAL_SEED, index),
             desc,
         )
@@ -315,6 +317,7 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
             dp_size,
             t.seed,
         )
+        sampler.stamps = [] if corpus is None else corpus.stamps
         val = []
         if t.eval_every > 0:
             val = validation_batches(

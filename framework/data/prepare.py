@@ -22,7 +22,7 @@ from tqdm import tqdm
 from framework.config.schema import DataSource, TokenizerConfig
 from framework.data.records import PIECE_BYTES, Record, SourceSpec, file_records, is_sidecar, resolve_files
 from framework.data.tokenizer import Tokenizer, load_tokenizer
-from framework.data.tokens import TokenWriter
+from framework.data.tokens import TokenWriter, is_our_sidecar
 
 CHUNK_RECORDS = 256  # records per task sent to a worker
 SOURCE_BY_SUFFIX = {".jsonl": DataSource.jsonl, ".json": DataSource.jsonl, ".parquet": DataSource.parquet}
@@ -74,6 +74,26 @@ def check_outputs(outputs: list[Path], files: list[tuple[DataSource, Path]]) -> 
             )
 
 
+def refuse_foreign(path: Path, what: str, force: bool) -> None:
+    """Refuse to replace ``path``, a file this command did not write (``what`` says what it is),
+    unless ``--force``: ``prepare`` wrote its sidecar over a tokenizer.json, ``tokenizer train``
+    its tokenizer over a token file's sidecar."""
+    if not force:
+        raise ValueError(
+            f"{str(path)!r} exists and is {what}, not written by this command: refusing to overwrite it; "
+            "choose another output name, or pass --force to replace it"
+        )
+
+
+def check_prepare_outputs(out: Path, force: bool) -> None:
+    """A token file is ours when its sidecar is; anything else at OUT or OUT.json is not."""
+    side = out.with_suffix(".json")
+    if side.exists() and not is_our_sidecar(side):
+        refuse_foreign(side, "not a token file's sidecar", force)
+    elif out.exists() and not side.exists():
+        refuse_foreign(out, "a file without a token sidecar", force)
+
+
 def records_of(files: list[tuple[DataSource, Path]], field: str, column: str) -> Iterator[Record]:
     for src, f in files:
         yield from file_records(SourceSpec(src, str(f), field, column, key="input"), [f])
@@ -123,10 +143,12 @@ def prepare(
     workers: int = 0,
     add_bos: bool = False,
     progress: bool | None = None,
+    force: bool = False,
 ) -> int:
     """Tokenize ``inputs`` into ``out`` (+ sidecar); returns the number of tokens written.
 
     ``workers=0``: one per CPU core (at most 8); ``workers=1`` encodes in this process.
+    ``force`` replaces an OUT / OUT.json that ``prepare`` did not write (refused otherwise).
     """
     tok_cfg = tokenizer or TokenizerConfig()
     tok = load_tokenizer(tok_cfg)
@@ -139,6 +161,7 @@ def prepare(
         )
     files = input_files(inputs, source)
     check_outputs([out, out.with_suffix(".json")], files)
+    check_prepare_outputs(out, force)
     total = sum(f.stat().st_size for _, f in files)
     workers = workers or min(8, os.cpu_count() or 1)
     writer = TokenWriter(out, tok.vocab_size)

@@ -19,10 +19,11 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from framework.config.schema import DataSource
 from framework.data.tokenizer import needs
+from framework.data.tokens import FileStamp, check_unchanged
 
 Record = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 PIECE_BYTES = 16 * 1024
@@ -296,8 +297,30 @@ def hf_records(spec: SourceSpec, ds: Any, skip: int = 0) -> Iterator[Record]:
             yield ("" if text is None else str(text)), True, True
 
 
+CHECK_EVERY = 256  # records between two checks that the files are unchanged (an os.stat each)
+T = TypeVar("T")
+
+
+def watched(records: Iterator[T], stamps: list[FileStamp]) -> Iterator[T]:
+    """``records``, checking every ``CHECK_EVERY`` records, at the end and on any read error that
+    the files are as stamped: an edit raises DataChanged, not what the new bytes fail on."""
+    try:
+        for i, rec in enumerate(records):
+            if i % CHECK_EVERY == 0:
+                check_unchanged(stamps)
+            yield rec
+    except (ValueError, OSError):
+        check_unchanged(stamps)
+        raise
+    check_unchanged(stamps)
+
+
 class Records:
-    """The ordered records of one source: ``iterate(skip)`` yields them from record ``skip`` on."""
+    """The ordered records of one source: ``iterate(skip)`` yields them from record ``skip`` on.
+
+    The files are stamped when opened and checked every ``CHECK_EVERY`` records and on any read
+    error: a file edited during the run stops it with ``DataChanged`` (one line naming the file),
+    not with whatever its new bytes fail on (a traceback through the packer thread)."""
 
     def __init__(self, spec: SourceSpec, path: str | None = None, files: list[Path] | None = None) -> None:
         self.spec = spec
@@ -309,11 +332,12 @@ class Records:
             self.ds = load_hf(spec, path)
         else:
             self.files = resolve_files(spec, path)
+        self.stamps = [FileStamp.of(f) for f in self.files]
 
     def iterate(self, skip: int = 0) -> Iterator[Record]:
         if self.ds is not None:
             return hf_records(self.spec, self.ds, skip)
-        return file_records(self.spec, self.files, skip)
+        return watched(file_records(self.spec, self.files, skip), self.stamps)
 
     @property
     def total_bytes(self) -> int:

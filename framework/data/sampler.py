@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 
 from framework.config.schema import DataConfig, DataSource
 from framework.data.records import SourceSpec, resolve_files
-from framework.data.tokens import open_token_paths
+from framework.data.tokens import FileStamp, check_unchanged, open_token_paths
 
 # Cap on the stdlib corpus: ~30 MB of source would take seconds to read for no benefit on a tiny model.
 STDLIB_MAX_BYTES = 8 * 1024 * 1024
@@ -37,6 +37,7 @@ class Corpus:
     val: np.ndarray
     vocab_size: int
     description: str
+    stamps: list[FileStamp] = field(default_factory=list)  # the token files as opened (memory-mapped)
 
 
 def stdlib_files() -> list[Path]:
@@ -88,13 +89,17 @@ def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int, scan: bool = Fal
         if cfg.path is None:
             raise ValueError("data.source=tokens needs data.path=<token file .bin, a folder or a glob>")
         spec = SourceSpec(DataSource.tokens, cfg.path)
-        train, vocab = open_token_paths(token_files(spec, cfg.path), scan=scan)
+        files = token_files(spec, cfg.path)
+        train, vocab = open_token_paths(files, scan=scan)
+        stamps = [FileStamp.of(f) for f in files]
         if cfg.val_path is not None:
-            val, _ = open_token_paths(token_files(spec, cfg.val_path), "data.val_path", scan=scan)
+            val_files = token_files(spec, cfg.val_path)
+            val, _ = open_token_paths(val_files, "data.val_path", scan=scan)
+            stamps += [FileStamp.of(f) for f in val_files]
         else:
             split = int(train.size * (1 - cfg.val_fraction))
             train, val = train[:split], train[split:]
-        corpus = Corpus(train, val, vocab, f"token file {cfg.path}")
+        corpus = Corpus(train, val, vocab, f"token file {cfg.path}", stamps)
     if corpus.vocab_size > vocab_size:
         raise ValueError(
             f"the data's vocabulary ({corpus.vocab_size} tokens, {corpus.description}) is larger than "
@@ -141,6 +146,8 @@ class BatchSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.consumed_batches = 0
+        # The memory-mapped files ``tokens`` reads (build_data sets them): checked before each read.
+        self.stamps: list[FileStamp] = []
         # How long the last ``next_batch`` kept the training loop waiting (seconds): the loop reports
         # it per step as ``data_wait_ms`` and as a share of the step time.
         self.last_wait_s = 0.0
@@ -151,6 +158,7 @@ class BatchSampler:
         n, s = self.global_batch_size, self.seq_len + 1
         if self.tokens is None:
             return torch.randint(0, self.vocab_size, (n, s), generator=g)
+        check_unchanged(self.stamps)
         starts = torch.randint(0, self.tokens.size - s, (n,), generator=g).tolist()
         rows = np.stack([np.asarray(self.tokens[o : o + s]) for o in starts])
         return torch.from_numpy(rows.astype(np.int64))
@@ -162,6 +170,7 @@ class BatchSampler:
         if self.tokens is None:
             return self.global_batch(index)[lo : lo + per_rank]
         # Read only this rank's rows: draw the same starts, slice before touching the tokens.
+        check_unchanged(self.stamps)  # a truncated map read past its end is a SIGBUS
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         s = self.seq_len + 1
         starts = torch.randint(0, self.tokens.size - s, (self.global_batch_size,), generator=g).tolist()

@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from framework.config.schema import DataConfig
-from framework.data.records import json_line
+from framework.data.records import json_line, watched
 from framework.data.tokenizer import Tokenizer, eos_fix
+from framework.data.tokens import FileStamp
 from framework.model import DOC_START
 
 log = logging.getLogger("framework")
@@ -401,6 +402,7 @@ class SFTWindows:
         self.pack = pack
         self.keep, self.encode_batch, self.label = keep, max(1, encode_batch), label
         self.pad = int(fmt.tok.eos_id)  # type: ignore[arg-type]  # ChatFormat refuses a tokenizer without EOS
+        self.stamps = [FileStamp.of(f) for f in self.files]  # an edit mid-run: DataChanged (records.watched)
         self.seek({"epoch": 0, "record": 0})
 
     def seek(self, state: dict[str, int]) -> None:
@@ -416,7 +418,7 @@ class SFTWindows:
         while True:
             produced = False
             batch: list[tuple[int, str, list[dict]]] = []
-            records = read_records(self.files, self.fields, skip=start)
+            records = watched(read_records(self.files, self.fields, skip=start), self.stamps)
             for n, (where, msgs) in enumerate(records, start):
                 if self.keep(n):
                     batch.append((n, where, msgs))

@@ -33,6 +33,7 @@ import torch
 from framework.data.records import Records
 from framework.data.sft import split_rows
 from framework.data.tokenizer import Tokenizer
+from framework.data.tokens import FileStamp, check_unchanged
 
 # Mixes the batch index into the source-choice generator's seed (distinct from BatchSampler's stream).
 MIX_SALT = 7_919
@@ -165,6 +166,7 @@ class RandomWindows:
         self.tokens, self.vocab_size, self.window = tokens, vocab_size, window
         self.seed, self.salt = seed, salt
         self.drawn = 0
+        self.stamps: list[FileStamp] = []  # the memory-mapped files of ``tokens``: checked before a read
 
     def take(self, n: int) -> np.ndarray:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.salt) * 1_000_033 + self.drawn)
@@ -172,6 +174,7 @@ class RandomWindows:
         if self.tokens is None:
             return torch.randint(0, self.vocab_size, (n, self.window), generator=g).numpy()
         starts = torch.randint(0, self.tokens.size - self.window, (n,), generator=g).tolist()
+        check_unchanged(self.stamps)  # a truncated map read past its end is a SIGBUS
         return np.stack([np.asarray(self.tokens[o : o + self.window], dtype=np.int64) for o in starts])
 
     def state(self) -> dict[str, int]:

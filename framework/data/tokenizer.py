@@ -334,6 +334,19 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = N
         )
 
 
+def is_trained_bpe(path: Path) -> bool:
+    """Whether ``path`` is a tokenizer ``train_bpe`` wrote (a BPE whose only added tokens are
+    ``TRAIN_BOS``/``TRAIN_EOS``): ``tokenizer train`` replaces only such a file."""
+    try:
+        blob = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(blob, dict) or not isinstance(blob.get("model"), dict):
+        return False
+    added = [t.get("content") for t in blob.get("added_tokens") or [] if isinstance(t, dict)]
+    return blob["model"].get("type") == "BPE" and added == [TRAIN_BOS, TRAIN_EOS]
+
+
 def train_bpe(out: Path, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 / Llama-3 style) with ``tokenizers``; writes ``out`` (JSON)."""
     from tokenizers import Tokenizer as HFTok

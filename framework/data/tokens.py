@@ -8,6 +8,8 @@ both digests, because its ids would mean other words. Files are memory-mapped, n
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,46 @@ LEGACY_BYTES = "bytes"
 # Text files given as a token file: which data= option reads them.
 TEXT_SOURCES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".md": "text"}
 SCAN_CHUNK = 64 * 1024 * 1024  # tokens per chunk of the id-range scan (bounded memory on any file size)
+# The field every sidecar this framework writes carries: `prepare` replaces only a file it wrote.
+WRITTEN_BY = "framework.data prepare"
+
+
+DATA_CHANGED = "data file "  # how every DataChanged message starts (the launcher recognises it)
+
+
+class DataChanged(Exception):
+    """A data file changed on disk while the run read it. Reading a truncated memory map past its
+    new end is a SIGBUS that kills the process (and leaves its checkpoint LOCK); so the sampler
+    checks the file before each batch and stops the run with this one line instead."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a data file was when the run opened it: its size, mtime and inode."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileStamp:
+        st = os.stat(path)
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def check_unchanged(stamps: list[FileStamp]) -> None:
+    """Raise DataChanged naming the first file whose size, mtime or inode differs from its stamp
+    (one ``os.stat`` per file: cheap next to a batch)."""
+    for s in stamps:
+        try:
+            st = os.stat(s.path)
+        except OSError:
+            raise DataChanged(f"{DATA_CHANGED}{s.path} was removed during the run") from None
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != (s.size, s.mtime_ns, s.inode):
+            raise DataChanged(
+                f"{DATA_CHANGED}{s.path} changed during the run (size {s.size} -> {st.st_size} bytes)"
+            )
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -56,6 +98,7 @@ class TokenWriter:
             "num_tokens": self.num_tokens,
             "max_id": self.max_id,
             **meta,
+            "written_by": WRITTEN_BY,
         }
         self.path.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
 
@@ -67,6 +110,19 @@ def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int, meta: dict[str
     w = TokenWriter(path, vocab_size)
     w.write(np.asarray(tokens))
     w.close(meta or {"tokenizer": "bytes", "tokenizer_digest": ByteTokenizer().digest()})
+
+
+def is_our_sidecar(path: Path) -> bool:
+    """Whether ``path`` is a sidecar this framework wrote: it carries ``written_by``, or (written
+    before the marker) the fields only a sidecar has; a tokenizer.json or a jsonl is not."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(meta, dict):
+        return False
+    legacy = meta.get("dtype") in TOKEN_DTYPES and {"vocab_size", "num_tokens", "max_id"} <= meta.keys()
+    return meta.get("written_by") == WRITTEN_BY or legacy
 
 
 def read_sidecar(path: Path, key: str = "data.path") -> dict[str, Any]:

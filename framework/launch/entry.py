@@ -44,6 +44,7 @@ from framework.config.schema import (
     to_config,
     to_yaml,
 )
+from framework.data.tokens import DATA_CHANGED, DataChanged
 from framework.kernels import fa4, float8, fused_ce, target
 from framework.launch import sweep
 from framework.launch.ranks import (
@@ -506,6 +507,8 @@ def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
 
     try:
         trainer.run(cfg, run_dir)
+    except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
+        raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
     finally:
         _end_in_process_group()
     finish_run(run_dir, cfg)
@@ -524,6 +527,9 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
     try:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
+        message = e.get_first_failure()[1].message
+        if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.launch.worker.tell_launcher
+            raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
         ) from e
@@ -537,6 +543,17 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
             raise JobFailed(message, 128 + signum)
         log.warning("%s", message)
     return _check_saves(run_dir)
+
+
+def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
+    """One line: which data file changed, and which checkpoints the run keeps."""
+    from framework.checkpoint import store
+    from framework.train.trainer import checkpoint_root
+
+    committed = store.committed(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else []
+    if not committed:
+        return f"{e}; no checkpoint was saved"
+    return f"{e}; the checkpoints up to step {committed[-1][0]} are kept ({committed[-1][1].parent})"
 
 
 def preemption(run_dir: Path, since: float) -> dict | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.config.schema import to_config
+from framework.data.tokens import DataChanged
 from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
 
@@ -33,6 +34,18 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         root.addHandler(handler)
 
 
+def tell_launcher(message: str) -> None:
+    """Hand ``message`` to torch's elastic agent (its per-rank error file): the launcher's
+    ``ChildFailedError`` then carries it, and framework.launch.entry reports it as the run's one line."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+
+
 def main(run_dir: Path) -> int:
     import os
 
@@ -46,6 +59,10 @@ def main(run_dir: Path) -> int:
         cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
         trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
+    except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
+        logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
+        tell_launcher(str(e))
+        return 1
     except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
         logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
         return 1
