@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
+from framework.launch.rules import check_model_shape  # noqa: E402
 from framework.model import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
@@ -41,6 +42,11 @@ FAST = [
     "freeze=none",
     "logger.plot=false",
 ]
+
+
+def resolve(cfg: Config, overrides: list[str]) -> Config:
+    """``init_from.resolve`` with the launcher's model rules, as train.py calls it."""
+    return init_from.resolve(cfg, overrides, check_shape=check_model_shape)
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -74,19 +80,19 @@ def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: d
     src = str(hf_dirs["gqa_untied"])
     # The recipe's shape (llama_tiny's dim 128) is replaced; an agreeing override is fine.
     cfg = Config(model=ModelConfig(init_from=src, dim=64, name="ft"))
-    resolved = init_from.resolve(cfg, ["model.name=ft", "model.dim=64"])
+    resolved = resolve(cfg, ["model.name=ft", "model.dim=64"])
     assert (resolved.model.dim, resolved.model.n_kv_heads, resolved.model.tie_embeddings) == (64, 2, False)
     assert (resolved.model.rope_theta, resolved.model.name, resolved.model.init_from) == (500000.0, "ft", src)
-    assert init_from.resolve(Config(model=ModelConfig(init_from=src)), []).model.dim == 64
+    assert resolve(Config(model=ModelConfig(init_from=src)), []).model.dim == 64
     # The family and its shape come from config.json too (model_type qwen3, head_dim 24 != 48 / 3).
-    qwen3 = init_from.resolve(
+    qwen3 = resolve(
         Config(model=ModelConfig(init_from=str(hf_dirs["qwen3_untied_3heads_hd24"]))), []
     )
     assert (qwen3.model.family, qwen3.model.head_dim, qwen3.model.dim) == (ModelFamily.qwen3, 24, 48)
     with pytest.raises(
         ValueError, match=r"model\.family=llama on the command line contradicts .* model_type=qwen3"
     ):
-        init_from.resolve(
+        resolve(
             qwen3_cfg := Config(model=ModelConfig(init_from=qwen3.model.init_from)), ["model.family=llama"]
         )
     assert qwen3_cfg.model.family is ModelFamily.llama
@@ -95,7 +101,7 @@ def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: d
         ValueError,
         match=r"model\.n_heads=8 on the command line contradicts .* config.json has num_attention_heads=4",
     ):
-        init_from.resolve(contradicting, ["model.n_heads=8"])
+        resolve(contradicting, ["model.n_heads=8"])
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "qwen3_untied_3heads_hd24"])
@@ -140,7 +146,7 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     assert not torch.equal(exported["model.norm.weight"], hf_tensors(src)["model.norm.weight"])  # it trained
 
     # Framework (trained checkpoint, loaded through init_from) vs transformers on the export.
-    cfg = init_from.resolve(Config(model=ModelConfig(init_from=str(run))), [])
+    cfg = resolve(Config(model=ModelConfig(init_from=str(run))), [])
     assert cfg.model.init_from == str(run / "checkpoints" / "step_000003")
     model = build_model(cfg.model, 16)
     materialize(model, "cpu", seed=0)
@@ -168,7 +174,7 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
 
 
 def _tp_logits_diff(rank: int, world: int, source: str, expected: torch.Tensor) -> float:
-    cfg = init_from.resolve(Config(model=ModelConfig(init_from=source)), [])
+    cfg = resolve(Config(model=ModelConfig(init_from=source)), [])
     cfg.mesh.shape, cfg.sharding.strategy, cfg.sharding.tp = [2], Strategy.tp, 2
     cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = 16, 1, 1
     plan = make_plan(cfg)
@@ -196,10 +202,10 @@ def test_bad_sources_exit_2_with_one_line_and_no_run_dir(tmp_path: Path, hf_dirs
     (wrong / "model.safetensors").symlink_to(hf_dirs["mha_tied"] / "model.safetensors")
     shape = r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape \[64, 64\], the model expects \[32, 64\]"
     with pytest.raises(ValueError, match=shape):
-        init_from.resolve(Config(model=ModelConfig(init_from=str(wrong))), [])
+        resolve(Config(model=ModelConfig(init_from=str(wrong))), [])
     not_there = tmp_path / "nothing"
     with pytest.raises(ValueError, match="does not exist"):
-        init_from.resolve(Config(model=ModelConfig(init_from=str(not_there))), [])
+        resolve(Config(model=ModelConfig(init_from=str(not_there))), [])
 
 
 def _edit_config(folder: Path, **fields: object) -> None:
@@ -244,7 +250,7 @@ def test_a_bad_hf_folder_is_one_line_before_launch(tmp_path: Path, hf_dirs: dict
     shutil.copytree(hf_dirs["gqa_untied"], folder)
     edit(folder)
     with pytest.raises(ValueError) as info:
-        init_from.resolve(Config(model=ModelConfig(init_from=str(folder))), [])
+        resolve(Config(model=ModelConfig(init_from=str(folder))), [])
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"model.init_from='{folder}'") and message in msg, msg
 

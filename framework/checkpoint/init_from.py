@@ -134,15 +134,15 @@ def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: w.shape for name, w, _ in model_spec(model_cfg).params()}
 
 
-def resolve(
-    cfg: Config, overrides: list[str], check_shape: Callable[[Config], None] | None = None
-) -> Config:
+def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config], None]) -> Config:
     """Take the model shape from ``model.init_from`` and check the source against it.
 
     Returns ``cfg`` with the shape fields replaced and ``init_from`` made absolute (for a run dir or
     a checkpoint root: the concrete step dir, so every rank and ``config.yaml`` name the same one).
     Raises ValueError (one line) for a missing path, a folder with no weights, a contradicting
     command-line override (naming the key and both values), and a tensor of another name or shape.
+    ``check_shape``: the launcher's rules for the ``model`` group (framework.launch.rules, a layer
+    above this one), run on the shape read from the source before anything is listed per layer.
     """
     if cfg.model.init_from is None or not cfg.model.init_from.strip():
         return cfg  # unset; an empty string is refused by its rule (framework.launch.rules)
@@ -173,8 +173,7 @@ def resolve(
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
         # rules, passed in: this layer sits below them)
-        if check_shape is not None:
-            check_shape(dataclasses.replace(cfg, model=model_cfg))
+        check_shape(dataclasses.replace(cfg, model=model_cfg))
     except ValueError as e:
         raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
     expected = expected_shapes(model_cfg)

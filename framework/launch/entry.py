@@ -165,7 +165,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
 
     check_torch()
     check_known_keys(dcfg)
-    cfg = init_from.resolve(to_config(dcfg), overrides or [], check_model_shape)
+    cfg = init_from.resolve(to_config(dcfg), overrides or [], check_shape=check_model_shape)
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     from framework.data import check_data

@@ -270,7 +270,7 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
         cfg = compose_recipe(name, overrides)
         # The launcher's checks (framework.launch.entry.validate), in its order: an HF config.json's shape,
         # the data, a chat template's budget; bounds that only train.py enforced were "valid" here.
-        cfg = init_from.resolve(cfg, overrides, check_model_shape)
+        cfg = init_from.resolve(cfg, overrides, check_shape=check_model_shape)
         validate_mesh(cfg.mesh)
         check_rules(cfg)
         check_data(cfg)
