@@ -209,7 +209,23 @@ def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
     step = root / "step_000004"
     step.mkdir(parents=True)
     shape = shape_of(compose_config("recipe=llama_tiny").model) | saved
-    (step / "extra.json").write_text(json.dumps({"extra": {"step": 4, "model": shape}}))
+    doc = {"extra": {"step": 4, "model": shape}, "scheduler": {}, "param_groups": [], "step": 4, "world_size": 1}
+    (step / "extra.json").write_text(json.dumps(doc))  # the fields state.read_extra checks
+    from framework.checkpoint import store
+    from framework.config.schema import Integrity
+
+    (step / "rng").mkdir()
+    (step / "rng" / "rank_00000.json").write_text("{}")
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (step / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # no tensor is read
+    (step / "__0_0.distcp").write_bytes(b"")
+    names = ["extra.json", "rng/rank_00000.json", ".metadata", "__0_0.distcp"]
+    files = {n: store.file_digest(step / n, Integrity.sha256) for n in names}
+    manifest = store.Manifest(4, 1, 0.0, Integrity.sha256, files)  # a named step dir's is checked too
+    (step / store.MANIFEST).write_text(json.dumps(manifest.to_json()))
     here = [o.replace("STEP", str(step)) for o in here]
     code = train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root}", *here)
     err = capfd.readouterr().err
