@@ -127,8 +127,9 @@ def _upward(root: Path, edges: set[tuple[str, str]]) -> int | None:
     src = test.read_text()
     tree = ast.parse(src)
     for node in tree.body:  # the constants only: LAYERS, FACES, IN_MODELS
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("LAYERS", "FACES", "IN_MODELS")
-                                                 for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") in ("LAYERS", "FACES", "IN_MODELS") for t in node.targets
+        ):
             exec(compile(ast.Module([node], []), str(test), "exec"), ns)
     layers, faces, in_models = ns.get("LAYERS", []), ns.get("FACES", set()), ns.get("IN_MODELS", set())
 
@@ -143,7 +144,9 @@ def _upward(root: Path, edges: set[tuple[str, str]]) -> int | None:
         return parts[1]
 
     rank = {name: i for i, name in enumerate(layers)}
-    return sum(1 for a, b in edges if layer(a) in rank and layer(b) in rank and rank[layer(b)] > rank[layer(a)])
+    return sum(
+        1 for a, b in edges if layer(a) in rank and layer(b) in rank and rank[layer(b)] > rank[layer(a)]
+    )
 
 
 def static(root: Path) -> dict:
@@ -230,8 +233,9 @@ def dynamic(root: Path) -> dict:
         cmd = [sys.executable, "-c", PROBE, str(root), str(out), f"hydra.run.dir={tmp}/run"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if not out.exists():
-            raise SystemExit(f"{root}: the default run stopped before its first optimizer step:\n"
-                             f"{proc.stderr[-2000:]}")
+            raise SystemExit(
+                f"{root}: the default run stopped before its first optimizer step:\n{proc.stderr[-2000:]}"
+            )
         return json.loads(out.read_text())
 
 
