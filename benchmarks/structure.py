@@ -124,13 +124,10 @@ def _upward(root: Path, edges: set[tuple[str, str]]) -> int | None:
     if not test.exists():
         return None
     ns: dict = {}
-    src = test.read_text()
-    tree = ast.parse(src)
-    for node in tree.body:  # the constants only: LAYERS, FACES, IN_MODELS
-        if isinstance(node, ast.Assign) and any(
-            getattr(t, "id", "") in ("LAYERS", "FACES", "IN_MODELS") for t in node.targets
-        ):
-            exec(compile(ast.Module([node], []), str(test), "exec"), ns)
+    for node in ast.parse(test.read_text()).body:  # the constants only: LAYERS, FACES, IN_MODELS
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("LAYERS", "FACES", "IN_MODELS"):
+                ns[node.targets[0].id] = ast.literal_eval(node.value)
     layers, faces, in_models = ns.get("LAYERS", []), ns.get("FACES", set()), ns.get("IN_MODELS", set())
 
     def layer(m: str) -> str | None:
