@@ -57,7 +57,7 @@ from framework.launch.ranks import (
     spawn_local,
 )
 from framework.launch.rules import check as check_rules
-from framework.launch.rules import check_known_keys, check_model_shape
+from framework.launch.rules import check_known_keys, check_layout, check_model_shape
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -184,6 +184,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     # The layout the user fixed, before any search (None under sharding=auto, where sharding.tp pins
     # TP): read once here for the checks below; the resolved one is the plan's (prelaunch).
     declared = fixed_degrees(cfg)
+    check_layout(cfg, declared)
     tp = declared.tp if declared is not None else cfg.sharding.tp
     check_float8(cfg, device, tp)
     check_fa4(cfg, device)

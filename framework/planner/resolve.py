@@ -160,6 +160,8 @@ def load_plan(cfg: Config, run_dir: Path) -> Plan:
     try:
         plan = plan_from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{path} is not a plan written by train.py ({type(e).__name__}: {e}): relaunch the run") from e
+        raise ValueError(
+            f"{path} is not a plan written by train.py ({type(e).__name__}: {e}): relaunch the run"
+        ) from e
     check_plan(cfg, plan, str(path))
     return plan
