@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,20 +123,22 @@ def test_ranks_of_a_real_gloo_run_plan_nothing(tmp_path: Path) -> None:
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
-def test_the_worker_refuses_a_plan_of_another_config_in_one_line(tmp_path: Path) -> None:
-    """``python -m framework.worker RUN_DIR`` with a plan.json of another layout: exit 2, one line,
-    before any process group; ``load_run`` says the same in-process."""
+def run_dir_with_a_ddp_plan(tmp_path: Path) -> tuple[Path, Config]:
+    """A run dir as the launcher writes it for ``mesh=2 sharding=fsdp``, whose plan.json is then
+    replaced by the plan of ``sharding=ddp``; and its (fsdp) config."""
     run = tmp_path / "run"
     write_run_config(run, *TINY, "mesh=2", "sharding=fsdp")
     cfg, _ = load_run(run)
-    other = resolve.resolve(
-        dataclasses.replace(
-            cfg,
-            sharding=dataclasses.replace(cfg.sharding, strategy=Strategy.ddp),
-            parallel=type(cfg.parallel)(),
-        )
-    )
+    ddp = dataclasses.replace(cfg.sharding, strategy=Strategy.ddp)
+    other = resolve.resolve(dataclasses.replace(cfg, sharding=ddp, parallel=type(cfg.parallel)()))
     write_plan(run, plan_to_dict(other.plan))
+    return run, cfg
+
+
+def test_the_worker_refuses_a_plan_of_another_config_in_one_line(tmp_path: Path) -> None:
+    """``python -m framework.worker RUN_DIR`` with a plan.json of another layout: exit 2, one line,
+    before any process group; ``load_run`` says the same in-process."""
+    run, _ = run_dir_with_a_ddp_plan(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TORCHELASTIC_ERROR_FILE", None)
     out = subprocess.run(
@@ -151,3 +154,18 @@ def test_the_worker_refuses_a_plan_of_another_config_in_one_line(tmp_path: Path)
     assert "layout dp_replicate=2 vs dp_shard=2" in lines[0], lines
     with pytest.raises(ValueError, match="was planned for another config"):
         load_run(run)
+
+
+def test_the_launcher_reports_its_ranks_plan_refusal_in_one_line(tmp_path: Path) -> None:
+    """Two ranks started by the launcher's elastic agent (as ``train.py mesh=2`` starts them) find a
+    plan.json of another layout: the job fails with the ranks' one line and exit status 2, not
+    'ranks failed'."""
+    from framework.launch.entry import JobFailed, _run_spawned
+    from framework.launch.ranks import isolated_environ
+
+    run, cfg = run_dir_with_a_ddp_plan(tmp_path)
+    with isolated_environ(), pytest.raises(JobFailed) as failed:
+        _run_spawned(cfg, run, time.time())
+    message = str(failed.value)
+    assert failed.value.code == 2 and "\n" not in message, message
+    assert message.startswith(f"{run / PLAN_FILE} was planned for another config"), message
