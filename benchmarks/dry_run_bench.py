@@ -14,6 +14,7 @@ import time
 from framework.config.schema import ActivationCheckpointing, Config, HardwareConfig, ModelConfig, Strategy
 from framework.launch.dry_run import dry_run, format_dry_run
 from framework.planner.plan import GIB, format_plan
+from framework.planner.resolve import resolve
 
 LLAMA70B = ModelConfig(
     name="llama70b",
@@ -55,21 +56,20 @@ def bench_recipe(recipe: str, overrides: list[str]) -> None:
     """A shipped recipe as ``train.py recipe=NAME OVERRIDES run.dry_run=true`` plans it: the search
     (when the layout is left to it) and the fake-backend dry run of the chosen layout, timed apart."""
     from framework.launch.recipes import compose_recipe
-    from framework.planner.resolve import resolve_batch
-    from framework.planner.search import format_search, maybe_search
+    from framework.planner.search import format_search
 
     cfg = compose_recipe(recipe, [*overrides, "run.dry_run=true"])
     start = time.perf_counter()
-    result = maybe_search(cfg)
-    chosen = resolve_batch(cfg) if result is None else result.chosen_cfg
+    resolved = resolve(cfg)  # the search (when the layout is left to it) and the chosen layout's plan
     search_s = time.perf_counter() - start
-    if result is not None:
-        print(format_search(result))
-    report = dry_run(chosen)
+    if resolved.search is not None:
+        print(format_search(resolved.search))
+    report = dry_run(resolved.cfg, resolved.plan)
     print(format_dry_run(report))
     exact = report.measured_param_bytes == report.estimated_param_bytes
     print(
-        f"\n{recipe} {' '.join(overrides)}: search {search_s:.2f} s + dry run {report.wall_s:.2f} s = "
+        f"\n{recipe} {' '.join(overrides)}: resolve (search + plan) {search_s:.2f} s + dry run "
+        f"{report.wall_s:.2f} s = "
         f"{search_s + report.wall_s:.2f} s; params per rank measured == estimated: {exact}"
     )
 
@@ -87,7 +87,8 @@ def main() -> None:
     rows = []
     for spec in args.worlds.split(","):
         nodes, procs = (int(x) for x in spec.split("x"))
-        report = dry_run(bench_config(nodes, procs))
+        resolved = resolve(bench_config(nodes, procs))
+        report = dry_run(resolved.cfg, resolved.plan)
         print(format_dry_run(report))
         if args.plan:
             print(format_plan(report.plan))

@@ -93,19 +93,17 @@ def run_ranks(
 
 
 def train_rank(rank: int, world: int, run_dir: str) -> None:
-    """A rank as ``framework.launch.worker`` runs it (the run dir's ``config.yaml``, then ``trainer.run``),
-    minus the interpreter start: ``run_ranks`` made the process group.
+    """A rank as ``framework.launch.worker`` runs it (the run dir's ``config.yaml`` and ``plan.json``,
+    then ``trainer.run``), minus the interpreter start: ``run_ranks`` made the process group.
 
     The run's parts are kept, as the worker keeps them: freeing them (DDP reducer, gloo groups)
     after another rank had exited was seen to block a rank in a C++ destructor."""
-    from omegaconf import OmegaConf
-
-    from framework.config.schema import to_config
+    from framework.launch.worker import load_run
     from framework.train import trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    cfg = to_config(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
-    trainer.run(cfg, Path(run_dir), keep=_PARTS)
+    cfg, plan = load_run(Path(run_dir))
+    trainer.run(cfg, plan, Path(run_dir), keep=_PARTS)
 
 
 def _free_port() -> int:

@@ -142,8 +142,9 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def write_run_config(run_dir: Path, *overrides: str) -> None:
-    """``run_dir/config.yaml`` as ``python train.py *overrides`` writes it for its ranks: composed by
-    Hydra from ``conf/``, validated, layout and batch resolved (``framework.launch.entry.prelaunch``).
+    """``run_dir/config.yaml`` and ``plan.json`` as ``python train.py *overrides`` writes them for its
+    ranks: composed by Hydra from ``conf/``, validated, layout and batch resolved
+    (``framework.launch.entry.prelaunch``), planned once.
 
     For reference runs that train on forked ranks (``tests.dist.train_rank``) instead of a launch."""
     from hydra import compose, initialize_config_dir
@@ -153,12 +154,15 @@ def write_run_config(run_dir: Path, *overrides: str) -> None:
     from framework.launch import recipes
     from framework.launch.entry import prelaunch
     from framework.launch.ranks import register_resolvers
+    from framework.planner.plan import plan_to_dict
+    from framework.planner.resolve import write_plan
 
     config.register()
     recipes.register()
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         dcfg = compose("config", overrides=quote_numeric_choices(list(overrides)))
-    cfg, _, _ = prelaunch(dcfg, run_dir, None)
+    cfg, plan, _ = prelaunch(dcfg, run_dir, None)
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    write_plan(run_dir, plan_to_dict(plan))

@@ -9,10 +9,17 @@ import pytest
 import torch.distributed as dist
 
 from framework.config.schema import Config, ModelConfig, Strategy
-from framework.launch.dry_run import dry_run, format_dry_run
+from framework.launch.dry_run import DryRunReport, dry_run, format_dry_run
+from framework.planner.resolve import resolve
 from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on
+
+
+def resolved_dry_run(cfg: Config) -> DryRunReport:
+    """The dry run of ``cfg`` as the launcher runs it: resolved and planned once, then sharded."""
+    resolved = resolve(cfg)
+    return dry_run(resolved.cfg, resolved.plan)
 
 # A shape whose dims do not divide evenly by large shard counts, so FSDP2's padding shows.
 ODD = ModelConfig(
@@ -48,7 +55,7 @@ CASES = [
     ("strategy", "shape", "tp"), CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES]
 )
 def test_measured_matches_estimate(strategy: str, shape: list[int], tp: int, model: ModelConfig) -> None:
-    report = dry_run(cfg_for(strategy, shape, tp, model))
+    report = resolved_dry_run(cfg_for(strategy, shape, tp, model))
     assert report.rel_error < 0.01, format_dry_run(report)
     sharded = strategy != "ddp"
     assert (report.num_sharded_params == report.num_params) == sharded
@@ -58,12 +65,12 @@ def test_measured_matches_estimate(strategy: str, shape: list[int], tp: int, mod
 
 
 def test_report_and_refusals() -> None:
-    report = dry_run(cfg_for("fsdp_tp", [2, 4], 2))
+    report = resolved_dry_run(cfg_for("fsdp_tp", [2, 4], 2))
     text = format_dry_run(report)
     assert "dry run: fsdp_tp on 8 ranks (dp_shard=4 x tp=2)" in text
     assert f"measured {report.measured_param_bytes:,} B" in text
     with pytest.raises(ValueError, match="sharding.tp=3 does not divide"):
-        dry_run(cfg_for("fsdp_tp", [4], 3))
+        resolved_dry_run(cfg_for("fsdp_tp", [4], 3))
     assert not dist.is_initialized()
 
 
@@ -75,7 +82,7 @@ def test_leaves_this_process_clean() -> None:
     from tests.dist import run_ranks
     from tests.test_parallel import _worker, make_cfg, reference_losses
 
-    dry_run(cfg_for("fsdp", [4]))
+    resolved_dry_run(cfg_for("fsdp", [4]))
     cfg = make_cfg("fsdp", [4])
     losses = run_ranks(_worker, 4, cfg)[0]["losses"]
     assert losses == pytest.approx(reference_losses(cfg), rel=1e-5)
@@ -96,7 +103,7 @@ def test_cp_shards_parameters_over_dp_shard_and_cp(degrees: tuple[int, ...], sha
     cfg.train.global_batch_size = degrees[0] * degrees[1]
     cfg.train.micro_batch_size = 1
     cfg.run.dry_run = True
-    report = dry_run(cfg)
+    report = resolved_dry_run(cfg)
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
     assert report.num_sharded_params == report.num_params
     fsdp_ranks = degrees[1] * degrees[2]
@@ -111,7 +118,7 @@ def test_cp_with_pp_dry_run_measures_what_the_plan_estimates() -> None:
     cfg.train.seq_len = 64
     cfg.train.global_batch_size = 2
     cfg.run.dry_run = True
-    report = dry_run(cfg)
+    report = resolved_dry_run(cfg)
     assert report.plan.strategy == "fsdp_cp_pp"
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
 
@@ -123,7 +130,7 @@ def test_float8_layouts_of_a_gpu_profile(strategy: str, tp: int) -> None:
     pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
     base = compose_config("recipe=llama1b", "model.float8=tensorwise")
     cfg = on(cfg_for(strategy, [8], tp, base.model), "h100_sxm")
-    report = dry_run(cfg)
+    report = resolved_dry_run(cfg)
     text = format_dry_run(report)
     assert report.measured_param_bytes == report.estimated_param_bytes, text
     # 16 blocks x (wq, wo, w1, w2, w3): wk/wv are below tensorwise's size threshold, the head is skipped.

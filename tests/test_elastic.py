@@ -136,6 +136,7 @@ def unbroken_run(killed: Path, base: Path, world: int) -> None:
     unbroken.run.max_restarts, unbroken.run.fault_kill_at_step = 0, -1
     base.mkdir()
     OmegaConf.save(unbroken, base / "config.yaml")
+    shutil.copy(killed / "plan.json", base / "plan.json")  # the same layout: fault fields are not planned
     run_ranks(train_rank, world, str(base), timeout_s=300)
 
 

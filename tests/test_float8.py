@@ -195,9 +195,12 @@ def _run_in_process(trainer, cfg: Config, run_dir: Path):  # noqa: ANN001, ANN20
 
     import torch.distributed as dist
 
+    from framework.planner.resolve import resolve
+
     saved = dict(os.environ)
+    resolved = resolve(cfg)
     try:
-        return trainer.run(cfg, run_dir)
+        return trainer.run(resolved.cfg, resolved.plan, run_dir)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from framework.config.schema import Config
 from framework.model import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.planner.resolve import make_plan
+from framework.planner.resolve import make_plan, resolve
 from tests.dist import run_ranks
 from tests.test_parallel import parallel_model
 from tests.test_pipeline import GLOBAL_BATCH, RTOL, SEQ, STEPS, _check, batches, make_cfg, run_steps
@@ -252,9 +252,10 @@ def test_plan_counts_the_tied_copy_as_the_dry_run_measures_it() -> None:
     from framework.planner.plan import _ADAMW_STATES, _MASTER_BYTES
 
     cfg = tied_cfg(2, pp=2, pp_schedule="zbv", pp_stages_per_rank=2)  # zbv runs without dp
-    report = dry_run(cfg)
+    resolved = resolve(cfg)
+    report = dry_run(resolved.cfg, resolved.plan)
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
-    memory = make_plan(cfg).memory
+    memory = resolved.plan.memory
     copy_bytes = cfg.model.vocab_size * cfg.model.dim * _MASTER_BYTES
     assert memory.optimizer == (memory.params - copy_bytes) * _ADAMW_STATES
 
@@ -426,7 +427,8 @@ _KEPT: list[object] = []  # a forked rank's run parts, never freed: it ends with
 def _nan_worker(rank: int, world: int, cfg: Config, run_dir: Path) -> dict:
     from framework.train import trainer
 
-    summary = trainer.run(cfg, run_dir, keep=_KEPT)
+    resolved = resolve(cfg)
+    summary = trainer.run(resolved.cfg, resolved.plan, run_dir, keep=_KEPT)
     return {"skipped": summary.skipped_steps, "steps": summary.steps}
 
 

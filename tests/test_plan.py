@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -325,16 +324,3 @@ def test_optimizer_in_backward_refusals_and_memory() -> None:
         ValueError, match=r"mesh.shape=\[2\] \(world 2\): the per-parameter step fires before"
     ):
         make_plan(bad)
-
-
-def test_ranks_read_the_launchers_plan_and_refuse_one_of_another_layout(tmp_path: Path) -> None:
-    from framework.planner.resolve import load_plan, resolve_batch
-
-    cfg = resolve_batch(cfg_for("fsdp", [4], gbs=32, mbs=2))
-    assert load_plan(cfg, tmp_path) == make_plan(cfg)  # no plan.json: planned in-process
-    written = make_plan(cfg)
-    (tmp_path / "plan.json").write_text(json.dumps(plan_to_dict(written) | {"search": {"tried": 0}}))
-    assert load_plan(cfg, tmp_path) == written
-    other = resolve_batch(cfg_for("ddp", [4], gbs=32, mbs=2))
-    with pytest.raises(ValueError, match=r"plan.json was planned for another layout \(fsdp.* than this config \(ddp"):
-        load_plan(other, tmp_path)

@@ -74,13 +74,16 @@ def test_sharding_tp_pins_the_search() -> None:
 
 def test_muon_keeps_the_search_to_whole_matrices() -> None:
     """Muon orthogonalizes whole matrices: under auto only replicated layouts; a sharded preset is refused."""
-    from framework.launch.rules import check
+    from framework.launch.rules import check, check_layout
+    from framework.planner.layout import fixed_degrees
 
     cfg = compose_recipe("llama_tiny", ["mesh=4", "optimizer=muon"])
     check(cfg)
+    check_layout(cfg, fixed_degrees(cfg))
     assert {(c.degrees["dp_shard"], c.degrees["tp"]) for c in search(cfg).candidates} == {(1, 1)}
+    sharded = compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"])
     with pytest.raises(ValueError, match="optimizer.name='muon' is not valid"):
-        check(compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"]))
+        check_layout(sharded, fixed_degrees(sharded))
 
 
 def test_cp_is_searched_for_long_sequences() -> None:

@@ -67,15 +67,17 @@ def _resources() -> dict[str, object]:
 
 
 def _raise_in_a_step(rank: int, world: int, cfg: Config, run_dir: Path) -> dict[str, object]:
+    from framework.planner.resolve import resolve
     from framework.train import trainer
 
+    resolved = resolve(cfg)
     # The first TCPStore of a process opens a pipe that lives as long as the process (torch's, once):
     # open it before counting, with a store of no use.
     dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
     gc.collect()
     before = _resources()
     try:
-        trainer.run(cfg, run_dir)
+        trainer.run(resolved.cfg, resolved.plan, run_dir)
         raised = None
     except InjectedFault as e:
         raised = str(e)

@@ -38,7 +38,7 @@ from framework.model import build_model
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.float8 import is_float8
 from framework.planner.plan import GIB, Plan, pp_rank_param_bytes, pp_rank_specs
-from framework.planner.resolve import make_plan
+from framework.planner.resolve import check_plan
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,16 @@ def _child(cfg: Config, plan: Plan, conn: Connection) -> None:
         os._exit(code)  # skip interpreter teardown of the copied state
 
 
-def dry_run(cfg: Config) -> DryRunReport:
-    """Plan, then shard the meta model on a fake process group of the full world size.
+def dry_run(cfg: Config, plan: Plan) -> DryRunReport:
+    """Shard the meta model of resolved ``cfg`` as ``plan`` lays it out (both from
+    framework.planner.resolve.resolve, planned once) on a fake process group of the full world size.
 
-    Raises ValueError as ``make_plan`` does (in this process, before anything is forked);
-    RuntimeError if this process already has a process group, or with the child's traceback if
-    sharding failed there.
+    Raises ValueError when ``plan`` is another config's (in this process, before anything is
+    forked); RuntimeError if this process already has a process group, or with the child's
+    traceback if sharding failed there.
     """
     start = time.perf_counter()
-    plan = make_plan(cfg)
+    check_plan(cfg, plan)
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it creates a fake one)")
     ctx = mp.get_context("fork")

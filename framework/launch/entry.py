@@ -57,13 +57,13 @@ from framework.launch.ranks import (
     spawn_local,
 )
 from framework.launch.rules import check as check_rules
-from framework.launch.rules import check_known_keys, check_model_shape
+from framework.launch.rules import check_known_keys, check_layout, check_model_shape
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
 from framework.planner.plan import Plan, format_plan, plan_to_dict
-from framework.planner.resolve import make_plan, resolve_batch
-from framework.planner.search import SearchResult, format_search, maybe_search, search_to_dict
+from framework.planner.resolve import PLAN_FILE, resolve, write_plan
+from framework.planner.search import SearchResult, format_search, search_to_dict
 from framework.planner.topology import (
     apply_nccl_environment,
     describe_nccl,
@@ -181,11 +181,15 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_hardware(cfg, device)
     check_warmup(cfg)
     check_cudagraphs(cfg, device)
-    check_float8(cfg, device)
+    # The layout the user fixed, before any search (None under sharding=auto, where sharding.tp pins
+    # TP): read once here for the checks below; the resolved one is the plan's (prelaunch).
+    declared = fixed_degrees(cfg)
+    check_layout(cfg, declared)
+    tp = declared.tp if declared is not None else cfg.sharding.tp
+    check_float8(cfg, device, tp)
     check_fa4(cfg, device)
-    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
-    check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
-    pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
+    check_fused_ce(cfg, device, tp)
+    pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg
 
 
@@ -224,14 +228,14 @@ def check_cudagraphs(cfg: Config, device: torch.device) -> None:
         )
 
 
-def check_float8(cfg: Config, device: torch.device) -> None:
-    """``model.float8``: layers float8 can multiply (also per TP shard), float8 tensor cores (the
-    declared hardware's in a dry run, framework.kernels.target), torchao (a dry run only warns)."""
+def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
+    """``model.float8``: layers float8 can multiply (also per TP shard of degree ``tp``), float8
+    tensor cores (the declared hardware's in a dry run, framework.kernels.target), torchao (a dry
+    run only warns)."""
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
-    layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
-    float8.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
+    float8.check_shapes(cfg.model, tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     with target.tolerate_missing_packages(where):
@@ -400,11 +404,10 @@ def prelaunch_with_search(
         check_safe(dcfg, recipe, hydra_cfg)
         cfg = validate(dcfg, overrides)
         # The layout (sharding=auto: the planner's search), activation checkpointing under auto and
-        # train.micro_batch_size=0 are resolved once here and written to config.yaml as explicit
-        # values, so every rank plans the same layout without searching again.
-        found = maybe_search(cfg)
-        cfg = found.chosen_cfg if found is not None else resolve_batch(cfg)
-        plan = make_plan(cfg)
+        # train.micro_batch_size=0 are resolved once here, written to config.yaml as explicit values
+        # and the plan to plan.json; the ranks read both back and plan nothing.
+        resolved = resolve(cfg)
+        cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
@@ -453,7 +456,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         if job.search is not None:
             record["search"] = search_to_dict(job.search)
             log.info("%s", format_search(job.search))
-        (run_dir / "plan.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_plan(run_dir, record)
         write_provenance(run_dir, recipe, config_yaml)
         log.info("plan:\n%s", format_plan(plan))
         write_nccl_record(run_dir, nccl_env)
@@ -465,27 +468,30 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
     if cfg.run.dry_run:
         from framework.launch.dry_run import dry_run, format_dry_run
 
-        report = dry_run(cfg)
+        report = dry_run(cfg, plan)
         log.info("dry run:\n%s", format_dry_run(report))
         return None
 
     started = time.time()
     if joined_torchrun():
-        return _run_torchrun_rank(cfg, run_dir, rank)
+        return _run_torchrun_rank(cfg, plan, run_dir, rank)
     if cfg.mesh.world_size == 1:
-        return _run_in_process(cfg, run_dir, started)
+        return _run_in_process(cfg, plan, run_dir, started)
     return _run_spawned(cfg, run_dir, started)
 
 
-def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
+def _run_torchrun_rank(cfg: Config, plan: Plan, run_dir: Path, rank: int) -> float | None:
     """This process is one rank that torchrun (or submitit) started: train, then end the process
-    with ``finish`` (``os._exit``), except under submitit, whose task must return its result."""
+    with ``finish`` (``os._exit``), except under submitit, whose task must return its result.
+
+    Each such rank composed and resolved its config itself (``prelaunch``, once); the trainer's
+    ``check_same_config`` then proves that every rank resolved the same one."""
     from framework.launch.ranks import die_with_launcher
     from framework.parallel.process import KEPT_PARTS, finish
     from framework.train import trainer
 
     die_with_launcher()
-    trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
     failed = None
     if rank == 0:
         finish_run(run_dir, cfg)
@@ -501,12 +507,12 @@ def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
     finish(1 if failed else 0, barrier=True)
 
 
-def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
-    """One rank, in this process: train, then report a stop by a signal."""
+def _run_in_process(cfg: Config, plan: Plan, run_dir: Path, started: float) -> float | None:
+    """One rank, in this process: train (on the plan resolved here), then report a stop by a signal."""
     from framework.train import trainer
 
     try:
-        trainer.run(cfg, run_dir)
+        trainer.run(cfg, plan, run_dir)
     except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
         raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
     finally:
@@ -521,7 +527,8 @@ def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
 
 
 def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
-    """Several ranks on this host: spawn them (elastic, with restarts), wait, report a preemption."""
+    """Several ranks on this host: spawn them (elastic, with restarts), wait, report a preemption.
+    Each rank reads the run dir's config.yaml and plan.json (framework.launch.worker.load_run)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -530,6 +537,8 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
         message = e.get_first_failure()[1].message
         if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.launch.worker.tell_launcher
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
+        if isinstance(message, str) and message.startswith(str(run_dir / PLAN_FILE)):  # a rank refused it
+            raise JobFailed(message, 2) from None
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
         ) from e

@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config.schema import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.planner.layout import Degrees
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -233,24 +234,25 @@ def _backend_valid(c: Config) -> str:
 
 
 def _muon_ok(v: Any, c: Config) -> bool:
-    """Muon needs torch.optim.Muon, and whole matrices on each rank (it orthogonalizes each one)."""
+    """Muon needs torch.optim.Muon; its layout (whole matrices on each rank) is ``check_layout``'s."""
     if v is not OptimizerName.muon:
         return True
     import torch
 
-    return hasattr(torch.optim, "Muon") and _replicated_layout(c)
+    return hasattr(torch.optim, "Muon")
 
 
-def _replicated_layout(c: Config) -> bool:
-    """Every rank holds whole matrices: a fixed layout without dp_shard or tp, or sharding=auto (whose
-    search then keeps to such layouts, framework.planner.search)."""
-    from framework.planner.layout import fixed_degrees
+def check_layout(cfg: Config, declared: Degrees | None) -> None:
+    """The rules that read the layout the user fixed (``declared``: read once by the launcher,
+    framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
+    these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
-    try:
-        d = fixed_degrees(c)
-    except ValueError:
-        return True  # a bad layout is the layout's own rule to report
-    return d is None or (d.dp_shard == 1 and d.tp == 1)
+    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``."""
+    if cfg.optimizer.name is OptimizerName.muon and declared is not None:
+        if declared.dp_shard != 1 or declared.tp != 1:
+            raise ValueError(
+                f"optimizer.name={show(cfg.optimizer.name)} is not valid; valid: {_muon_valid(cfg)}"
+            )
 
 
 def _muon_valid(c: Config) -> str:
@@ -484,6 +486,7 @@ RULES: dict[str, Rule] = {
     "train.eval_every": integer(0, what="0 = no evaluation"),
     "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.train.loop.build_optimizer, lr_lambda)
+    # Muon on a sharded layout: check_layout, once the launcher read the layout (the same line).
     "optimizer.name": Rule(
         _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
     ),

@@ -1,8 +1,9 @@
 """One rank of a self-launched job: ``python -m framework.worker RUN_DIR``.
 
-Reads the resolved config that the launching process wrote to ``RUN_DIR/config.yaml`` (so every
-rank runs exactly the same config in the same run dir), trains, and exits through
-``framework.parallel.process.finish`` (gloo's exit race).
+Reads the resolved config and its plan that the launching process wrote to ``RUN_DIR/config.yaml``
+and ``RUN_DIR/plan.json`` (so every rank runs exactly the same config and layout in the same run
+dir, and none plans again), trains, and exits through ``framework.parallel.process.finish`` (gloo's
+exit race). A missing plan.json, or one of another config, is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from framework.config.schema import to_config
+from framework.config.schema import Config, to_config
 from framework.data.tokens import DataChanged
 from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
+from framework.planner.plan import Plan
+from framework.planner.resolve import load_plan
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -34,9 +37,10 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         root.addHandler(handler)
 
 
-def tell_launcher(message: str) -> None:
+def tell_launcher(message: str) -> bool:
     """Hand ``message`` to torch's elastic agent (its per-rank error file): the launcher's
-    ``ChildFailedError`` then carries it, and framework.launch.entry reports it as the run's one line."""
+    ``ChildFailedError`` then carries it, and framework.launch.entry reports it as the run's one line.
+    False when no agent started this rank (nobody to tell)."""
     import json
     import os
     import time
@@ -44,6 +48,14 @@ def tell_launcher(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    return bool(path)
+
+
+def load_run(run_dir: Path) -> tuple[Config, Plan]:
+    """The run dir's resolved config and the plan the launcher wrote for it: read, never planned.
+    Raises ValueError (one line) for a plan.json that is missing or another config's."""
+    cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
+    return cfg, load_plan(cfg, run_dir)
 
 
 def main(run_dir: Path) -> int:
@@ -56,8 +68,13 @@ def main(run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
     try:
-        cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
-        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
+        cfg, plan = load_run(run_dir)
+    except ValueError as e:  # a bad run dir: one line, before any process group exists
+        if not tell_launcher(str(e)):  # the launcher prints it once, for all ranks
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
     except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)

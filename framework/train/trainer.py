@@ -42,7 +42,7 @@ from framework.model import build_model, flops_per_token, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
-from framework.planner.resolve import load_plan, resolve_batch
+from framework.planner.resolve import check_plan
 from framework.record.metrics import Metrics, format_row, perplexity, validation_row
 from framework.record.train_state import TrainState
 from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
@@ -153,8 +153,13 @@ class Parts:
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
 
-def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary:
+def run(cfg: Config, plan: Plan, run_dir: Path, keep: list[object] | None = None) -> Summary:
     """Train on this rank. Rank 0 writes the run files; all ranks share ``run_dir``.
+
+    ``cfg`` and ``plan`` are resolved once, before any rank starts (framework.planner.resolve.resolve:
+    the launcher's, written to config.yaml and plan.json; a self-launched rank reads them back,
+    framework.launch.worker.load_run): nothing here plans again. Raises ValueError when ``plan`` is
+    another config's.
 
     Every part is closed on the way out, also when a step raises: an async save is finished, the
     sampler's thread, wandb, the metrics file and the profiler are closed, the signal handlers are
@@ -163,10 +168,10 @@ def run(cfg: Config, run_dir: Path, keep: list[object] | None = None) -> Summary
     ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
     rank that ends with ``os._exit`` (``framework.parallel.process.finish``) passes ``KEPT_PARTS``: freeing the
     DDP reducer after its process group was destroyed can deadlock on the GIL (see there)."""
+    check_plan(cfg, plan)
     state = TrainState(0)
-    cfg = resolve_batch(cfg)  # a no-op for the config entry.py wrote (already resolved)
     with contextlib.ExitStack() as stack:
-        p = setup(cfg, run_dir, state, stack)
+        p = setup(cfg, plan, run_dir, state, stack)
         if keep is not None:
             keep.append(p)
         with make_profiler(cfg.run, run_dir, p.env.rank) as profiler:
@@ -247,7 +252,7 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     p.metrics.log(validation_row(step, state.last_val_loss))
 
 
-def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
+def setup(cfg: Config, plan: Plan, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
     """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
     env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
     if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
@@ -258,9 +263,14 @@ def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitS
         torch.use_deterministic_algorithms(True)
     digest = check_same_config(cfg, env, run_dir)
     verifier = Verifier(
-        cfg, run_dir, env.is_main, world_size=env.world_size, device_name=device_name(env.device)
+        cfg,
+        run_dir,
+        env.is_main,
+        world_size=env.world_size,
+        device_name=device_name(env.device),
+        layout=plan.layout,
     )
-    plan, runner = build(cfg, env, run_dir, verifier, digest)
+    runner = build(cfg, plan, env, run_dir, verifier, digest)
     data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
@@ -297,12 +307,11 @@ def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitS
 
 
 def build(
-    cfg: Config, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
-) -> tuple[Plan, StepRunner]:
-    """Plan, build on meta, freeze, check the graph across ranks (before any training collective).
-    The runner parallelizes (which places and initialises) and makes the optimizer when the verifier
-    starts the ladder (``Verifier.start``)."""
-    plan: Plan = load_plan(cfg, run_dir)  # resolved once, by the launcher
+    cfg: Config, plan: Plan, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
+) -> StepRunner:
+    """Build the mesh of ``plan`` and the model on meta, freeze, check the graph across ranks (before
+    any training collective). The runner parallelizes (which places and initialises) and makes the
+    optimizer when the verifier starts the ladder (``Verifier.start``)."""
     mesh = build_mesh(plan, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
     if env.is_main:
@@ -325,7 +334,7 @@ def build(
     # Lag only without verify: with it, every step is read at once (the breaker may swap the
     # executor before the next step).
     runner = StepRunner(cfg, plan, mesh, executor, env.device, lag=not verifier.enabled, rank=env.rank)
-    return plan, runner
+    return runner
 
 
 def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:

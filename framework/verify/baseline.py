@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from framework.config.schema import Config, ExecutorMode, VerifyConfig
+from framework.planner.layout import Degrees
 from framework.verify.report import CheckResult
 
 DEFAULT_STORE = Path("outputs") / "baselines.json"
@@ -63,16 +64,13 @@ def perf_figures(
     return PerfFigures(percentile(step_seconds, 50), percentile(step_seconds, 99), tps, mfu, peak_mem_gib)
 
 
-def baseline_key(cfg: Config, world_size: int, device_name: str, executor: ExecutorMode | None = None) -> str:
-    """The store key; ``executor`` is the mode that actually ran (after a fallback), default the configured one."""
+def baseline_key(
+    cfg: Config, layout: Degrees, world_size: int, device_name: str, executor: ExecutorMode | None = None
+) -> str:
+    """The store key; ``layout`` is the plan's (``Plan.layout``); ``executor`` is the mode that
+    actually ran (after a fallback), default the configured one."""
     mode = (executor or cfg.executor.mode).value
-    from framework.planner.layout import fixed_degrees
-    from framework.planner.resolve import resolve_batch
-
-    # The layout from its degrees (a no-op resolve for the trainer's config, which is resolved).
-    degrees = fixed_degrees(resolve_batch(cfg))
-    assert degrees is not None
-    sharding = degrees.name() + (f"-tp{degrees.tp}" if degrees.tp > 1 else "")
+    sharding = layout.name() + (f"-tp{layout.tp}" if layout.tp > 1 else "")
     mesh = "x".join(str(s) for s in cfg.mesh.shape)
     return "|".join(
         (

@@ -29,6 +29,7 @@ from torch import nn
 from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
 from framework.freeze import FrozenResult
 from framework.model import Llama
+from framework.planner.layout import Degrees
 from framework.verify import baseline as baseline_mod
 from framework.verify.consistency import check_ranks, check_reference, export_fingerprint, meta_example
 from framework.verify.fallback import (
@@ -57,8 +58,11 @@ class Verifier:
         emit: Emit | None = None,
         world_size: int = 1,
         device_name: str = "",
+        *,
+        layout: Degrees,
     ) -> None:
         self.cfg = cfg
+        self.layout = layout  # the plan's, part of the performance baseline's key (``verify.enabled``)
         self.world_size = world_size
         self.device_name = device_name  # with world_size, part of the performance baseline's key
         self.vcfg = cfg.verify
@@ -274,7 +278,7 @@ class Verifier:
     def baseline_p99(self, world_size: int, device_name: str, executor: ExecutorMode) -> float | None:
         if not self.enabled:
             return None
-        key = baseline_mod.baseline_key(self.cfg, world_size, device_name, executor)
+        key = baseline_mod.baseline_key(self.cfg, self.layout, world_size, device_name, executor)
         figures = baseline_mod.load_baseline(baseline_mod.store_path(self.vcfg), key)
         return None if figures is None else figures.step_p99_s
 
@@ -294,7 +298,7 @@ class Verifier:
             self.report.add(CheckResult("performance", None, "no post-warm-up steps to measure"))
             self.write()
             return None
-        key = baseline_mod.baseline_key(self.cfg, world_size, device_name, executor)
+        key = baseline_mod.baseline_key(self.cfg, self.layout, world_size, device_name, executor)
         path = baseline_mod.store_path(self.vcfg)
         check = baseline_mod.compare_perf(figures, baseline_mod.load_baseline(path, key), self.vcfg)
         check.figures["key"] = key
