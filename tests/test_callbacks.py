@@ -15,10 +15,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from framework.config.schema import SHIPPED_CALLBACKS, Config, RunConfig, default_callbacks
+from framework.record.metrics import read_metrics
 from framework.train.callbacks import Callback, Callbacks, build_callbacks, check_callbacks
+from framework.verify.baseline import PerfFigures, baseline_key, device_name, save_baseline
 from tests.entry import ROOT, train_main
+from tests.test_config import compose_config
 from tests.test_train import train
 
 MODULE = "team_cb_recorder"  # a name no other test imports (the forked launcher imports it)
@@ -143,6 +147,32 @@ def test_a_new_callback_is_one_module_and_one_yaml(tmp_path: Path, monkeypatch: 
         _check_launch(_hooks(run, rank), 6, 8, [8])
 
 
+def test_a_rebuild_is_heard_and_the_fault_callback_rearms_on_the_new_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The circuit breaker swaps compile -> eager at step 5 (a baseline p99 no step meets); every
+    callback hears on_rebuild before step 5's read, and the shipped fault injection hooks the new
+    model: the forward of step 7 raises there, and every callback is still closed."""
+    _, args = _install(tmp_path, monkeypatch)
+    over = ["verify=on", "executor=compile", "executor.backend=eager", "train.seq_len=32"]
+    key = baseline_key(compose_config(*over), 1, device_name(torch.device("cpu")))
+    store = tmp_path / "baselines.json"
+    save_baseline(store, key, PerfFigures(1e-9, 1e-9, 1e9, None, None), {})
+    run = tmp_path / "run"
+    proc = train(
+        run, *args, *over, f"verify.baseline={store}", "verify.breaker_window=2", "verify.breaker_patience=1",
+        "train.steps=10", "train.eval_every=0", "logger.plot=false", "freeze=none",
+        "run.fault_raise_at_step=7",
+    )  # fmt: skip
+    assert proc.returncode != 0 and "run.fault_raise_at_step=7: injected fault on rank 0" in proc.stdout + proc.stderr
+    names = [(e["hook"], e["step"]) for e in _hooks(run, 0)]
+    assert names[names.index(("after_step", 5)) :] == [
+        ("after_step", 5), ("rebuild", 5), ("step_read", 5), ("after_step", 6), ("step_read", 6), ("close", None),
+    ]  # fmt: skip
+    fallback = [r for r in read_metrics(run) if r.get("event") == "fallback/circuit_breaker"]
+    assert [r["step"] for r in fallback] == [5] and "executor eager" in fallback[0]["detail"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -182,8 +212,6 @@ def test_a_target_off_the_allowlist_is_refused_even_when_installed(
 
 def test_the_shipped_callbacks_are_the_default_option_and_build() -> None:
     """conf/callbacks/default.yaml lists the schema's default mapping, in its order; each builds."""
-    from tests.test_config import compose_config
-
     composed = compose_config()
     assert composed.callbacks == default_callbacks() == Config().callbacks
     built = build_callbacks(composed.callbacks, RunConfig().instantiate_allow)
