@@ -164,13 +164,34 @@ def test_a_rebuild_is_heard_and_the_fault_callback_rearms_on_the_new_model(
         "train.steps=10", "train.eval_every=0", "logger.plot=false", "freeze=none",
         "run.fault_raise_at_step=7",
     )  # fmt: skip
-    assert proc.returncode != 0 and "run.fault_raise_at_step=7: injected fault on rank 0" in proc.stdout + proc.stderr
+    assert (
+        proc.returncode != 0
+        and "run.fault_raise_at_step=7: injected fault on rank 0" in proc.stdout + proc.stderr
+    )
     names = [(e["hook"], e["step"]) for e in _hooks(run, 0)]
     assert names[names.index(("after_step", 5)) :] == [
         ("after_step", 5), ("rebuild", 5), ("step_read", 5), ("after_step", 6), ("step_read", 6), ("close", None),
     ]  # fmt: skip
     fallback = [r for r in read_metrics(run) if r.get("event") == "fallback/circuit_breaker"]
     assert [r["step"] for r in fallback] == [5] and "executor eager" in fallback[0]["detail"]
+
+
+def test_logger_wandb_still_selects_the_wandb_callback_and_a_resume_continues_its_run(tmp_path: Path) -> None:
+    """``logger=wandb`` (offline here) as before: the run id goes into each checkpoint, and a resume
+    continues that wandb run from the checkpoint alone (the run dir's id file is removed first)."""
+    run = tmp_path / "run"
+    common = ["logger=wandb", "logger.mode=offline", "checkpoint=sync", "train.seq_len=32"]
+    common += ["train.eval_every=0", "train.log_every=2", "logger.plot=false", "freeze=none"]
+    proc = train(run, *common, "train.steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = (run / "wandb_run_id").read_text().strip()
+    extras = [json.loads(p.read_text()) for p in (run / "checkpoints").rglob("extra.json")]
+    assert extras and {e["extra"]["wandb_run_id"] for e in extras} == {run_id}
+    (run / "wandb_run_id").unlink()
+    proc = train(run, *common, "train.steps=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "wandb_run_id").read_text().strip() == run_id
+    assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one per launch, one run id
 
 
 @pytest.mark.parametrize(
