@@ -18,9 +18,11 @@ The hooks, in the order a run calls them (every rank calls every hook; ``run.is_
   state ({} when none);
 - ``after_step(run, step)``: optimizer step ``step`` was queued (its figures may not be read yet);
 - ``on_step_read(run, step)``: its figures were read, judged and logged (under the lag one step
-  later); ``run.runner``'s ``Step`` figures are in ``run.last``;
-- ``on_rebuild(run, step)``: the fallback ladder replaced the executed model (``run.runner.mode``,
-  ``run.runner.model`` are the new ones): hooks on the old model are gone;
+  later); the runner's ``Step`` is ``run.last`` (``run.last.result.loss`` is an all-reduce: read it
+  on every rank or on none);
+- ``on_rebuild(run, step)``: judging step ``step`` made the fallback ladder replace the executed
+  model (``run.runner.mode`` and ``run.runner.model`` are the new ones; hooks on the old model are
+  gone); it comes just before that step's ``on_step_read``;
 - ``on_save(run, step)``: a checkpoint of ``step`` was written (or handed to the async writer);
 - ``on_finish(run, summary)``: after the final evaluation, before summary.json is written (a
   callback may fill its field of the ``framework.train.trainer.Summary``);
