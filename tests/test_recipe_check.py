@@ -74,6 +74,16 @@ CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
             "recursive interpolation (a cycle",
         ),
         ({"model": {"name": "${"}}, "invalid interpolation"),
+        # Callbacks run code: a recipe picks them by name, never names their class (any depth).
+        (
+            {"callbacks": {"pwn": {"_target_": "framework.train.profiling.Profiling"}}},
+            "it sets callbacks.pwn._target_='framework.train.profiling.Profiling', which names the code",
+        ),
+        ({"callbacks": {"profiler": {"inner": {"_target_": "os.system"}}}}, "callbacks.profiler.inner._target_"),
+        ({"callbacks": {"profiler": "${model.name}"}}, "an interpolation that would set callbacks.*._target_"),
+        ({"callbacks": "${model.name}"}, "would set callbacks.*._target_"),
+        ({"defaults": [{"override /callbacks": ["default", "${x}"]}]}, "is not allowed"),
+        ({"defaults": [{"override /mesh": ["2", "4"]}]}, "is not allowed"),
     ],
 )
 def test_refused_recipe_content_names_the_reason(content: dict, message: str) -> None:
@@ -91,6 +101,9 @@ def test_refused_recipe_content_names_the_reason(content: dict, message: str) ->
         {"model": {"name": "${.dim}-wide", "dim": 64}},
         {"nccl": {"env": {"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "WARN"}}},
         {"model": {"name": "costs \\${oc.env:HOME} nothing"}},  # escaped: a literal string
+        # Shipped callbacks picked and set by name, one switched off.
+        {"defaults": [{"override /callbacks": ["default", "mine"]}], "callbacks": {"mine": {"every": 2}}},
+        {"callbacks": {"profiler": None}},
     ],
 )
 def test_ordinary_recipes_pass(content: dict) -> None:
@@ -202,7 +215,9 @@ def _schema_leaves(cls: type = config.Config, prefix: str = "") -> list[tuple[st
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], f"{prefix}{f.name}"
         args = typing.get_args(tp)
-        if dataclasses.is_dataclass(tp):
+        if key in recipe_check.NAMED:  # name -> {_target_, values}: the table says * for each name
+            out += [(f"{key}.*._target_", str), (f"{key}.*", Any)]
+        elif dataclasses.is_dataclass(tp):
             out += _schema_leaves(tp, f"{key}.")
         elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
             out += _schema_leaves(args[0], f"{key}[].")
@@ -267,6 +282,8 @@ def test_command_line_only_keys_are_refused_in_a_recipe_and_accepted_on_the_comm
     assert f"set {written} on the command line" in err, err
     if key == "data.mix[].path":
         value = f"data.mix=[{{path: {guard.example}}}]"
+    elif "*" in key:  # a name of the mapping: the shipped profiler's own class, on the command line
+        value = f"{key.replace('*', 'profiler')}={json.dumps(guard.example)}"
     else:
         value = f"{key}={json.dumps(guard.example)}"
     context = [f"{k}={json.dumps(v)}" for k, v in guard.context]

@@ -37,7 +37,7 @@ from framework.config.schema import (
     TrainConfig,
 )
 from framework.record.metrics import read_metrics
-from framework.train.runner import InjectedFault
+from framework.train.faults import InjectedFault
 from tests.corpus import documents
 from tests.dist import run_ranks
 

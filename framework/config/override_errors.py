@@ -82,6 +82,10 @@ def one_line_errors(argv: Sequence[str]) -> Iterator[None]:
         try:
             return load(self, config_name, overrides, run_mode, *args, **kwargs)
         except Exception as e:
+            if isinstance(e, MissingConfigException) and e.options is None and e.missing_cfg_file:
+                # A list choice (callbacks=[default,typo]): Hydra names the file, not the options.
+                group = e.missing_cfg_file.rpartition("/")[0]
+                e.options = sorted(self.get_group_options(group)) if group else None
             line = explain(e, overrides)
             if line is None:
                 raise

@@ -791,6 +791,21 @@ class LoggerConfig:
     plot: bool = True  # write metrics.png (loss, tokens/s, MFU over steps) at the end of the run
 
 
+# The shipped callbacks (conf/callbacks/default.yaml lists the same, in the same order): each acts only
+# when its own keys ask (run.profile, logger=wandb, run.fault_*, executor.cache_dir), so all four are
+# always there. framework.train.callbacks builds them through the allowlist; a test holds the two equal.
+SHIPPED_CALLBACKS: dict[str, str] = {
+    "profiler": "framework.train.profiling.Profiling",
+    "wandb": "framework.train.wandb_logger.WandbLogger",
+    "fault_injection": "framework.train.faults.FaultInjection",
+    "compile_cache": "framework.train.compile_cache.CompileCache",
+}
+
+
+def default_callbacks() -> dict[str, Any]:
+    return {name: {"_target_": target} for name, target in SHIPPED_CALLBACKS.items()}
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -810,6 +825,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # The callbacks group (conf/callbacks/NAME.yaml): name -> {_target_: CLASS, its own values};
+    # NAME=null switches one off. Built through run.instantiate_allow (framework.train.callbacks).
+    callbacks: dict[str, Any] = field(default_factory=default_callbacks)
 
 
 def register() -> None:
@@ -862,6 +880,7 @@ GROUPS = (
     "checkpoint",
     "verify",
     "logger",
+    "callbacks",
 )
 
 

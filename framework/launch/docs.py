@@ -46,6 +46,7 @@ GROUP_DESCRIPTIONS: dict[str, str] = {
     "checkpoint": "DCP checkpoints: cadence, async, retention, resume",
     "verify": "graph and performance verification against a reference",
     "logger": "metrics sinks besides metrics.jsonl: console (default) or wandb",
+    "callbacks": "code at the loop's moments: default (the shipped ones); add yours: callbacks=[default,NAME]",
 }
 
 
@@ -149,12 +150,36 @@ def render_reference() -> str:
         lines.append(f"| `{group}` | {opts} | {desc} |")
     for f in dataclasses.fields(config_mod.Config):
         cls = hints[f.name]
+        if not dataclasses.is_dataclass(cls):  # callbacks: a mapping of names, not a schema of keys
+            lines += ["", f"### `{f.name}`", "", *render_callbacks()]
+            continue
         doc = _first_doc_line(cls)
         lines += ["", f"### `{f.name}`", ""]
         if doc:
             lines += [doc, ""]
         lines += render_fields(cls, f.name)
     return "\n".join(lines) + "\n"
+
+
+def render_callbacks() -> list[str]:
+    """The ``callbacks`` mapping: what each shipped callback is and the keys that drive it."""
+    import importlib
+
+    from framework.train.callbacks import ASKED_BY
+
+    lines = [
+        "`callbacks.NAME` is `{_target_: CLASS, its values}` (conf/callbacks/NAME.yaml), built through",
+        "`run.instantiate_allow`; `callbacks.NAME=null` switches one off. The hooks and how to add one:",
+        "`framework/train/callbacks.py`. A recipe may pick callbacks and set their values, never a `_target_`.",
+        "",
+        "| callback | class | driven by | what it does |",
+        "|---|---|---|---|",
+    ]
+    for name, target in config_mod.SHIPPED_CALLBACKS.items():
+        module, _, attr = target.rpartition(".")
+        doc = _first_doc_line(getattr(importlib.import_module(module), attr)).replace("|", "\\|")
+        lines.append(f"| `{name}` | `{target}` | `{ASKED_BY[name][0]}` | {doc} |")
+    return lines
 
 
 # The common commands, first in ``python train.py --help`` (the composed config: ``--help --all``).

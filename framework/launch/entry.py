@@ -71,6 +71,7 @@ from framework.planner.topology import (
     validate_mesh,
     write_nccl_record,
 )
+from framework.train.callbacks import check_callbacks
 
 log = logging.getLogger("framework")
 HYDRA_FILES = {".hydra", "train.log"}
@@ -168,6 +169,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     cfg = init_from.resolve(to_config(dcfg), overrides or [], check_shape=check_model_shape)
     validate_mesh(cfg.mesh)
     check_rules(cfg)
+    check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)
     from framework.data import check_data
 
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts

@@ -14,7 +14,7 @@ The rules, each closing one way in:
 - **Top-level keys** are the schema's groups (``model``, ``train``...) and ``defaults``; never
   ``hydra``.
 - **Defaults** entries are ``_self_`` or ``override /GROUP: OPTION`` for a config group other than
-  ``recipe``; no ``@package`` (which moves content anywhere, ``hydra.callbacks`` included), no
+  ``recipe`` (``override /callbacks: [default, NAME]``: a list of options); no ``@package`` (which moves content anywhere, ``hydra.callbacks`` included), no
   Hydra groups, no interpolated choices.
 - **No resolvers**: ``${oc.env:...}``, ``${oc.decode:...}`` and every other ``${name:...}`` call
   read or compute outside the config; a recipe may only interpolate other keys
@@ -26,7 +26,8 @@ The rules, each closing one way in:
   every path-valued key (checkpoint and cache dirs, baselines, topology files, weights, resume
   paths, data and tokenizer files), the wandb entity, and the switches that lift a safety check
   or grant trust (``run.instantiate_allow``, ``run.oversubscribe``...) may only be set to their
-  default. Data and tokenizer paths may name a file or folder inside the recipe's own folder
+  default; a callback's ``_target_`` (the code it runs) may not be set at all: a recipe picks
+  callbacks by name and sets their values. Data and tokenizer paths may name a file or folder inside the recipe's own folder
   (resolved there and made absolute; ``..``, symlinks or globs leaving it are refused). Set any
   other place on the command line or in conf/, where the user sees it. In ``nccl.env`` /
   ``nccl.preset_env``: only known NCCL variables, none that loads a library or names a file
@@ -59,6 +60,7 @@ MAX_YAML_DEPTH = 32  # nested mappings/lists; a recipe needs 3
 TOP_LEVEL = tuple(f.name for f in dataclasses.fields(config.Config))
 # Groups a recipe may override: every group but ``recipe`` (its options are untrusted files too).
 RECIPE_GROUPS = tuple(g for g in config.GROUPS if g != "recipe")
+LIST_GROUPS = ("callbacks",)  # groups whose choice may be a list of options (callbacks=[default,NAME])
 _DEFAULT_KEY = re.compile(r"override /(?P<group>[a-z_][a-z0-9_/]*)")
 _OPTION = re.compile(r"[A-Za-z0-9_.\-]+")
 
@@ -126,6 +128,11 @@ COMMAND_LINE_ONLY: dict[str, Guard] = {
     "run.fault_kill_at_step": Guard("kills a rank on purpose (fault injection)", 2),
     "run.fault_raise_at_step": Guard("raises in a rank on purpose (fault injection)", 2),
     "verify.inject_nan_steps": Guard("makes steps NaN on purpose (fault injection)", [1]),
+    # Any callback (``*``: each name), at any depth: a callback is code run at every step.
+    "callbacks.*._target_": Guard(
+        "names the code a callback runs (a recipe may pick shipped callbacks and set their values)",
+        "framework.train.profiling.Profiling",
+    ),
 }
 # Keys that hold strings (or are named like a place) but name no place: values. The schema walk in
 # the tests requires each such field to be here or in COMMAND_LINE_ONLY, so a new one is classified.
@@ -158,7 +165,10 @@ NOT_PLACES: dict[str, str] = {
     "logger.tags": "labels",
     "nccl.env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
     "nccl.preset_env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
+    "callbacks.*": "a callback's own values (a shipped callback reads its places from the keys above)",
 }
+# Mappings whose keys are names (``callbacks.NAME``): the table says ``*`` for every name.
+NAMED = ("callbacks",)
 # NCCL variables that make every rank load code or read more variables from a file.
 CODE_LOADING_NCCL = {
     "NCCL_NET_PLUGIN": "loads a shared library into every rank",
@@ -238,12 +248,15 @@ def _check_defaults(entries: Any) -> str | None:
         if ok:
             ((key, value),) = entry.items()
             m = _DEFAULT_KEY.fullmatch(str(key).strip())
+            values = value if isinstance(value, list) and m is not None and m["group"] in LIST_GROUPS else [value]
             ok = (
                 m is not None
                 and m["group"] in RECIPE_GROUPS
-                and isinstance(value, (str, int))
-                and not isinstance(value, bool)
-                and _OPTION.fullmatch(str(value)) is not None
+                and bool(values)
+                and all(
+                    isinstance(v, (str, int)) and not isinstance(v, bool) and _OPTION.fullmatch(str(v)) is not None
+                    for v in values
+                )
             )
         if not ok:
             return (
@@ -266,8 +279,25 @@ def _walk_strings(node: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
+_NO_DEFAULT = object()  # what no recipe value equals: a ``*`` key has no default to keep
+
+
+def schema_key(pattern: str) -> str:
+    """The table's key for a recipe's setting: ``callbacks.NAME.x`` -> ``callbacks.*.x``, and a
+    ``_target_`` at any depth below a callback -> ``callbacks.*._target_`` (Hydra builds nested ones)."""
+    head, _, rest = pattern.partition(".")
+    if head not in NAMED or not rest:
+        return pattern
+    tail = rest.partition(".")[2]
+    if tail.rsplit(".", 1)[-1] == "_target_":
+        tail = "_target_"
+    return f"{head}.*.{tail}" if tail else f"{head}.*"
+
+
 def schema_default(key: str) -> Any:
     """The schema's default of a dotted key (``data.mix[].path``: a fresh list entry's)."""
+    if "*" in key:
+        return _NO_DEFAULT
     obj: Any = config.Config()
     for part in key.split("."):
         if part.endswith("[]"):
@@ -331,7 +361,8 @@ def check_places(node: dict[str, Any], folder: Path | None) -> tuple[str | None,
     """Why the recipe sets a ``COMMAND_LINE_ONLY`` key (None: it does not), and the local paths
     resolved inside ``folder`` as (path in the node, absolute path) to write back."""
     rewrites: list[tuple[tuple, str]] = []
-    for pattern, written, at, value in _settings({k: v for k, v in node.items() if k != "defaults"}):
+    for raw, written, at, value in _settings({k: v for k, v in node.items() if k != "defaults"}):
+        pattern = schema_key(raw)
         if isinstance(value, str) and "${" in value:
             covers = [
                 k for k in COMMAND_LINE_ONLY if k == pattern or k.startswith((f"{pattern}.", f"{pattern}["))

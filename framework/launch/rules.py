@@ -724,6 +724,18 @@ RULES: dict[str, Rule] = {
     "logger.mode": TYPED,
     "logger.tags": names_list("non-empty tag strings"),
     "logger.plot": TYPED,
+    # callbacks: each entry is built once through the allowlist before launch (check_callbacks)
+    "callbacks": Rule(
+        "name -> {_target_: a framework.train.callbacks.Callback class under run.instantiate_allow, its "
+        "values}, or null (off); the keys that ask for a shipped callback need it",
+        checked_by="framework.train.callbacks.check_callbacks",
+        bad=(
+            {"typo": {"every": 3}},
+            {"mine": {"_target_": "framework.train.profiling.Profiling", "every": 3}},
+            {"notone": {"_target_": "framework.train.runner.Step"}},
+            {"evil": {"_target_": "os.system", "command": "id"}},
+        ),
+    ),
 }
 
 

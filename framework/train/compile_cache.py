@@ -10,19 +10,25 @@ with what this run compiled that was not in the cache (``save_cache_artifacts`` 
 this process created, not what it loaded, so one file rewritten each run would lose the earlier
 entries). A run that hit everything writes nothing. Artifacts are keyed by graph, torch version and
 device inside each blob, so a stale or foreign entry is a miss, not an error; an unreadable blob is
-a warning and a cold compile. Delete the directory to start over.
+a warning and a cold compile. Delete the directory to start over. The loop drives it as the shipped
+``compile_cache`` callback (``CompileCache``, conf/callbacks/compile_cache.yaml).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
+
+from framework.config.schema import ExecutorMode
+from framework.train.callbacks import Callback, RunContext
 
 log = logging.getLogger("framework")
 
@@ -90,3 +96,26 @@ def cache_counters() -> tuple[int, int]:
     """Inductor's FX graph cache hits and misses in this process so far."""
     inductor = counters["inductor"]
     return int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])
+
+
+class CompileCache(Callback):
+    """``executor.cache_dir`` on a compiled executor: every rank loads the cache before the model is
+    built (so before its first compile); at the end rank 0 adds what was compiled anew, and the
+    figures go into summary.json's ``compile_cache``. A no-op otherwise."""
+
+    def __init__(self) -> None:
+        self.stats: CacheStats | None = None
+
+    def setup(self, run: RunContext) -> None:
+        ex = run.cfg.executor
+        if ex.cache_dir is not None and ex.mode is not ExecutorMode.eager:
+            self.stats = CacheStats(loaded=load_cache(ex.cache_dir))
+
+    def on_finish(self, run: RunContext, summary: Any) -> None:
+        stats, cache_dir = self.stats, run.cfg.executor.cache_dir
+        if stats is None or cache_dir is None:
+            return
+        stats.hits, stats.misses = cache_counters()
+        if run.is_main and stats.misses:  # something new was compiled: keep it for the next run
+            stats.saved = save_cache(cache_dir)
+        summary.compile_cache = dataclasses.asdict(stats)

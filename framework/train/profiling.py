@@ -5,6 +5,7 @@ allocator warm-up) are skipped, then ``active`` steps are recorded once. When th
 trace is written as Chrome JSON to ``<run dir>/profile/trace_rank<R>.json`` (open it in
 chrome://tracing or https://ui.perfetto.dev) and the top operators to ``top_ops_rank<R>.json``.
 Rank 0 only by default; ``run.profile_ranks=all`` records every rank (each writes its own files).
+The loop drives it as a callback (``Profiling``, conf/callbacks/profiler.yaml).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from framework.config.schema import ProfileRanks, RunConfig
+from framework.train.callbacks import Callback, RunContext
 
 log = logging.getLogger("framework")
 PROFILE_DIR = "profile"
@@ -92,6 +94,35 @@ def make_profiler(cfg: RunConfig, run_dir: Path, rank: int) -> StepProfiler | Nu
     if not cfg.profile or (cfg.profile_ranks is ProfileRanks.rank0 and rank != 0):
         return NullProfiler()
     return StepProfiler(cfg, run_dir / PROFILE_DIR, rank)
+
+
+class Profiling(Callback):
+    """The shipped ``profiler`` callback: under ``run.profile`` (and a rank ``run.profile_ranks``
+    selects) a ``StepProfiler`` from the loop's start to its finish, stepped after every optimizer
+    step; rank 0 logs the top operators at the end."""
+
+    def __init__(self) -> None:
+        self.profiler: StepProfiler | None = None
+
+    def on_resume(self, run: RunContext, step: int, extra: dict[str, Any]) -> None:
+        chosen = make_profiler(run.cfg.run, run.run_dir, run.rank)
+        if isinstance(chosen, StepProfiler):
+            self.profiler = chosen.__enter__()
+
+    def after_step(self, run: RunContext, step: int) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def on_finish(self, run: RunContext, summary: Any) -> None:
+        prof = self.profiler
+        self.close()
+        if prof is not None and run.is_main and prof.top_operators():
+            log.info("top operators (profiled steps):\n%s", format_top_operators(prof.top_operators(10)))
+
+    def close(self) -> None:
+        prof, self.profiler = self.profiler, None
+        if prof is not None:
+            prof.__exit__(None, None, None)
 
 
 def top_operators(prof: profile, n: int = 15) -> list[dict[str, Any]]:

@@ -9,10 +9,8 @@ verifier decides which rung to run (``framework.verify``); the runner builds it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +48,6 @@ class Step:
     warm: bool
     build: int  # which build of the runner ran it (a rebuild starts a new warm-up)
     wait_s: float = 0.0  # how long the sampler kept the loop waiting for this step's batch
-
-
-class InjectedFault(RuntimeError):
-    """``run.fault_raise_at_step``: the exception a step raises on purpose (to test cleanup)."""
 
 
 class StepRunner:
@@ -150,12 +144,12 @@ class StepRunner:
 
     def step(self, sampler: data_mod.BatchSampler | data_mod.StreamSampler, number: int) -> Step:
         """Queue optimizer step ``number`` on the sampler's next batch (``verify.inject_nan_steps``
-        and ``run.fault_raise_at_step`` apply here); its figures are read later, see ``defer``."""
+        applies here); its figures are read later, see ``defer``."""
         # A batch index: fires once, even after a rollback.
         poison = sampler.consumed_batches in self._nan_batches
         batch = sampler.next_batch()
         wait_s = sampler.last_wait_s  # the sampler times its own wait
-        with inject_nan(self.model, poison), self._fault(number):
+        with inject_nan(self.model, poison):
             result = train_step(
                 self.model,
                 self.optimizer,
@@ -203,27 +197,6 @@ class StepRunner:
         its batch back): it no longer counts toward its build's warm-up."""
         if s.build == self._builds:
             self._since_build -= 1
-
-    @contextlib.contextmanager
-    def _fault(self, number: int) -> Iterator[None]:
-        """``run.fault_raise_at_step``: the forward of that step raises on ``run.fault_rank`` (-1:
-        every rank), from inside the model, as a bug in a step would."""
-        run = self.cfg.run
-        if number != run.fault_raise_at_step or run.fault_rank not in (-1, self.rank):
-            yield
-            return
-
-        def fail(_m: nn.Module, _inputs: tuple) -> None:
-            raise InjectedFault(f"run.fault_raise_at_step={number}: injected fault on rank {self.rank}")
-
-        # A pipeline's schedule calls its stages, never the model (framework.parallel.pipeline).
-        modules = getattr(self.model, "stages", None) or [self.model]
-        handles = [m.register_forward_pre_hook(fail) for m in modules]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
 
 def settle_ddp_buckets(model: nn.Module, micro_batch_size: int, seq_len: int, device: torch.device) -> None:

@@ -8,7 +8,9 @@ state and timing, steps them (``train``, the loop) and writes the summary (``fin
 - ``Verifier`` (framework.verify): bad steps, the latency breaker and the fallback ladder;
 - ``RunCheckpoints`` (framework.checkpoint.session): when to save, preemption, resume, rollback;
 - ``Metrics`` (framework.record.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
-- ``TrainState`` (framework.record.train_state): the counters they share, passed, never captured.
+- ``TrainState`` (framework.record.train_state): the counters they share, passed, never captured;
+- ``Callbacks`` (framework.train.callbacks): the ``callbacks`` group (profiler, wandb, fault injection,
+  the compile cache, and yours), called at the loop's moments.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,15 +46,13 @@ from framework.planner.plan import Plan
 from framework.planner.resolve import check_plan
 from framework.record.metrics import Metrics, format_row, perplexity, validation_row
 from framework.record.train_state import TrainState
-from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
+from framework.train.callbacks import Callbacks, RunContext, build_callbacks
 from framework.train.loop import evaluate
-from framework.train.profiling import NullProfiler, StepProfiler, format_top_operators, make_profiler
 from framework.train.runner import Step, StepRunner
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
 
 log = logging.getLogger("framework")
-Profiler = StepProfiler | NullProfiler
 
 
 def config_hash(cfg: Config) -> str:
@@ -149,7 +148,7 @@ class Parts:
     metrics: Metrics
     verifier: Verifier
     ckpt: RunCheckpoints
-    cache: CacheStats | None  # executor.cache_dir on a compiled executor
+    callbacks: Callbacks
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
 
@@ -162,7 +161,7 @@ def run(cfg: Config, plan: Plan, run_dir: Path, keep: list[object] | None = None
     another config's.
 
     Every part is closed on the way out, also when a step raises: an async save is finished, the
-    sampler's thread, wandb, the metrics file and the profiler are closed, the signal handlers are
+    sampler's thread, wandb, the metrics file and the callbacks are closed, the signal handlers are
     restored and the process group (when this call created it) is destroyed.
 
     ``keep``: a list that takes the run's parts, so that they are not freed when this returns. A
@@ -171,18 +170,18 @@ def run(cfg: Config, plan: Plan, run_dir: Path, keep: list[object] | None = None
     check_plan(cfg, plan)
     state = TrainState(0)
     with contextlib.ExitStack() as stack:
-        p = setup(cfg, plan, run_dir, state, stack)
+        callbacks = stack.enter_context(build_callbacks(cfg.callbacks, cfg.run.instantiate_allow))
+        p = setup(cfg, plan, run_dir, state, stack, callbacks)
         if keep is not None:
             keep.append(p)
-        with make_profiler(cfg.run, run_dir, p.env.rank) as profiler:
-            train(p, state, profiler)
-        return finish(p, state, profiler)
+        train(p, state)
+        return finish(p, state)
 
 
-def train(p: Parts, state: TrainState, profiler: Profiler) -> None:
+def train(p: Parts, state: TrainState) -> None:
     """The loop, to ``train.steps`` or a preemption. Each step: validate when due; queue the step;
     read the figures that are due (count, verify, log); roll back when the verifier asks; save
-    when the checkpointer decides.
+    when the checkpointer decides. The callbacks hear of each queued, read and saved step.
 
     The lag (``StepRunner.defer``): the runner queues step k+1 before the host reads step k, so the
     device does not idle while the host logs. A bad step found one step late rolls back and undoes
@@ -194,20 +193,23 @@ def train(p: Parts, state: TrainState, profiler: Profiler) -> None:
             validate(p, state, state.step)
         queued = runner.step(p.data.sampler, state.step + 1)
         state.step, state.tokens_seen = queued.step, state.tokens_seen + state.tokens_per_step
-        profiler.step()
+        p.callbacks.after_step(state.step)
         late = runner.take_late()  # the previous step, read now that this one is queued
         if late is not None and read(p, state, late) is StepAction.rollback:
             if ckpt.rollback(late.step, rewind=True) is not None:
                 runner.discard(queued)
                 continue
         # Once per step and in the same order on every rank: it can be a collective.
-        if not ckpt.decide(state.step) and runner.defer(queued):
+        saving = ckpt.decide(state.step)
+        if not saving and runner.defer(queued):
             continue
         if read(p, state, queued) is StepAction.rollback:
             ckpt.rollback(queued.step, rewind=False)
             continue
-        kill_if_asked(cfg, p.env, state.step)
-        if ckpt.save_if_due(state.step):  # preempted: saved (or the event says why not)
+        preempted = ckpt.save_if_due(state.step)  # preempted: saved (or the event says why not)
+        if saving:
+            p.callbacks.on_save(state.step)
+        if preempted:
             break
 
 
@@ -242,6 +244,7 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
         state.final_loss, state.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
+    p.callbacks.on_step_read(s)
     return action
 
 
@@ -252,9 +255,19 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     p.metrics.log(validation_row(step, state.last_val_loss))
 
 
-def setup(cfg: Config, plan: Plan, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
-    """Build every part once, in the order the ranks' collectives need; ``stack`` closes each."""
+def setup(
+    cfg: Config,
+    plan: Plan,
+    run_dir: Path,
+    state: TrainState,
+    stack: contextlib.ExitStack,
+    callbacks: Callbacks,
+) -> Parts:
+    """Build every part once, in the order the ranks' collectives need; ``stack`` closes each. The
+    callbacks are set up before the model is built and hear ``on_resume`` once everything is."""
     env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
+    run = RunContext(cfg, run_dir, env.rank, env.is_main, state)
+    callbacks.setup(run)
     if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
         threads = set_task_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if env.is_main:
@@ -275,9 +288,6 @@ def setup(cfg: Config, plan: Plan, run_dir: Path, state: TrainState, stack: cont
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
     verifier.attach(metrics.log)
-    cache = None
-    if cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager:
-        cache = CacheStats(loaded=load_cache(cfg.executor.cache_dir))
     verifier.start(runner, lambda: split_rows(data.sampler.peek()[: cfg.train.micro_batch_size]))
     state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     ckpt = RunCheckpoints(
@@ -295,15 +305,15 @@ def setup(cfg: Config, plan: Plan, run_dir: Path, state: TrainState, stack: cont
     )
     stack.enter_context(ckpt)
     resumed = ckpt.resume(cfg.checkpoint.resume, digest, env.is_main)
-    plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    # The wandb run id saved in the checkpoint: the same wandb run continues after a restart.
-    metrics.start_sinks(cfg.logger, run_dir, plain, run_id=resumed.get("wandb_run_id"))
+    run.metrics, run.runner = metrics, runner
+    # The checkpoint's extra state: the wandb callback continues the same wandb run after a restart.
+    callbacks.on_resume(state.step, resumed)
     peak = peak_tflops(cfg, env.device)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
-    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, cache, peak_flops)
+    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, callbacks, peak_flops)
 
 
 def build(
@@ -337,12 +347,10 @@ def build(
     return runner
 
 
-def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
-    """After the loop: the final evaluation, the compile cache, the performance verdict, the last
-    commit, the Hugging Face export and the summary."""
+def finish(p: Parts, state: TrainState) -> Summary:
+    """After the loop: the final evaluation, the callbacks' finish (the compile cache, the profiler),
+    the performance verdict, the last commit, the Hugging Face export and the summary."""
     cfg, env = p.cfg, p.env
-    if env.is_main and profiler.top_operators():
-        log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
         state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
         p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
@@ -361,11 +369,7 @@ def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
     s.data_wait_ms, s.data_wait_share = state.data_wait
     if p.peak_flops is not None and s.tokens_per_s is not None:
         s.mfu = flops_per_token(cfg.model, cfg.train.seq_len) * s.tokens_per_s / p.peak_flops
-    if p.cache is not None:
-        p.cache.hits, p.cache.misses = cache_counters()
-        if env.is_main and p.cache.misses:  # something new was compiled: keep it for the next run
-            p.cache.saved = save_cache(cfg.executor.cache_dir)
-        s.compile_cache = dataclasses.asdict(p.cache)
+    p.callbacks.on_finish(s)
     figures = perf_figures(state.step_seconds, state.tokens_per_step, s.mfu, s.peak_mem_gib)
     if figures is not None:
         s.step_p50_s, s.step_p99_s = figures.step_p50_s, figures.step_p99_s
@@ -405,15 +409,6 @@ def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
 
 def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-
-
-def kill_if_asked(cfg: Config, env: DistEnv, step: int) -> None:
-    """``run.fault_kill_at_step``: SIGKILL this rank (no cleanup, like a node failure) on the first
-    attempt; ``run.fault_rank=-1``: every rank."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if step == cfg.run.fault_kill_at_step and cfg.run.fault_rank in (-1, env.rank) and first_attempt:
-        log.warning("run.fault_kill_at_step=%d: rank %d kills itself", step, env.rank)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEnv) -> FrozenResult:
