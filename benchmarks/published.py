@@ -42,6 +42,10 @@ TITAN_2506 = (
 # SXM figures of conf/mesh/hardware/h100_sxm.yaml all the same: that gap is part of the error shown.
 TITAN_HW = "H100 96GB HBM2e at 500 W (Grand Teton), 400 Gb/s RDMA per GPU"
 META_HW = "H100 SXM 80GB at 700 W (Grand Teton), 400 Gb/s RoCE per GPU"
+_HELD = "FSDP units held unsharded for the step (reshard_after_forward=false)"
+# Every row gathers bf16 parameters and reduces fp32 gradients: torchtitan's mixed_precision_param /
+# mixed_precision_reduce defaults (bfloat16 / float32), as Megatron's bf16 training does.
+MIXED_PRECISION = ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,14 @@ class Published:
     dp_shard: int  # FSDP degree (torchtitan's data_parallel_shard_degree; Llama 3's DP, FSDP)
     cp: int = 1
     pp_schedule: str = ""
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = 1  # 0: not published, the planner's fastest of VIRTUAL_OPTIONS
     pp_microbatches: int = 0
     # none | selective | full, or auto (not published: the fastest that fits, the planner's choice)
     activation_checkpointing: str = "auto"
     executor: str = "compile"  # eager | compile (torch.compile); a framework of its own: compile
+    # FSDP units resharded after each forward (torchtitan's default without pp), or held unsharded
+    # from the first forward to the step's reduction (its default under pp; framework.planner.stages)
+    reshard_after_forward: bool = True
     precision: str = "bf16"
     tokens_per_s_gpu: float = 0.0  # as published
     tflops_per_gpu: float = 0.0  # as published, where the source gives model TFLOP/s instead
@@ -80,21 +87,24 @@ class Published:
 ROWS: tuple[Published, ...] = (
     Published(
         "405B 8K, 8192 GPUs", LLAMA3_PAPER + ", row 1", META_HW, "llama3_405b", 8192, 8192, 2048, 1,
-        tp=8, pp=16, dp_shard=64, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=32,
+        tp=8, pp=16, dp_shard=64, pp_schedule="interleaved_1f1b", pp_stages_per_rank=0, pp_microbatches=32,
         tflops_per_gpu=430.0, flop_formula="paper: 430 TFLOP/s per GPU, 43% BF16 MFU of 989",
-        assumed=("virtual stages 2", "micro batch 1 (batch/DP 32 = 32 micro batches)", "AC"),
+        reshard_after_forward=False,
+        assumed=("virtual stages (planner: fastest of 1, 2, 4)", "micro batch 1 (batch/DP 32 = 32 micro batches)", "AC", _HELD),
     ),
     Published(
         "405B 8K, 16384 GPUs", LLAMA3_PAPER + ", row 2", META_HW, "llama3_405b", 16384, 8192, 2048, 1,
-        tp=8, pp=16, dp_shard=128, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=16,
+        tp=8, pp=16, dp_shard=128, pp_schedule="interleaved_1f1b", pp_stages_per_rank=0, pp_microbatches=16,
         tflops_per_gpu=400.0, flop_formula="paper: 400 TFLOP/s per GPU, 41% BF16 MFU of 989",
-        assumed=("virtual stages 2", "micro batch 1 (batch/DP 16 = 16 micro batches)", "AC"),
+        reshard_after_forward=False,
+        assumed=("virtual stages (planner: fastest of 1, 2, 4)", "micro batch 1 (batch/DP 16 = 16 micro batches)", "AC", _HELD),
     ),
     Published(
         "405B 128K, 16384 GPUs", LLAMA3_PAPER + ", row 3", META_HW, "llama3_405b", 16384, 131072, 128, 1,
-        tp=8, pp=16, dp_shard=8, cp=16, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2,
+        tp=8, pp=16, dp_shard=8, cp=16, pp_schedule="interleaved_1f1b", pp_stages_per_rank=0,
         pp_microbatches=16, tflops_per_gpu=380.0, flop_formula="paper: 380 TFLOP/s per GPU, 38% BF16 MFU of 989",
-        assumed=("virtual stages 2", "micro batch 1 (batch/DP 16 = 16 micro batches)", "AC"),
+        reshard_after_forward=False,
+        assumed=("virtual stages (planner: fastest of 1, 2, 4)", "micro batch 1 (batch/DP 16 = 16 micro batches)", "AC", _HELD),
     ),
     Published(
         "8B FSDP 8 GPUs, eager", TITAN_2412 + ", table 1, row FSDP", TITAN_HW, "llama3_8b", 8, 8192, 16, 2,
@@ -137,9 +147,11 @@ ROWS: tuple[Published, ...] = (
 )  # fmt: skip
 
 AC_OPTIONS = ("none", "selective", "full")
+# Where a source names the interleaved schedule but not its virtual stages per rank.
+VIRTUAL_OPTIONS = (1, 2, 4)
 
 
-def overrides(row: Published, ac: str) -> list[str]:
+def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
     """The command line that forces the row's layout (what ``python train.py recipe=...`` would take)."""
     out = [
         f"mesh={row.nodes}x8",
@@ -155,11 +167,14 @@ def overrides(row: Published, ac: str) -> list[str]:
         f"parallel.cp={row.cp}",
         f"parallel.dp_shard={row.dp_shard}",
         f"sharding.activation_checkpointing={ac}",
+        f"sharding.reshard_after_forward={str(row.reshard_after_forward).lower()}",
+        *MIXED_PRECISION,
     ]
     if row.pp > 1:
+        schedule = row.pp_schedule if virtual > 1 or row.pp_schedule != "interleaved_1f1b" else "1f1b"
         out += [
-            f"parallel.pp_schedule={row.pp_schedule}",
-            f"parallel.pp_stages_per_rank={row.pp_stages_per_rank}",
+            f"parallel.pp_schedule={schedule}",
+            f"parallel.pp_stages_per_rank={virtual}",
             f"parallel.pp_microbatches={row.pp_microbatches}",
         ]
     return out
@@ -172,14 +187,16 @@ def _plan(cfg: Config) -> Plan:
 
 
 def predict(row: Published) -> tuple[Plan, Config]:
-    """The plan of the row's forced layout; where the source gives no activation checkpointing, the
-    fastest mode that fits the device (else the smallest), as ``sharding.activation_checkpointing=auto``
-    would choose."""
+    """The plan of the row's forced layout; where the source gives no activation checkpointing (or no
+    virtual stages), the fastest choice that fits the device (else the smallest), as
+    ``sharding.activation_checkpointing=auto`` would choose."""
     modes = AC_OPTIONS if row.activation_checkpointing == "auto" else (row.activation_checkpointing,)
+    virtuals = VIRTUAL_OPTIONS if row.pp > 1 and not row.pp_stages_per_rank else (row.pp_stages_per_rank,)
     plans = []
     for ac in modes:
-        cfg = compose_recipe(row.recipe, overrides(row, ac))
-        plans.append((_plan(cfg), cfg))
+        for v in virtuals:
+            cfg = compose_recipe(row.recipe, overrides(row, ac, v))
+            plans.append((_plan(cfg), cfg))
     fitting = [pc for pc in plans if pc[0].memory.total <= pc[0].memory.device]
     if fitting:
         return min(fitting, key=lambda pc: pc[0].prediction.step_time_s)
@@ -198,8 +215,9 @@ def published_tokens_per_s_gpu(row: Published, cfg: Config) -> float:
 def layout_text(row: Published, plan: Plan) -> str:
     parts = [f"TP{row.tp}", f"PP{row.pp}", f"CP{row.cp}", f"FSDP{row.dp_shard}"]
     if row.pp > 1:
-        parts.append(f"{row.pp_schedule} v{row.pp_stages_per_rank} m{row.pp_microbatches}")
+        parts.append(f"{plan.pp_schedule} v{plan.pp_stages_per_rank} m{plan.pp_microbatches}")
     parts.append(f"mbs{row.micro_batch} AC {plan.activation_checkpointing}")
+    parts.append("held" if not row.reshard_after_forward else "reshard")
     return " ".join(parts)
 
 

@@ -569,10 +569,14 @@ def _comm(
             )
     if tp > 1:
         elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp  # a CP rank's sequence shard
         act = tokens * cfg.model.dim * elem
-        # 2 forward + 2 backward, each kind; a pipeline rank runs only its own blocks.
-        calls = (cfg.model.n_layers if layers is None else layers) * 4 * accum
+        # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
+        # checkpointing); a pipeline rank runs only its own blocks.
+        n = cfg.model.n_layers if layers is None else layers
+        mode = cfg.sharding.activation_checkpointing
+        recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+        calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
         # The output projection gathers the full logits for the loss, once per micro batch.
@@ -674,7 +678,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
 
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
-    held = pipe is not None and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE
+    held = pipe is not None and pipeline_stages.held_for_step(cfg, d.pp)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
@@ -908,7 +912,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
             accum=accum,
             pipeline=(layers, flight, last in ids),
             cp=d.cp,
-            held=sched in pipeline_stages.ZERO_BUBBLE,
+            held=pipeline_stages.held_for_step(cfg, d.pp),
         )
         per_rank.append((mem.total, mine, layers, mem))
     _, mine, layers, memory = max(per_rank, key=lambda t: t[0])
