@@ -367,9 +367,9 @@ def _memory(
     cp: int = 1,
     held: bool = False,
 ) -> MemoryEstimate:
-    """``held``: the FSDP units stay unsharded for the whole step (a zero-bubble pipeline schedule,
-    framework.parallel._pipeline), so the rank's whole unsharded parameters replace the two units
-    in flight."""
+    """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
+    zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
+    parameters replace the two units in flight."""
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
@@ -508,8 +508,8 @@ def _comm(
     held: bool = False,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
-    in backward, once per micro batch (once per step where ``held``: a zero-bubble pipeline keeps
-    its units unsharded for the step, see ``_memory``), and reduce-scatters its gradient once per step (the loop
+    in backward, once per micro batch (once per step where ``held``: units kept unsharded for the
+    step, framework.planner.stages.held_for_step), and reduce-scatters its gradient once per step (the loop
     turns gradient sync off on all but the last micro batch); replicated gradients are all-reduced
     once per step (DDP's no_sync, or HSDP after the reduce-scatter); TP with sequence parallelism
     all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
@@ -675,10 +675,11 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units = _fsdp_units(specs, tp)
     else:
         units = _fsdp_units(specs, tp)
-        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
+        held = pipeline_stages.held_for_step(cfg, d.pp)
+        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp, held=held)
 
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
-    held = pipe is not None and pipeline_stages.held_for_step(cfg, d.pp)
+    held = pipeline_stages.held_for_step(cfg, d.pp)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
