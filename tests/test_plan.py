@@ -419,3 +419,18 @@ def test_gemm_shape_efficiency_is_one_at_calibration_and_lower_for_small_gemms()
     assert gemm_shape_efficiency(one_b, Degrees()) == pytest.approx(1.0)
     tiny = _composed("llama1b", "train.micro_batch_size=1", "train.global_batch_size=1", "train.seq_len=128")
     assert 0.2 < gemm_shape_efficiency(tiny, Degrees(tp=8)) < 0.9
+
+
+def test_held_units_that_do_not_fit_are_refused_with_their_memory() -> None:
+    """sharding.reshard_after_forward=false on a layout where the held units do not fit: one line with
+    the memory they need and the setting that frees it; resharding fits."""
+    common = (
+        "mesh=1x8", "parallel.dp_shard=8", "train.global_batch_size=8", "train.micro_batch_size=1",
+        "sharding.activation_checkpointing=full", "run.dry_run=false", "mesh.hardware.memory_gib=32",
+        "sharding.param_dtype=bfloat16",
+    )  # fmt: skip
+    make_plan(_composed("llama3_8b", *common))
+    with pytest.raises(
+        ValueError, match=r"FSDP units held unsharded for the step \d+\.\d.*reshard_after_forward=true"
+    ):
+        make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))

@@ -784,10 +784,20 @@ def _check_fits(
     cfg: Config, d: Degrees, memory: MemoryEstimate, check_memory: bool, warnings: list[str]
 ) -> None:
     """Refuse a launch whose per-rank memory estimate exceeds the device (or warn, see below)."""
+    # Units held for the step by the user's sharding.reshard_after_forward=false (not a zero-bubble
+    # schedule's own need): say what it costs and that resharding would free it.
+    held = not cfg.sharding.reshard_after_forward and d.fsdp_shard > 1
+    held_msg = (
+        f", of it FSDP units held unsharded for the step {memory.comm_buffers / GIB:.1f}: "
+        f"sharding.reshard_after_forward=true frees them"
+        if held
+        else ""
+    )
     mem_msg = (
         f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
         f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
-        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}, comm buffers "
+        f"{memory.comm_buffers / GIB:.1f}{held_msg}): use sharding=auto "
         f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
         f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
     )
