@@ -7,7 +7,7 @@ NVIDIA's Megatron-Bridge / NeMo tables for H100, are left out: the planner costs
 Each row names its source (document and table); what the source does not state is marked
 ``assumed`` in ``Published.assumed`` and is the planner's choice, not a published number.
 
-Runs on the CPU machine in about a minute (planner only, no training):
+Runs on the CPU machine in about 10 s (planner only, no training):
 ``python benchmarks/published.py``. ``tests/test_published.py`` pins the predictions.
 """
 
