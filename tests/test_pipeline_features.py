@@ -468,3 +468,20 @@ def test_injected_nan_skips_and_rolls_back_through_a_pipeline(tmp_path: Path) ->
             assert loss != loss and norm != norm, step
             continue
         assert loss == pytest.approx(ref_loss, rel=RTOL) and norm == pytest.approx(ref_norm, rel=RTOL), step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_units_held_for_the_step_under_any_schedule(tied_run: dict, schedule: str) -> None:
+    """sharding.reshard_after_forward=false with pp=2 x dp_shard=2 (4 gloo ranks, tied embeddings):
+    torch's PipelineStage keeps reshard_after_backward off until the step's reduce, so each FSDP unit
+    is gathered once a step, as planned (framework.planner.stages.held_for_step), and training matches
+    one process."""
+    spr = 2 if schedule.startswith("interleaved") else 1
+    cfg = tied_cfg(4, pp=2, dp_shard=2, pp_schedule=schedule, pp_stages_per_rank=spr)
+    cfg.sharding.reshard_after_forward = False
+    results = run_ranks(_tied_worker, 4, cfg)
+    print(f"held {schedule}: max rel diff {_check(results, tied_run['steps']):.2e}")
+    (gather,) = [c for c in make_plan(cfg).comm if c.collective == "all_gather"]
+    # After the first step (whose shape inference runs more), the busiest rank as planned.
+    assert max(r["gathers"][-1] for r in results) == gather.calls, [r["gathers"] for r in results]
+    assert all(len(set(r["gathers"][1:])) == 1 for r in results), [r["gathers"] for r in results]

@@ -54,6 +54,9 @@ def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> N
     for block in blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
+    # Without resharding after forward, gradient accumulation keeps the units unsharded until the
+    # step's last backward too (framework.train.loop._no_grad_sync): one all-gather a step, as planned.
+    model.hold_for_step = not sharding.reshard_after_forward
     names = set(dp_mesh.mesh_dim_names or ())
     unsharded = [
         n

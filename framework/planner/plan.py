@@ -367,9 +367,9 @@ def _memory(
     cp: int = 1,
     held: bool = False,
 ) -> MemoryEstimate:
-    """``held``: the FSDP units stay unsharded for the whole step (a zero-bubble pipeline schedule,
-    framework.parallel._pipeline), so the rank's whole unsharded parameters replace the two units
-    in flight."""
+    """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
+    zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
+    parameters replace the two units in flight."""
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
@@ -508,8 +508,8 @@ def _comm(
     held: bool = False,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
-    in backward, once per micro batch (once per step where ``held``: a zero-bubble pipeline keeps
-    its units unsharded for the step, see ``_memory``), and reduce-scatters its gradient once per step (the loop
+    in backward, once per micro batch (once per step where ``held``: units kept unsharded for the
+    step, framework.planner.stages.held_for_step), and reduce-scatters its gradient once per step (the loop
     turns gradient sync off on all but the last micro batch); replicated gradients are all-reduced
     once per step (DDP's no_sync, or HSDP after the reduce-scatter); TP with sequence parallelism
     all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
@@ -569,10 +569,14 @@ def _comm(
             )
     if tp > 1:
         elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp  # a CP rank's sequence shard
         act = tokens * cfg.model.dim * elem
-        # 2 forward + 2 backward, each kind; a pipeline rank runs only its own blocks.
-        calls = (cfg.model.n_layers if layers is None else layers) * 4 * accum
+        # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
+        # checkpointing); a pipeline rank runs only its own blocks.
+        n = cfg.model.n_layers if layers is None else layers
+        mode = cfg.sharding.activation_checkpointing
+        recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+        calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
         # The output projection gathers the full logits for the loss, once per micro batch.
@@ -671,10 +675,11 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units = _fsdp_units(specs, tp)
     else:
         units = _fsdp_units(specs, tp)
-        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
+        held = pipeline_stages.held_for_step(cfg, d.pp)
+        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp, held=held)
 
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
-    held = pipe is not None and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE
+    held = pipeline_stages.held_for_step(cfg, d.pp)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
@@ -779,10 +784,20 @@ def _check_fits(
     cfg: Config, d: Degrees, memory: MemoryEstimate, check_memory: bool, warnings: list[str]
 ) -> None:
     """Refuse a launch whose per-rank memory estimate exceeds the device (or warn, see below)."""
+    # Units held for the step by the user's sharding.reshard_after_forward=false (not a zero-bubble
+    # schedule's own need): say what it costs and that resharding would free it.
+    held = not cfg.sharding.reshard_after_forward and d.fsdp_shard > 1
+    held_msg = (
+        f", of it FSDP units held unsharded for the step {memory.comm_buffers / GIB:.1f}: "
+        f"sharding.reshard_after_forward=true frees them"
+        if held
+        else ""
+    )
     mem_msg = (
         f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
         f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
-        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}, comm buffers "
+        f"{memory.comm_buffers / GIB:.1f}{held_msg}): use sharding=auto "
         f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
         f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
     )
@@ -908,7 +923,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
             accum=accum,
             pipeline=(layers, flight, last in ids),
             cp=d.cp,
-            held=sched in pipeline_stages.ZERO_BUBBLE,
+            held=pipeline_stages.held_for_step(cfg, d.pp),
         )
         per_rank.append((mem.total, mine, layers, mem))
     _, mine, layers, memory = max(per_rank, key=lambda t: t[0])

@@ -296,14 +296,22 @@ def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMan
         return model.no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if set_sync is not None:  # FSDP2's FSDPModule
+        # sharding.reshard_after_forward=false: the units also stay unsharded after this backward, so
+        # each is gathered once from the step's first forward to its last backward (as torch's
+        # PipelineStage does under pp; the plan counts one all-gather per unit and step).
+        hold = getattr(model, "hold_for_step", False)
 
         @contextlib.contextmanager
         def fsdp_no_sync() -> Iterator[None]:
             set_sync(False)
+            if hold:
+                model.set_reshard_after_backward(False)  # type: ignore[operator]
             try:
                 yield
             finally:
                 set_sync(True)
+                if hold:
+                    model.set_reshard_after_backward(True)  # type: ignore[operator]
 
         return fsdp_no_sync()
     return contextlib.nullcontext()
