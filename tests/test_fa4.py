@@ -16,7 +16,7 @@ import torch
 from framework.config.schema import AttentionBackend, Config
 from framework.kernels import fa4
 from framework.launch.entry import check_fa4
-from framework.model import _SDPA_BACKENDS
+from framework.models.parts.attention import _SDPA_BACKENDS
 from framework.planner import search
 from tests.test_config import compose_config
 from tests.test_data_pipeline import train_main

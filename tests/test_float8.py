@@ -20,7 +20,7 @@ from framework.kernels import float8
 from framework.kernels.target import MissingPackage
 from framework.launch.entry import check_float8
 from framework.launch.rules import check_option_fields
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.planner.resolve import make_plan
 from framework.record.metrics import read_metrics
 from tests.entry import train_main

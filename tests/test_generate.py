@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import ModelConfig, ModelFamily, to_config
 from framework.generate.decode import KVCache, forward_cached, generate, load_model, main
-from framework.model import build_model
+from framework.models import build_model
 from tests.entry import train_forked
 
 

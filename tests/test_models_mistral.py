@@ -17,8 +17,7 @@ from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
 from framework.config.schema import ModelConfig, ModelFamily  # noqa: E402
 from framework.generate.decode import KVCache, forward_cached  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
-from framework.models import FAMILIES, model_spec  # noqa: E402
+from framework.models import FAMILIES, build_model, materialize, model_spec  # noqa: E402
 
 SEQ, WINDOW, TOL = 16, 4, 1e-5
 

@@ -1,6 +1,6 @@
 """Sample text from a trained model: ``python -m framework.generate RUN_DIR|CHECKPOINT --prompt ...``.
 
-Why a KV cache here rather than in ``framework.model``: training runs whole sequences through one
+Why a KV cache here rather than in ``framework.models``: training runs whole sequences through one
 causal SDPA call, and a cache would put a branch and per-call state into the graphs that freeze,
 export and compile see. Decoding instead walks the same modules (the same weights, norms, RoPE and
 SwiGLU) step by step, keeping each layer's keys and values. The tests check it against re-running
@@ -25,16 +25,11 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from framework.config.schema import Config, to_config
-from framework.model import (
-    Attention,
-    Llama,
-    TransformerBlock,
-    apply_rope,
-    build_model,
-    causal_band,
-    rope_tables,
-)
-from framework.models import model_spec
+from framework.models import Decoder, build_model, model_spec
+from framework.models.parts.attention import Attention
+from framework.models.parts.decoder import TransformerBlock
+from framework.models.parts.masks import causal_band
+from framework.models.parts.rope import apply_rope, rope_tables
 
 
 @dataclass
@@ -48,7 +43,7 @@ class KVCache:
     window: int = 0  # the family's sliding window (0: every cached key is seen)
 
     @classmethod
-    def empty(cls, model: Llama, batch: int, capacity: int) -> KVCache:
+    def empty(cls, model: Decoder, batch: int, capacity: int) -> KVCache:
         cfg = model.cfg
         head_dim = model_spec(cfg).head_dim
         p = model.tok_embeddings.weight
@@ -82,7 +77,7 @@ def _block(block: TransformerBlock, x: torch.Tensor, cache: KVCache, layer: int)
 
 
 @torch.no_grad()
-def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones."""
     h = model.tok_embeddings(tokens)
     for i, block in enumerate(model.layers.values()):
@@ -107,7 +102,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: Llama,
+    model: Decoder,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -213,7 +208,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
     return found
 
 
-def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
+def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
     """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
     from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 

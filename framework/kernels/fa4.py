@@ -11,7 +11,7 @@ torch's own FA4 entry unpacks ``_flash_attn_fwd``'s result as ``(out, lse)``, wh
 4.0.0b36 returns five values; so this module registers torch's FA4 glue under its own name with
 itself as the kernel module (``_flash_attn_fwd``/``_flash_attn_bwd`` below pass the calls on and keep
 the results torch reads). The swap is for the whole process, so it is made where the model meets
-its device (``framework.model.materialize``). ``check`` refuses before launch what FA4 cannot run.
+its device (``framework.models.materialize``). ``check`` refuses before launch what FA4 cannot run.
 """
 
 from __future__ import annotations

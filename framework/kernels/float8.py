@@ -32,7 +32,7 @@ SAVED_BYTES_PER_INPUT = 1.25
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One ``nn.Linear`` of framework.model.Llama: ``weight`` is (out_features, in_features)."""
+    """One ``nn.Linear`` of framework.models.Decoder: ``weight`` is (out_features, in_features)."""
 
     fqn: str
     out_features: int

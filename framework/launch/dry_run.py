@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.config.schema import Config, Float8Recipe
 from framework.kernels import float8
-from framework.model import build_model
+from framework.models import build_model
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.float8 import is_float8
 from framework.planner.plan import GIB, Plan, pp_rank_param_bytes, pp_rank_specs

@@ -24,17 +24,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from framework.model import Llama
+from framework.models import Decoder
 from framework.parallel.mesh import sub_mesh
 from framework.planner.plan import MeshAxis, Plan
 
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
 
 
-def _llama(model: nn.Module) -> Llama:
+def _llama(model: nn.Module) -> Decoder:
     inner = getattr(model, "module", model)  # DDP; FSDP2 and per-block compile keep the class
     inner = getattr(inner, "_orig_mod", inner)  # whole-model torch.compile
-    assert isinstance(inner, Llama), type(inner)
+    assert isinstance(inner, Decoder), type(inner)
     return inner
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import ModelConfig
-from framework.model import build_model, materialize, num_params
+from framework.models import build_model, materialize, num_params
 from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 
