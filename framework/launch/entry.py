@@ -58,6 +58,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_model_shape
+from framework.models import model_spec
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -245,7 +246,7 @@ def check_fa4(cfg: Config, device: torch.device) -> None:
         return
     where = target.of_run(cfg, device)
     with target.tolerate_missing_packages(where):
-        fa4.check(cfg, where.type, where.capability, where.name)
+        fa4.check(cfg, where.type, where.capability, where.name, head_dim=model_spec(cfg.model).head_dim)
 
 
 def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:

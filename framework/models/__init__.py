@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from framework.models.build import build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
-from framework.models.parts.decoder import Decoder, compute_dtype, materialize, tie
+from framework.models.parts.cache import KVCache
+from framework.models.parts.decoder import Decoder, compute_dtype, forward_cached, materialize, tie
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
@@ -19,6 +20,7 @@ __all__ = [
     "SHAPE_KEYS",
     "Decoder",
     "Family",
+    "KVCache",
     "ModelSpec",
     "TPStyle",
     "Weight",
@@ -28,6 +30,7 @@ __all__ = [
     "decoder",
     "family",
     "flops_per_token",
+    "forward_cached",
     "materialize",
     "model_spec",
     "num_params",

@@ -1,4 +1,4 @@
-"""Parallelize a meta-device Llama per the plan: ``parallelize`` applies each concern in order.
+"""Parallelize a meta-device decoder (``framework.models.Decoder``) per the plan, each concern in order.
 
 One module per concern: pipeline.py (pipeline stages and schedule), float8.py (float8 Linear layers),
 tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 / HSDP, DDP), mesh.py (the

@@ -2,7 +2,7 @@
 
 As torchtitan does it: each stage is a copy of the whole meta-device model with the blocks of other
 stages deleted, and the embedding (all but the first stage) or the final norm and output projection
-(all but the last) set to None; ``Llama.forward`` passes hidden states through a stage without
+(all but the last) set to None; ``Decoder.forward`` passes hidden states through a stage without
 them. Parameter names stay those of the single-process model (``layers.5.attention.wq.weight``),
 so the per-name initialisation gives every layout the single-process weights and DCP checkpoints
 load across pp degrees. The plan says which blocks each stage holds (``Plan.pp_split``, by the

@@ -15,6 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from framework.config.schema import AttentionBackend, ModelConfig
+from framework.models.parts.cache import KVCache
+from framework.models.parts.masks import causal_band
 from framework.models.parts.norm import RMSNorm
 from framework.models.parts.rope import apply_rope
 
@@ -76,6 +78,23 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.wo(out)
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """``forward`` for ``x`` (batch, new, dim) after the cached positions; writes this layer's
+        keys and values into ``cache`` (framework.models.parts.cache: why a separate method)."""
+        b, s, _ = x.shape
+        start, end = cache.length, cache.length + s
+        q, k, v = self.heads(x)
+        rope = cache.rope[start:end]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
+        cache.values[layer][:, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
+        # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
+        # the last ``sliding_window`` of them where the family has a window.
+        mask = causal_band(s, end, start, cache.window, x.device)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.gqa)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _attend_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor

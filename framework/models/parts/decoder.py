@@ -9,7 +9,8 @@ placement (``init_weights``), so a 70B shape never materialises on one host.
 What the rest of the framework may rely on (the decoder interface): ``cfg``, ``tok_embeddings``,
 ``layers`` (a ModuleDict "0".."L-1"), ``norm``, ``output``, ``rope``, ``head_dim``,
 ``sliding_window``, ``document_eos``, ``forward(tokens, targets, documents)``, ``head_loss``,
-``init_weights``; a pipeline stage sets the embedding or the head to None.
+``init_weights``; a pipeline stage sets the embedding or the head to None. Each block has a
+``forward_cached`` for decoding (``forward_cached`` below, framework.models.parts.cache).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from framework.config.schema import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
 from framework.kernels.fused_ce import linear_cross_entropy
 from framework.models.parts.attention import Attention
+from framework.models.parts.cache import KVCache
 from framework.models.parts.masks import (
     DOC_START,
     causal_band,
@@ -55,6 +57,11 @@ class TransformerBlock(nn.Module):
             h = x + self.attention(self.attention_norm(x), rope)
         else:
             h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """``forward`` for new positions after the cached ones (framework.models.parts.cache)."""
+        h = x + self.attention.forward_cached(self.attention_norm(x), cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -236,6 +243,17 @@ class Decoder(nn.Module):
             _copy_full_into(p, full)
         # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
         self.rope = self._rope_tables(device)
+
+
+@torch.no_grad()
+def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones: the
+    trunk walked block by block, each block's ``forward_cached`` (its family's own)."""
+    h = model.tok_embeddings(tokens)
+    for i, block in enumerate(model.layers.values()):
+        h = block.forward_cached(h, cache, i)
+    cache.length += tokens.shape[1]
+    return model.output(model.norm(h[:, -1]))
 
 
 def tie(model: Decoder) -> None:
