@@ -58,7 +58,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_model_shape
-from framework.models import model_spec
+from framework.models import linears, model_spec
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -232,7 +232,7 @@ def check_float8(cfg: Config, device: torch.device) -> None:
     if recipe is Float8Recipe.none:
         return
     layout = fixed_degrees(cfg)  # under sharding=auto the search has not run yet: sharding.tp pins TP
-    float8.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
+    linears.check_shapes(cfg.model, layout.tp if layout is not None else cfg.sharding.tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     with target.tolerate_missing_packages(where):

@@ -27,8 +27,8 @@ from framework.config.schema import (
     FusedCrossEntropy,
     ModelConfig,
 )
-from framework.kernels.float8 import saved_activation_bytes_per_layer
 from framework.models import family, model_spec
+from framework.models.linears import saved_activation_bytes_per_layer
 from framework.planner import stages as pipeline_stages
 from framework.planner.cost import CommEstimate, StepPrediction, predict_step
 from framework.planner.layout import (
