@@ -12,7 +12,7 @@ from framework.models.build import build_model, decoder, flops_per_token, num_pa
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
 from framework.models.parts.decoder import Decoder, compute_dtype, forward_cached, materialize, tie
-from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec
+from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "materialize",
     "model_spec",
     "num_params",
+    "own_fields",
     "tie",
 ]

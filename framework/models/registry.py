@@ -43,7 +43,14 @@ def model_spec(m: ModelConfig) -> ModelSpec:
     return _spec(key)
 
 
-# The ModelConfig fields a spec depends on (the cache key).
+def own_fields() -> tuple[str, ...]:
+    """The ModelConfig fields some family has as its own (its record's ``hf_fields``: integers, 0 =
+    off), in registry order: the launcher rules them (a window only where the family computes one)
+    and the spec cache keys on them, with no per-field line outside the family's folder."""
+    return tuple(dict.fromkeys(f for fam in FAMILIES.values() for f in fam.hf_fields))
+
+
+# The ModelConfig fields a spec depends on (the cache key): the shared shape, then the families' own.
 SHAPE_KEYS = (
     "family",
     "head_dim",
@@ -54,7 +61,7 @@ SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
-    "sliding_window",
+    *own_fields(),
 )
 
 
