@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from framework.config.schema import Config  # noqa: E402
 from framework.launch.recipes import compose_recipe  # noqa: E402
-from framework.model import flops_per_token  # noqa: E402
+from framework.models import flops_per_token  # noqa: E402
 from framework.planner.layout import fixed_degrees  # noqa: E402
 from framework.planner.plan import GIB, Plan, plan_for  # noqa: E402
 
@@ -205,7 +205,7 @@ def predict(row: Published) -> tuple[Plan, Config]:
 
 def published_tokens_per_s_gpu(row: Published, cfg: Config) -> float:
     """Published tokens/s per GPU; from TFLOP/s per GPU with the planner's flops per token (6N +
-    12·L·H·Q·T, framework.model.flops_per_token) where the source gives TFLOP/s (its own formula is
+    12·L·H·Q·T, framework.models.flops_per_token) where the source gives TFLOP/s (its own formula is
     not stated; so this also assumes it counts as ours does)."""
     if row.tokens_per_s_gpu:
         return row.tokens_per_s_gpu

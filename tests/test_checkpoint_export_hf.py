@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from framework.checkpoint import export_hf, to_hf_state_dict
 from framework.checkpoint.export_hf import permute_rope_rows
 from framework.config.schema import ModelConfig
-from framework.model import apply_rope, build_model, materialize, rope_tables
+from framework.models import build_model, materialize
+from framework.models.parts.rope import apply_rope, rope_tables
 
 GQA = ModelConfig(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=100, tie_embeddings=False

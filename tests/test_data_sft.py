@@ -27,7 +27,7 @@ from framework.config.schema import (
 from framework.data import build_data, check_data
 from framework.data.sft import IGNORE_INDEX, ChatFormat, Fields, read_records
 from framework.data.tokenizer import load_tokenizer
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from tests.corpus import ROOT
 
 SHIPPED = ROOT / "recipes" / "data" / "sft_tiny"
@@ -127,7 +127,7 @@ def test_packed_rows_give_the_unpacked_loss_with_each_example_kept_to_itself() -
     document start. The model (document masking, RoPE restarting per example) gives the same
     token-weighted loss as one example per row, over the same examples, and trains the same targets."""
     from framework.data.sft import SFTWindows, split_rows
-    from framework.model import DOC_START, NO_EOS, document_ids
+    from framework.models.parts.masks import DOC_START, NO_EOS, document_ids
 
     cfg = make_cfg(SHIPPED / "train.jsonl")
     tok = load_tokenizer(cfg.tokenizer)

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config.schema import ModelConfig, ModelFamily, to_config
-from framework.generate.decode import KVCache, forward_cached, generate, load_model, main
-from framework.model import build_model
+from framework.generate.decode import generate, load_model, main
+from framework.models import KVCache, build_model, forward_cached
 from tests.entry import train_forked
 
 

@@ -15,7 +15,7 @@ from framework.config.schema import (
     TrainConfig,
 )
 from framework.data import BatchSampler
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from framework.parallel.step import HostIO
 from framework.train.loop import (

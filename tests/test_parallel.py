@@ -28,7 +28,7 @@ from framework.config.schema import (
     ParallelConfig,
     Strategy,
 )
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
 from framework.parallel.compile import apply_compile, inductor_mode

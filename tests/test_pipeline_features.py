@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import Config
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.planner.resolve import make_plan, resolve
 from tests.dist import run_ranks
@@ -268,7 +268,7 @@ def doc_batches(sft: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens, targets) per step. Documents: EOS (token 0) at ~1 in 5 positions. sft: documents
     start at a DOC_START flag instead (``NO_EOS``), and about half the targets are masked, more in
     some rows than others, so a mean of micro-batch means would weigh them differently."""
-    from framework.model import DOC_START
+    from framework.models.parts.masks import DOC_START
 
     g = torch.Generator().manual_seed(5)
     out = []
@@ -309,7 +309,7 @@ def _doc_steps(
 
 
 def _eos(sft: bool) -> int:
-    from framework.model import NO_EOS
+    from framework.models.parts.masks import NO_EOS
 
     return NO_EOS if sft else 0
 

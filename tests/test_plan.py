@@ -18,7 +18,7 @@ from framework.config.schema import (
     Strategy,
 )
 from framework.launch.rules import check_option_fields
-from framework.model import build_model, num_params
+from framework.models import build_model, num_params
 from framework.planner.plan import (
     GIB,
     check_world_size,

@@ -285,7 +285,7 @@ def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], h
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
-    """Fill every parameter of a materialised (possibly sharded) Llama from ``ckpt``, each rank
+    """Fill every parameter of a materialised (possibly sharded) decoder from ``ckpt``, each rank
     reading only its local chunk. No collective: every rank calls it on its own."""
     from safetensors import safe_open
 

@@ -12,7 +12,7 @@ Two stages, as everywhere: ``resolve`` runs in the entry point, before the plan.
 shape from the source (config.json, or the shape the run saved), so ``model.init_from=PATH`` alone
 is enough, refuses a command-line shape override that contradicts it, and checks every tensor's
 name and shape against the model, all without reading tensor data. ``load`` runs on every rank
-after the (possibly sharded) model is placed (``framework.model.materialize``): each rank reads only
+after the (possibly sharded) model is placed (``framework.models.materialize``): each rank reads only
 its own shards, and no collective runs.
 """
 

@@ -41,7 +41,7 @@ from framework.data.stream import (
 )
 from framework.data.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 from framework.data.tokens import tokenizer_digest
-from framework.model import NO_EOS
+from framework.models.parts.masks import NO_EOS
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)

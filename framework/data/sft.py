@@ -19,7 +19,7 @@ How an example becomes tokens:
 
 Whole examples are packed back to back into rows of ``seq_len + 1`` tokens (``data.sft_pack``;
 false: one example per row), padded with EOS whose targets are masked. Each example's first token
-carries ``DOC_START`` (framework.model): the model starts a document there, so attention and RoPE
+carries ``DOC_START`` (framework.models): the model starts a document there, so attention and RoPE
 positions stay within the example (``data.document_mask=true`` is refused: an EOS mask would also
 cut a conversation at an EOS inside it). An example longer than the row is cut
 (the end of its response is lost; the number cut is logged before launch); an example whose prompt
@@ -46,7 +46,7 @@ from framework.config.schema import DataConfig
 from framework.data.records import json_line, watched
 from framework.data.tokenizer import Tokenizer, eos_fix
 from framework.data.tokens import FileStamp
-from framework.model import DOC_START
+from framework.models.parts.masks import DOC_START
 
 log = logging.getLogger("framework")
 

@@ -1,10 +1,9 @@
 """Sample text from a trained model: ``python -m framework.generate RUN_DIR|CHECKPOINT --prompt ...``.
 
-Why a KV cache here rather than in ``framework.model``: training runs whole sequences through one
-causal SDPA call, and a cache would put a branch and per-call state into the graphs that freeze,
-export and compile see. Decoding instead walks the same modules (the same weights, norms, RoPE and
-SwiGLU) step by step, keeping each layer's keys and values. The tests check it against re-running
-the full forward for every new token.
+Decoding walks the model's own modules step by step with a KV cache (``framework.models.KVCache``
+and ``forward_cached``: each block's cached step sits beside its ``forward``, in its family's parts,
+so a family's decoding is the family's own). The tests check it against re-running the full forward
+for every new token.
 
 The model is rebuilt from the run's resolved ``config.yaml`` and its weights are read from a DCP
 checkpoint in one process (DCP reshards whatever layout saved them); the tokenizer is the run's.
@@ -16,79 +15,14 @@ import argparse
 import math
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from framework.config.schema import Config, to_config
-from framework.model import (
-    Attention,
-    Llama,
-    TransformerBlock,
-    apply_rope,
-    build_model,
-    causal_band,
-    rope_tables,
-)
-from framework.models import model_spec
-
-
-@dataclass
-class KVCache:
-    """Keys and values per layer, (batch, kv_heads, capacity, head_dim); ``length`` positions filled."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    rope: torch.Tensor
-    length: int = 0
-    window: int = 0  # the family's sliding window (0: every cached key is seen)
-
-    @classmethod
-    def empty(cls, model: Llama, batch: int, capacity: int) -> KVCache:
-        cfg = model.cfg
-        head_dim = model_spec(cfg).head_dim
-        p = model.tok_embeddings.weight
-        shape = (batch, cfg.n_kv_heads, capacity, head_dim)
-        keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        # Tables for the whole capacity: a prompt plus its continuation may be longer than training's seq_len.
-        rope = rope_tables(head_dim, capacity, cfg.rope_theta, p.device, cfg)
-        return cls(keys, values, rope, window=model_spec(cfg).sliding_window)
-
-
-def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-    b, s, _ = x.shape
-    start, end = cache.length, cache.length + s
-    q, k, v = attn.heads(x)
-    rope = cache.rope[start:end]
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
-    cache.values[layer][:, :, start:end] = v.transpose(1, 2)
-    keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
-    # the last ``sliding_window`` of them where the family has a window.
-    mask = causal_band(s, end, start, cache.window, x.device)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.gqa)
-    return attn.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-def _block(block: TransformerBlock, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-    h = x + _attend(block.attention, block.attention_norm(x), cache, layer)
-    return h + block.feed_forward(block.ffn_norm(h))
-
-
-@torch.no_grad()
-def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones."""
-    h = model.tok_embeddings(tokens)
-    for i, block in enumerate(model.layers.values()):
-        h = _block(block, h, cache, i)
-    cache.length += tokens.shape[1]
-    return model.output(model.norm(h[:, -1]))
+from framework.models import Decoder, KVCache, build_model, forward_cached
 
 
 def sample_next(
@@ -107,7 +41,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: Llama,
+    model: Decoder,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -213,7 +147,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
     return found
 
 
-def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
+def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
     """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
     from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 

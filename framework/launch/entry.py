@@ -58,6 +58,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.models import linears, model_spec
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -237,7 +238,7 @@ def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
-    float8.check_shapes(cfg.model, tp)
+    linears.check_shapes(cfg.model, tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     with target.tolerate_missing_packages(where):
@@ -251,7 +252,7 @@ def check_fa4(cfg: Config, device: torch.device) -> None:
         return
     where = target.of_run(cfg, device)
     with target.tolerate_missing_packages(where):
-        fa4.check(cfg, where.type, where.capability, where.name)
+        fa4.check(cfg, where.type, where.capability, where.name, head_dim=model_spec(cfg.model).head_dim)
 
 
 def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:

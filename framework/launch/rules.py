@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config.schema import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.models import FAMILIES, own_fields
 from framework.planner.layout import Degrees
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
@@ -56,6 +57,17 @@ class Rule:
 
 
 TYPED = Rule(typed=True)
+
+
+def family_field(name: str) -> Rule:
+    """A family's own integer field (framework.models: its record's ``hf_fields``): 0 (off) under
+    every family, > 0 only under the families that compute it (elsewhere it would do nothing)."""
+    owners = [fam.name for fam in FAMILIES.values() if name in fam.hf_fields]
+    return Rule(
+        f"0 (off), or an integer >= 1 with model.family={'|'.join(owners)}",
+        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value in owners),
+        (-1, 10**1000),
+    )
 
 
 def _is_int(v: Any) -> bool:
@@ -399,12 +411,8 @@ RULES: dict[str, Rule] = {
         (0, 3, 8),
     ),
     "model.ffn_dim": integer(1),
-    # A window only where the family computes one (framework.models: Mistral's record).
-    "model.sliding_window": Rule(
-        "0 (off), or an integer >= 1 with model.family=mistral",
-        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value == "mistral"),
-        (-1, 10**1000),
-    ),
+    # A family's own fields (a window only where the family computes one: Mistral's record).
+    **{f"model.{f}": family_field(f) for f in own_fields()},
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, lo_open=True),
     "model.rope_theta": number(0, lo_open=True),

@@ -2,7 +2,7 @@
 
 As torchtitan does it: each stage is a copy of the whole meta-device model with the blocks of other
 stages deleted, and the embedding (all but the first stage) or the final norm and output projection
-(all but the last) set to None; ``Llama.forward`` passes hidden states through a stage without
+(all but the last) set to None; ``Decoder.forward`` passes hidden states through a stage without
 them. Parameter names stay those of the single-process model (``layers.5.attention.wq.weight``),
 so the per-name initialisation gives every layout the single-process weights and DCP checkpoints
 load across pp degrees. The plan says which blocks each stage holds (``Plan.pp_split``, by the
@@ -54,7 +54,8 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
-from framework.model import Llama, document_ids
+from framework.models import Decoder
+from framework.models.parts.masks import document_ids
 from framework.parallel.step import HostIO, StepResult, StepTimer, autocast, step_result, to_device, update
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
@@ -66,7 +67,7 @@ SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
 }
 
 
-def cut_stage(model: Llama, layers: range, first: bool, last: bool) -> Llama:
+def cut_stage(model: Decoder, layers: range, first: bool, last: bool) -> Decoder:
     """A copy of the meta-device ``model`` that keeps only ``layers`` (and the embedding if
     ``first``, the final norm and output projection if ``last``). Copying on meta costs no memory."""
     stage = copy.deepcopy(model)
@@ -89,7 +90,7 @@ class PipelineModel(nn.Module):
     the whole model. Calling it is an error: the schedule (``step``) runs the stages.
     """
 
-    def __init__(self, stages: list[Llama], stage_ids: list[int], num_stages: int) -> None:
+    def __init__(self, stages: list[Decoder], stage_ids: list[int], num_stages: int) -> None:
         super().__init__()
         self.cfg = stages[0].cfg
         self.stage_ids = stage_ids
@@ -116,7 +117,7 @@ class PipelineModel(nn.Module):
         return [self.tied.copy] if self.tied is not None and self.tied.copy is not None else []
 
     @property
-    def stages(self) -> list[Llama]:
+    def stages(self) -> list[Decoder]:
         return self._stages
 
     @property

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.model import compute_dtype
+from framework.models import compute_dtype
 
 
 class HostIO:

@@ -5,7 +5,7 @@ Why a model and not a measurement: ``sharding=auto`` ranks hundreds of layouts f
 are not here, before anything runs. Each term is simple and each constant is measured (the sources
 are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml``):
 
-- **compute**: the model's flops (``framework.model.flops_per_token``: 6N + 12·L·H·Q·T, plus the
+- **compute**: the model's flops (``framework.models.flops_per_token``: 6N + 12·L·H·Q·T, plus the
   forward recomputed by activation checkpointing) at ``gemm_efficiency`` x ``peak_tflops``, scaled by
   the GEMMs' wave quantization on the device's SMs (``gemm_shape_efficiency``: a GEMM whose output
   tiles leave the last wave of SMs part idle runs below the rate the 1B profile measured). TP splits
@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode
-from framework.model import flops_per_token, num_params
-from framework.models import model_spec
+from framework.models import flops_per_token, model_spec, num_params
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees

@@ -27,8 +27,8 @@ from framework.config.schema import (
     FusedCrossEntropy,
     ModelConfig,
 )
-from framework.kernels.float8 import saved_activation_bytes_per_layer
-from framework.models import model_spec
+from framework.models import family, model_spec
+from framework.models.linears import saved_activation_bytes_per_layer
 from framework.planner import stages as pipeline_stages
 from framework.planner.cost import CommEstimate, StepPrediction, predict_step
 from framework.planner.layout import (
@@ -295,10 +295,10 @@ def _activation_bytes(
 ) -> int:
     """Saved activations of one micro batch, per rank.
 
-    Per token and layer the block saves on the order of 10*dim + 3*kv_dim + 4*ffn_dim values (norm
-    inputs and outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs, SiLU
-    and the product feeding w2), scaled by a measured factor per executor (see above); SDPA keeps no
-    seq x seq matrix. Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
+    Per token and layer the block saves the values its family's record counts
+    (``Family.activation_values``; a dense block's are on the order of 10*dim + 3*kv_dim + 4*ffn_dim,
+    ``framework.models.parts.layout.dense_saved_values``), scaled by a measured factor per executor
+    (see above). Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
     recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
     gathered to every TP rank. Context parallelism divides the tokens by its degree (each rank keeps
@@ -316,8 +316,8 @@ def _activation_bytes(
     k, logit_bytes = (_COMPILED_K, _COMPILED_LOGIT_BYTES) if compiled else (_EAGER_K, _EAGER_LOGIT_BYTES)
     if not bf16:
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
-    kv_dim = m.n_kv_heads * model_spec(m).head_dim
-    per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
+    # The family's own count of what one block saves per token (its record: framework.models).
+    per_layer = int(k * tokens * family(m).activation_values(m) * elem) // tp
     # model.float8: the converted Linear layers keep their inputs in float8 (framework.kernels.float8).
     per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
     block_input = tokens * m.dim * elem // tp
