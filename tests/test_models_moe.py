@@ -70,6 +70,15 @@ def test_parity_with_transformers_blocks(family: str, norm: bool, kernel: Expert
     assert (moe.stats.router_logits - ref_logits).abs().max().item() < 1e-6
     ref_aux = load_balancing_loss_func((ref_logits,), E, K)
     assert abs(load_balancing_loss([moe.stats]).item() - ref_aux.item()) < 1e-6
+    # the gradients of a loss with the aux term, as the families will train it
+    g = torch.randn_like(x)
+    hf_logits = block.gate(x.reshape(-1, D))[0]  # what transformers' output recorder keeps
+    ((block(x) * g).sum() + cfg.router_aux_loss_coef * load_balancing_loss_func((hf_logits,), E, K)).backward()
+    ((moe(x) * g).sum() + cfg.router_aux_loss_coef * load_balancing_loss([moe.stats])).backward()
+    for name, ours in HF_MOE_NAMES.items():
+        hf_grad = block.get_parameter(name).grad
+        assert hf_grad.abs().max() > 0
+        torch.testing.assert_close(moe.get_parameter(ours).grad, hf_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_aux_loss_over_layers_matches_transformers_and_has_a_gradient() -> None:
@@ -105,6 +114,15 @@ def test_grouped_equals_loop_forward_and_backward() -> None:
         grads.append((y.detach(), xr.grad, m.gate_up_proj.grad, m.down_proj.grad))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_backward_takes_a_broadcast_gradient() -> None:
+    """``y.sum().backward()`` hands grouped_mm a stride-0 gradient, which its backward refuses alone."""
+    experts = GroupedExperts(E, D, FF, ExpertKernel.GROUPED)
+    counts = torch.tensor([2, 0, 1, 1, 0, 3, 0, 1])
+    x = torch.randn(int(counts.sum()), D, requires_grad=True)
+    experts(x, counts).sum().backward()
+    assert x.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
 
 
 def test_grouped_mm_support_check() -> None:

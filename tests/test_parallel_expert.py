@@ -52,14 +52,16 @@ def _ep_rank(rank: int, world: int, kernel: ExpertKernel, shared: int) -> dict[s
         if not n.startswith("experts."):
             dist.all_reduce(p.grad)
         grads[n] = p.grad
-    return {"out": out.detach(), "x.grad": x.grad, **grads}
+    # numpy, pickled by value: a torch tensor crosses the queue as a shared-memory handle that the parent
+    # fetches from this process, which may already have exited ("Connection reset by peer")
+    return {k: v.numpy() for k, v in {"out": out.detach(), "x.grad": x.grad, **grads}.items()}
 
 
 @pytest.mark.parametrize("kernel,shared", [(ExpertKernel.AUTO, 0), (ExpertKernel.LOOP, 1)])
 def test_ep2_equals_one_process(kernel: ExpertKernel, shared: int) -> None:
     world = 2
     ref = _reference(world, kernel, shared)
-    ranks = run_ranks(_ep_rank, world, kernel, shared)
+    ranks = [{k: torch.from_numpy(v) for k, v in r.items()} for r in run_ranks(_ep_rank, world, kernel, shared)]
     nl = 8 // world
     for r, got in enumerate(ranks):
         rows = slice(r * TOKENS, (r + 1) * TOKENS)
