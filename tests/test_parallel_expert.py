@@ -1,5 +1,5 @@
-"""Expert parallelism (framework/parallel/expert.py) on real gloo ranks: the ep=2 layer equals one process
-on outputs and on every gradient (rtol 1e-5)."""
+"""Expert parallelism (framework/parallel/expert.py) on real gloo ranks: the ep=2 layer, and ep=2 x dp=2 on
+4 ranks (ep on subgroups), equal one process on outputs and on every gradient (rtol 1e-5)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,34 @@ def test_ep2_equals_one_process(kernel: ExpertKernel, shared: int) -> None:
             if name.startswith(("gate.", "shared_experts.")):
                 torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
     assert ref["experts.down_proj"].abs().sum() > 0
+
+
+def _ep_dp_rank(rank: int, world: int) -> dict:
+    """ep=2 x dp=2 on 4 ranks: ep groups {0, 1} and {2, 3}; an expert's replicas ({0, 2} or {1, 3})
+    all-reduce its gradient over dp, the router's over every rank."""
+    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(_cfg(ExpertKernel.AUTO, 0)), ep_groups[rank // 2])
+    x, g = (t[rank * TOKENS : (rank + 1) * TOKENS] for t in _inputs(world))
+    out = moe(x)
+    (out * g).sum().backward()
+    for n, p in moe.named_parameters():
+        dist.all_reduce(p.grad, group=dp_groups[rank % 2] if n.startswith("experts.") else None)
+    return {k: v.numpy() for k, v in {"out": out.detach(), **{n: p.grad for n, p in moe.named_parameters()}}.items()}
+
+
+def test_ep2_by_dp2_equals_one_process() -> None:
+    world = 4
+    ref = _reference(world, ExpertKernel.AUTO, 0)
+    for r, got in enumerate(run_ranks(_ep_dp_rank, world)):
+        ep_rank = r % 2
+        torch.testing.assert_close(
+            torch.from_numpy(got["out"]), ref["out"][r * TOKENS : (r + 1) * TOKENS], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(torch.from_numpy(got["gate.weight"]), ref["gate.weight"], rtol=1e-5, atol=1e-6)
+        local = torch.from_numpy(got["experts.local.down_proj"])
+        torch.testing.assert_close(local, ref["experts.down_proj"][ep_rank * 4 : ep_rank * 4 + 4], rtol=1e-5, atol=1e-6)
 
 
 def test_expert_major_order() -> None:
