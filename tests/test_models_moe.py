@@ -50,7 +50,7 @@ def _hf_block(family: str, norm: bool = True) -> tuple[torch.nn.Module, MoEConfi
 def _ours_from(block: torch.nn.Module, cfg: MoEConfig, kernel: ExpertKernel = ExpertKernel.AUTO) -> MoE:
     moe = MoE(MoEConfig(**{**cfg.__dict__, "kernel": kernel}))
     hf = block.state_dict()
-    moe.load_state_dict({ours: hf[name] for name, ours in HF_MOE_NAMES.items()} | {"gate.expert_bias": moe.gate.expert_bias})
+    moe.load_state_dict({ours: hf[name] for name, ours in HF_MOE_NAMES.items()})  # strict: the same keys
     return moe
 
 
@@ -218,3 +218,10 @@ def test_bad_inputs_one_line_each(change: dict, ep: int, line: str) -> None:
     with pytest.raises(ValueError, match=line):
         check_moe(cfg, ep)
     check_moe(MoEConfig(dim=D, moe_intermediate_size=FF, num_experts=E), 4)  # a good one passes
+
+
+def test_softmax_router_has_no_bias_to_update() -> None:
+    moe = MoE(MoEConfig(dim=D, moe_intermediate_size=FF, num_experts=E))
+    assert "gate.expert_bias" not in moe.state_dict()  # the state dict is transformers' exactly
+    with pytest.raises(ValueError, match="needs the sigmoid router; this one scores by softmax"):
+        update_expert_bias(moe.gate, torch.ones(E))

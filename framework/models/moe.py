@@ -103,14 +103,19 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Token-choice top-k router. ``expert_bias`` (a buffer, zero) shifts the sigmoid router's
-    selection only, never the weights: DeepSeek-V3's aux-loss-free balancing (``update_expert_bias``)."""
+    """Token-choice top-k router. The sigmoid router's ``expert_bias`` (a checkpointed buffer, zero at
+    init) shifts the selection only, never the weights: DeepSeek-V3's aux-loss-free balancing
+    (``update_expert_bias``). The softmax router has none, so its state dict is transformers' exactly."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim))
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        self.expert_bias: torch.Tensor | None
+        if cfg.score is RouterScore.SIGMOID:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        else:
+            self.expert_bias = None
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> Routing:
@@ -136,6 +141,8 @@ def update_expert_bias(router: Router, tokens_per_expert: torch.Tensor) -> None:
     experts below the mean load and lower it above, by ``bias_update_rate``. ``tokens_per_expert`` is
     the step's count summed over micro-batches (and, under data parallel, all-reduced first, so that
     every rank keeps the same bias)."""
+    if router.expert_bias is None:
+        raise ValueError(f"update_expert_bias needs the sigmoid router; this one scores by {router.cfg.score.value}")
     load = tokens_per_expert.float()
     router.expert_bias.add_(router.cfg.bias_update_rate * torch.sign(load.mean() - load))
 
