@@ -164,7 +164,8 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     cli = hf_tensors(tmp_path / "cli")
     assert sorted(cli) == sorted(exported) and all(torch.equal(cli[k], exported[k]) for k in cli)
     conf = json.loads((tmp_path / "cli" / "config.json").read_text())
-    assert conf["max_position_embeddings"] == 16 and conf["num_key_value_heads"] == 4
+    # The source's context (64 positions), not the training seq_len (16), which the export used to write.
+    assert conf["max_position_embeddings"] == 64 and conf["num_key_value_heads"] == 4
 
     # The framework checkpoint as init_from on another layout (2 TP ranks, DTensor shards read
     # from DCP): transformers' logits on the export again.

@@ -313,6 +313,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # The context length the model is made for (transformers' max_position_embeddings, which the HF
+    # export writes); 0 = train.seq_len. model.init_from takes it from the source's config.json.
+    max_position_embeddings: int = 0
     tie_embeddings: bool = True
     init_std: float = 0.02
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200. fa4:

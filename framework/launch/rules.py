@@ -415,6 +415,7 @@ RULES: dict[str, Rule] = {
         (1.0, math.nan),
     ),
     "model.rope_original_max_position": integer(1),
+    "model.max_position_embeddings": integer(0, what="0 = train.seq_len"),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
     # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without

@@ -383,7 +383,8 @@ def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEn
         from framework.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+        context = cfg.model.max_position_embeddings or cfg.train.seq_len
+        out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer)
         log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 
