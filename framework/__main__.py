@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
         [],
         "loss, perplexity and tokens of a run dir, checkpoint or HF folder on a data set (JSON report)",
     ),
-    "generate": ("framework.generate.decode", [], "sample text from a run dir or checkpoint"),
+    "generate": ("framework.launch.generate", [], "sample text from a run dir, checkpoint or HF folder"),
     "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
     "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
     "recipes": ("framework.launch.recipes", [], "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)"),

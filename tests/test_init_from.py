@@ -148,6 +148,8 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     # Framework (trained checkpoint, loaded through init_from) vs transformers on the export.
     cfg = resolve(Config(model=ModelConfig(init_from=str(run))), [])
     assert cfg.model.init_from == str(run / "checkpoints" / "step_000003")
+    # A run started from this checkpoint logs the model it continues (the recipe's default name was logged).
+    assert cfg.model.name == "mha_tied"
     model = build_model(cfg.model, 16)
     materialize(model, "cpu", seed=0)
     with torch.no_grad():

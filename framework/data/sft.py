@@ -307,6 +307,16 @@ class ChatFormat:
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, or any jinja2 error
             raise ValueError(f"{where}: the chat template failed on this conversation ({e})") from e
 
+    def prompt(self, messages: list[dict], where: str = "--chat") -> str:
+        """The text that asks the model for the next assistant turn (``add_generation_prompt``):
+        what ``python -m framework generate --chat`` encodes. ValueError without a template."""
+        if self.template is None:
+            raise ValueError(
+                f"{where}: {getattr(self.tok, 'path', 'the tokenizer')} has no chat template (no "
+                "chat_template.jinja, none in tokenizer_config.json); drop --chat to use the prompt as it is"
+            )
+        return self._render(messages, True, where)
+
     def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
         """(text, trained on) pieces whose concatenation is the rendered conversation."""
         if self.template is None:
