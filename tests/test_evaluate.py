@@ -142,3 +142,69 @@ def test_a_checkpoint_saved_by_two_fsdp_ranks_equals_transformers_on_its_export(
     assert of_run["loss"] == of_step["loss"]
     base = evaluate(hf_dir, data, tmp_path / "base.json", capsys)
     assert base["loss"] != of_run["loss"]  # it trained
+
+
+def test_train_eval_sets_are_each_scored_and_logged_on_their_own(
+    tmp_path: Path, hf_dir: Path, documents: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.eval_sets on 2 FSDP ranks: val_loss/NAME and val_ppl/NAME at every evaluation, one per
+    set; the last one equals the loss of the saved model on the same rows, computed here."""
+    import os
+
+    from framework.data.pipeline import eval_set_batches
+    from framework.data.tokenizer import load_tokenizer
+    from framework.launch.source import load_source
+    from framework.record.metrics import read_metrics
+    from framework.train.loop import evaluate as loop_evaluate
+    from tests.entry import train_forked
+
+    run = tmp_path / "run"
+    sets = f"train.eval_sets=[{{name:docs,path:'{documents}'}},{{name:chat,source:sft,path:'{SFT}'}}]"
+    proc = train_forked(
+        f"hydra.run.dir={run}", f"model.init_from={hf_dir}", "tokenizer=hf", f"tokenizer.path={hf_dir}",
+        "data=jsonl", f"data.path={documents}", "mesh=2", "sharding=fsdp", "train.steps=4", "train.seq_len=32",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=2", "train.eval_batches=1",
+        "checkpoint=sync", "freeze=none", "logger.plot=false", sets,
+        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(run) if "val_loss" in r]
+    assert [r["step"] for r in rows] == [0, 2, 4]  # before training, then every eval_every
+    for r in rows:
+        assert {"val_loss/docs", "val_ppl/docs", "val_loss/chat", "val_ppl/chat"} <= set(r)
+        assert len({r["val_loss"], r["val_loss/docs"], r["val_loss/chat"]}) == 3
+    src = load_source(run, [], torch.device("cpu"))
+    tok = load_tokenizer(src.cfg.tokenizer)
+    ours = [eval_set_batches(src.cfg, tok, rank, 2) for rank in (0, 1)]  # what each rank scored
+    for name in ("docs", "chat"):
+        per_rank = [loop_evaluate(src.model, o[name], torch.device("cpu")) for o in ours]
+        assert abs(sum(per_rank) / 2 - rows[-1][f"val_loss/{name}"]) <= TOL, (name, per_rank, rows[-1])
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("[{name:a,path:'{docs}'},{name:a,path:'{docs}'}]", "train.eval_sets[1].name='a': valid: a unique"),
+        ("[{name:'a b',path:'{docs}'}]", "train.eval_sets[0].name='a b'"),
+        ("[{name:short,path:'{short}'}]", "train.eval_sets[0].path="),
+    ],
+    ids=["duplicate", "space", "short"],
+)
+def test_bad_eval_sets_exit_2_with_one_line_and_no_run_dir(
+    tmp_path: Path, documents: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    value: str, message: str,
+) -> None:  # fmt: skip
+    from tests.test_data_pipeline import train_main
+
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "Hi."}) + "\n")
+    monkeypatch.chdir(ROOT)
+    value = value.replace("{docs}", str(documents)).replace("{short}", str(short))
+    with pytest.raises(SystemExit) as e:
+        train_main(tmp_path / "run", "train.seq_len=32", f"train.eval_sets={value}")
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    if "short" in value:
+        assert "shorter than one window" in errors[0]
+    assert not (tmp_path / "run").exists()

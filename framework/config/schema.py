@@ -377,6 +377,19 @@ class MixEntry:
 
 
 @dataclass
+class EvalSet:
+    """One named validation set of ``train.eval_sets``: its own data (read with the run's tokenizer
+    and seq_len, from its start, in order), scored at every evaluation and logged as ``val_loss/NAME``."""
+
+    name: str = ""
+    source: DataSource = DataSource.jsonl
+    # A file, a folder or a glob, as data.path (text, jsonl, parquet, tokens, sft).
+    path: Optional[str] = None
+    field: str = "text"  # jsonl: the key of each line's text
+    column: str = "text"  # parquet: the column of the text
+
+
+@dataclass
 class DataConfig:
     """Where training tokens come from (framework.data). Pick a source with ``data=NAME``."""
 
@@ -447,6 +460,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
+    # Named validation sets scored beside the run's own (each eval_batches micro-batches per rank
+    # from its start): train.eval_sets='[{name: code, path: code.jsonl}]' logs val_loss/code.
+    eval_sets: list[EvalSet] = field(default_factory=list)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.schema import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.config.schema import Config, EvalSet, ExecutorMode, MixEntry, OptimizerName, option_fields
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -483,6 +483,12 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
+    "train.eval_sets": Rule(
+        "[] (none) or entries {name, source, path, field, column} with unique names and data of at least "
+        "one window (train.eval_every>0)",
+        checked_by="framework.data.pipeline.check_eval_sets",
+        bad=([EvalSet(name="", path="a.jsonl")],),
+    ),
     "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.train.loop.build_optimizer, lr_lambda)
     "optimizer.name": Rule(

@@ -244,7 +244,13 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
-    p.metrics.log(validation_row(step, state.last_val_loss))
+    p.metrics.log(validation_row(step, state.last_val_loss, eval_set_losses(p)))
+
+
+def eval_set_losses(p: Parts) -> dict[str, float]:
+    """The loss of each ``train.eval_sets`` set, by name (every rank evaluates each one)."""
+    model, device = p.runner.model, p.env.device
+    return {name: evaluate(model, batches, device) for name, batches in p.data.eval_sets.items()}
 
 
 def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitStack) -> Parts:
@@ -336,7 +342,7 @@ def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
         log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
         state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
-        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, eval_set_losses(p)))
     s = Summary(
         steps=state.step,
         final_loss=state.final_loss,
