@@ -151,6 +151,7 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
     elif OmegaConf.select(dcfg, "train.eval_every") == 0:
         OmegaConf.update(dcfg, "train.eval_every", 1)  # the run's validation batches are built
     OmegaConf.update(dcfg, "checkpoint.resume", "none")  # nothing here resumes or writes a checkpoint
+    OmegaConf.update(dcfg, "train.warmup_steps", 0)  # nor trains: no warning about the schedule
     dcfg = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
     cfg = validate(dcfg, overrides)
     found = maybe_search(cfg)  # the batch and layout as a launch resolves them (train.micro_batch_size=0)
