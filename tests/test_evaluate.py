@@ -208,3 +208,20 @@ def test_bad_eval_sets_exit_2_with_one_line_and_no_run_dir(
     if "short" in value:
         assert "shorter than one window" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mesh_override_is_checked_and_said_to_be_unused(
+    tmp_path: Path,
+    hf_dir: Path,
+    documents: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """evaluate scores in one process: mesh=2 composes and passes the launch checks, one warning says
+    it does nothing, and the figure is the one-process one (to float rounding: other micro-batches)."""
+    data = ["data=jsonl", f"data.path={documents}", "train.seq_len=32"]
+    one = evaluate(hf_dir, data, tmp_path / "one.json", capsys)
+    with caplog.at_level("WARNING", logger="framework"):
+        two = evaluate(hf_dir, [*data, "mesh=2"], tmp_path / "two.json", capsys)
+    assert any("mesh=2 is checked but not used" in r.getMessage() for r in caplog.records)
+    assert two["tokens"] == one["tokens"] and abs(two["loss"] - one["loss"]) <= TOL

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("framework")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
         whole_set = whole_set or is_hf_checkpoint(args.path.expanduser().resolve())
         src = load_source(args.path, args.overrides, device, evaluate_data=whole_set)
+        if any(k == "mesh" or k.startswith("mesh.") for k in keys) and src.cfg.mesh.world_size > 1:
+            log.warning(
+                "mesh=%s is checked but not used: evaluate scores in one process (the checkpoint is "
+                "read whole, whatever layout saved it)",
+                "x".join(map(str, src.cfg.mesh.shape)),
+            )
         mbs = src.cfg.train.micro_batch_size
         if whole_set:
             limit = None if args.batches is None else args.batches * mbs
