@@ -13,7 +13,9 @@ document sources and mixtures go through the packing ``StreamSampler`` (framewor
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from framework.config.schema import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.data.evaluation import eval_rows
 from framework.data.records import (
     CHECK_ALL_BYTES,
     Records,
@@ -52,6 +55,69 @@ class Pipeline:
     sampler: BatchSampler | StreamSampler
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     description: str
+    # train.eval_sets: name -> this rank's batches (framework.data.evaluation rows, split over ranks)
+    eval_sets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def eval_set_data(cfg: Config, i: int) -> DataConfig:
+    """``train.eval_sets[i]`` as a data config: its source and path, the run's other data settings
+    (SFT fields, encode batch) and no hold-out or mixture. SFT examples one per row: packed rows
+    carry document-start flags that only a model built for packed SFT (the run's data) reads."""
+    e = cfg.train.eval_sets[i]
+    return dataclasses.replace(
+        cfg.data, source=e.source, path=e.path, val_path=None, field=e.field, column=e.column, mix=[],
+        sft_pack=False,
+    )  # fmt: skip
+
+
+def check_eval_sets(cfg: Config, tok: Tokenizer) -> None:
+    """Each named set: a unique name usable as a metric key, and data of at least one window
+    (read through once here, before launch, as the ranks will read it)."""
+    sets = cfg.train.eval_sets
+    if sets and cfg.train.eval_every <= 0:
+        raise ValueError(
+            f"train.eval_sets has {len(sets)} sets but train.eval_every={cfg.train.eval_every}: they are "
+            "scored at each evaluation; set train.eval_every>0 or drop train.eval_sets"
+        )
+    seen: set[str] = set()
+    for i, e in enumerate(sets):
+        key = f"train.eval_sets[{i}]"
+        if not EVAL_SET_NAME.fullmatch(e.name or "") or e.name in seen:
+            raise ValueError(
+                f"{key}.name={e.name!r}: valid: a unique non-empty name of letters, digits, '_', '.' or '-' "
+                f"(logged as val_loss/NAME); taken: {sorted(seen)}"
+            )
+        seen.add(e.name)
+        if not e.path:
+            raise ValueError(f"{key}.path is unset; valid: a file, folder or glob of {e.source.value} data")
+        limit = cfg.train.eval_batches * max(1, cfg.train.micro_batch_size)
+        eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, cfg.train.seq_len, cfg.tokenizer.add_bos,
+                  limit, key)  # fmt: skip
+
+
+def eval_set_batches(cfg: Config, tok: Tokenizer, dp_rank: int, dp_size: int) -> dict[str, list]:
+    """This rank's batches of each named set: the set's first ``eval_batches * micro_batch_size *
+    dp_size`` rows (fewer when it is shorter), the same number on every rank (each rank's forward
+    is a collective under FSDP/TP), ``micro_batch_size`` rows at a time."""
+    t, out = cfg.train, {}
+    for i, e in enumerate(t.eval_sets):
+        key = f"train.eval_sets[{i}]"
+        rows, _ = eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, t.seq_len, cfg.tokenizer.add_bos,
+                            t.eval_batches * t.micro_batch_size * dp_size, key)  # fmt: skip
+        per_rank = rows.shape[0] // dp_size
+        if per_rank == 0:
+            raise ValueError(
+                f"{key} ({e.name}) has {rows.shape[0]} windows of train.seq_len+1={t.seq_len + 1} tokens, "
+                f"fewer than the {dp_size} data-parallel ranks; give it more data"
+            )
+        mine = torch.from_numpy(np.ascontiguousarray(rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]))
+        out[e.name] = [
+            split_rows(mine[j : j + t.micro_batch_size]) for j in range(0, per_rank, t.micro_batch_size)
+        ]
+    return out
 
 
 def entries(data: DataConfig) -> list[tuple[SourceSpec, float]]:
@@ -129,6 +195,7 @@ def check_data(cfg: Config) -> None:
     for spec, _ in entries(cfg.data):
         _check_entry(spec, tok, cfg)
     check_document_mask(cfg, tok)
+    check_eval_sets(cfg, tok)
 
 
 def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
@@ -301,7 +368,15 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
 
 
 def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
-    """The sampler and this rank's fixed validation batches (checked before launch by check_data)."""
+    """The sampler, this rank's fixed validation batches and those of each ``train.eval_sets`` set
+    (checked before launch by check_data)."""
+    pipe = _build_data(cfg, dp_rank, dp_size)
+    if cfg.train.eval_sets and cfg.train.eval_every > 0:
+        pipe.eval_sets = eval_set_batches(cfg, load_tokenizer(cfg.tokenizer), dp_rank, dp_size)
+    return pipe
+
+
+def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
     tok = load_tokenizer(cfg.tokenizer)
     t = cfg.train
     if uses_batch_sampler(cfg, tok):

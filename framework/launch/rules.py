@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.schema import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.config.schema import Config, EvalSet, ExecutorMode, MixEntry, OptimizerName, option_fields
 from framework.models import FAMILIES, own_fields
 from framework.planner.layout import Degrees
 
@@ -425,6 +425,7 @@ RULES: dict[str, Rule] = {
         (1.0, math.nan),
     ),
     "model.rope_original_max_position": integer(1),
+    "model.max_position_embeddings": integer(0, what="0 = train.seq_len"),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
     # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without
@@ -492,6 +493,12 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
+    "train.eval_sets": Rule(
+        "[] (none) or entries {name, source, path, field, column} with unique names and data of at least "
+        "one window (train.eval_every>0)",
+        checked_by="framework.data.pipeline.check_eval_sets",
+        bad=([EvalSet(name="", path="a.jsonl")],),
+    ),
     "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.train.loop.build_optimizer, lr_lambda)
     # Muon on a sharded layout: check_layout, once the launcher read the layout (the same line).

@@ -252,7 +252,13 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
-    p.metrics.log(validation_row(step, state.last_val_loss))
+    p.metrics.log(validation_row(step, state.last_val_loss, eval_set_losses(p)))
+
+
+def eval_set_losses(p: Parts) -> dict[str, float]:
+    """The loss of each ``train.eval_sets`` set, by name (every rank evaluates each one)."""
+    model, device = p.runner.model, p.env.device
+    return {name: evaluate(model, batches, device) for name, batches in p.data.eval_sets.items()}
 
 
 def setup(
@@ -353,7 +359,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
     cfg, env = p.cfg, p.env
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
         state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
-        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, eval_set_losses(p)))
     s = Summary(
         steps=state.step,
         final_loss=state.final_loss,
@@ -396,7 +402,8 @@ def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEn
         from framework.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+        context = cfg.model.max_position_embeddings or cfg.train.seq_len
+        out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer)
         log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 
