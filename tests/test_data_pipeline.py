@@ -424,3 +424,30 @@ def test_a_symlink_loop_is_read_once_and_validation_may_not_share_training_files
         cfg(DataConfig(source=DataSource.jsonl, path=str(fifo)), bpe(corpus)),
         f"data.path='{fifo}' is a FIFO, not a regular file",
     )
+
+
+@pytest.mark.parametrize(("micro", "dp"), [(1, 1), (2, 2), (1, 4)])
+def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, micro: int, dp: int) -> None:
+    """A packed source (jsonl, BPE): each rank's validation micro batches are its share of the same
+    global batches of windows as one process with the whole batch (as for the flat sources)."""
+    import dataclasses
+
+    import torch
+
+    from framework.data import build_data
+
+    base = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), bpe(corpus))
+    base.train = dataclasses.replace(base.train, eval_batches=3)
+
+    def rows(m: int, rank: int, size: int) -> list[torch.Tensor]:
+        c = dataclasses.replace(base, train=dataclasses.replace(base.train, micro_batch_size=m))
+        data = build_data(c, rank, size)
+        data.sampler.close()
+        assert all(x.shape[0] == m for x, _ in data.val_batches)
+        return [x for x, _ in data.val_batches]
+
+    whole = torch.cat(rows(4, 0, 1))
+    ranks = [rows(micro, r, dp) for r in range(dp)]
+    per = 4 // dp // micro  # micro batches per global batch and rank
+    parts = [torch.cat(rank[b * per : (b + 1) * per]) for b in range(3) for rank in ranks]
+    assert whole.shape[0] == 12 and torch.equal(torch.cat(parts), whole)

@@ -20,7 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from framework.config.schema import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.config.schema import (
+    AttentionBackend,
+    Config,
+    DataConfig,
+    DataSource,
+    TokenizerKind,
+    TrainConfig,
+)
 from framework.data.records import (
     CHECK_ALL_BYTES,
     Records,
@@ -300,6 +307,24 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
     return train, val, desc
 
 
+def stream_validation(
+    built: list[tuple[WindowSource, WindowSource, str]],
+    weights: list[float],
+    t: TrainConfig,
+    dp_rank: int,
+    dp_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation micro batches: ``train.eval_batches`` global batches of fixed windows
+    (the same on every layout, as ``validation_batches``), each rank taking its contiguous share."""
+    per_batch, share = t.global_batch_size, t.global_batch_size // dp_size
+    rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
+    val = []
+    for b in range(t.eval_batches):
+        mine = torch.from_numpy(np.ascontiguousarray(rows[b * per_batch + dp_rank * share :][:share]))
+        val += [split_rows(m) for m in mine.split(t.micro_batch_size)]
+    return val
+
+
 def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
     """The sampler and this rank's fixed validation batches (checked before launch by check_data)."""
     tok = load_tokenizer(cfg.tokenizer)
@@ -321,7 +346,14 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         val = []
         if t.eval_every > 0:
             val = validation_batches(
-                corpus, cfg.model.vocab_size, t.seq_len, t.micro_batch_size, t.eval_batches, dp_rank, dp_size
+                corpus,
+                cfg.model.vocab_size,
+                t.seq_len,
+                t.global_batch_size,
+                t.micro_batch_size,
+                t.eval_batches,
+                dp_rank,
+                dp_size,
             )
         if corpus is None:
             return Pipeline(sampler, val, "synthetic tokens")
@@ -340,14 +372,7 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         t.seed,
         cfg.data.prefetch,
     )
-    val = []
-    if t.eval_every > 0:
-        per_batch = t.micro_batch_size * dp_size
-        rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
-        for b in range(t.eval_batches):
-            mine = rows[b * per_batch + dp_rank * t.micro_batch_size :][: t.micro_batch_size]
-            m = torch.from_numpy(np.ascontiguousarray(mine))
-            val.append(split_rows(m))
+    val = stream_validation(built, weights, t, dp_rank, dp_size) if t.eval_every > 0 else []
     if len(built) == 1:
         desc = built[0][2]
     else:
