@@ -13,6 +13,8 @@ document sources and mixtures go through the packing ``StreamSampler`` (framewor
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,8 @@ from framework.data.stream import (
 from framework.data.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 from framework.data.tokens import tokenizer_digest
 from framework.model import NO_EOS
+
+log = logging.getLogger("framework")
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)
@@ -115,6 +119,31 @@ def uses_batch_sampler(cfg: Config, tok: Tokenizer) -> bool:
         source in (DataSource.tokens, DataSource.synthetic)
         or (source is DataSource.stdlib and tok.kind is TokenizerKind.bytes)
     )
+
+
+def follow_tokenizer_vocab(cfg: Config, set_on_command_line: bool) -> Config:
+    """``model.vocab_size`` grows to the tokenizer's vocabulary when the user did not set it.
+
+    Why: the default recipe's 256 is the byte tokenizer's; a user who brings a 512-token BPE
+    (``tokenizer=hf tokenizer.path=...``) was told to also set ``model.vocab_size>=512``. A value set
+    on the command line is the user's: it stays, and one smaller than the tokenizer's vocabulary is
+    refused by ``check_data`` (exit 2). Under ``model.init_from`` the size is the checkpoint's. A
+    recipe value at least the tokenizer's stays (a recipe may round it up: sft_tiny's 384 holds its
+    tokenizer's 379); the rows past the tokenizer's are then never read (a warning says how many).
+    Raises ValueError (one line) for a tokenizer that does not load."""
+    if set_on_command_line or cfg.model.init_from:
+        return cfg
+    tok = load_tokenizer(cfg.tokenizer)
+    if tok.vocab_size <= cfg.model.vocab_size:
+        return cfg
+    log.info(
+        "model.vocab_size=%d: the tokenizer's vocabulary (tokenizer=%s; the recipe had %d; "
+        "model.vocab_size=N on the command line sets it)",
+        tok.vocab_size,
+        tok.kind.value,
+        cfg.model.vocab_size,
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
 
 def check_data(cfg: Config) -> None:

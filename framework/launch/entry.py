@@ -168,8 +168,9 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     cfg = init_from.resolve(to_config(dcfg), overrides or [], check_shape=check_model_shape)
     validate_mesh(cfg.mesh)
     check_rules(cfg)
-    from framework.data import check_data
+    from framework.data import check_data, follow_tokenizer_vocab
 
+    cfg = follow_tokenizer_vocab(cfg, "vocab_size" in init_from.command_line_keys(overrides or []))
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
     # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
