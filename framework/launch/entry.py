@@ -581,7 +581,7 @@ def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | Non
     committed = store.committed(root) if cfg.checkpoint.enabled else []
     latest = f"the latest checkpoint is {committed[-1][1]}" if committed else "there is no checkpoint"
     if not cfg.checkpoint.enabled:
-        why = "checkpointing is off (checkpoint=sync|async saves on a signal)"
+        why = "checkpointing is off (checkpoint=final|sync|async saves on a signal)"
     elif stop is None:
         why = "the ranks stopped before they agreed on a step to save"
     else:
