@@ -27,7 +27,7 @@ from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on
 
-torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
 
 from framework.parallel.float8 import apply_float8, float8_config, is_float8  # noqa: E402
 

@@ -141,7 +141,8 @@ def test_self_referencing_interpolation_is_one_line(base: DictConfig, tmp_path: 
 def test_resume_path_while_checkpointing_is_off(base: DictConfig, tmp_path: Path) -> None:
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
-    msg = refusal(base, {"checkpoint.resume": str(ckpt)}, tmp_path / "t")
+    # checkpoint=none (the default option, final, saves)
+    msg = refusal(base, {"checkpoint.resume": str(ckpt), "checkpoint.enabled": False}, tmp_path / "t")
     assert "checkpoint.resume=" in msg and "checkpoint.enabled=true" in msg, msg
     prelaunch(with_values(base, {"checkpoint.resume": str(ckpt), "checkpoint.enabled": True}), ckpt, RECIPE)
 

@@ -459,6 +459,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
+    # Validation: this many global batches of held-out windows, the same windows on every layout
+    # (each rank evaluates its share); the loss is the mean over all their targets.
     eval_batches: int = 4
     # Named validation sets scored beside the run's own (each eval_batches micro-batches per rank
     # from its start): train.eval_sets='[{name: code, path: code.jsonl}]' logs val_loss/code.

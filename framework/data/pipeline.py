@@ -14,6 +14,7 @@ document sources and mixtures go through the packing ``StreamSampler`` (framewor
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from framework.config.schema import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.config.schema import (
+    AttentionBackend,
+    Config,
+    DataConfig,
+    DataSource,
+    TokenizerKind,
+    TrainConfig,
+)
 from framework.data.evaluation import eval_rows
 from framework.data.records import (
     CHECK_ALL_BYTES,
@@ -45,6 +53,8 @@ from framework.data.stream import (
 from framework.data.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 from framework.data.tokens import tokenizer_digest
 from framework.models.parts.masks import NO_EOS
+
+log = logging.getLogger("framework")
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)
@@ -93,21 +103,23 @@ def check_eval_sets(cfg: Config, tok: Tokenizer) -> None:
         seen.add(e.name)
         if not e.path:
             raise ValueError(f"{key}.path is unset; valid: a file, folder or glob of {e.source.value} data")
-        limit = cfg.train.eval_batches * max(1, cfg.train.micro_batch_size)
+        limit = cfg.train.eval_batches * max(1, cfg.train.global_batch_size)
         eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, cfg.train.seq_len, cfg.tokenizer.add_bos,
                   limit, key)  # fmt: skip
 
 
 def eval_set_batches(cfg: Config, tok: Tokenizer, dp_rank: int, dp_size: int) -> dict[str, list]:
-    """This rank's batches of each named set: the set's first ``eval_batches * micro_batch_size *
-    dp_size`` rows (fewer when it is shorter), the same number on every rank (each rank's forward
-    is a collective under FSDP/TP), ``micro_batch_size`` rows at a time."""
+    """This rank's batches of each named set: the set's first ``eval_batches * global_batch_size``
+    rows, as the validation set (the same tokens on every layout), cut to whole global batches when
+    the set is shorter (to a multiple of the dp degree when it is shorter than one); the same number
+    on every rank (each rank's forward is a collective under FSDP/TP), ``micro_batch_size`` at a time."""
     t, out = cfg.train, {}
     for i, e in enumerate(t.eval_sets):
         key = f"train.eval_sets[{i}]"
         rows, _ = eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, t.seq_len, cfg.tokenizer.add_bos,
-                            t.eval_batches * t.micro_batch_size * dp_size, key)  # fmt: skip
-        per_rank = rows.shape[0] // dp_size
+                            t.eval_batches * t.global_batch_size, key)  # fmt: skip
+        whole = rows.shape[0] // t.global_batch_size * t.global_batch_size
+        per_rank = (whole or rows.shape[0]) // dp_size
         if per_rank == 0:
             raise ValueError(
                 f"{key} ({e.name}) has {rows.shape[0]} windows of train.seq_len+1={t.seq_len + 1} tokens, "
@@ -174,6 +186,31 @@ def uses_batch_sampler(cfg: Config, tok: Tokenizer) -> bool:
         source in (DataSource.tokens, DataSource.synthetic)
         or (source is DataSource.stdlib and tok.kind is TokenizerKind.bytes)
     )
+
+
+def follow_tokenizer_vocab(cfg: Config, set_on_command_line: bool) -> Config:
+    """``model.vocab_size`` grows to the tokenizer's vocabulary when the user did not set it.
+
+    Why: the default recipe's 256 is the byte tokenizer's; a user who brings a 512-token BPE
+    (``tokenizer=hf tokenizer.path=...``) was told to also set ``model.vocab_size>=512``. A value set
+    on the command line is the user's: it stays, and one smaller than the tokenizer's vocabulary is
+    refused by ``check_data`` (exit 2). Under ``model.init_from`` the size is the checkpoint's. A
+    recipe value at least the tokenizer's stays (a recipe may round it up: sft_tiny's 384 holds its
+    tokenizer's 379); the rows past the tokenizer's are then never read (a warning says how many).
+    Raises ValueError (one line) for a tokenizer that does not load."""
+    if set_on_command_line or cfg.model.init_from:
+        return cfg
+    tok = load_tokenizer(cfg.tokenizer)
+    if tok.vocab_size <= cfg.model.vocab_size:
+        return cfg
+    log.info(
+        "model.vocab_size=%d: the tokenizer's vocabulary (tokenizer=%s; the recipe had %d; "
+        "model.vocab_size=N on the command line sets it)",
+        tok.vocab_size,
+        tok.kind.value,
+        cfg.model.vocab_size,
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
 
 def check_data(cfg: Config) -> None:
@@ -367,6 +404,24 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
     return train, val, desc
 
 
+def stream_validation(
+    built: list[tuple[WindowSource, WindowSource, str]],
+    weights: list[float],
+    t: TrainConfig,
+    dp_rank: int,
+    dp_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation micro batches: ``train.eval_batches`` global batches of fixed windows
+    (the same on every layout, as ``validation_batches``), each rank taking its contiguous share."""
+    per_batch, share = t.global_batch_size, t.global_batch_size // dp_size
+    rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
+    val = []
+    for b in range(t.eval_batches):
+        mine = torch.from_numpy(np.ascontiguousarray(rows[b * per_batch + dp_rank * share :][:share]))
+        val += [split_rows(m) for m in mine.split(t.micro_batch_size)]
+    return val
+
+
 def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
     """The sampler, this rank's fixed validation batches and those of each ``train.eval_sets`` set
     (checked before launch by check_data)."""
@@ -396,7 +451,14 @@ def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         val = []
         if t.eval_every > 0:
             val = validation_batches(
-                corpus, cfg.model.vocab_size, t.seq_len, t.micro_batch_size, t.eval_batches, dp_rank, dp_size
+                corpus,
+                cfg.model.vocab_size,
+                t.seq_len,
+                t.global_batch_size,
+                t.micro_batch_size,
+                t.eval_batches,
+                dp_rank,
+                dp_size,
             )
         if corpus is None:
             return Pipeline(sampler, val, "synthetic tokens")
@@ -415,14 +477,7 @@ def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         t.seed,
         cfg.data.prefetch,
     )
-    val = []
-    if t.eval_every > 0:
-        per_batch = t.micro_batch_size * dp_size
-        rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
-        for b in range(t.eval_batches):
-            mine = rows[b * per_batch + dp_rank * t.micro_batch_size :][: t.micro_batch_size]
-            m = torch.from_numpy(np.ascontiguousarray(mine))
-            val.append(split_rows(m))
+    val = stream_validation(built, weights, t, dp_rank, dp_size) if t.eval_every > 0 else []
     if len(built) == 1:
         desc = built[0][2]
     else:

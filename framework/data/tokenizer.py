@@ -432,7 +432,7 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = N
         fix = (
             f"the size of model.init_from={init_from!r}; use that model's own tokenizer"
             if init_from
-            else f"set model.vocab_size>={tok.vocab_size}"
+            else f"set model.vocab_size>={tok.vocab_size} (or leave it unset: it then follows the tokenizer)"
         )
         raise ValueError(
             f"the tokenizer's vocabulary ({tok.vocab_size} tokens, tokenizer={tok.kind.value}) is larger "

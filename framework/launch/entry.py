@@ -171,8 +171,9 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)
-    from framework.data import check_data
+    from framework.data import check_data, follow_tokenizer_vocab
 
+    cfg = follow_tokenizer_vocab(cfg, "vocab_size" in init_from.command_line_keys(overrides or []))
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
     # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
@@ -592,7 +593,7 @@ def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | Non
     committed = store.committed(root) if cfg.checkpoint.enabled else []
     latest = f"the latest checkpoint is {committed[-1][1]}" if committed else "there is no checkpoint"
     if not cfg.checkpoint.enabled:
-        why = "checkpointing is off (checkpoint=sync|async saves on a signal)"
+        why = "checkpointing is off (checkpoint=final|sync|async saves on a signal)"
     elif stop is None:
         why = "the ranks stopped before they agreed on a step to save"
     else:

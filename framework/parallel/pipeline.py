@@ -56,7 +56,16 @@ from torch.distributed.tensor import DTensor
 from framework.config.schema import PPSchedule
 from framework.models import Decoder
 from framework.models.parts.masks import document_ids
-from framework.parallel.step import HostIO, StepResult, StepTimer, autocast, step_result, to_device, update
+from framework.parallel.step import (
+    HostIO,
+    StepResult,
+    StepTimer,
+    autocast,
+    step_result,
+    targets_counted,
+    to_device,
+    update,
+)
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -129,7 +138,9 @@ class PipelineModel(nn.Module):
         return self.num_stages - 1 in self.stage_ids
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.train.loop), not a call")
+        raise RuntimeError(
+            "a pipeline-parallel model runs through its schedule (framework.train.loop), not a call"
+        )
 
 
 class PipelineLoss:
@@ -390,8 +401,10 @@ def pipeline_full_state(model: PipelineModel) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def pipeline_evaluate(
     model: PipelineModel, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
-) -> torch.Tensor:
-    """Mean loss over this rank's validation batches, through the schedule's forward-only ``eval``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's validation loss sum and trained-target count (float64; both 0 off the last stage),
+    through the schedule's forward-only ``eval``: each micro batch's mean loss times its number of
+    trained targets, as ``framework.train.loop.evaluate`` adds them without a pipeline.
 
     The schedule takes exactly its number of micro batches of the training shape (its buffers
     between stages are sized on the first step), so the batches go in groups of that many; the last
@@ -399,7 +412,8 @@ def pipeline_evaluate(
     """
     assert model.schedule is not None
     n = model.schedule._n_microbatches
-    kept: list[torch.Tensor] = []
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(batches), n):
         group = batches[start : start + n]
         real = len(group)
@@ -407,9 +421,14 @@ def pipeline_evaluate(
         x = torch.cat([b[0] for b in group]).to(device)
         y = torch.cat([b[1] for b in group]).to(device)
         losses, _ = _eval(model, x, y, device)
-        kept += [t.float() for t in losses[:real]]
-    mine = torch.stack(kept).mean() if model.has_last and kept else torch.zeros((), device=device)
-    return _pp_sum(mine, model)
+        if not model.has_last:  # the losses live on the last stage
+            continue
+        for loss, (_, targets) in zip(losses[:real], group[:real], strict=True):
+            counted = targets_counted(targets)
+            if counted:  # no trained target: a NaN mean that adds nothing
+                total += loss.double() * counted
+                count += counted
+    return total, count
 
 
 def _eval(

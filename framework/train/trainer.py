@@ -125,7 +125,8 @@ class Summary:
     # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
     # rejected checkpoints, failed saves, preemption.
     events: list[str] = field(default_factory=list)
-    # checkpoint=...: saves committed and failed, and the last failure (None without checkpointing).
+    # checkpoint=...: saves committed and failed, the last failure, the newest committed checkpoint
+    # (None with checkpoint=none).
     checkpoint: dict[str, Any] | None = None
     # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
     compile_cache: dict[str, int] | None = None
@@ -466,6 +467,12 @@ def write_summary(
         )
     if summary.final_loss is not None:
         lines.append(f"final train loss: {summary.final_loss:.4f}")
+    latest = (summary.checkpoint or {}).get("latest")
+    if latest:  # the first model a user trains is one command away from use
+        lines.append(
+            f"checkpoint: {latest} (use it: python -m framework generate {run_dir} --prompt 'def '; "
+            f"python -m framework export-hf {run_dir} OUT)"
+        )
     if summary.tokens_per_s:
         lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
     if summary.data_wait_share is not None:
