@@ -14,7 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,8 @@ class StepRunner:
         self.in_backward: InBackward | None = None
         self.seq_shard: SequenceShard | None = None
         self._step: StepFn | None = None  # picked once per build (loop.pick_step)
+        # Runs the next step, once (the trainer sets the ladder's: a compile error there falls back).
+        self.first_step_guard: Callable[[Callable[[], StepResult]], StepResult] | None = None
         self.io = HostIO(device)
         self._builds = 0
         self._since_build = 0  # steps queued since the last build: each build pays its own warm-up
@@ -187,9 +189,15 @@ class StepRunner:
         poison = sampler.consumed_batches in self._nan_batches
         batch = sampler.next_batch()
         wait_s = sampler.last_wait_s  # the sampler times its own wait
-        assert self._step is not None, "build() first"
-        with inject_nan(self.model, poison), self._fault(number):
-            result = self._step(batch, self.io, sampler.loss_scales())
+        scales = sampler.loss_scales()
+
+        def attempt() -> StepResult:
+            assert self._step is not None, "build() first"
+            with inject_nan(self.model, poison), self._fault(number):
+                return self._step(batch, self.io, scales)
+
+        guard, self.first_step_guard = self.first_step_guard, None
+        result = attempt() if guard is None else guard(attempt)
         warm = self._since_build >= self.executor.warmup_steps
         self._since_build += 1
         return Step(result, number, warm, self._builds, wait_s)

@@ -281,6 +281,8 @@ def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitS
         return split_rows(data.sampler.peek()[: cfg.train.micro_batch_size])
 
     ladder.start(lambda can_fall: verifier.judge_build(runner, first_batch, can_fall), graph)
+    if ladder.lower() is not None:  # by default the first step is where torch.compile compiles
+        runner.first_step_guard = ladder.guard
     state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     ckpt = RunCheckpoints(
         cfg.checkpoint,

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from framework.config.schema import ExecutorMode, Float8Recipe
 from framework.parallel.pipeline import logit_modules
 from framework.verify.baseline import percentile
 
+T = TypeVar("T")
 LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
 
 
@@ -80,7 +81,8 @@ class Ladder:
 
     ``start`` builds the configured rung (or eager, after a graph verdict) and has the verifier
     judge it; a compile error there (on any rank: the ranks agree in one ``all_gather_object``) or
-    a verdict steps one executor rung down and builds again, before step 1. ``take`` acts on a
+    a verdict steps one executor rung down and builds again, before step 1. ``guard`` does the
+    same for a compile error in the first step (by default nothing compiles before it). ``take`` acts on a
     verdict read mid-run: the float8 rung for bad steps, the executor rung for the breaker, each
     rebuilt with the trained state carried over. ``on=False`` (``verify.ladder=false``): the
     executor rungs are never taken (a compile error is raised); the float8 rung of the bad-step
@@ -113,7 +115,7 @@ class Ladder:
             except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
                 if lower is None:
                     raise
-                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                error = _first_line(e)
             failed = [f"rank {r}: {e}" for r, e in enumerate(_gather_errors(error, lower)) if e is not None]
             if not failed and verdict is None:
                 return
@@ -123,6 +125,36 @@ class Ladder:
             assert verdict is not None
             self.record(0, verdict.trigger, f"executor {mode.value} -> {lower.value}", verdict.detail)
             mode = lower
+
+    def guard(self, attempt: Callable[[], T]) -> T:
+        """Run the run's first step (``attempt``), where torch.compile compiles by default (no
+        forward of its own runs before it: that would compile a second, gradient-free graph). A
+        compile error on every rank steps every rank down one executor rung, keeping the loaded
+        state (none has stepped: the error comes before the optimizer step), and runs the same
+        batch again; one ``all_gather_object`` lets the ranks agree. An error on some ranks only
+        stops every rank (the others stepped and cannot step back)."""
+        while True:
+            mode, lower = self.rungs.mode, self.lower()
+            error, result = None, None
+            try:
+                result = attempt()
+            except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
+                if lower is None:
+                    raise
+                error = _first_line(e)
+            errors = _gather_errors(error, lower)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+            if not failed:
+                return result  # type: ignore[return-value]
+            if len(failed) < len(errors):
+                raise RuntimeError(
+                    f"the first step failed on {len(failed)} of {len(errors)} ranks ({failed[0]}); the "
+                    "others stepped and cannot step back, so no rank falls back: fix the error, or set "
+                    "a lower executor.mode"
+                )
+            assert lower is not None
+            self.record(0, "compile_error", f"executor {mode.value} -> {lower.value}", failed[0])
+            self.rungs.build(lower, carry=True)
 
     def take(self, step: int, verdict: Verdict | None) -> None:
         """Act on a verdict read at ``step``: rebuild on the rung below, keeping the trained state."""
@@ -142,6 +174,10 @@ class Ladder:
             rungs.build(lower, carry=True)
         what = f"executor {lower.value}" if lower else "none (already eager)"
         self.record(step, verdict.trigger, f"fallback: {what}", verdict.detail)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def _gather_errors(error: str | None, lower: ExecutorMode | None) -> list[str | None]:

@@ -1,8 +1,7 @@
 """``Verifier``: one run's verification state and the hooks the trainer calls, in run order.
 
   check_graph      after freeze, before parallelize (so before DDP's broadcast / FSDP's all-gather)
-  judge_build      each rung the ladder builds, before step 1: its first forward (where compilation
-                   happens) and the numerics check
+  judge_build      each rung the ladder builds, before step 1: the numerics check (verify=on)
   observe          every step read: bad-step policy, latency circuit breaker
   fallback         records a change of course (event row in metrics.jsonl, printed, in the report)
   finish           performance vs the baseline, optional baseline save, the report files
@@ -15,7 +14,7 @@ and applies ``verify.policy``.
 
 What runs when: the cheap hooks by default (``verify.graph``: the ranks' frozen graph fingerprints
 and config hashes in one ``all_gather_object``; ``verify.ladder``: the executor rungs on a compile
-error or a tripped breaker, and that breaker); the costly ones with ``verify.enabled`` (``verify=on``:
+error in the first step or a tripped breaker, and that breaker); the costly ones with ``verify.enabled`` (``verify=on``:
 the numerics check, a graph exported only to be fingerprinted, the reference graph, the performance
 baseline and the report files). The bad-step tracking (with the float8 rung) and ``fallback``'s
 recording always run: the trainer needs them.
@@ -36,7 +35,7 @@ from framework.freeze import FrozenResult
 from framework.verify import baseline as baseline_mod
 from framework.verify.consistency import check_ranks, check_reference, export_fingerprint, meta_example
 from framework.verify.fallback import BadStepTracker, CircuitBreaker, StepAction, Verdict, max_over_ranks
-from framework.verify.numerics import batch_logits, check_numerics, wants_reference
+from framework.verify.numerics import check_numerics, wants_reference
 from framework.verify.policy import VerificationError, apply_policy
 from framework.verify.report import CheckResult, FallbackEvent, VerificationReport, write_report
 
@@ -191,21 +190,19 @@ class Verifier:
     ) -> Verdict | None:
         """Judge a rung the ladder just built, before step 1: a verdict when it must step down.
 
-        Its first forward is where torch.compile compiles, so a compile error is raised from here
-        (the ladder catches it). With ``verify=on`` that forward is the numerics check; by default
-        it is one forward of the first micro-batch without a gradient, run only where a lower rung
-        exists (eager has none: no forward at all)."""
-        if self.enabled and self.vcfg.numerics:
-            compiled = built.mode is not ExecutorMode.eager
-            x, y = first_batch()
-            policy = self.check_numerics(
-                built.model, (x, y), built.device, compiled, can_fall_back, built.reference
-            )
-            return Verdict("numerics", "executed != eager") if policy is Policy.fallback else None
-        if can_fall_back:
-            x, y = first_batch()
-            batch_logits(built.model, x, built.device, y)
-        return None
+        With ``verify=on`` this is the numerics check, whose first forward is where torch.compile
+        compiles (a compile error is raised from here; the ladder catches it). By default nothing
+        runs here: a forward of its own would compile a second, gradient-free graph (measured in
+        benchmarks/PERF.md), so the ladder catches a compile error in the first step instead
+        (``Ladder.guard``)."""
+        if not (self.enabled and self.vcfg.numerics):
+            return None
+        compiled = built.mode is not ExecutorMode.eager
+        x, y = first_batch()
+        policy = self.check_numerics(
+            built.model, (x, y), built.device, compiled, can_fall_back, built.reference
+        )
+        return Verdict("numerics", "executed != eager") if policy is Policy.fallback else None
 
     def observe(
         self, finite: bool, seconds: float | None, mode: ExecutorMode, can_fall_back: bool
