@@ -37,7 +37,13 @@ CASES = {
 }
 
 
-FIGURES = (("wall_s", ".2f"), ("first_step_s", ".2f"), ("step_ms", ".1f"), ("tokens_per_s", ",.0f"))
+FIGURES = (
+    ("wall_s", ".2f"),
+    ("first_step_s", ".2f"),
+    ("step_ms", ".1f"),
+    ("tokens_per_s", ",.0f"),
+    ("fallbacks", ".0f"),
+)
 
 
 def one_run(run_dir: Path, overrides: list[str]) -> dict[str, float]:
@@ -55,6 +61,8 @@ def one_run(run_dir: Path, overrides: list[str]) -> dict[str, float]:
         "first_step_s": s["time_to_first_step_s"],
         "step_ms": s["step_p50_s"] * 1e3,
         "tokens_per_s": s["tokens_per_s"],
+        # A tripped breaker steps a compiled run down to eager: slower steps that are no hook's cost.
+        "fallbacks": float(sum("fallback/" in e for e in s["events"])),
     }
 
 

@@ -431,7 +431,8 @@ def test_the_pipeline_wrapper_is_told_apart_in_one_place() -> None:
     helpers over it), so a change to the wrapper has one place to follow."""
     import re
 
-    probe = re.compile(r"""(getattr|hasattr)\([^,]+,\s*["'](schedule|stages|tied_copies|has_first|has_last)["']""")
+    names = "schedule|stages|tied_copies|has_first|has_last"
+    probe = re.compile(rf"""(getattr|hasattr)\([^,]+,\s*["']({names})["']""")
     root = Path(__file__).resolve().parent.parent / "framework"
     found = [
         f"{path.relative_to(root)}:{n}"

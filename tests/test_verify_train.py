@@ -100,7 +100,8 @@ def test_the_ladder_runs_by_default_and_verify_ladder_false_turns_it_off(tmp_pat
     """Without verify=on (the default: only the cheap hooks), a compile error still steps down to
     eager before step 1 and the run trains; no report files (those are verify=on's). With
     ``verify.ladder=false`` the same error stops the run."""
-    quick = ["train.steps=4", "train.log_every=2", "train.eval_every=0", "train.seq_len=32", "logger.plot=false"]
+    quick = ["train.steps=4", "train.log_every=2", "train.eval_every=0", "train.seq_len=32"]
+    quick += ["logger.plot=false"]
     broken = ["executor=compile", "executor.backend=tvm", "freeze=none"]
     on = train(tmp_path / "on", *quick, *broken)
     assert on.returncode == 0, on.stderr[-3000:]

@@ -6,7 +6,8 @@
 * fallback.py: the ladder (``Ladder``, driven by the trainer), latency circuit breaker, bad-step
   policy, state carry-over.
 * policy.py: warn | fail | fallback. report.py: verification.json + verification.md.
-* session.py: ``Verifier``, the hooks the trainer calls; each judges and returns a decision. compare.py / __main__.py:
+* session.py: ``Verifier``, the hooks the trainer calls; each judges and returns a decision.
+* compare.py / __main__.py:
   ``python -m framework.verify compare RUN_A RUN_B``.
 """
 

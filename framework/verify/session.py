@@ -12,12 +12,12 @@ The verifier only judges: each hook returns a decision (a ``Verdict`` that asks 
 sibling modules; this class keeps the state between the hooks (the bad-step tracker, the breaker)
 and applies ``verify.policy``.
 
-What runs when: the cheap hooks by default (``verify.graph``: the ranks' frozen graph fingerprints
-and config hashes in one ``all_gather_object``; ``verify.ladder``: the executor rungs on a compile
-error in the first step or a tripped breaker, and that breaker); the costly ones with ``verify.enabled`` (``verify=on``:
-the numerics check, a graph exported only to be fingerprinted, the reference graph, the performance
-baseline and the report files). The bad-step tracking (with the float8 rung) and ``fallback``'s
-recording always run: the trainer needs them.
+What runs when: the cheap hooks by default (``verify.graph``: the ranks' frozen graph
+fingerprints and config hashes in one ``all_gather_object``; ``verify.ladder``: the executor rungs
+on a compile error in the first step or a tripped breaker, and that breaker); the costly ones with
+``verify.enabled`` (``verify=on``: the numerics check, a graph exported only to be fingerprinted,
+the reference graph, the performance baseline and the report files). The bad-step tracking (with
+the float8 rung) and ``fallback``'s recording always run: the trainer needs them.
 """
 
 from __future__ import annotations
