@@ -7,8 +7,9 @@ micro-batch before step 1 catches a compile error, and a latency circuit breaker
 step, with one all-reduce per window of ``verify.breaker_window`` steps). Off means
 ``verify.graph=false verify.ladder=false``.
 
-Each case runs ``python train.py`` as a user does, hooks on and off in turn (so that a change in the
-machine's load hits both alike), ``--repeats`` times, and prints medians (min-max in brackets):
+Each case runs ``python train.py`` as a user does, hooks on and off in turn, in the order on-off,
+off-on, ... (so that a change in the machine's load, or a compile cache that the first run of a
+pair fills, hits both alike), ``--repeats`` times, and prints medians (min-max in brackets):
 the process's wall time, the time to the first step (where the start-up hooks run), the median
 step and tokens/s (where the breaker runs). Compare the two columns of one run, never numbers
 taken on another machine or another day.
@@ -82,7 +83,8 @@ def main() -> None:
         for case in args.cases:
             got: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
             for r in range(args.repeats):
-                for name, extra in (("on", []), ("off", OFF)):
+                pair = [("on", []), ("off", OFF)]
+                for name, extra in pair if r % 2 == 0 else pair[::-1]:  # on-off, off-on, ...
                     run_dir = Path(tmp) / f"{list(CASES).index(case)}-{name}-{r}"
                     got[name].append(one_run(run_dir, base + CASES[case] + extra))
             for key, fmt in FIGURES:
