@@ -25,6 +25,8 @@ from framework.train.loop import (
     build_optimizer,
     build_scheduler,
     lr_lambda,
+    pick_step,
+    plain_step,
     train_step,
 )
 from tests.dist import run_ranks
@@ -506,3 +508,25 @@ def test_every_layout_evaluates_the_same_tokens_to_the_same_loss(tmp_path) -> No
     for name, (other, value, micro) in seen.items():
         assert torch.equal(other, tokens), name
         assert value == pytest.approx(loss, rel=1e-5), (name, micro, value, loss)
+
+
+def test_the_step_function_is_picked_once_and_steps_as_train_step() -> None:
+    """``pick_step`` (what the runner calls once per build) binds the plain step, or the
+    optimizer-in-backward step when hooks are attached; stepping through it is ``train_step``,
+    bitwise."""
+    batches = _fixed_batches(2)
+    picked_model, called_model = _model(), _model()
+    opt_a = build_optimizer(picked_model, TRAIN, CPU)
+    sched_a = build_scheduler(opt_a, TRAIN)
+    step = pick_step(picked_model, opt_a, sched_a, 1.0, CPU)
+    assert step.func is plain_step  # type: ignore[attr-defined]
+    opt_b = build_optimizer(called_model, TRAIN, CPU)
+    sched_b = build_scheduler(opt_b, TRAIN)
+    for b in batches:
+        assert step(b).loss == train_step(called_model, opt_b, sched_b, b, 1.0, CPU).loss
+    for a, b in zip(picked_model.parameters(), called_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    m = _model()
+    opt = build_optimizer(m, TRAIN, CPU)
+    in_backward = pick_step(m, opt, build_scheduler(opt, TRAIN), 0.0, CPU, attach_in_backward(opt))
+    assert in_backward.func.__name__ == "_step_in_backward"  # type: ignore[attr-defined]

@@ -423,3 +423,22 @@ def _ac_compile_worker(rank: int, world: int, cfg: Config) -> dict:
     out = _worker(rank, world, cfg)
     out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
+
+
+def test_the_pipeline_wrapper_is_told_apart_in_one_place() -> None:
+    """No module outside framework/parallel/pipeline.py probes a model for a pipeline's attributes
+    (``schedule``, ``stages``, ``tied_copies``, ``has_first``): they ask ``is_pipeline`` (or the
+    helpers over it), so a change to the wrapper has one place to follow."""
+    import re
+
+    names = "schedule|stages|tied_copies|has_first|has_last"
+    probe = re.compile(rf"""(getattr|hasattr)\([^,]+,\s*["']({names})["']""")
+    root = Path(__file__).resolve().parent.parent / "framework"
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "pipeline.py" or path.parent.name != "parallel"
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if probe.search(line)
+    ]
+    assert found == [], found

@@ -101,10 +101,10 @@ def _gathers_per_step() -> Iterator[list[int]]:
     """FSDP2's parameter all-gathers (``dist.all_gather_single``) in each pipeline step."""
     import torch.distributed as dist
 
-    from framework.parallel import pipeline
+    from framework.train import loop  # pick_step binds the pipeline's step by this name
 
     counts: list[int] = []
-    real_gather, real_step = dist.all_gather_single, pipeline.pipeline_step
+    real_gather, real_step = dist.all_gather_single, loop.pipeline_step
 
     def gather(*args: object, **kwargs: object) -> object:
         counts[-1] += 1
@@ -114,11 +114,11 @@ def _gathers_per_step() -> Iterator[list[int]]:
         counts.append(0)
         return real_step(*args, **kwargs)
 
-    dist.all_gather_single, pipeline.pipeline_step = gather, step  # type: ignore[assignment]
+    dist.all_gather_single, loop.pipeline_step = gather, step  # type: ignore[assignment]
     try:
         yield counts
     finally:
-        dist.all_gather_single, pipeline.pipeline_step = real_gather, real_step  # type: ignore[assignment]
+        dist.all_gather_single, loop.pipeline_step = real_gather, real_step  # type: ignore[assignment]
 
 
 def _tied_worker(
@@ -369,7 +369,7 @@ def _numerics_worker(rank: int, world: int, cfg: Config, scale_head: float) -> t
         cpu,
         rtol=1e-4,
         compiled=True,  # eager here: the pipeline's second pass under force_eager gives the same logits
-        make_reference=lambda: reference_model(cfg.model, SEQ, 0, cpu),
+        make_reference=lambda: reference_model(build_model(cfg.model, SEQ), 0, cpu),
     )
     return check.passed, check.figures
 

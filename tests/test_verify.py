@@ -222,9 +222,8 @@ def _wrong_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
 def test_numerics_compiled_matches_eager_and_unsharded_reference() -> None:
     model = _model()
     apply_compile(model, ExecutorConfig(mode=ExecutorMode.compile, backend="aot_eager"), CPU)
-    res = check_numerics(
-        model, _batch(), CPU, 1e-5, compiled=True, make_reference=lambda: reference_model(SMALL, SEQ, 0, CPU)
-    )
+    ref = lambda: reference_model(build_model(SMALL, SEQ), 0, CPU)  # noqa: E731
+    res = check_numerics(model, _batch(), CPU, 1e-5, compiled=True, make_reference=ref)
     assert res.passed is True, res
     assert (
         res.figures["loss_rel_diff_vs_eager"] <= 1e-5 and res.figures["logits_rel_diff_vs_unsharded"] <= 1e-5
@@ -247,9 +246,8 @@ def test_numerics_catches_a_model_that_differs_from_the_reference() -> None:
     model = _model()
     with torch.no_grad():
         model.layers["0"].feed_forward.w2.weight.mul_(3.0)  # a "sharding bug": wrong weights
-    res = check_numerics(
-        model, _batch(), CPU, 1e-4, compiled=False, make_reference=lambda: reference_model(SMALL, SEQ, 0, CPU)
-    )
+    ref = lambda: reference_model(build_model(SMALL, SEQ), 0, CPU)  # noqa: E731
+    res = check_numerics(model, _batch(), CPU, 1e-4, compiled=False, make_reference=ref)
     assert res.passed is False and "logits differs from the unsharded eager model" in res.detail, res
     assert res.figures["loss_eager"] is None
 

@@ -98,7 +98,7 @@ def _numerics_worker(rank: int, world: int, strategy: str, tp: int, sabotage: bo
         cpu,
         1e-5,
         compiled=False,
-        make_reference=lambda: reference_model(TP_OK, SEQ, 0, cpu),
+        make_reference=lambda: reference_model(build_model(TP_OK, SEQ), 0, cpu),
         logits_rtol=1e-4,
     )
     return res.passed, res.detail, res.figures["logits_rel_diff_vs_unsharded"]

@@ -94,3 +94,22 @@ def test_compare_two_real_runs(runs: dict[str, Path], capsys: pytest.CaptureFixt
     assert "## Graph" in text and "equal" in text  # same model: same fingerprint
     assert "| executor.mode | compile | eager |" in text and "verify.inject_nan_steps" in text
     assert "max_abs_diff" in text and "| tokens_per_s |" in text
+
+
+def test_the_ladder_runs_by_default_and_verify_ladder_false_turns_it_off(tmp_path: Path) -> None:
+    """Without verify=on (the default: only the cheap hooks), a compile error still steps down to
+    eager before step 1 and the run trains; no report files (those are verify=on's). With
+    ``verify.ladder=false`` the same error stops the run."""
+    quick = ["train.steps=4", "train.log_every=2", "train.eval_every=0", "train.seq_len=32"]
+    quick += ["logger.plot=false"]
+    broken = ["executor=compile", "executor.backend=tvm", "freeze=none"]
+    on = train(tmp_path / "on", *quick, *broken)
+    assert on.returncode == 0, on.stderr[-3000:]
+    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["executor"] == "eager"
+    events = [r for r in read_metrics(tmp_path / "on") if r.get("event") == "fallback/compile_error"]
+    assert len(events) == 1 and "compile -> eager" in events[0]["detail"], events
+    assert not (tmp_path / "on" / "verification.json").exists()
+    off = train(tmp_path / "off", *quick, *broken, "verify.ladder=false")
+    assert off.returncode != 0 and "tvm" in off.stderr.lower(), off.stderr[-3000:]
+    assert not (tmp_path / "off" / "summary.json").exists()

@@ -34,9 +34,9 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded model state on CPU, on rank 0 (``{}`` on the others). Collective for
     FSDP/TP models and pipelines (each rank holds its stages: ``pipeline_full_state``): call it on
     every rank."""
-    from framework.parallel.pipeline import PipelineModel, pipeline_full_state
+    from framework.parallel.pipeline import is_pipeline, pipeline_full_state
 
-    if isinstance(model, PipelineModel):
+    if is_pipeline(model):
         return pipeline_full_state(model)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from framework.parallel.pipeline import is_pipeline
+
 EXTRA_FILE = "extra.json"
 RNG_DIR = "rng"
 
@@ -66,9 +68,8 @@ def _tied(model: nn.Module) -> str | None:
     state dict names the embedding's parameter twice), "copy" (a pipeline's last stage holds its
     copy, without the embedding) or "both" (one pipeline rank holds the embedding and the copy:
     zbv); None: untied, or neither here."""
-    copies = getattr(model, "tied_copies", None)  # a pipeline (framework.parallel.pipeline)
-    if copies is not None:
-        return None if not copies else ("both" if getattr(model, "has_first", False) else "copy")
+    if is_pipeline(model):
+        return None if not model.tied_copies else ("both" if model.has_first else "copy")
     named = list(model.named_parameters(remove_duplicate=False))  # wrappers prefix the names
     out = [p for n, p in named if n.endswith(_OUTPUT)]
     emb = [p for n, p in named if n.endswith(_EMBEDDING)]

@@ -757,15 +757,23 @@ def _verifying(default: Any) -> Any:
 class VerifyConfig:
     """Verification hooks of the migration checklist (framework.verify).
 
-    ``policy`` says what a failed check does: ``warn`` reports it and trains on, ``fail`` stops the
-    run, ``fallback`` steps down the executor ladder (cudagraphs -> compile -> eager). A cross-rank
-    mismatch always stops the job (ranks that disagree would hang in their first collective).
+    The cheap hooks run by default: ``graph`` and ``ladder`` (benchmarks/PERF.md measures them).
+    ``enabled`` (``verify=on``) adds the costly ones: the numerics check, the reference graph, the
+    performance baseline and the report files. ``policy`` says what a failed check of those does:
+    ``warn`` reports it and trains on, ``fail`` stops the run, ``fallback`` steps down the executor
+    ladder (cudagraphs -> compile -> eager). A cross-rank mismatch always stops the job (ranks that
+    disagree would hang in their first collective).
     """
 
     enabled: bool = False
     policy: Policy = _verifying(Policy.warn)
-    # Cross-rank graph fingerprint + config hash before the first training collective.
-    graph: bool = _verifying(True)
+    # Cross-rank graph fingerprint + config hash before the first training collective (the
+    # fingerprints freeze made: one all_gather_object of two short strings; with freeze=none only
+    # under verify=on, which exports the model to get one).
+    graph: bool = True
+    # The fallback ladder: a compile error at the first forward (run before step 1 where a lower
+    # rung exists) or a tripped latency circuit breaker steps down cudagraphs -> compile -> eager.
+    ladder: bool = True
     # A fingerprint.json file or an earlier run dir (its frozen/fingerprint.json) to compare the graph with.
     reference: Optional[str] = _verifying(None)
     # Executed (compiled / parallelized) model vs eager on the first batch: relative loss difference.

@@ -710,6 +710,7 @@ RULES: dict[str, Rule] = {
     "verify.enabled": TYPED,
     "verify.policy": TYPED,
     "verify.graph": TYPED,
+    "verify.ladder": TYPED,
     "verify.reference": optional_path("a fingerprint.json or an earlier run dir"),
     "verify.numerics": TYPED,
     "verify.loss_rtol": number(0, lo_open=True),

@@ -36,6 +36,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,31 @@ class PipelineModel(nn.Module):
         raise RuntimeError(
             "a pipeline-parallel model runs through its schedule (framework.train.loop), not a call"
         )
+
+
+def is_pipeline(model: nn.Module) -> TypeGuard[PipelineModel]:
+    """Whether ``model`` is the wrapper ``parallelize`` returns for ``pp > 1``: the one place that
+    tells a pipeline from a plain model (everything else asks here, or the helpers below)."""
+    return isinstance(model, PipelineModel)
+
+
+def called_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules a step calls: a pipeline's stages (its schedule never calls the wrapper), else
+    the model itself. Hooks that must fire in a step go on these."""
+    return list(model.stages) if is_pipeline(model) else [model]
+
+
+def logit_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose output is the logits: a pipeline's last stage where this rank holds it
+    (none on the other pp ranks), else the model itself."""
+    if is_pipeline(model):
+        return [s for s in model.stages if s.output is not None]
+    return [model]
+
+
+def tied_copies(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters the optimizer leaves out: a pipeline's copy of a tied weight (``TiedWeight``)."""
+    return model.tied_copies if is_pipeline(model) else []
 
 
 class PipelineLoss:
@@ -305,12 +331,13 @@ def pipeline_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    grad_clip: float,
-    device: torch.device,
     io: HostIO | None = None,
     scales: list[float] | None = None,
+    *,
+    grad_clip: float,
+    device: torch.device,
 ) -> StepResult:
-    """``framework.train.loop.train_step`` under pipeline parallelism: the schedule runs forward and
+    """``framework.train.loop.plain_step`` under pipeline parallelism: the schedule runs forward and
     backward over the rank's batch (its micro batches, concatenated and cut again by the schedule);
     the loss (last stage) and the gradient norm (all stages) are made whole on every rank; then
     clip and optimiser step as without pipelining (a non-finite loss or norm skips the step).

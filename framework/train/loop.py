@@ -9,11 +9,12 @@ is freed, so the step never holds every gradient at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from framework.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from framework.parallel.pipeline import is_pipeline, pipeline_evaluate, pipeline_step, tied_copies
 from framework.parallel.step import (
     HostIO,
     StepResult,
@@ -140,7 +142,7 @@ def build_optimizer(
     opt = opt or OptimizerConfig()
     allow = RunConfig().instantiate_allow if allow is None else allow
     # A pipeline's copy of a tied weight is stepped through the embedding it copies.
-    copies = {id(p) for p in getattr(model, "tied_copies", ())}
+    copies = {id(p) for p in tied_copies(model)}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in copies]
     own = opt._target_ == OWN_CLASS[opt.name]
     fused = device.type == "cuda"
@@ -326,17 +328,70 @@ def global_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return full() if full is not None else norm
 
 
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+SeqShard = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
+
+
+class StepFn(Protocol):
+    """One optimizer step of a built model over this rank's micro-batches (``pick_step``)."""
+
+    def __call__(
+        self, micro_batches: Batches, io: HostIO | None = None, scales: list[float] | None = None
+    ) -> StepResult: ...
+
+
+def pick_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    grad_clip: float,
+    device: torch.device,
+    in_backward: InBackward | None = None,
+    seq_shard: SeqShard | None = None,
+) -> StepFn:
+    """The step function of one build, picked once (the runner calls it at each build, never per
+    step): the optimizer inside backward (``train.optimizer_in_backward``), the pipeline's schedule
+    (``pp > 1``), or the plain step. Its parts are bound here; a step passes only its batch."""
+    if in_backward is not None:
+        return functools.partial(_step_in_backward, model, in_backward, scheduler, device=device)
+    if is_pipeline(model):
+        return functools.partial(
+            pipeline_step, model, optimizer, scheduler, grad_clip=grad_clip, device=device
+        )
+    return functools.partial(
+        plain_step, model, optimizer, scheduler, grad_clip=grad_clip, device=device, seq_shard=seq_shard
+    )
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Batches,
     grad_clip: float,
     device: torch.device,
     in_backward: InBackward | None = None,
     io: HostIO | None = None,
     scales: list[float] | None = None,
-    seq_shard: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager] | None = None,
+    seq_shard: SeqShard | None = None,
+) -> StepResult:
+    """One step of ``pick_step``'s function, picked for this call: for callers that step a model
+    they built themselves (tests, benchmarks); the runner picks once per build."""
+    step = pick_step(model, optimizer, scheduler, grad_clip, device, in_backward, seq_shard)
+    return step(micro_batches, io, scales)
+
+
+def plain_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: Batches,
+    io: HostIO | None = None,
+    scales: list[float] | None = None,
+    *,
+    grad_clip: float,
+    device: torch.device,
+    seq_shard: SeqShard | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
 
@@ -346,17 +401,9 @@ def train_step(
     ``loss_scales``: its share of the global batch's trained targets times the data-parallel degree),
     so the loss is the mean over every trained target of the global batch.
     A non-finite loss or gradient norm skips the optimiser step (the caller decides what next).
-    With ``in_backward`` the step happens during backward (one micro-batch, no clip; a non-finite
-    loss skips it).
     ``seq_shard`` (context parallelism, framework.parallel.context) cuts each micro-batch to this
     rank's sequence shard, in place, around its forward and backward.
     """
-    if in_backward is not None:
-        return _step_in_backward(model, in_backward, scheduler, micro_batches, device, io)
-    if getattr(model, "schedule", None) is not None:  # pipeline parallel: the schedule runs the step
-        from framework.parallel.pipeline import pipeline_step
-
-        return pipeline_step(model, optimizer, scheduler, micro_batches, grad_clip, device, io, scales)  # type: ignore[arg-type]
     timer = StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
@@ -386,10 +433,15 @@ def _step_in_backward(
     model: nn.Module,
     ib: InBackward,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Batches,
+    io: HostIO | None = None,
+    scales: list[float] | None = None,
+    *,
     device: torch.device,
-    io: HostIO | None,
 ) -> StepResult:
+    """The step of ``train.optimizer_in_backward``: the updates happen during backward; a
+    non-finite loss skips them. One micro-batch on one rank, no clip (the planner refuses the
+    rest), so ``scales`` would be [1.0] and is not read."""
     # One micro-batch per step: the planner refuses anything else (framework.planner.plan._check_in_backward).
     assert len(micro_batches) == 1, len(micro_batches)
     timer = StepTimer(device)
@@ -427,9 +479,7 @@ def evaluate(
     divided. So the value is the same for one process, dp, tp and pp (up to float summation order):
     a mean of per-rank means weighed a rank's masked batch like a full one, and a pipeline's
     stages other than the last hold no loss (they add 0 to both)."""
-    if getattr(model, "schedule", None) is not None:  # pipeline parallel: through the schedule
-        from framework.parallel.pipeline import pipeline_evaluate
-
+    if is_pipeline(model):  # through the schedule
         total, count = pipeline_evaluate(model, batches, device)  # type: ignore[arg-type]
         return ratio_over_ranks(total, count)
     was_training = model.training

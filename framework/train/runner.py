@@ -1,16 +1,19 @@
 """``StepRunner``: the executed model and how its steps are queued and read.
 
-It owns the executor (the parallelized model, its optimizer, scheduler and optimizer-in-backward
-hooks, rebuilt for each rung of the fallback ladder), the lag (a step's figures are read once the
+It owns the executor (the parallelized model, its optimizer, scheduler, optimizer-in-backward
+hooks and step function, rebuilt for each rung of the fallback ladder from a copy of the one meta
+model the trainer built), the lag (a step's figures are read once the
 next step is queued, through pinned host buffers: ``loop.HostIO``) and the warm-up count (each
 build's first ``executor.warmup_steps`` steps pay for compilation and stay out of throughput). The
-verifier decides which rung to run (``framework.verify``); the runner builds it.
+verifier judges, the ladder picks the rung (``framework.verify.fallback.Ladder``), the runner builds it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.models import build_model
+from framework.models import Decoder
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
@@ -27,13 +30,15 @@ from framework.parallel.step import HostIO, StepResult, autocast
 from framework.planner.plan import Plan
 from framework.train.loop import (
     InBackward,
+    StepFn,
     attach_in_backward,
     build_optimizer,
     build_scheduler,
     mark_graph_recorded,
-    train_step,
+    pick_step,
 )
 from framework.verify import carry_state, inject_nan
+from framework.verify.numerics import reference_model
 
 log = logging.getLogger("framework")
 
@@ -62,6 +67,7 @@ class StepRunner:
         cfg: Config,
         plan: Plan,
         mesh: DeviceMesh | None,
+        meta: Decoder,
         executor: ExecutorConfig,
         device: torch.device,
         lag: bool,
@@ -70,8 +76,9 @@ class StepRunner:
         self.cfg = cfg
         self.plan = plan
         self.mesh = mesh
+        self.meta = meta  # built once on meta by the trainer; each build parallelizes a copy of it
         self.executor = executor
-        self.float8 = cfg.model.float8  # the configured recipe until a fallback to bf16
+        self.float8 = meta.cfg.float8  # the configured recipe until a fallback to bf16
         self.device = device
         self.lag = lag
         self.rank = rank
@@ -80,6 +87,9 @@ class StepRunner:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR = None  # type: ignore[assignment]
         self.in_backward: InBackward | None = None
         self.seq_shard: SequenceShard | None = None
+        self._step: StepFn | None = None  # picked once per build (loop.pick_step)
+        # Runs the next step, once (the trainer sets the ladder's: a compile error there falls back).
+        self.first_step_guard: Callable[[Callable[[], StepResult]], StepResult] | None = None
         self.io = HostIO(device)
         self._builds = 0
         self._since_build = 0  # steps queued since the last build: each build pays its own warm-up
@@ -96,9 +106,11 @@ class StepRunner:
     def build(
         self, mode: ExecutorMode | None = None, float8: Float8Recipe | None = None, carry: bool = False
     ) -> None:
-        """(Re)build the executed model from a fresh meta model for ``mode`` and ``float8`` (None:
-        the current one), with a new optimizer and scheduler. ``carry``: copy the trained weights,
-        optimizer state and LR schedule over from the model being replaced (a mid-run fallback).
+        """(Re)build the executed model from a copy of the meta model for ``mode`` and ``float8``
+        (None: the current one), with a new optimizer and scheduler and the step function that fits
+        them (``loop.pick_step``: plain, pipelined or optimizer-in-backward). ``carry``: copy the
+        trained weights, optimizer state and LR schedule over from the model being replaced (a
+        mid-run fallback).
 
         The state dicts have the same keys and fp32 values with float8 on or off (Float8Linear keeps
         the high-precision weights), so the float8 rung carries over as the executor rungs do.
@@ -109,11 +121,8 @@ class StepRunner:
         if float8 is not None:
             self.float8 = float8
         cfg = self.cfg
-        model = build_model(
-            dataclasses.replace(cfg.model, float8=self.float8), cfg.train.seq_len, data_mod.document_eos(cfg)
-        )
         self.model = parallelize(
-            model,
+            self._meta_copy(),
             self.mesh,
             self.plan,
             cfg.sharding,
@@ -137,8 +146,33 @@ class StepRunner:
         if carry:
             carry_state(old[0], old[1], self.model, self.optimizer)
             self.scheduler.load_state_dict(old[2].state_dict())
+        self._step = pick_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            cfg.train.grad_clip,
+            self.device,
+            self.in_backward,
+            self.seq_shard,
+        )
         self._builds += 1
         self._since_build = 0
+
+    def _meta_copy(self) -> Decoder:
+        """A copy of the meta model on this build's float8 rung: ``parallelize`` changes the model
+        it is given in place, and a fallback builds again. Copying on meta costs no memory."""
+        model = copy.deepcopy(self.meta)
+        if model.cfg.float8 is not self.float8:
+            model.cfg = dataclasses.replace(model.cfg, float8=self.float8)
+        return model
+
+    def reference(self) -> nn.Module:
+        """The unsharded eager model with the run's initial weights, on this build's float8 rung and
+        in FSDP's param_dtype: what the verifier's numerics check compares the built model with."""
+        from framework.parallel.data_parallel import TORCH_DTYPES
+
+        dtype = TORCH_DTYPES[self.cfg.sharding.param_dtype]
+        return reference_model(self._meta_copy(), self.cfg.train.seed, self.device, dtype)
 
     # -- the steps ---------------------------------------------------------------------------------
 
@@ -149,19 +183,15 @@ class StepRunner:
         poison = sampler.consumed_batches in self._nan_batches
         batch = sampler.next_batch()
         wait_s = sampler.last_wait_s  # the sampler times its own wait
-        with inject_nan(self.model, poison):
-            result = train_step(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                batch,
-                self.cfg.train.grad_clip,
-                self.device,
-                self.in_backward,
-                self.io,
-                sampler.loss_scales(),
-                self.seq_shard,
-            )
+        scales = sampler.loss_scales()
+
+        def attempt() -> StepResult:
+            assert self._step is not None, "build() first"
+            with inject_nan(self.model, poison):
+                return self._step(batch, self.io, scales)
+
+        guard, self.first_step_guard = self.first_step_guard, None
+        result = attempt() if guard is None else guard(attempt)
         warm = self._since_build >= self.executor.warmup_steps
         self._since_build += 1
         return Step(result, number, warm, self._builds, wait_s)

@@ -4,8 +4,12 @@ It does none of their work: each stage is a module of ``framework`` that takes t
 plain result. ``run`` executes on every rank: it builds the parts once (``setup``), each owning its
 state and timing, steps them (``train``, the loop) and writes the summary (``finish``):
 
-- ``StepRunner`` (framework.train.runner): the executed model, the lag and the warm-up count;
-- ``Verifier`` (framework.verify): bad steps, the latency breaker and the fallback ladder;
+- ``StepRunner`` (framework.train.runner): the executed model (built from the one meta model),
+  its step function (picked once per build), the lag and the warm-up count;
+- ``Verifier`` (framework.verify): judges the graph, each build and each step read (bad steps,
+  the latency breaker), and only returns decisions;
+- ``Ladder`` (framework.verify.fallback): the fallback ladder, driven here: the rung below for a
+  verdict, rebuilt by the runner;
 - ``RunCheckpoints`` (framework.checkpoint.session): when to save, preemption, resume, rollback;
 - ``Metrics`` (framework.record.metrics): metrics.jsonl, the progress bar and its sinks (wandb);
 - ``TrainState`` (framework.record.train_state): the counters they share, passed, never captured;
@@ -16,7 +20,6 @@ state and timing, steps them (``train``, the loop) and writes the summary (``fin
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +39,7 @@ from framework import data as data_mod
 from framework.checkpoint import export_hf, full_model_state
 from framework.checkpoint.init_from import shape_of
 from framework.checkpoint.session import RunCheckpoints
-from framework.config.schema import Config, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
+from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.models import build_model, flops_per_token, num_params
@@ -51,6 +54,7 @@ from framework.train.loop import evaluate
 from framework.train.runner import Step, StepRunner
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
+from framework.verify.fallback import Ladder, Verdict
 
 log = logging.getLogger("framework")
 
@@ -148,6 +152,7 @@ class Parts:
     data: Data
     metrics: Metrics
     verifier: Verifier
+    ladder: Ladder
     ckpt: RunCheckpoints
     callbacks: Callbacks
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
@@ -224,7 +229,8 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
         p.metrics.log({"step": s.step, "event": "skipped_step", "detail": "non-finite loss or gradient"})
     timed = r.seconds if s.warm and r.finite else None  # warm-up steps stay out of throughput
     state.count(timed, r.finite, s.wait_s)
-    action = p.verifier.observe(s.step, r.finite, timed, p.runner)
+    action, verdict = p.verifier.observe(r.finite, timed, p.runner.mode, p.ladder.lower() is not None)
+    p.ladder.take(s.step, verdict)  # a lower rung when the verdict asks (the runner rebuilds)
     p.metrics.advance()
     if s.step % train_cfg.log_every == 0 or s.step == train_cfg.steps:
         window = state.take_log_window()
@@ -290,12 +296,19 @@ def setup(
         device_name=device_name(env.device),
         layout=plan.layout,
     )
-    runner = build(cfg, plan, env, run_dir, verifier, digest)
+    runner, graph = build(cfg, plan, env, run_dir, verifier, digest)
     data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
     verifier.attach(metrics.log)
-    verifier.start(runner, lambda: split_rows(data.sampler.peek()[: cfg.train.micro_batch_size]))
+    ladder = Ladder(runner, verifier.fallback, cfg.verify.ladder)
+
+    def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return split_rows(data.sampler.peek()[: cfg.train.micro_batch_size])
+
+    ladder.start(lambda can_fall: verifier.judge_build(runner, first_batch, can_fall), graph)
+    if ladder.lower() is not None:  # by default the first step is where torch.compile compiles
+        runner.first_step_guard = ladder.guard
     state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     ckpt = RunCheckpoints(
         cfg.checkpoint,
@@ -320,17 +333,21 @@ def setup(
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
-    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, callbacks, peak_flops)
+    return Parts(
+        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ladder, ckpt, callbacks, peak_flops
+    )
 
 
 def build(
     cfg: Config, plan: Plan, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
-) -> StepRunner:
-    """Build the mesh of ``plan`` and the model on meta, freeze, check the graph across ranks (before
-    any training collective). The runner parallelizes (which places and initialises) and makes the
-    optimizer when the verifier starts the ladder (``Verifier.start``)."""
+) -> tuple[StepRunner, Verdict | None]:
+    """Build the mesh of ``plan`` and the model once on meta, freeze it, check the graph across ranks
+    (before any training collective) and hand the meta model to the runner, which parallelizes
+    (places and initialises) a copy of it for each rung the ladder builds (``Ladder.start``).
+    Returns the graph check's verdict too: the reference graph differs under
+    ``verify.policy=fallback``."""
     mesh = build_mesh(plan, env.device.type)
-    model = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
+    meta = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
@@ -339,19 +356,15 @@ def build(
             flops_per_token(cfg.model, cfg.train.seq_len),
             cfg.train.seq_len,
         )
-    frozen = freeze_stage(model, cfg, run_dir, env)
+    frozen = freeze_stage(meta, cfg, run_dir, env)
     flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
-    executor = cfg.executor
-    can_fall = next_mode(executor.mode) is not None
-    if verifier.check_graph(model, frozen, digest, flat, can_fall) is Policy.fallback:
-        executor = dataclasses.replace(executor, mode=ExecutorMode.eager)
-        verifier.fallback(
-            0, "graph", f"executor {cfg.executor.mode.value} -> eager", "reference graph differs"
-        )
-    # Lag only without verify: with it, every step is read at once (the breaker may swap the
-    # executor before the next step).
-    runner = StepRunner(cfg, plan, mesh, executor, env.device, lag=not verifier.enabled, rank=env.rank)
-    return runner
+    can_fall = cfg.verify.ladder and next_mode(cfg.executor.mode) is not None
+    graph = verifier.check_graph(meta, frozen, digest, flat, can_fall)
+    # Lag only without verify=on: with it, every step is read at once (its checks and report read
+    # each step before the next is queued). The ladder's breaker reads lagged steps as they come.
+    lag = not verifier.enabled
+    runner = StepRunner(cfg, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank)
+    return runner, graph
 
 
 def finish(p: Parts, state: TrainState) -> Summary:

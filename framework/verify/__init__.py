@@ -3,9 +3,11 @@
 * consistency.py: cross-rank graph fingerprint + config hash; a pinned reference graph.
 * numerics.py: executed vs eager (and vs an unsharded eager model) loss on the first batch.
 * baseline.py: the performance baseline store and the regression comparison.
-* fallback.py: executor ladder, latency circuit breaker, bad-step policy, state carry-over.
+* fallback.py: the ladder (``Ladder``, driven by the trainer), latency circuit breaker, bad-step
+  policy, state carry-over.
 * policy.py: warn | fail | fallback. report.py: verification.json + verification.md.
-* session.py: ``Verifier``, the hooks the trainer calls. compare.py / __main__.py:
+* session.py: ``Verifier``, the hooks the trainer calls; each judges and returns a decision.
+* compare.py / __main__.py:
   ``python -m framework.verify compare RUN_A RUN_B``.
 """
 
@@ -14,7 +16,9 @@ from framework.verify.consistency import RankMismatchError, check_ranks, check_r
 from framework.verify.fallback import (
     BadStepTracker,
     CircuitBreaker,
+    Ladder,
     StepAction,
+    Verdict,
     carry_state,
     inject_nan,
     next_float8,
@@ -30,10 +34,12 @@ __all__ = [
     "CheckResult",
     "CircuitBreaker",
     "FallbackEvent",
+    "Ladder",
     "PerfFigures",
     "RankMismatchError",
     "StepAction",
     "VerificationError",
+    "Verdict",
     "VerificationReport",
     "Verifier",
     "apply_policy",

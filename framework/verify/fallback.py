@@ -1,9 +1,14 @@
 """The fallback ladder and its triggers: executor rungs, latency circuit breaker, bad-step policy.
 
 Ladder: cudagraphs -> compile -> eager. A float8 run (``model.float8``) has one more rung, taken
-first when its loss stays non-finite (the bad-step trigger): float8 -> bf16, same executor. A fallback rebuilds the model from a fresh meta model with
-the next rung's executor (the trainer re-runs ``parallelize``) and carries the trained state over
-with ``carry_state``: before any step there is nothing to carry and the run restarts cleanly.
+first when its loss stays non-finite (the bad-step trigger): float8 -> bf16, same executor. A
+fallback rebuilds the model from the meta model with the next rung's executor (the runner re-runs
+``parallelize``) and carries the trained state over with ``carry_state``: before any step there is
+nothing to carry and the run restarts cleanly.
+
+Who does what: the verifier judges (``framework.verify.session``: a ``Verdict`` or None), the
+runner builds (``Rungs``), and ``Ladder`` sits between them: the trainer drives it, it picks the
+rung below for a verdict, has the runner rebuild on it and records why.
 
 The decisions here are pure (figures in, decision out) so they are unit-tested without a model;
 the trainer feeds them figures that all ranks agree on (see ``max_over_ranks``), so every rank
@@ -16,7 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,8 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from framework.config.schema import ExecutorMode, Float8Recipe
+from framework.parallel.pipeline import logit_modules
 from framework.verify.baseline import percentile
 
+T = TypeVar("T")
 LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
 
 
@@ -54,6 +61,133 @@ class Rungs(Protocol):
     def build(
         self, mode: ExecutorMode | None = None, float8: Float8Recipe | None = None, carry: bool = False
     ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A judgement that asks for a lower rung: its trigger (``compile_error``, ``numerics``,
+    ``graph``, ``circuit_breaker``, ``bad_steps``) and why."""
+
+    trigger: str
+    detail: str
+
+
+# Record a change of course: (step, trigger, action, detail); ``Verifier.fallback``.
+Record = Callable[[int, str, str, str], object]
+
+
+class Ladder:
+    """The fallback ladder as one small component, driven by the trainer.
+
+    ``start`` builds the configured rung (or eager, after a graph verdict) and has the verifier
+    judge it; a compile error there (on any rank: the ranks agree in one ``all_gather_object``) or
+    a verdict steps one executor rung down and builds again, before step 1. ``guard`` does the
+    same for a compile error in the first step (by default nothing compiles before it). ``take`` acts on a
+    verdict read mid-run: the float8 rung for bad steps, the executor rung for the breaker, each
+    rebuilt with the trained state carried over. ``on=False`` (``verify.ladder=false``): the
+    executor rungs are never taken (a compile error is raised); the float8 rung of the bad-step
+    policy stays, as it always was.
+    """
+
+    def __init__(self, rungs: Rungs, record: Record, on: bool) -> None:
+        self.rungs = rungs
+        self.record = record
+        self.on = on
+
+    def lower(self, mode: ExecutorMode | None = None) -> ExecutorMode | None:
+        """The executor rung below ``mode`` (default: the current one), or None (eager, or off)."""
+        return next_mode(mode or self.rungs.mode) if self.on else None
+
+    def start(self, judge: Callable[[bool], Verdict | None], graph: Verdict | None = None) -> None:
+        """Build the first rung that builds and passes ``judge`` (called with whether a lower rung
+        exists; it runs the first forward, where torch.compile compiles). ``graph``: the reference
+        graph check asked to fall back, so the run starts on eager."""
+        mode = self.rungs.mode
+        if graph is not None and mode is not ExecutorMode.eager:
+            self.record(0, graph.trigger, f"executor {mode.value} -> eager", graph.detail)
+            mode = ExecutorMode.eager
+        while True:
+            lower = self.lower(mode)
+            error, verdict = None, None
+            try:
+                self.rungs.build(mode)
+                verdict = judge(lower is not None)
+            except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
+                if lower is None:
+                    raise
+                error = _first_line(e)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(_gather_errors(error, lower)) if e is not None]
+            if not failed and verdict is None:
+                return
+            assert lower is not None
+            if failed:
+                verdict = Verdict("compile_error", failed[0])
+            assert verdict is not None
+            self.record(0, verdict.trigger, f"executor {mode.value} -> {lower.value}", verdict.detail)
+            mode = lower
+
+    def guard(self, attempt: Callable[[], T]) -> T:
+        """Run the run's first step (``attempt``), where torch.compile compiles by default (no
+        forward of its own runs before it: that would compile a second, gradient-free graph). A
+        compile error on every rank steps every rank down one executor rung, keeping the loaded
+        state (none has stepped: the error comes before the optimizer step), and runs the same
+        batch again; one ``all_gather_object`` lets the ranks agree. An error on some ranks only
+        stops every rank (the others stepped and cannot step back)."""
+        while True:
+            mode, lower = self.rungs.mode, self.lower()
+            error, result = None, None
+            try:
+                result = attempt()
+            except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
+                if lower is None:
+                    raise
+                error = _first_line(e)
+            errors = _gather_errors(error, lower)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+            if not failed:
+                return result  # type: ignore[return-value]
+            if len(failed) < len(errors):
+                raise RuntimeError(
+                    f"the first step failed on {len(failed)} of {len(errors)} ranks ({failed[0]}); the "
+                    "others stepped and cannot step back, so no rank falls back: fix the error, or set "
+                    "a lower executor.mode"
+                )
+            assert lower is not None
+            self.record(0, "compile_error", f"executor {mode.value} -> {lower.value}", failed[0])
+            self.rungs.build(lower, carry=True)
+
+    def take(self, step: int, verdict: Verdict | None) -> None:
+        """Act on a verdict read at ``step``: rebuild on the rung below, keeping the trained state."""
+        if verdict is None:
+            return
+        rungs = self.rungs
+        if verdict.trigger == "bad_steps":
+            left = rungs.float8
+            if next_float8(left) is None:
+                return  # no float8 rung: the checkpointer's rollback is the whole answer
+            rungs.build(float8=next_float8(left), carry=True)
+            action = f"model.float8 {left.value} -> none (bf16)"
+            self.record(step, verdict.trigger, action, f"{verdict.detail} under float8 {left.value}")
+            return
+        lower = self.lower()
+        if lower is not None:
+            rungs.build(lower, carry=True)
+        what = f"executor {lower.value}" if lower else "none (already eager)"
+        self.record(step, verdict.trigger, f"fallback: {what}", verdict.detail)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _gather_errors(error: str | None, lower: ExecutorMode | None) -> list[str | None]:
+    """Every rank's build error (None: built), so that all ranks take the same rung; nothing to
+    gather when there is no rung below (an error was raised)."""
+    if lower is None or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [error]
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
 
 
 def max_over_ranks(value: float) -> float:
@@ -182,9 +316,7 @@ def inject_nan(model: nn.Module, active: bool) -> Iterator[None]:
     def poison(_m: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return output * float("nan")
 
-    stages = getattr(model, "stages", None)  # framework.parallel.pipeline.PipelineModel
-    heads = [s for s in stages if s.output is not None] if stages is not None else [model]
-    handles = [m.register_forward_hook(poison) for m in heads]
+    handles = [m.register_forward_hook(poison) for m in logit_modules(model)]
     try:
         yield
     finally:

@@ -21,6 +21,7 @@ for a wrong model; the logits are the sharp probe (fp32 agrees to ~1e-6, bf16 au
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import ModelConfig
-from framework.models import build_model, materialize, num_params
+from framework.models import materialize, num_params
+from framework.parallel.pipeline import is_pipeline, pipeline_logits
 from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 
@@ -41,11 +43,9 @@ def batch_logits(
     """The logits of one micro-batch as ``train_step`` computes them (autocast), without a gradient.
     Under pipeline parallelism (the schedule needs ``y`` too) only the last stage's rank has them:
     None elsewhere."""
-    if getattr(model, "schedule", None) is not None:
-        from framework.parallel.pipeline import pipeline_logits
-
+    if is_pipeline(model):
         assert y is not None, "a pipeline's schedule takes the targets with the tokens"
-        logits = pipeline_logits(model, x, y, device)  # type: ignore[arg-type]
+        logits = pipeline_logits(model, x, y, device)
         return None if logits is None else logits.float()
     with autocast(device):
         logits = model(x.to(device))
@@ -66,14 +66,15 @@ def eager_logits(
 
 
 def reference_model(
-    cfg: ModelConfig, seq_len: int, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+    meta: nn.Module, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """An unsharded eager decoder with the run's initial weights (``dtype``: FSDP's param_dtype), with
-    the run's float8 layers (``model.float8``), so that only the sharding differs."""
+    """The unsharded eager model with the run's initial weights, from a copy of the run's meta model
+    (``dtype``: FSDP's param_dtype), with its float8 layers (``model.float8``), so that only the
+    sharding differs. The caller (the runner) owns the meta model; copying on meta costs nothing."""
     from framework.parallel.float8 import apply_float8
 
-    model = build_model(cfg, seq_len)
-    apply_float8(model, cfg)
+    model = copy.deepcopy(meta)
+    apply_float8(model, model.cfg)
     materialize(model, device, seed)
     return model.to(dtype)
 

@@ -1,18 +1,23 @@
 """``Verifier``: one run's verification state and the hooks the trainer calls, in run order.
 
   check_graph      after freeze, before parallelize (so before DDP's broadcast / FSDP's all-gather)
-  start            the start of the ladder: build each rung until one compiles (and passes numerics)
-    check_numerics   after parallelize, before step 1 (its first forward is where compilation happens)
-  observe          every step read: bad-step policy (and the float8 rung), latency circuit breaker
-                   (and the executor rungs)
+  judge_build      each rung the ladder builds, before step 1: the numerics check (verify=on)
+  observe          every step read: bad-step policy, latency circuit breaker
   fallback         records a change of course (event row in metrics.jsonl, printed, in the report)
   finish           performance vs the baseline, optional baseline save, the report files
 
-The logic lives in the sibling modules; this class keeps the state between the hooks (the bad-step
-tracker, the breaker), applies ``verify.policy`` and decides the ladder's rungs; the runner
-(``fallback.Rungs``) builds them. With ``verify.enabled=false`` every hook is a cheap no-op except
-the bad-step tracking (with the float8 rung) and ``fallback``'s recording, which the trainer always
-needs.
+The verifier only judges: each hook returns a decision (a ``Verdict`` that asks for a lower rung, a
+``StepAction``, a policy), and never builds a model. The trainer drives the ladder
+(``fallback.Ladder``), which has the runner rebuild on the verdict's rung. The logic lives in the
+sibling modules; this class keeps the state between the hooks (the bad-step tracker, the breaker)
+and applies ``verify.policy``.
+
+What runs when: the cheap hooks by default (``verify.graph``: the ranks' frozen graph
+fingerprints and config hashes in one ``all_gather_object``; ``verify.ladder``: the executor rungs
+on a compile error in the first step or a tripped breaker, and that breaker); the costly ones with
+``verify.enabled`` (``verify=on``: the numerics check, a graph exported only to be fingerprinted,
+the reference graph, the performance baseline and the report files). The bad-step tracking (with
+the float8 rung) and ``fallback``'s recording always run: the trainer needs them.
 """
 
 from __future__ import annotations
@@ -20,33 +25,37 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
 from framework.freeze import FrozenResult
-from framework.models import Decoder
 from framework.planner.layout import Degrees
 from framework.verify import baseline as baseline_mod
 from framework.verify.consistency import check_ranks, check_reference, export_fingerprint, meta_example
-from framework.verify.fallback import (
-    BadStepTracker,
-    CircuitBreaker,
-    Rungs,
-    StepAction,
-    max_over_ranks,
-    next_float8,
-    next_mode,
-)
-from framework.verify.numerics import batch_logits, check_numerics, reference_model, wants_reference
+from framework.verify.fallback import BadStepTracker, CircuitBreaker, StepAction, Verdict, max_over_ranks
+from framework.verify.numerics import check_numerics, wants_reference
 from framework.verify.policy import VerificationError, apply_policy
 from framework.verify.report import CheckResult, FallbackEvent, VerificationReport, write_report
 
 log = logging.getLogger("framework")
 Emit = Callable[[dict[str, Any]], None]
+
+
+class Built(Protocol):
+    """A rung the runner built (``framework.train.runner.StepRunner``), as the verifier judges it."""
+
+    model: nn.Module
+    device: torch.device
+
+    @property
+    def mode(self) -> ExecutorMode: ...
+
+    def reference(self) -> nn.Module:
+        """The unsharded eager model with the run's initial weights, for the numerics check."""
+        ...
 
 
 class Verifier:
@@ -114,21 +123,25 @@ class Verifier:
 
     def check_graph(
         self,
-        meta_model: Decoder,
+        meta_model: nn.Module,
         frozen: FrozenResult,
         config_hash: str,
         flat_config: dict[str, Any],
         can_fall_back: bool,
-    ) -> Policy | None:
+    ) -> Verdict | None:
         """Cross-rank graph + config check (fatal on mismatch), then the reference check (policy).
 
-        Collective. Returns the policy action of the reference check (``Policy.fallback``: run eager).
-        With ``freeze=none`` the meta model is exported here to get a fingerprint.
+        Collective. Returns a verdict when the reference check asks to fall back (run eager).
+        Cheap, on by default (``verify.graph``): it compares the fingerprints ``freeze`` made. With
+        ``freeze=none`` there is none; ``verify=on`` then exports the meta model to get one (about
+        1.5 s for the tiny recipe), the default skips the check.
         """
-        if not (self.enabled and self.vcfg.graph):
+        if not self.vcfg.graph:
             return None
         fp, summary = frozen.fingerprint, frozen.summary
         if fp is None:
+            if not self.enabled:
+                return None
             fp, summary = export_fingerprint(
                 meta_model, meta_example(self.cfg.train.micro_batch_size, self.cfg.train.seq_len)
             )
@@ -139,10 +152,12 @@ class Verifier:
             self.report.add(CheckResult("graph (cross-rank)", False, str(e), action="fail"))
             self.write()
             raise
-        if self.vcfg.reference is None:
+        if not self.enabled or self.vcfg.reference is None:
             return None
         check = self.report.add(check_reference(fp, summary, self.vcfg.reference))
-        return self._decide(check, can_fall_back)
+        if self._decide(check, can_fall_back) is Policy.fallback:
+            return Verdict("graph", "reference graph differs")
+        return None
 
     def check_numerics(
         self,
@@ -151,114 +166,76 @@ class Verifier:
         device: torch.device,
         compiled: bool,
         can_fall_back: bool,
+        make_reference: Callable[[], nn.Module] | None = None,
     ) -> Policy | None:
-        """Executed vs eager (and vs an unsharded eager model when small). Collective."""
+        """Executed vs eager (and vs ``make_reference()``, the unsharded eager model, when the model
+        is small: ``verify.reference_model_max_params``). Collective."""
         if not (self.enabled and self.vcfg.numerics):
             return None
-        make_ref = None
-        if wants_reference(self.cfg.model, self.vcfg.reference_model_max_params):
-            from framework.parallel.data_parallel import TORCH_DTYPES
-
-            dtype = TORCH_DTYPES[self.cfg.sharding.param_dtype]
-
-            def make_ref() -> nn.Module:
-                ref = reference_model(
-                    self.cfg.model, self.cfg.train.seq_len, self.cfg.train.seed, device, dtype
-                )
-                from framework.data import document_eos
-
-                ref.document_eos = document_eos(self.cfg)  # the same attention mask as the run's model
-                return ref
-
+        if not wants_reference(self.cfg.model, self.vcfg.reference_model_max_params):
+            make_reference = None
         # The loop runs bf16 autocast on CUDA (framework.train.loop.autocast): rounding differs more;
         # float8 GEMMs (model.float8, in the reference model too) more still.
         logits_rtol = self.vcfg.logits_rtol_bf16 if device.type == "cuda" else self.vcfg.logits_rtol
         if self.cfg.model.float8 is not Float8Recipe.none:
             logits_rtol = max(logits_rtol, self.vcfg.logits_rtol_float8)
-        check = check_numerics(model, batch, device, self.vcfg.loss_rtol, compiled, make_ref, logits_rtol)
+        rtol = self.vcfg.loss_rtol
+        check = check_numerics(model, batch, device, rtol, compiled, make_reference, logits_rtol)
         # Replace an earlier attempt's result (after a fallback the check runs again).
         self.report.checks = [c for c in self.report.checks if c.name != check.name]
         self.report.add(check)
         return self._decide(check, can_fall_back)
 
-    def start(self, rungs: Rungs, first_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Build the configured rung; with verify on, the start of the fallback ladder.
+    def judge_build(
+        self,
+        built: Built,
+        first_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        can_fall_back: bool,
+    ) -> Verdict | None:
+        """Judge a rung the ladder just built, before step 1: a verdict when it must step down.
 
-        The first forward (where torch.compile compiles) and the numerics check run before step 1. A
-        compile/capture error, or a numerics failure under ``policy=fallback``, rebuilds from a fresh
-        meta model with the next rung (cudagraphs -> compile -> eager); nothing has trained yet, so
-        the run restarts cleanly at step 0. The ranks agree on the outcome (one all_gather_object); a
-        compile error that hits only some ranks inside a collective is not covered (it would hang).
-        """
-        mode = rungs.mode
-        while True:
-            lower = next_mode(mode)
-            error, action = None, None
-            try:
-                rungs.build(mode)
-                if not self.enabled:
-                    return
-                x, y = first_batch()
-                if self.vcfg.numerics:
-                    compiled = mode is not ExecutorMode.eager
-                    action = self.check_numerics(
-                        rungs.model, (x, y), rungs.device, compiled, lower is not None
-                    )
-                else:
-                    batch_logits(rungs.model, x, rungs.device, y)
-            except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
-                if lower is None or not self.enabled:
-                    raise
-                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            errors: list[str | None] = [error]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                errors = [None] * dist.get_world_size()
-                dist.all_gather_object(errors, error)
-            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-            if not failed and action is not Policy.fallback:
-                return
-            assert lower is not None
-            trigger, detail = ("compile_error", failed[0]) if failed else ("numerics", "executed != eager")
-            self.fallback(0, trigger, f"executor {mode.value} -> {lower.value}", detail)
-            mode = lower
+        With ``verify=on`` this is the numerics check, whose first forward is where torch.compile
+        compiles (a compile error is raised from here; the ladder catches it). By default nothing
+        runs here: a forward of its own would compile a second, gradient-free graph (measured in
+        benchmarks/PERF.md), so the ladder catches a compile error in the first step instead
+        (``Ladder.guard``)."""
+        if not (self.enabled and self.vcfg.numerics):
+            return None
+        compiled = built.mode is not ExecutorMode.eager
+        x, y = first_batch()
+        policy = self.check_numerics(
+            built.model, (x, y), built.device, compiled, can_fall_back, built.reference
+        )
+        return Verdict("numerics", "executed != eager") if policy is Policy.fallback else None
 
-    def observe(self, step: int, finite: bool, seconds: float | None, rungs: Rungs) -> StepAction:
+    def observe(
+        self, finite: bool, seconds: float | None, mode: ExecutorMode, can_fall_back: bool
+    ) -> tuple[StepAction, Verdict | None]:
         """Judge one step read; ``seconds`` is its time, None during warm-up or when non-finite.
 
-        Bad steps: the ``max_bad_steps``-th non-finite step in a row asks the caller for a rollback;
-        a float8 run first steps down to bf16 (float8's 3 mantissa bits and per-tensor scales are
-        the likeliest cause of a run that goes non-finite and stays so). The breaker, armed at the
-        first timed step, trips on slow windows: the run steps down the executor ladder, keeping its
-        trained state, and the breaker starts afresh.
+        Bad steps: the ``max_bad_steps``-th non-finite step in a row asks the caller for a rollback,
+        with a ``bad_steps`` verdict (a float8 run first steps down to bf16: float8's 3 mantissa
+        bits and per-tensor scales are the likeliest cause of a run that goes non-finite and stays
+        so). The breaker, armed at the first timed step (by default only where ``can_fall_back``;
+        with ``verify=on`` always, to report), trips on slow windows: a ``circuit_breaker``
+        verdict, and the breaker starts afresh.
         """
-        if seconds is not None and self.enabled and self.breaker is None:
-            self.start_timing(self.baseline_p99(self.world_size, self.device_name, rungs.mode))
+        if seconds is not None and self.breaker is None and self._breaker_wanted(can_fall_back):
+            self.start_timing(self.baseline_p99(self.world_size, self.device_name, mode))
         action, tripped = self.after_step(finite, seconds)
-        if action is StepAction.rollback and next_float8(rungs.float8) is not None:
-            left = rungs.float8
-            rungs.build(float8=next_float8(left), carry=True)
-            self.fallback(
-                step,
-                "bad_steps",
-                f"model.float8 {left.value} -> none (bf16)",
-                f"{self.vcfg.max_bad_steps} non-finite steps in a row under float8 {left.value}",
-            )
+        if action is StepAction.rollback:
+            return action, Verdict("bad_steps", f"{self.vcfg.max_bad_steps} non-finite steps in a row")
         if tripped:
             assert self.breaker is not None
-            lower = next_mode(rungs.mode)
-            if lower is not None:
-                rungs.build(lower, carry=True)
-            what = f"executor {lower.value}" if lower else "none (already eager)"
-            self.fallback(
-                step, "circuit_breaker", f"fallback: {what}", f"window p99 {self.breaker.last_p99_s}"
-            )
             self.breaker.reset()
-        return action
+            return action, Verdict("circuit_breaker", f"window p99 {self.breaker.last_p99_s}")
+        return action, None
+
+    def _breaker_wanted(self, can_fall_back: bool) -> bool:
+        return self.enabled or (self.vcfg.ladder and can_fall_back)
 
     def start_timing(self, baseline_p99_s: float | None) -> None:
         """Arm the circuit breaker (after warm-up): reference p99 from the baseline, else the first window."""
-        if not self.enabled:
-            return
         self.breaker = CircuitBreaker(
             self.vcfg.breaker_factor,
             self.vcfg.breaker_window,
