@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from framework.checkpoint import lock, state, store
 from framework.checkpoint.group import Channel, dist_ready, new_gloo_group
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity
+from framework.record.run_dir import DirGone, DirStamp, stopped
 
 log = logging.getLogger("framework")
 _ANOTHER_RANK = "another rank failed"
@@ -260,10 +261,14 @@ class Checkpointer:
         self.saves_failed = 0
         self._unreported: list[tuple[int, str]] = []  # (step, error) of failed saves, see take_failures
         self._lock: lock.Owner | None = None
+        # Rank 0's stamp of the root: a save into a root deleted mid-run stops the run (DirGone)
+        # instead of recreating it (framework.record.run_dir).
+        self._root_stamp: DirStamp | None = None
         refused: str | None = None
         if self.channel.rank == 0:
             try:
                 self._lock = lock.acquire(self.root, run_id)
+                self._root_stamp = DirStamp.of("checkpoint dir", self.root)
                 store.clean_stale(self.root)
             except lock.LockHeld as e:
                 refused = str(e)
@@ -317,13 +322,16 @@ class Checkpointer:
         tmp = store.tmp_dir(self.root, step)
 
         err: str | None = None
-        if self.channel.rank == 0:
+        gone = self._root_stamp.gone() if self._root_stamp is not None else None
+        if self.channel.rank == 0 and gone is None:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 (tmp / state.RNG_DIR).mkdir(parents=True)
             except OSError as e:
                 err = f"rank 0: cannot create {tmp}: {e!r}"
-        err = self.channel.broadcast(err)
+        err, gone = self.channel.broadcast((err, gone))
+        if gone is not None:  # every rank: nothing is written, the run stops
+            raise DirGone(stopped(gone, f"at the save of step {step}"))
         if err is None:
             try:
                 free = shutil.disk_usage(self.root).free

@@ -71,6 +71,7 @@ from framework.planner.topology import (
     validate_mesh,
     write_nccl_record,
 )
+from framework.record.run_dir import GONE_PREFIXES, DirGone
 
 log = logging.getLogger("framework")
 HYDRA_FILES = {".hydra", "train.log"}
@@ -485,7 +486,11 @@ def _run_torchrun_rank(cfg: Config, run_dir: Path, rank: int) -> float | None:
     from framework.train import trainer
 
     die_with_launcher()
-    trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    try:
+        trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    except (DataChanged, DirGone) as e:  # one line on each rank (every rank saw it), not a traceback
+        log.error("error: %s", data_changed_report(run_dir, cfg, e))
+        finish(1)
     failed = None
     if rank == 0:
         finish_run(run_dir, cfg)
@@ -507,7 +512,7 @@ def _run_in_process(cfg: Config, run_dir: Path, started: float) -> float | None:
 
     try:
         trainer.run(cfg, run_dir)
-    except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
+    except (DataChanged, DirGone) as e:  # the ranks closed every part (the lock too) on the way out
         raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
     finally:
         _end_in_process_group()
@@ -528,7 +533,8 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
         message = e.get_first_failure()[1].message
-        if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.launch.worker.tell_launcher
+        # framework.launch.worker.tell_launcher: a data file changed, the run dir was deleted
+        if isinstance(message, str) and message.startswith((DATA_CHANGED, *GONE_PREFIXES)):
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
@@ -546,13 +552,14 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
 
 
 def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
-    """One line: which data file changed, and which checkpoints the run keeps."""
+    """One line: which data file changed (or which folder was deleted), and which checkpoints the
+    run keeps."""
     from framework.checkpoint import store
     from framework.train.trainer import checkpoint_root
 
     committed = store.committed(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else []
     if not committed:
-        return f"{e}; no checkpoint was saved"
+        return f"{e}; no checkpoint is left" if cfg.checkpoint.enabled else f"{e}; checkpointing was off"
     return f"{e}; the checkpoints up to step {committed[-1][0]} are kept ({committed[-1][1].parent})"
 
 

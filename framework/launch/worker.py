@@ -18,6 +18,7 @@ from framework.config.schema import to_config
 from framework.data.tokens import DataChanged
 from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
+from framework.record.run_dir import DirGone
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -56,10 +57,12 @@ def main(run_dir: Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
     try:
+        if not run_dir.is_dir():  # deleted before a restart of the ranks
+            raise DirGone(f"run dir {run_dir} was deleted during the run; the ranks did not start again")
         cfg = to_config(OmegaConf.load(run_dir / "config.yaml"))
         trainer.run(cfg, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
-    except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
+    except (DataChanged, DirGone) as e:  # one line, not a traceback: the user changed a file
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
         tell_launcher(str(e))
         return 1

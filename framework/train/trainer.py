@@ -48,6 +48,7 @@ from framework.record.train_state import TrainState
 from framework.train.compile_cache import CacheStats, cache_counters, load_cache, save_cache
 from framework.train.loop import evaluate
 from framework.train.profiling import NullProfiler, StepProfiler, format_top_operators, make_profiler
+from framework.train.run_dir_watch import RunDirWatch
 from framework.train.runner import Step, StepRunner
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
@@ -149,6 +150,7 @@ class Parts:
     metrics: Metrics
     verifier: Verifier
     ckpt: RunCheckpoints
+    watch: RunDirWatch  # the run dir deleted mid-run: every rank stops with one line (DirGone)
     cache: CacheStats | None  # executor.cache_dir on a compiled executor
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
@@ -202,6 +204,8 @@ def train(p: Parts, state: TrainState, profiler: Profiler) -> None:
             ckpt.rollback(queued.step, rewind=False)
             continue
         kill_if_asked(cfg, p.env, state.step)
+        if ckpt.saving:  # a save into a deleted run dir would recreate part of it
+            p.watch.check(state.step)
         if ckpt.save_if_due(state.step):  # preempted: saved (or the event says why not)
             break
 
@@ -234,6 +238,7 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
+        p.watch.check(s.step)
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
         state.final_loss, state.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
@@ -244,6 +249,7 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
+    p.watch.check(step)
     p.metrics.log(validation_row(step, state.last_val_loss))
 
 
@@ -264,6 +270,7 @@ def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitS
     data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
+    watch = RunDirWatch(run_dir, env.is_main)
     verifier.attach(metrics.log)
     cache = None
     if cfg.executor.cache_dir is not None and cfg.executor.mode is not ExecutorMode.eager:
@@ -293,7 +300,9 @@ def setup(cfg: Config, run_dir: Path, state: TrainState, stack: contextlib.ExitS
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
-    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, cache, peak_flops)
+    return Parts(
+        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, watch, cache, peak_flops
+    )
 
 
 def build(
@@ -332,6 +341,7 @@ def finish(p: Parts, state: TrainState, profiler: Profiler) -> Summary:
     """After the loop: the final evaluation, the compile cache, the performance verdict, the last
     commit, the Hugging Face export and the summary."""
     cfg, env = p.cfg, p.env
+    p.watch.check(state.step)  # before the final evaluation, the export and the summary write into it
     if env.is_main and profiler.top_operators():
         log.info("top operators (profiled steps):\n%s", format_top_operators(profiler.top_operators(10)))
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
