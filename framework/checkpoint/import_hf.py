@@ -88,6 +88,8 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
             f"{where} holds no weights; valid: a Hugging Face folder (config.json + *.safetensors) "
             "or a framework checkpoint (step dir with manifest.json, checkpoint root or run dir)"
         )
+    if (path / CONFIG_FILE).is_symlink():
+        check_inside(path, CONFIG_FILE, where)
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -95,6 +97,7 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {CONFIG_FILE} does not parse: {e}") from None
     if (path / INDEX_FILE).is_file():
+        check_inside(path, INDEX_FILE, where)
         try:
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -113,6 +116,7 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
     for name in names:
         if not (path / name).is_file():
             raise ValueError(f"{where}: {INDEX_FILE} names {name}, which is not in the folder")
+        check_inside(path, name, where)
         try:
             with safe_open(str(path / name), framework="pt") as f:
                 for t in f.keys():
@@ -125,6 +129,37 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         if missing:
             raise ValueError(f"{where}: {INDEX_FILE} lists tensors its files do not hold: {missing[:5]}")
     return HFCheckpoint(path, config, files, shapes)
+
+
+def link_roots(folder: Path) -> list[Path]:
+    """Where the files of ``folder`` may really live: the folder itself, and, for a snapshot of the
+    Hugging Face hub cache (``models--ORG--NAME/snapshots/REV``, whose files are links
+    ``../../blobs/HASH``), that cache repo's ``blobs/``. Nowhere else: a link elsewhere would read
+    whatever file the folder's author chose (a key, another model)."""
+    real = folder.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def check_inside(folder: Path, name: str, where: str) -> None:
+    """Refuse ``folder/name`` when it is a symlink (or under one) whose target lies outside
+    ``link_roots(folder)``, or a symlink loop. One line naming the file, its target and what is valid."""
+    p = folder / name
+    if not p.is_symlink() and p.parent.resolve() == folder.resolve():
+        return
+    try:
+        target = p.resolve(strict=True)
+    except (OSError, RuntimeError) as e:  # a loop, or a dangling link
+        raise ValueError(f"{where}: {name} is a symlink that does not lead to a file ({e})") from None
+    roots = link_roots(folder)
+    if not any(target.is_relative_to(r) for r in roots):
+        raise ValueError(
+            f"{where}: {name} is a symlink to {str(target)!r}, outside the folder; valid: files in the "
+            f"folder, or links into {str(roots[-1])!r}"
+            + (" (the same Hugging Face cache repo)" if len(roots) > 1 else " itself")
+        )
 
 
 def _check_names(names: list[object], where: str) -> None:
