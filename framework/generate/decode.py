@@ -178,12 +178,39 @@ def load_run_config(path: Path) -> Config:
     from yaml import YAMLError
 
     if not path.is_file():
-        raise ValueError(f"--config={path} is not a file; valid: a run's config.yaml")
+        what = (
+            "does not exist"
+            if not path.exists()
+            else "is a folder"
+            if path.is_dir()
+            else "is not a regular file (a FIFO, a socket or a device)"
+        )
+        raise ValueError(f"--config={path} {what}; valid: a run's config.yaml")
     try:
         return to_config(OmegaConf.load(path))
     except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, TypeError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--config={path} is not a run's config.yaml ({why})") from None
+
+
+def check_path(path: Path) -> Path:
+    """PATH must be a folder: one that does not exist, or a file, was reported as "no config.yaml in
+    PATH or the three folders above it", which sends the user looking for a config."""
+    valid = "valid: a run dir (its newest checkpoint) or a checkpoint dir"
+    if not path.exists():
+        raise ValueError(f"PATH={str(path)!r} does not exist; {valid}")
+    if not path.is_dir():
+        raise ValueError(f"PATH={str(path)!r} is not a folder; {valid}")
+    return path.resolve()
+
+
+def check_top_k(top_k: int, cfg: Config) -> None:
+    """``--top-k`` above the vocabulary sampled from every token silently (as 0 does): say so."""
+    if top_k > cfg.model.vocab_size:
+        raise ValueError(
+            f"--top-k={top_k} is more than the model's {cfg.model.vocab_size} tokens; valid: "
+            f"0..{cfg.model.vocab_size} (0 = all tokens)"
+        )
 
 
 def find_run_config(path: Path) -> Path:
@@ -250,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_flags(args.max_new_tokens, args.temperature, args.top_k)
         device = parse_device(args.device)
-        cfg = load_run_config(args.config or find_run_config(args.path.resolve()))
-        checkpoint = resolve_checkpoint(args.path.resolve(), cfg)
+        path = check_path(args.path)
+        cfg = load_run_config(args.config or find_run_config(path))
+        check_top_k(args.top_k, cfg)
+        checkpoint = resolve_checkpoint(path, cfg)
         tokenizer = load_tokenizer(cfg.tokenizer)
         model = load_model(checkpoint, cfg, device)
         ids = generate(

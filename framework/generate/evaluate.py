@@ -18,14 +18,37 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from framework.config.schema import to_config
+from framework.config.schema import Config
+
+# The bound framework.launch.rules sets on train.eval_batches, for the same reason: the validation
+# batches are built up front (int64 tokens), 2**28 tokens = 2 GiB; 1e8 batches took 12 GB.
+MAX_EVAL_TOKENS = 2**28
+
+
+def check_batches(batches: int | None, cfg: Config) -> None:
+    """``--batches``: at least one, and no more than MAX_EVAL_TOKENS of this run's batches."""
+    if batches is None:
+        return
+    per_batch = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
+    most = max(1, MAX_EVAL_TOKENS // per_batch)
+    if not 1 <= batches <= most:
+        raise ValueError(
+            f"--batches={batches} is not valid; valid: 1..{most} (the batches are built up front, at "
+            f"most {MAX_EVAL_TOKENS} tokens of {per_batch} each)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     from framework.data.pipeline import build_data
-    from framework.generate.decode import find_run_config, load_model, resolve_checkpoint
+    from framework.generate.decode import (
+        check_path,
+        find_run_config,
+        load_model,
+        load_run_config,
+        parse_device,
+        resolve_checkpoint,
+    )
     from framework.train.loop import evaluate
 
     parser = argparse.ArgumentParser(prog="python -m framework evaluate", description=__doc__.splitlines()[0])
@@ -37,15 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        if args.batches is not None and args.batches < 1:
-            raise ValueError(f"--batches={args.batches} must be >= 1")
-        cfg = to_config(OmegaConf.load(args.config or find_run_config(args.path.resolve())))
-        checkpoint = resolve_checkpoint(args.path.resolve(), cfg)
+        device = parse_device(args.device)  # cuda on a CPU torch, or "tpu", was a traceback
+        path = check_path(args.path)
+        cfg = load_run_config(args.config or find_run_config(path))  # a FIFO hung, a folder raised
+        check_batches(args.batches, cfg)
+        checkpoint = resolve_checkpoint(path, cfg)
         batches = args.batches or cfg.train.eval_batches
         cfg.train = dataclasses.replace(
             cfg.train, eval_every=max(1, cfg.train.eval_every), eval_batches=batches
         )
-        device = torch.device(args.device)
         model = load_model(checkpoint, cfg, device)
         val_loss = evaluate(model, build_data(cfg, 0, 1).val_batches, device)
     except ValueError as e:
