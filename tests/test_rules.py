@@ -187,6 +187,25 @@ def test_optimizer_values_are_probed_for_the_run_device(base: DictConfig) -> Non
         check(cfg({"fused": True, "foreach": True}, "cpu"))
 
 
+def test_verify_files_are_checked_before_launch(base: DictConfig, tmp_path: Path) -> None:
+    """verify.reference at a file that is no fingerprint was a traceback after training;
+    verify.baseline at a folder or under a file failed at the end of training, or silently."""
+    notes = tmp_path / "in" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("not json")
+    on = {"verify.enabled": True}
+    cases = [
+        ({"verify.reference": str(notes)}, f"verify.reference: {notes} is not a fingerprint.json written by "
+         "freeze=export (JSONDecodeError"),
+        ({"verify.baseline": str(notes.parent)}, f"verify.baseline={str(notes.parent)!r} is a folder; valid: a "
+         "JSON file path"),
+        ({"verify.baseline": str(notes / "b.json")}, f"cannot be created: {str(notes)!r} is a file"),
+    ]  # fmt: skip
+    for i, (values, message) in enumerate(cases):
+        assert message in refusal(base, on | values, tmp_path / f"t{i}")
+    assert notes.read_text() == "not json"
+
+
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:
     cfg = Config()
     cfg.mesh.shape = [cpu_rank_cap() + 1]

@@ -177,6 +177,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
+    check_verify_files(cfg)
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
@@ -188,6 +189,35 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fused_ce(cfg, device, layout.tp if layout is not None else cfg.sharding.tp)
     pipeline_stages.check_without_pipeline(cfg, layout.pp if layout is not None else None)
     return cfg
+
+
+def check_verify_files(cfg: Config) -> None:
+    """Before launch: ``verify.reference`` must be a fingerprint file (another file was a traceback
+    at the end of training), ``verify.baseline`` a JSON file path (a folder, or a path under a file,
+    failed at the end of training or not at all)."""
+    v = cfg.verify
+    if not v.enabled:
+        return
+    if v.reference:
+        from framework.freeze.fingerprint import load_fingerprint
+        from framework.verify.consistency import resolve_reference
+
+        try:
+            load_fingerprint(resolve_reference(v.reference))
+        except ValueError as e:
+            text = str(e)
+            raise ValueError(
+                text if text.startswith("verify.reference=") else f"verify.reference: {text}"
+            ) from None
+    if v.baseline:
+        path = Path(v.baseline)
+        if path.is_dir():
+            raise ValueError(
+                f"verify.baseline={v.baseline!r} is a folder; valid: a JSON file path "
+                f"(e.g. {str(path / 'baselines.json')!r})"
+            )
+        if not path.exists():
+            check_dir_creatable("verify.baseline", v.baseline)
 
 
 def check_warmup(cfg: Config) -> None:
