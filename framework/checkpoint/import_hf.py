@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from framework.config.schema import ModelFamily
+from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -129,37 +130,6 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         if missing:
             raise ValueError(f"{where}: {INDEX_FILE} lists tensors its files do not hold: {missing[:5]}")
     return HFCheckpoint(path, config, files, shapes)
-
-
-def link_roots(folder: Path) -> list[Path]:
-    """Where the files of ``folder`` may really live: the folder itself, and, for a snapshot of the
-    Hugging Face hub cache (``models--ORG--NAME/snapshots/REV``, whose files are links
-    ``../../blobs/HASH``), that cache repo's ``blobs/``. Nowhere else: a link elsewhere would read
-    whatever file the folder's author chose (a key, another model)."""
-    real = folder.resolve()
-    roots = [real]
-    if real.parent.name == "snapshots":
-        roots.append(real.parent.parent / "blobs")
-    return roots
-
-
-def check_inside(folder: Path, name: str, where: str) -> None:
-    """Refuse ``folder/name`` when it is a symlink (or under one) whose target lies outside
-    ``link_roots(folder)``, or a symlink loop. One line naming the file, its target and what is valid."""
-    p = folder / name
-    if not p.is_symlink() and p.parent.resolve() == folder.resolve():
-        return
-    try:
-        target = p.resolve(strict=True)
-    except (OSError, RuntimeError) as e:  # a loop, or a dangling link
-        raise ValueError(f"{where}: {name} is a symlink that does not lead to a file ({e})") from None
-    roots = link_roots(folder)
-    if not any(target.is_relative_to(r) for r in roots):
-        raise ValueError(
-            f"{where}: {name} is a symlink to {str(target)!r}, outside the folder; valid: files in the "
-            f"folder, or links into {str(roots[-1])!r}"
-            + (" (the same Hugging Face cache repo)" if len(roots) > 1 else " itself")
-        )
 
 
 def _check_names(names: list[object], where: str) -> None:
