@@ -476,6 +476,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         try:
             check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
             check_resume_model(cfg, run_dir)
+            check_export_dir(cfg, run_dir)
         except ValueError as e:
             raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
@@ -655,6 +656,25 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
+
+
+def check_export_dir(cfg: Config, run_dir: Path) -> None:
+    """Before launch: ``checkpoint.export_hf`` writes ``RUN_DIR/hf`` after training; a file there (a
+    reused run dir) was a FileExistsError traceback once the run had trained, and a folder that
+    export-hf did not write would lose its files."""
+    if not cfg.checkpoint.export_hf:
+        return
+    from framework.checkpoint.export_hf import EXPORT_MARKER
+
+    out = run_dir / "hf"
+    fix = (
+        "valid: move it away, or checkpoint.export_hf=false "
+        "(export later with python -m framework.checkpoint export-hf)"
+    )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"checkpoint.export_hf=true writes {out}, which is a file; {fix}")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ValueError(f"checkpoint.export_hf=true writes {out}, a folder export-hf did not write; {fix}")
 
 
 def check_resume_model(cfg: Config, run_dir: Path) -> None:
