@@ -38,12 +38,12 @@ def test_a_stamp_tells_deleted_from_replaced(tmp_path: Path) -> None:
         stamp.check("at step 3")
 
 
-def delete_during_run(tmp_path: Path, replace: bool, *extra: str) -> tuple[int, str, str]:
+def delete_during_run(tmp_path: Path, replace: bool, *extra: str, mode: str = "sync") -> tuple[int, str, str]:
     """A real run saving every 2 steps; once one checkpoint is committed, delete its run dir (and
     with ``replace`` make a user's folder at the same path). Returns (exit status, stdout, stderr)."""
     run = tmp_path / "run"
     overrides = [f"hydra.run.dir={run}", *SMALL, *extra, "train.steps=100000", "train.log_every=2"]
-    overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=1"]
+    overrides += [f"checkpoint={mode}", "checkpoint.every_steps=2", "checkpoint.keep_last=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RUN_STAMP", None)
     proc = subprocess.Popen(
@@ -77,10 +77,12 @@ def assert_one_line(code: int, err: str, run: Path) -> None:
     assert "the ranks stopped and wrote nothing more; no checkpoint is left" in errors[0]
 
 
-def test_one_rank_stops_in_one_line_and_recreates_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_rank_stops_in_one_line_and_recreates_nothing(tmp_path: Path, mode: str) -> None:
+    """async: a save in flight when the folder goes fails; the one line says why (no warning too)."""
     neighbour = tmp_path / "keep.txt"
     neighbour.write_text("a file beside the run dir")
-    code, _, err = delete_during_run(tmp_path, False)
+    code, _, err = delete_during_run(tmp_path, False, mode=mode)
     assert_one_line(code, err, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # a save did not recreate checkpoints/step_N
     assert neighbour.read_text() == "a file beside the run dir"

@@ -414,8 +414,25 @@ class Checkpointer:
         if errors:
             if channel.rank == 0:
                 shutil.rmtree(p.tmp, ignore_errors=True)
+                self._undo_recreated()
             channel.barrier()
         return errors
+
+    def _root_gone(self) -> str | None:
+        """Rank 0: why the root is no longer this run's (deleted during the run), else None."""
+        return self._root_stamp.gone() if self._root_stamp is not None else None
+
+    def _undo_recreated(self) -> None:
+        """Rank 0, after a failed save into a root deleted under it: DCP's writer had made the
+        ``.tmp`` again with its parents; remove those parents while they are empty (``os.rmdir``
+        removes nothing else: a folder someone made there with files in it stays)."""
+        if self._root_gone() is None:
+            return
+        for folder in (self.root, self.root.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                return
 
     def _report(self, p: _Pending, errors: list[str]) -> None:
         """Main thread: record a save's outcome (``last_error``, counters) and warn on rank 0."""
@@ -426,7 +443,8 @@ class Checkpointer:
         self.saves_failed += 1
         self.last_error = "; ".join(errors)
         self._unreported.append((p.step, self.last_error))
-        if self.channel.rank == 0:
+        # A root deleted under a save in flight: the run's DirGone line says so, not this warning too.
+        if self.channel.rank == 0 and self._root_gone() is None:
             warnings.warn(
                 f"checkpoint save at step {p.step} failed, nothing committed "
                 f"(latest stays the previous one): {self.last_error}",
@@ -460,6 +478,9 @@ class Checkpointer:
         result: list[str] = []
         if channel.rank == 0:
             result = [e for _, e in gathered if e is not None]
+            gone = self._root_gone()  # deleted while an async save wrote: commit nothing into it
+            if gone is not None:
+                result = [gone]
             if not result:
                 files = {n: d for share, _ in gathered for n, d in share.items()}
                 manifest = store.Manifest(p.step, channel.world, time.time(), integrity, files)
