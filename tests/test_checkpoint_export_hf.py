@@ -276,3 +276,60 @@ def test_export_of_a_fine_tuned_hf_model_carries_its_context_rope_and_special_to
     assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(msgs)
     # The run logs and plans the model it loaded, by its folder's name, not the recipe's default.
     assert "name: src" in (run / "config.yaml").read_text()
+
+
+@pytest.fixture(scope="module")
+def saved_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real two-step ``train.py`` run that saved a checkpoint: its step dir."""
+    from framework.checkpoint import store
+    from tests.entry import train_forked
+
+    run = tmp_path_factory.mktemp("exported") / "run"
+    overrides = ["checkpoint=sync", "train.steps=2", "train.eval_every=0", "train.seq_len=16"]
+    overrides += ["train.global_batch_size=4", "freeze=none", "logger.plot=false"]
+    proc = train_forked(
+        f"hydra.run.dir={run}", *overrides, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return store.committed(run / "checkpoints")[-1][1]
+
+
+def _unwritable_folder(tmp: Path) -> Path | None:
+    locked = tmp / "ro"
+    locked.mkdir(mode=0o555)
+    for folder in (locked, Path("/proc/sys")):  # root ignores permission bits; /proc/sys it cannot fill
+        if not os.access(folder, os.W_OK):
+            return folder
+    return None
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "a read-only folder", "in a read-only folder"])
+def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
+    saved_step: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """OUT an existing file, under a file, or a folder this user cannot write: exit 2, one line
+    naming OUT and what is valid, the file untouched and nothing written (a read-only folder was a
+    PermissionError traceback after the checkpoint was read)."""
+    from framework.checkpoint.__main__ import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    if case in ("a read-only folder", "in a read-only folder"):
+        folder = _unwritable_folder(tmp_path)
+        if folder is None:
+            pytest.skip("no unwritable folder on this machine")
+        out = folder if case == "a read-only folder" else folder / "hf"
+        message = "is not writable by this user; valid: a folder you can create and write"
+        args = ["--force"] if case == "a read-only folder" else []  # past the "did not write" refusal
+    else:
+        out, message = {
+            "a file": (notes, "is a file; valid: a folder to write"),
+            "under a file": (notes / "hf", f"cannot be created: '{notes}' is a file"),
+        }[case]
+        args = []
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["export-hf", str(saved_step), str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: OUT='{out}'") and message in err[0], err
+    assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not (out / "model.safetensors").exists()

@@ -253,3 +253,95 @@ def test_index_naming_a_path_outside_the_folder_is_refused(
     with pytest.raises(ValueError, match=r"weight_map; valid: the file name") as e:
         import_hf.read_hf_checkpoint(folder)
     assert name[where] in str(e.value) and "\n" not in str(e.value) and tensor
+
+
+def hub_cache_snapshot(src: Path, root: Path, repo: str = "models--team--tiny") -> Path:
+    """``src`` laid out as the Hugging Face hub cache lays out a download: each file once in
+    ``REPO/blobs/SHA256``, and ``REPO/snapshots/REV/NAME`` a relative link ``../../blobs/SHA256``."""
+    import hashlib
+    import os
+
+    blobs, snap = root / repo / "blobs", root / repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (root / repo / "refs").mkdir()
+    (root / repo / "refs" / "main").write_text("0123abcd")
+    for f in sorted(src.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        (blobs / digest).write_bytes(f.read_bytes())
+        os.symlink(f"../../blobs/{digest}", snap / f.name)
+    return snap
+
+
+def test_a_hub_cache_snapshot_reads_and_links_out_of_it_are_refused(tmp_path: Path, hf_models: dict) -> None:
+    """The hub cache's links (snapshots/REV/x -> ../../blobs/HASH, same cache repo) are read, and
+    give what the plain folder gives (transformers agrees); a link anywhere else (another folder,
+    another cache repo's blobs) or a link loop is one line naming the file and what is valid."""
+    import os
+    import shutil
+
+    src, logits = hf_models["gqa_untied"]  # sharded: config.json, the index and two shards, all links
+    snap = hub_cache_snapshot(src, tmp_path)
+    assert all(p.is_symlink() for p in snap.iterdir())
+    ckpt = import_hf.read_hf_checkpoint(snap)
+    assert ckpt.shapes == import_hf.read_hf_checkpoint(src).shapes
+    assert torch.equal(hf_logits(snap), logits)
+    model = build_model(model_cfg(snap), SEQ)
+    materialize(model, "cpu", 0)  # reads the weights through the links
+    assert torch.allclose(model(tokens()), logits, atol=TOL)
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    other = hub_cache_snapshot(src, tmp_path, "models--other--model")
+    shard = json.loads((src / import_hf.INDEX_FILE).read_text())["weight_map"]["model.embed_tokens.weight"]
+    cases = {
+        "config.json": outside / "config.json",  # a file elsewhere (a user's secret, another model)
+        shard: (other / shard).resolve(),  # the blob of another cache repo
+    }
+    shutil.copy(src / "config.json", outside / "config.json")
+    blobs = tmp_path / "models--team--tiny" / "blobs"
+    for i, (name, target) in enumerate(cases.items()):
+        bad = snap.parent / f"bad{i}"  # a sibling snapshot: its relative links into blobs/ still resolve
+        shutil.copytree(snap, bad, symlinks=True)
+        (bad / name).unlink()
+        os.symlink(target, bad / name)
+        with pytest.raises(ValueError) as e:
+            import_hf.read_hf_checkpoint(bad)
+        msg = str(e.value)
+        assert (
+            f"{name} is a symlink to {str(target)!r}, outside the folder; valid: files in the folder" in msg
+        )
+        assert f"or links into {str(blobs)!r} (the same Hugging Face cache repo)" in msg and "\n" not in msg
+    loop = snap.parent / "loop"
+    shutil.copytree(snap, loop, symlinks=True)
+    (loop / "config.json").unlink()
+    os.symlink("config.json", loop / "config.json")
+    with pytest.raises(ValueError, match=r"config.json is a symlink that does not lead to a file"):
+        import_hf.read_hf_checkpoint(loop)
+
+
+def test_train_py_refuses_an_init_from_link_out_of_the_folder_in_one_line(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    src, _ = hf_models["gqa_tied_3heads"]
+    snap = hub_cache_snapshot(src, tmp_path)
+    secret = tmp_path / "secret.json"
+    secret.write_text((src / "config.json").read_text())
+    (snap / "config.json").unlink()
+    os.symlink(secret, snap / "config.json")
+    run = tmp_path / "run"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run}", f"model.init_from={snap}", "run.dry_run=true"],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert (
+        len(errors) == 1 and f"config.json is a symlink to {str(secret)!r}, outside the folder" in errors[0]
+    )
+    assert "Traceback" not in proc.stderr and not run.exists()

@@ -68,3 +68,31 @@ def test_a_folder_next_to_another_runs_checkpoints_is_fine(tmp_path: Path) -> No
     assert enclosing_checkpoint(tmp_path / "team_b" / "mine") is None
     assert enclosing_checkpoint(root) is None  # the root itself: resuming it is the lock's business
     assert enclosing_checkpoint(root / "x" / "y")[0] == root.resolve()
+
+
+@pytest.mark.parametrize("what", ["a file", "a folder export-hf did not write"])
+def test_export_hf_onto_a_users_hf_in_a_reused_run_dir_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """checkpoint.export_hf writes RUN_DIR/hf after training: a file there was a FileExistsError
+    traceback once the run had trained; a user's folder there would have lost its files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if what == "a file":
+        (run / "hf").write_text("mine")
+    else:
+        (run / "hf").mkdir()
+        (run / "hf" / "config.json").write_text("mine")
+    assert train_main(f"hydra.run.dir={run}", "checkpoint=sync", "checkpoint.export_hf=true") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint.export_hf=true writes {run / 'hf'}, ") and what in err[0], (
+        err
+    )
+    assert "valid: move it away, or checkpoint.export_hf=false" in err[0]
+    mine = run / "hf" if what == "a file" else run / "hf" / "config.json"
+    assert (
+        mine.read_text() == "mine"
+        and not (run / "checkpoints").exists()
+        and not (run / "metrics.jsonl").exists()
+    )

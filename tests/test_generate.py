@@ -99,6 +99,13 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert "no config.yaml" in capsys.readouterr().err
     assert main([str(run), "--prompt", "x", "--top-k", "-1"]) == 2
+    capsys.readouterr()
+    # above the vocabulary: was every token silently (as 0 is)
+    assert main([str(run), "--prompt", "x", "--top-k", "1000"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "error: --top-k=1000 is more than the model's 256 tokens; valid: 0..256 (0 = all tokens)\n"
+    )
 
 
 BAD_FLAGS = [
@@ -111,7 +118,9 @@ BAD_FLAGS = [
     (["--device", "bogus"], "--device='bogus' is not a torch device"),
     (["--config", "pyproject.toml"], "--config=pyproject.toml is not a run's config.yaml"),
     (["--config", "{tmp}/other.yaml"], "other.yaml is not a run's config.yaml (Key 'a' not in 'Config')"),
-    (["--config", "{tmp}"], "is not a file; valid: a run's config.yaml"),
+    (["--config", "{tmp}"], "is a folder; valid: a run's config.yaml"),
+    (["--config", "{tmp}/fifo"], "fifo is not a regular file (a FIFO, a socket or a device); valid: a run's"),
+    (["--config", "{tmp}/none.yaml"], "none.yaml does not exist; valid: a run's config.yaml"),
 ]
 
 
@@ -121,6 +130,7 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, capsys, flags: list[s
     allocated a billion-position KV cache, --device cuda on CPU torch and a non-config --config were
     tracebacks."""
     (tmp_path / "other.yaml").write_text("a: 1\n")
+    os.mkfifo(tmp_path / "fifo")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     if flags == ["--device", "cuda:99"] and torch.cuda.device_count() > 99:
         pytest.skip("a host with 100 GPUs")
@@ -219,3 +229,52 @@ def test_bad_hf_folders_are_one_line_and_exit_2(
     (plain / "chat_template.jinja").unlink()
     code, out, err = cli([str(plain), "--prompt", "x", "--chat"], capsys)
     assert code == 2 and out == "" and len(err) == 1 and "has no chat template" in err[0], err
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate"])
+def test_a_path_that_is_missing_or_a_file_says_so(tmp_path: Path, capsys, command: str) -> None:
+    """Both were "no config.yaml in PATH or the three folders above it", which sent the user
+    looking for a config."""
+    from framework.generate.evaluate import main as evaluate
+
+    run = main if command == "generate" else evaluate
+    extra = ["--prompt", "x"] if command == "generate" else []
+    (tmp_path / "notes.txt").write_text("x")
+    for path, what in ((tmp_path / "none", "does not exist"), (tmp_path / "notes.txt", "is not a folder")):
+        assert run([str(path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err
+            == f"error: PATH={str(path)!r} {what}; valid: a run dir (its newest checkpoint) or a checkpoint dir\n"
+        )
+
+
+EVALUATE_FLAGS = [
+    (["--device", "bogus"], "--device='bogus' is not a torch device; valid: cpu or cuda[:N]"),
+    (["--config", "{tmp}/fifo"], "fifo is not a regular file"),  # OmegaConf.load waited on it forever
+    (["--config", "{tmp}"], "is a folder; valid: a run's config.yaml"),  # was IsADirectoryError
+    (["--config", "{tmp}/other.yaml"], "is not a run's config.yaml (Key 'a' not in 'Config')"),  # traceback
+    (["--batches", "0"], "--batches=0 is not valid; valid: 1.."),
+    (
+        ["--batches", "100000000"],
+        "--batches=100000000 is not valid; valid: 1..65027 (the batches are built",
+    ),
+]
+
+
+@pytest.mark.parametrize("flags, message", EVALUATE_FLAGS, ids=[" ".join(f[0]) for f in EVALUATE_FLAGS])
+def test_evaluate_bad_flags_are_one_line_and_exit_2(
+    tmp_path: Path, capsys, flags: list[str], message: str
+) -> None:
+    """``python -m framework evaluate``: each was a traceback (``--device cuda`` on CPU torch too),
+    a hang, or 1e8 batches built in memory; checked before any checkpoint is read."""
+    from framework.config.schema import Config, to_yaml
+    from framework.generate.evaluate import main as evaluate
+
+    (tmp_path / "config.yaml").write_text(to_yaml(Config()))  # seq_len 128 x batch 32: 4128 tokens a batch
+    (tmp_path / "other.yaml").write_text("a: 1\n")
+    os.mkfifo(tmp_path / "fifo")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    assert evaluate([str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -147,7 +147,7 @@ def test_validate_prints_the_plan_or_the_error(
     assert recipes.main(["validate", "team_tiny", "mesh=2", "sharding=ddp"]) == 0
     out = capsys.readouterr().out
     assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out
-    assert recipes.main(["validate", "team_tiny", "mesh=4", "sharding=ddp", "train.global_batch_size=6"]) == 1
+    assert recipes.main(["validate", "team_tiny", "mesh=4", "sharding=ddp", "train.global_batch_size=6"]) == 2
     assert "global_batch_size=6" in capsys.readouterr().err
     assert recipes.main(["validate", "evil_widen"]) == 2
     assert "is refused: it sets run.instantiate_allow" in capsys.readouterr().err
@@ -272,6 +272,38 @@ def test_validate_uses_the_launchers_checks(
     """`recipes validate` called these valid while train.py hung or refused them: it now runs the
     same checks (the rules, init_from's config.json, the data and its chat template)."""
     monkeypatch.chdir(recipes.SHIPPED_ROOT.parent)  # the recipes' data paths are relative to the repo
-    assert recipes.main(["validate", name, *overrides(tmp_path)]) != 0
+    assert recipes.main(["validate", name, *overrides(tmp_path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["sharding=nope"], "sharding=nope: no such option in group 'sharding'; available: auto"),
+        (["train.lr=abc"], "train.lr=abc: not a number (train.lr is a float)"),
+        (["train.lr=["], "train.lr=[: cannot be parsed"),
+        (["+train.lrr=1"], "did you mean train.lr?"),
+        (["model.dim=0"], "model.dim=0 is not valid; valid: a positive multiple of model.n_heads=4"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_validate_exits_2_with_train_py_s_one_line_for_a_bad_input(
+    capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+) -> None:
+    """Every bad input is exit 2 and one line, as train.py says it: a bad value was exit 1 and a
+    bad override Hydra's several lines (its search path, full_key, object_type)."""
+    assert recipes.main(["validate", "llama_tiny", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: recipe 'llama_tiny' (") and message in err[0], err
+    assert recipes.main(["validate", "no_such_recipe"]) == 2
+    assert "error: no recipe 'no_such_recipe'; known: [" in capsys.readouterr().err
+
+
+def test_validate_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        recipes.main(["validate", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 valid (the plan is printed); 2 a bad input" in out
+    assert "1 the validator itself failed (a bug)" in out

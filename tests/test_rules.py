@@ -168,6 +168,47 @@ def test_context_parallel_refusals(base: DictConfig, tmp_path: Path) -> None:
     )
 
 
+def test_optimizer_values_are_probed_for_the_run_device(base: DictConfig) -> None:
+    """A keyword value that passes the allowlist but fails on the run's device is refused naming the
+    value and what is valid there. On a CUDA run the loop adds fused=True, which foreach=True
+    contradicts (a crash in every rank before); capturable=True, which needs CUDA tensors, is refused
+    on a CPU run and left to the ranks on a CUDA one (the probe's tensors are on the CPU)."""
+    from framework.config.schema import to_config
+
+    def cfg(kwargs: dict[str, Any], device: str) -> Config:
+        return to_config(with_values(base, {"optimizer.kwargs": kwargs, "run.device": device}))
+
+    check(cfg({"foreach": True}, "cpu"))
+    check(cfg({"fused": True}, "cpu"))  # torch's fused AdamW runs on the CPU too
+    with pytest.raises(ValueError, match=r"valid: foreach=False, or no foreach \(foreach=True fails on "
+                       r"this run's device, cuda: RuntimeError: `fused` and `foreach` cannot be"):  # fmt: skip
+        check(cfg({"foreach": True}, "cuda"))
+    with pytest.raises(ValueError, match=r"capturable=True fails on this run's device, cpu"):
+        check(cfg({"capturable": True}, "cpu"))
+    check(cfg({"capturable": True}, "cuda"))
+    with pytest.raises(ValueError, match=r"valid: one of fused=True, foreach=True left out \(together"):
+        check(cfg({"fused": True, "foreach": True}, "cpu"))
+
+
+def test_verify_files_are_checked_before_launch(base: DictConfig, tmp_path: Path) -> None:
+    """verify.reference at a file that is no fingerprint was a traceback after training;
+    verify.baseline at a folder or under a file failed at the end of training, or silently."""
+    notes = tmp_path / "in" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("not json")
+    on = {"verify.enabled": True}
+    cases = [
+        ({"verify.reference": str(notes)}, f"verify.reference: {notes} is not a fingerprint.json written by "
+         "freeze=export (JSONDecodeError"),
+        ({"verify.baseline": str(notes.parent)}, f"verify.baseline={str(notes.parent)!r} is a folder; valid: a "
+         "JSON file path"),
+        ({"verify.baseline": str(notes / "b.json")}, f"cannot be created: {str(notes)!r} is a file"),
+    ]  # fmt: skip
+    for i, (values, message) in enumerate(cases):
+        assert message in refusal(base, on | values, tmp_path / f"t{i}")
+    assert notes.read_text() == "not json"
+
+
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:
     cfg = Config()
     cfg.mesh.shape = [cpu_rank_cap() + 1]
@@ -221,6 +262,12 @@ E2E = [
     ),
     (["optimizer._target_=torch.optim.LBFGS"], {}, "LBFGS doesn't support per-parameter options"),
     (["+optimizer.kwargs.eps=-1"], {}, "Invalid epsilon value: -1"),
+    (
+        ["+optimizer.kwargs.capturable=true", "run.device=cpu"],
+        {},
+        "valid: capturable=False, or no capturable (capturable=True fails on this run's device, cpu: "
+        "AssertionError: If capturable=True, params and state_steps must be on supported devices",
+    ),
     (["hydra.run.dir=pyproject.toml/run"], {}, "is a file, not a directory"),
     (["mesh=2", "parallel.cp=2", "run.device=cpu"], {}, "parallel.cp=2 on the CPU: torch's context_parallel"),
     ([], {"FRAMEWORK_RECIPE_PATH": "/nonexistent/recipes"}, "is not a directory"),

@@ -254,3 +254,38 @@ def test_chat_template_precedence_and_a_list_without_default(tmp_path: Path) -> 
     assert "\n" not in msg and "chat templates ['rag', 'tool_use'] but no non-empty default" in msg, msg
     (src / "additional_chat_templates" / "default.jinja").write_text("default")
     assert load_tokenizer(cfg).chat_template == "default"
+
+
+def test_a_tokenizer_folder_may_link_into_its_hub_cache_repo_only(tmp_path: Path) -> None:
+    """tokenizer.path at a hub cache snapshot (files linked to ../../blobs/HASH) loads; a
+    tokenizer.json or tokenizer_config.json linked anywhere else is one line naming it."""
+    import hashlib
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    ByteTokenizer().save(src)
+    repo = tmp_path / "models--team--tok"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        (repo / "blobs" / digest).write_bytes(f.read_bytes())
+        os.symlink(f"../../blobs/{digest}", snap / f.name)
+    tok = load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(snap)))
+    assert tok.decode(tok.encode("def é")) == "def é"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        bad = repo / "snapshots" / f"bad_{name}"
+        shutil.copytree(snap, bad, symlinks=True)
+        shutil.copy(src / name, outside / name)
+        (bad / name).unlink()
+        os.symlink(outside / name, bad / name)
+        with pytest.raises(ValueError) as e:
+            load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(bad)))
+        assert str(e.value) == (
+            f"tokenizer.path={str(bad)!r}: {name} is a symlink to {str(outside / name)!r}, outside the folder; "
+            f"valid: files in the folder, or links into {str(repo / 'blobs')!r} (the same Hugging Face cache repo)"
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -205,6 +206,7 @@ def check_out_dir(out_dir: Path, step_dir: Path, force: bool = False) -> None:
         raise ValueError(
             f"OUT={str(out_dir)!r} is a file; valid: a folder to write (new, or an earlier export)"
         )
+    check_writable_folder(out_dir, out)
     root = step_dir.parent
     if out == root or root in out.parents:
         raise ValueError(
@@ -216,6 +218,22 @@ def check_out_dir(out_dir: Path, step_dir: Path, force: bool = False) -> None:
             f"OUT={str(out_dir)!r} is a folder export-hf did not write (no {EXPORT_MARKER}): refusing to "
             "overwrite it; valid: a new or empty folder, an earlier export, or --force to replace its files"
         )
+
+
+def check_writable_folder(out_dir: Path, out: Path) -> None:
+    """OUT (resolved: ``out``) must be a folder this user can create or fill: under a file it was a
+    FileExistsError traceback, in a read-only folder a PermissionError after the weights were read."""
+    for p in (out, *out.parents):
+        if not p.exists():
+            continue
+        if not p.is_dir():
+            raise ValueError(f"OUT={str(out_dir)!r} cannot be created: {str(p)!r} is a file, not a folder")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"OUT={str(out_dir)!r} cannot be written: {str(p)!r} is not writable by this user; "
+                "valid: a folder you can create and write"
+            )
+        return
 
 
 def export_checkpoint(

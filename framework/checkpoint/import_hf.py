@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from framework.config.schema import ModelFamily
+from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,6 +92,8 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
             f"{where} holds no weights; valid: a Hugging Face folder (config.json + *.safetensors) "
             "or a framework checkpoint (step dir with manifest.json, checkpoint root or run dir)"
         )
+    if (path / CONFIG_FILE).is_symlink():
+        check_inside(path, CONFIG_FILE, where)
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -98,6 +101,7 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {CONFIG_FILE} does not parse: {e}") from None
     if (path / INDEX_FILE).is_file():
+        check_inside(path, INDEX_FILE, where)
         try:
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -116,6 +120,7 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
     for name in names:
         if not (path / name).is_file():
             raise ValueError(f"{where}: {INDEX_FILE} names {name}, which is not in the folder")
+        check_inside(path, name, where)
         try:
             with safe_open(str(path / name), framework="pt") as f:
                 for t in f.keys():

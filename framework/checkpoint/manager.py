@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from framework.checkpoint import lock, state, store
 from framework.checkpoint.group import Channel, dist_ready, new_gloo_group
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity
+from framework.record.run_dir import DirGone, DirStamp, stopped
 
 log = logging.getLogger("framework")
 _ANOTHER_RANK = "another rank failed"
@@ -260,10 +261,14 @@ class Checkpointer:
         self.saves_failed = 0
         self._unreported: list[tuple[int, str]] = []  # (step, error) of failed saves, see take_failures
         self._lock: lock.Owner | None = None
+        # Rank 0's stamp of the root: a save into a root deleted mid-run stops the run (DirGone)
+        # instead of recreating it (framework.record.run_dir).
+        self._root_stamp: DirStamp | None = None
         refused: str | None = None
         if self.channel.rank == 0:
             try:
                 self._lock = lock.acquire(self.root, run_id)
+                self._root_stamp = DirStamp.of("checkpoint dir", self.root)
                 store.clean_stale(self.root)
             except lock.LockHeld as e:
                 refused = str(e)
@@ -317,13 +322,16 @@ class Checkpointer:
         tmp = store.tmp_dir(self.root, step)
 
         err: str | None = None
-        if self.channel.rank == 0:
+        gone = self._root_stamp.gone() if self._root_stamp is not None else None
+        if self.channel.rank == 0 and gone is None:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 (tmp / state.RNG_DIR).mkdir(parents=True)
             except OSError as e:
                 err = f"rank 0: cannot create {tmp}: {e!r}"
-        err = self.channel.broadcast(err)
+        err, gone = self.channel.broadcast((err, gone))
+        if gone is not None:  # every rank: nothing is written, the run stops
+            raise DirGone(stopped(gone, f"at the save of step {step}"))
         if err is None:
             try:
                 free = shutil.disk_usage(self.root).free
@@ -406,8 +414,25 @@ class Checkpointer:
         if errors:
             if channel.rank == 0:
                 shutil.rmtree(p.tmp, ignore_errors=True)
+                self._undo_recreated()
             channel.barrier()
         return errors
+
+    def _root_gone(self) -> str | None:
+        """Rank 0: why the root is no longer this run's (deleted during the run), else None."""
+        return self._root_stamp.gone() if self._root_stamp is not None else None
+
+    def _undo_recreated(self) -> None:
+        """Rank 0, after a failed save into a root deleted under it: DCP's writer had made the
+        ``.tmp`` again with its parents; remove those parents while they are empty (``os.rmdir``
+        removes nothing else: a folder someone made there with files in it stays)."""
+        if self._root_gone() is None:
+            return
+        for folder in (self.root, self.root.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                return
 
     def _report(self, p: _Pending, errors: list[str]) -> None:
         """Main thread: record a save's outcome (``last_error``, counters) and warn on rank 0."""
@@ -418,7 +443,8 @@ class Checkpointer:
         self.saves_failed += 1
         self.last_error = "; ".join(errors)
         self._unreported.append((p.step, self.last_error))
-        if self.channel.rank == 0:
+        # A root deleted under a save in flight: the run's DirGone line says so, not this warning too.
+        if self.channel.rank == 0 and self._root_gone() is None:
             warnings.warn(
                 f"checkpoint save at step {p.step} failed, nothing committed "
                 f"(latest stays the previous one): {self.last_error}",
@@ -452,6 +478,9 @@ class Checkpointer:
         result: list[str] = []
         if channel.rank == 0:
             result = [e for _, e in gathered if e is not None]
+            gone = self._root_gone()  # deleted while an async save wrote: commit nothing into it
+            if gone is not None:
+                result = [gone]
             if not result:
                 files = {n: d for share, _ in gathered for n, d in share.items()}
                 manifest = store.Manifest(p.step, channel.world, time.time(), integrity, files)

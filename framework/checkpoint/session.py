@@ -97,6 +97,11 @@ class RunCheckpoints:
         )
         return self._save or self._stop
 
+    @property
+    def saving(self) -> bool:
+        """Whether the step ``decide`` was last called for saves."""
+        return self._save
+
     def save_if_due(self, step: int) -> bool:
         """Save step ``step`` when ``decide`` said so; True when the run must stop (a preemption:
         the save is committed, or the event says why not)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from framework.config.schema import TokenizerConfig, TokenizerKind
+from framework.data.folder_links import check_inside
 
 log = logging.getLogger("framework")
 
@@ -389,6 +390,9 @@ def resolve_path(kind: TokenizerKind, path: str | None) -> Path:
             raise ValueError(
                 f"tokenizer.path={path!r} is a folder without {file_name}; it holds {found}{hint}"
             )
+        for name in (file_name, "tokenizer_config.json"):  # the sidecar HFTokenizer reads too
+            if (p / name).is_symlink():
+                check_inside(p, name, f"tokenizer.path={path!r}")
         p = p / file_name
     if not p.is_file():
         raise ValueError(

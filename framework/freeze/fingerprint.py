@@ -151,12 +151,18 @@ def save_fingerprint(path: Path, summary: Summary, namespace: str = EXPORT_NAMES
 def load_fingerprint(path: Path) -> tuple[str, Summary]:
     """Read a file written by ``save_fingerprint``; returns ``(fingerprint, summary)``.
 
-    Raises ValueError when the stored fingerprint does not match its own node list (a hand-edited or
-    truncated file).
+    Raises ValueError when the file is not one (another JSON, not JSON: was a traceback mid-run) or
+    the stored fingerprint does not match its own node list (a hand-edited or truncated file).
     """
-    doc = json.loads(Path(path).read_text())
-    summary = [_tuples(n) for n in doc["nodes"]]
-    fp = summary_fingerprint(summary, doc["namespace"])
+    try:
+        doc = json.loads(Path(path).read_text())
+        summary = [_tuples(n) for n in doc["nodes"]]
+        fp = summary_fingerprint(summary, doc["namespace"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(
+            f"{path} is not a fingerprint.json written by freeze=export ({type(e).__name__}: {why})"
+        ) from None
     if fp != doc["fingerprint"]:
         raise ValueError(
             f"{path}: stored fingerprint {doc['fingerprint']} does not match its node list ({fp})"

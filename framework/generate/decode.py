@@ -124,12 +124,39 @@ def load_run_config(path: Path) -> Config:
     from yaml import YAMLError
 
     if not path.is_file():
-        raise ValueError(f"--config={path} is not a file; valid: a run's config.yaml")
+        what = (
+            "does not exist"
+            if not path.exists()
+            else "is a folder"
+            if path.is_dir()
+            else "is not a regular file (a FIFO, a socket or a device)"
+        )
+        raise ValueError(f"--config={path} {what}; valid: a run's config.yaml")
     try:
         return to_config(OmegaConf.load(path))
     except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, TypeError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--config={path} is not a run's config.yaml ({why})") from None
+
+
+def check_path(path: Path) -> Path:
+    """PATH must be a folder: one that does not exist, or a file, was reported as "no config.yaml in
+    PATH or the three folders above it", which sends the user looking for a config."""
+    valid = "valid: a run dir (its newest checkpoint) or a checkpoint dir"
+    if not path.exists():
+        raise ValueError(f"PATH={str(path)!r} does not exist; {valid}")
+    if not path.is_dir():
+        raise ValueError(f"PATH={str(path)!r} is not a folder; {valid}")
+    return path.resolve()
+
+
+def check_top_k(top_k: int, cfg: Config) -> None:
+    """``--top-k`` above the vocabulary sampled from every token silently (as 0 does): say so."""
+    if top_k > cfg.model.vocab_size:
+        raise ValueError(
+            f"--top-k={top_k} is more than the model's {cfg.model.vocab_size} tokens; valid: "
+            f"0..{cfg.model.vocab_size} (0 = all tokens)"
+        )
 
 
 def find_run_config(path: Path) -> Path:
@@ -252,7 +279,8 @@ def main(argv: list[str] | None = None, load: Loader = load_run) -> int:
         device = parse_device(args.device)
         if args.config is not None:
             load_run_config(args.config)  # a bad --config is refused before anything is read
-        src = load(args.path.resolve(), args.config, device)
+        src = load(check_path(args.path), args.config, device)
+        check_top_k(args.top_k, src.model.cfg)
         prompt = encode_prompt(src.tokenizer, args.prompt, args.chat)
         ids = generate(
             src.model, prompt, args.max_new_tokens, args.temperature, args.top_k, src.stop_ids, args.seed

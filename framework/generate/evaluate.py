@@ -79,3 +79,21 @@ def score(model: torch.nn.Module, batches: Iterator[Batch] | list[Batch], device
     if tokens == 0:
         raise ValueError("the evaluation set has no scored target token (every target is masked)")
     return Score(float(total) / tokens, tokens, windows)
+
+
+# The bound framework.launch.rules sets on train.eval_batches, for the same reason: the validation
+# batches are built up front (int64 tokens), 2**28 tokens = 2 GiB; 1e8 batches took 12 GB.
+MAX_EVAL_TOKENS = 2**28
+
+
+def check_batches(batches: int | None, cfg: Config) -> None:
+    """``--batches``: at least one, and no more than MAX_EVAL_TOKENS of this run's batches."""
+    if batches is None:
+        return
+    per_batch = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
+    most = max(1, MAX_EVAL_TOKENS // per_batch)
+    if not 1 <= batches <= most:
+        raise ValueError(
+            f"--batches={batches} is not valid; valid: 1..{most} (the batches are built up front, at "
+            f"most {MAX_EVAL_TOKENS} tokens of {per_batch} each)"
+        )

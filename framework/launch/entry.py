@@ -72,6 +72,7 @@ from framework.planner.topology import (
     validate_mesh,
     write_nccl_record,
 )
+from framework.record.run_dir import GONE_PREFIXES, DirGone
 from framework.train.callbacks import check_callbacks
 
 log = logging.getLogger("framework")
@@ -180,6 +181,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
     check_checkpoint_dir(cfg)
+    check_verify_files(cfg)
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
@@ -195,6 +197,35 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     check_fused_ce(cfg, device, tp)
     pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg
+
+
+def check_verify_files(cfg: Config) -> None:
+    """Before launch: ``verify.reference`` must be a fingerprint file (another file was a traceback
+    at the end of training), ``verify.baseline`` a JSON file path (a folder, or a path under a file,
+    failed at the end of training or not at all)."""
+    v = cfg.verify
+    if not v.enabled:
+        return
+    if v.reference:
+        from framework.freeze.fingerprint import load_fingerprint
+        from framework.verify.consistency import resolve_reference
+
+        try:
+            load_fingerprint(resolve_reference(v.reference))
+        except ValueError as e:
+            text = str(e)
+            raise ValueError(
+                text if text.startswith("verify.reference=") else f"verify.reference: {text}"
+            ) from None
+    if v.baseline:
+        path = Path(v.baseline)
+        if path.is_dir():
+            raise ValueError(
+                f"verify.baseline={v.baseline!r} is a folder; valid: a JSON file path "
+                f"(e.g. {str(path / 'baselines.json')!r})"
+            )
+        if not path.exists():
+            check_dir_creatable("verify.baseline", v.baseline)
 
 
 def check_warmup(cfg: Config) -> None:
@@ -452,6 +483,7 @@ def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> floa
         try:
             check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
             check_resume_model(cfg, run_dir)
+            check_export_dir(cfg, run_dir)
         except ValueError as e:
             raise JobFailed(str(e), 2) from e
         config_yaml = job.config_yaml
@@ -495,7 +527,11 @@ def _run_torchrun_rank(cfg: Config, plan: Plan, run_dir: Path, rank: int) -> flo
     from framework.train import trainer
 
     die_with_launcher()
-    trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    try:
+        trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the rank ends with os._exit
+    except (DataChanged, DirGone) as e:  # one line on each rank (every rank saw it), not a traceback
+        log.error("error: %s", data_changed_report(run_dir, cfg, e))
+        finish(1)
     failed = None
     if rank == 0:
         finish_run(run_dir, cfg)
@@ -517,7 +553,7 @@ def _run_in_process(cfg: Config, plan: Plan, run_dir: Path, started: float) -> f
 
     try:
         trainer.run(cfg, plan, run_dir)
-    except DataChanged as e:  # the ranks closed every part (the lock too) on the way out
+    except (DataChanged, DirGone) as e:  # the ranks closed every part (the lock too) on the way out
         raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
     finally:
         _end_in_process_group()
@@ -539,7 +575,8 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
         message = e.get_first_failure()[1].message
-        if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.launch.worker.tell_launcher
+        # framework.launch.worker.tell_launcher: a data file changed, the run dir was deleted
+        if isinstance(message, str) and message.startswith((DATA_CHANGED, *GONE_PREFIXES)):
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         if isinstance(message, str) and message.startswith(str(run_dir / PLAN_FILE)):  # a rank refused it
             raise JobFailed(message, 2) from None
@@ -559,13 +596,14 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
 
 
 def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
-    """One line: which data file changed, and which checkpoints the run keeps."""
+    """One line: which data file changed (or which folder was deleted), and which checkpoints the
+    run keeps."""
     from framework.checkpoint import store
     from framework.train.trainer import checkpoint_root
 
     committed = store.committed(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else []
     if not committed:
-        return f"{e}; no checkpoint was saved"
+        return f"{e}; no checkpoint is left" if cfg.checkpoint.enabled else f"{e}; checkpointing was off"
     return f"{e}; the checkpoints up to step {committed[-1][0]} are kept ({committed[-1][1].parent})"
 
 
@@ -631,6 +669,25 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
+
+
+def check_export_dir(cfg: Config, run_dir: Path) -> None:
+    """Before launch: ``checkpoint.export_hf`` writes ``RUN_DIR/hf`` after training; a file there (a
+    reused run dir) was a FileExistsError traceback once the run had trained, and a folder that
+    export-hf did not write would lose its files."""
+    if not cfg.checkpoint.export_hf:
+        return
+    from framework.checkpoint.export_hf import EXPORT_MARKER
+
+    out = run_dir / "hf"
+    fix = (
+        "valid: move it away, or checkpoint.export_hf=false "
+        "(export later with python -m framework.checkpoint export-hf)"
+    )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"checkpoint.export_hf=true writes {out}, which is a file; {fix}")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ValueError(f"checkpoint.export_hf=true writes {out}, a folder export-hf did not write; {fix}")
 
 
 def check_resume_model(cfg: Config, run_dir: Path) -> None:

@@ -52,7 +52,7 @@ def default_report(path: Path, run_config: Path | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from framework.generate.decode import parse_device
-    from framework.generate.evaluate import batches_of, data_rows, score
+    from framework.generate.evaluate import batches_of, check_batches, data_rows, score
     from framework.launch.source import load_source, override_keys
 
     args = parse(argv)
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         whole_set = whole_set or is_hf_checkpoint(args.path.expanduser().resolve())
         src = load_source(args.path, args.overrides, device, evaluate_data=whole_set)
+        check_batches(args.batches, src.cfg)  # bounded: the batches are built up front
         if any(k == "mesh" or k.startswith("mesh.") for k in keys) and src.cfg.mesh.world_size > 1:
             log.warning(
                 "mesh=%s is checked but not used: evaluate scores in one process (the checkpoint is "

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.launch import recipe_check
 
@@ -279,19 +281,49 @@ def _cmd_validate(name: str, overrides: list[str]) -> int:
     except RecipeRefused as e:
         print(f"error: recipe {name!r} ({recipes[name].path}) is refused: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - compose, schema and plan errors all mean "invalid"
-        print(f"error: recipe {name!r} ({recipes[name].path}) is invalid: {e}", file=sys.stderr)
+    except (ValueError, OmegaConfBaseException, HydraException) as e:  # bad input, as train.py says it
+        print(
+            f"error: recipe {name!r} ({recipes[name].path}) is invalid: {_one_line(e, overrides)}",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as e:  # noqa: BLE001 - not the input: the validator itself failed
+        print(
+            f"error: validating recipe {name!r} failed inside the framework ({type(e).__name__}: "
+            f"{_one_line(e, overrides)}); this is a bug, not your recipe",
+            file=sys.stderr,
+        )
         return 1
     print(f"recipe {name} ({recipes[name].path}, sha256 {recipes[name].sha256[:12]}): valid")
     print(format_plan(plan))
     return 0
 
 
+def _one_line(e: BaseException, overrides: list[str]) -> str:
+    """A compose error as train.py words it (framework.config.override_errors), else the first line."""
+    from framework.config.override_errors import explain
+
+    line = explain(e, overrides) if isinstance(e, (HydraException, ValueError)) else None
+    return line or (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+EXIT_CODES = (
+    "exit status: 0 valid (the plan is printed); 2 a bad input: no such recipe, a refused (unsafe) "
+    "recipe, an override or value that train.py would refuse, one line on stderr; 1 the validator "
+    "itself failed (a bug)"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.recipes", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every recipe with its source and one-line description")
-    val = sub.add_parser("validate", help="compose a recipe, check it against the schema, dry-run its plan")
+    val = sub.add_parser(
+        "validate",
+        help="compose a recipe, check it as train.py does, dry-run its plan (exit 0 valid, 2 invalid)",
+        description="Compose a recipe with the overrides, run train.py's checks, dry-run its plan.",
+        epilog=EXIT_CODES,
+    )
     val.add_argument("name")
     val.add_argument("overrides", nargs="*", help="extra overrides, e.g. mesh=8 sharding=fsdp")
     args = parser.parse_args(argv)

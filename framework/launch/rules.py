@@ -311,13 +311,34 @@ def _target_valid(c: Config) -> str:
     )
 
 
-def _probe_error(c: Config, with_kwargs: bool) -> str | None:
+# Keyword values the probe cannot judge on CPU tensors for a CUDA run: torch.optim's
+# ``capturable=True`` needs its parameters on an accelerator (CUDA graphs capture the step).
+ACCELERATOR_ONLY_KWARGS = ("capturable",)
+
+
+def _run_device(c: Config) -> str:
+    """The device type the ranks will train on (``run.device``; ``auto``: cuda when visible)."""
+    import torch
+
+    from framework.config.schema import Device
+
+    if c.run.device is Device.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return c.run.device.value
+
+
+def _probe_error(c: Config, with_kwargs: bool, kwargs: dict[str, Any] | None = None) -> str | None:
     """Why the training loop's own optimizer (framework.train.loop.build_optimizer) cannot be built over a
-    tiny stand-in model and stepped once on its dense gradients; None when it can.
+    tiny stand-in model and stepped once on its dense gradients; None when it can. ``kwargs``: these
+    instead of ``optimizer.kwargs`` (to find which one fails).
 
     Why a probe: a class or a keyword value can pass the allowlist and the names check and still
     crash every rank at its first line (LBFGS refuses parameter groups and needs a closure, SparseAdam
-    sparse gradients, betas=5 or eps=-1 are refused by the class itself): torch's own checks, run here.
+    sparse gradients, betas=5 or eps=-1 are refused by the class itself, capturable=True needs CUDA
+    tensors, differentiable=True steps leaves that require grad in place): torch's own checks, run
+    here. The stand-in's tensors are on the CPU, but the optimizer is built for the run's device (on
+    CUDA the loop adds ``fused=True``, which ``foreach=True`` contradicts); on a CUDA run the values
+    only an accelerator can judge (ACCELERATOR_ONLY_KWARGS) are left to the ranks.
     """
     import dataclasses as dc
 
@@ -325,19 +346,38 @@ def _probe_error(c: Config, with_kwargs: bool) -> str | None:
 
     from framework.train.loop import build_optimizer
 
-    opt = c.optimizer if with_kwargs else dc.replace(c.optimizer, kwargs={})
+    device = _run_device(c)
+    chosen = dict(c.optimizer.kwargs if kwargs is None else kwargs) if with_kwargs else {}
+    if device == "cuda":
+        chosen = {k: v for k, v in chosen.items() if k not in ACCELERATOR_ONLY_KWARGS}
+    opt = dc.replace(c.optimizer, kwargs=chosen)
     probe = torch.nn.Module()
     probe.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False)])  # a matrix (Muon's share)
     probe.norm = torch.nn.LayerNorm(4, bias=False)  # a 1-D weight: the no-decay group
     try:
-        optimizer = build_optimizer(probe, c.train, torch.device("cpu"), opt, c.run.instantiate_allow)
+        optimizer = build_optimizer(probe, c.train, torch.device(device), opt, c.run.instantiate_allow)
         for p in probe.parameters():
             p.grad = torch.full_like(p, 0.01)
         optimizer.step()
-    except (ValueError, TypeError, RuntimeError, KeyError, IndexError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure of the class (torch asserts some): one line
         text = " ".join(str(e).split()) or type(e).__name__
         return f"{type(e).__name__}: {text[:200]}"
     return None
+
+
+def _failing_kwargs(c: Config) -> str:
+    """Which of ``optimizer.kwargs`` fail, and what is valid instead, for the refusal's one line: each
+    value probed alone; when none fails alone, the combination is named."""
+    kwargs = dict(c.optimizer.kwargs)
+    device = _run_device(c)
+    for k, v in kwargs.items():
+        why = _probe_error(c, with_kwargs=True, kwargs={k: v})
+        if why is not None:
+            other = f"{k}={not v}" if isinstance(v, bool) else f"another {k} that the class accepts"
+            return f"{other}, or no {k} ({k}={v!r} fails on this run's device, {device}: {why})"
+    together = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    why = _probe_error(c, with_kwargs=True)
+    return f"one of {together} left out (together they fail on this run's device, {device}: {why})"
 
 
 def _class_kwargs(cls: type) -> list[str] | None:
@@ -370,8 +410,8 @@ def _kwargs_valid(c: Config) -> str:
         f"keyword arguments that optimizer._target_={c.optimizer._target_} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
-    if _kwargs_names_ok(c.optimizer.kwargs, c):
-        text += f", with values the class accepts ({_probe_error(c, with_kwargs=True)})"
+    if _kwargs_names_ok(c.optimizer.kwargs, c):  # the names are fine, a value is not: say which
+        return _failing_kwargs(c)
     return text
 
 
@@ -514,7 +554,8 @@ RULES: dict[str, Rule] = {
     "optimizer.kwargs": Rule(
         _kwargs_valid,
         _kwargs_ok,
-        ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1}),
+        ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1})
+        + ({"differentiable": True}, {"foreach": True, "fused": True}),
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)

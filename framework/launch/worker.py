@@ -21,6 +21,7 @@ from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
 from framework.planner.plan import Plan
 from framework.planner.resolve import load_plan
+from framework.record.run_dir import DirGone
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -66,6 +67,11 @@ def main(run_dir: Path) -> int:
     die_with_launcher()
     arm_stack_dump()
     rank = int(os.environ.get("RANK", "0"))
+    if not run_dir.is_dir():  # deleted before a restart of the ranks
+        gone = f"run dir {run_dir} was deleted during the run; the ranks did not start again"
+        print(f"error: {gone}", file=sys.stderr)
+        tell_launcher(gone)
+        return 1
     setup_logging(run_dir, rank)
     try:
         cfg, plan = load_run(run_dir)
@@ -76,7 +82,7 @@ def main(run_dir: Path) -> int:
     try:
         trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
-    except DataChanged as e:  # one line, not a traceback: the user changed a file, the code is fine
+    except (DataChanged, DirGone) as e:  # one line, not a traceback: the user changed a file
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
         tell_launcher(str(e))
         return 1

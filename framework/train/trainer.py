@@ -51,6 +51,7 @@ from framework.record.metrics import Metrics, format_row, perplexity, validation
 from framework.record.train_state import TrainState
 from framework.train.callbacks import Callbacks, RunContext, build_callbacks
 from framework.train.loop import evaluate
+from framework.train.run_dir_watch import RunDirWatch
 from framework.train.runner import Step, StepRunner
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
@@ -155,6 +156,7 @@ class Parts:
     ladder: Ladder
     ckpt: RunCheckpoints
     callbacks: Callbacks
+    watch: RunDirWatch  # the run dir deleted mid-run: every rank stops with one line (DirGone)
     peak_flops: float | None  # of the whole job, for MFU (CUDA only)
 
 
@@ -212,6 +214,8 @@ def train(p: Parts, state: TrainState) -> None:
         if read(p, state, queued) is StepAction.rollback:
             ckpt.rollback(queued.step, rewind=False)
             continue
+        if saving:  # a save into a deleted run dir would recreate part of it
+            p.watch.check(state.step)
         preempted = ckpt.save_if_due(state.step)  # preempted: saved (or the event says why not)
         if saving:
             p.callbacks.on_save(state.step)
@@ -248,6 +252,7 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
+        p.watch.check(s.step)
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
         state.final_loss, state.peak_mem_gib = row["loss"], row.get("peak_mem_gib")
@@ -259,6 +264,7 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
+    p.watch.check(step)
     p.metrics.log(validation_row(step, state.last_val_loss, eval_set_losses(p)))
 
 
@@ -300,6 +306,7 @@ def setup(
     data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
+    watch = RunDirWatch(run_dir, env.is_main)
     verifier.attach(metrics.log)
     ladder = Ladder(runner, verifier.fallback, cfg.verify.ladder)
 
@@ -334,7 +341,8 @@ def setup(
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
-        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ladder, ckpt, callbacks, peak_flops
+        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ladder, ckpt, callbacks, watch,
+        peak_flops,
     )
 
 
@@ -371,6 +379,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
     """After the loop: the final evaluation, the callbacks' finish (the compile cache, the profiler),
     the performance verdict, the last commit, the Hugging Face export and the summary."""
     cfg, env = p.cfg, p.env
+    p.watch.check(state.step)  # before the final evaluation, the export and the summary write into it
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
         state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
         p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, eval_set_losses(p)))

@@ -1,0 +1,71 @@
+"""A folder the run writes into, deleted (or replaced) while the run is still going.
+
+Why watch it: a run keeps its files open, so once a user deletes its run dir the metrics go to a
+deleted file, every save recreates ``checkpoints/step_N`` under the old path and the run reports
+success; a folder another run then made at the same path would get our saves (and our retention).
+The run stamps the folder's identity (device and inode) when it starts and compares it at each
+metrics write and each save; a mismatch stops every rank with ``DirGone``, one line, writing
+nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# How every DirGone message starts (the launcher recognises it in a rank's error file).
+GONE_PREFIXES = ("run dir ", "checkpoint dir ")
+
+
+class DirGone(Exception):
+    """The run dir (or the checkpoint dir) was deleted or replaced during the run: stop, write nothing."""
+
+
+@dataclass(frozen=True)
+class DirStamp:
+    """What a folder was when the run started: its device and inode, and those of one file the run
+    wrote in it (``marker``): a folder made again at the same path often gets the same inode number
+    back, but not the run's file."""
+
+    what: str  # "run dir" or "checkpoint dir": how the message names it (one of GONE_PREFIXES)
+    path: Path
+    identity: tuple[int, int]  # (st_dev, st_ino) of the folder
+    marker: str | None = None  # a file of the run in it (config.yaml), when there is one
+    marker_identity: tuple[int, int, int] | None = None  # its (st_ino, st_size, st_mtime_ns)
+
+    @classmethod
+    def of(cls, what: str, path: Path, marker: str | None = None) -> DirStamp:
+        st = os.stat(path)
+        if marker is None or not (Path(path) / marker).is_file():
+            return cls(what, Path(path), (st.st_dev, st.st_ino))
+        m = os.stat(Path(path) / marker)
+        return cls(what, Path(path), (st.st_dev, st.st_ino), marker, (m.st_ino, m.st_size, m.st_mtime_ns))
+
+    def gone(self) -> str | None:
+        """Why the folder is no longer the run's (None: it still is). One or two ``os.stat``."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return f"{self.what} {self.path} was deleted during the run"
+        same = (st.st_dev, st.st_ino) == self.identity
+        if same and self.marker is not None:
+            try:
+                m = os.stat(self.path / self.marker)
+                same = (m.st_ino, m.st_size, m.st_mtime_ns) == self.marker_identity
+            except OSError:
+                same = False
+        if not same:
+            return f"{self.what} {self.path} was deleted during the run (another folder now has its path)"
+        return None
+
+    def check(self, when: str) -> None:
+        """Raise DirGone (naming the folder and ``when``, e.g. "at step 20") if it is gone."""
+        reason = self.gone()
+        if reason is not None:
+            raise DirGone(stopped(reason, when))
+
+
+def stopped(reason: str, when: str) -> str:
+    """The one line of a DirGone: what went, when the run noticed, and that it wrote nothing more."""
+    return f"{reason}; noticed {when}, the ranks stopped and wrote nothing more"
