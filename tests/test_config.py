@@ -51,8 +51,13 @@ def test_schema_defaults_are_the_composed_defaults() -> None:
         if not k.startswith(("model.", "data.", "train.")) and composed.get(k) != schema.get(k)
     }
     # The default sharding option (auto) lets the planner pick the checkpointing; the presets keep
-    # the schema's none (the field's comment in the reference says so).
-    assert differ == {"sharding.activation_checkpointing": ("none", "auto")}
+    # the schema's none (the field's comment in the reference says so). The default checkpoint
+    # option (final) saves once at the end; a Config() built in code saves only when asked (the
+    # field's comment in the reference says so).
+    assert differ == {
+        "sharding.activation_checkpointing": ("none", "auto"),
+        "checkpoint.enabled": (False, True),
+    }
 
 
 def test_mesh_shape_and_numeric_choice() -> None:

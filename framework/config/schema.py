@@ -731,6 +731,8 @@ def _saving(default: Any) -> Any:
 class CheckpointConfig:
     """Fault-tolerant DCP checkpoints (framework.checkpoint): atomic commit, manifest, retention."""
 
+    # python train.py composes checkpoint=final (enabled, one save at the end); a Config() built in
+    # code saves only when asked. checkpoint=none turns it off.
     enabled: bool = False
     dir: Optional[str] = _saving(None)  # default: <run dir>/checkpoints
     every_steps: int = _saving(0)  # 0 = off
