@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 EXTRA_FILE = "extra.json"
@@ -53,12 +53,20 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     checkpoint saved from DDP loads into FSDP2 or a plain module. On an optimizer that has not
     stepped yet it runs one zero-lr step to allocate the moments DCP loads into.
     """
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     msd = to_dcp(model, {k: _plain(v) for k, v in msd.items()})
     return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
 
 
 _EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """Frozen weights (``peft.method=lora``: the base, rebuilt from ``model.init_from`` or the seed
+    at every start) stay out of checkpoints: a LoRA checkpoint holds the adapters and their
+    optimizer state only. The load is then not strict, as the state names no frozen weight."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _tied(model: nn.Module) -> str | None:
@@ -95,7 +103,7 @@ def from_dcp(model: nn.Module, loaded: dict[str, Any]) -> dict[str, Any]:
     how, out = _tied(model), dict(loaded)
     if how == "copy":
         out[_OUTPUT] = out.pop(_EMBEDDING)
-    elif how is not None:
+    elif how is not None and _EMBEDDING in out:  # a frozen embedding is not in a LoRA checkpoint
         out[_OUTPUT] = out[_EMBEDDING]
     return out
 
@@ -141,7 +149,13 @@ def apply_tensor_state(
     if names is not None:
         groups = [{**g, "params": own["params"]} for g, own in zip(groups, names, strict=True)]
     osd = {"state": payload["optim"]["state"], "param_groups": groups}
-    set_state_dict(model, optimizer, model_state_dict=from_dcp(model, payload["model"]), optim_state_dict=osd)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=from_dcp(model, payload["model"]),
+        optim_state_dict=osd,
+        options=_options(model),
+    )
 
 
 def _retype_like(saved: dict, now: dict) -> dict:

@@ -273,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [g for g in config_mod.GROUPS if g not in GROUP_DESCRIPTIONS]
     if missing:
-        print(f"error: config groups without a description in framework/launch/docs.py: {missing}", file=sys.stderr)
+        print(
+            f"error: config groups without a description in framework/launch/docs.py: {missing}",
+            file=sys.stderr,
+        )
         return 1
     if args.check:
         old = stale()

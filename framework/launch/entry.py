@@ -58,6 +58,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -410,6 +411,7 @@ def prelaunch_with_search(
         # and the plan to plan.json; the ranks read both back and plan nothing.
         resolved = resolve(cfg)
         cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
+        lora_layout(cfg.peft, plan.layout.tp, plan.layout.fsdp)  # LoRA: no TP, one dtype under FSDP
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
@@ -537,7 +539,9 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
     except ChildFailedError as e:
         message = e.get_first_failure()[1].message
-        if isinstance(message, str) and message.startswith(DATA_CHANGED):  # framework.launch.worker.tell_launcher
+        if isinstance(message, str) and message.startswith(
+            DATA_CHANGED
+        ):  # framework.launch.worker.tell_launcher
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         if isinstance(message, str) and message.startswith(str(run_dir / PLAN_FILE)):  # a rank refused it
             raise JobFailed(message, 2) from None

@@ -248,13 +248,17 @@ def _check_defaults(entries: Any) -> str | None:
         if ok:
             ((key, value),) = entry.items()
             m = _DEFAULT_KEY.fullmatch(str(key).strip())
-            values = value if isinstance(value, list) and m is not None and m["group"] in LIST_GROUPS else [value]
+            values = (
+                value if isinstance(value, list) and m is not None and m["group"] in LIST_GROUPS else [value]
+            )
             ok = (
                 m is not None
                 and m["group"] in RECIPE_GROUPS
                 and bool(values)
                 and all(
-                    isinstance(v, (str, int)) and not isinstance(v, bool) and _OPTION.fullmatch(str(v)) is not None
+                    isinstance(v, (str, int))
+                    and not isinstance(v, bool)
+                    and _OPTION.fullmatch(str(v)) is not None
                     for v in values
                 )
             )

@@ -128,7 +128,9 @@ class PipelineModel(nn.Module):
         return self.num_stages - 1 in self.stage_ids
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("a pipeline-parallel model runs through its schedule (framework.train.loop), not a call")
+        raise RuntimeError(
+            "a pipeline-parallel model runs through its schedule (framework.train.loop), not a call"
+        )
 
 
 class PipelineLoss:

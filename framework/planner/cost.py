@@ -34,6 +34,7 @@ from framework.models import model_spec
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
 
+
 @dataclass(frozen=True)
 class CommEstimate:
     """One collective per step on one mesh axis, costed with the alpha-beta model."""

@@ -40,6 +40,7 @@ from framework.config.schema import Config, ExecutorMode, FreezeMode, Policy, fl
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.model import build_model, flops_per_token, num_params
+from framework.models import lora
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
@@ -313,7 +314,9 @@ def setup(
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
-    return Parts(cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, callbacks, peak_flops)
+    return Parts(
+        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ckpt, callbacks, peak_flops
+    )
 
 
 def build(
@@ -391,7 +394,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
 
 def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
     """``checkpoint.export_hf``: the trained model as a Hugging Face folder in ``run_dir/hf``."""
-    state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
+    state = lora.merge(full_model_state(model), cfg.peft)  # a collective under FSDP / TP: every rank calls it
     if env.is_main:
         from framework.data.tokenizer import load_tokenizer
 
