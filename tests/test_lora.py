@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,65 @@ def test_ddp_and_fsdp_on_two_ranks_equal_one_process(base: Path, strategy: Strat
         expected = model(tokens())
     for d in run_ranks(_dist_logits, 2, str(base), strategy, expected):
         assert d <= TOL, d
+
+
+FAST = [
+    "train.seq_len=16",
+    "train.global_batch_size=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.warmup_steps=1",
+    "freeze=none",
+    "logger.plot=false",
+    "checkpoint=sync",
+]
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "framework", "export-hf", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_train_resume_and_both_exports_from_the_cli(base: Path, tmp_path: Path) -> None:
+    """train.py with peft=lora: the checkpoint holds adapters only, a resume continues from it, and
+    ``export-hf`` (merged) and ``export-hf --adapter`` load in transformers and peft with the
+    framework's logits on the trained adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from framework.checkpoint.export_hf import checkpoint_model_state
+    from framework.checkpoint.state import read_metadata
+    from tests.test_init_from import ok, train
+
+    run = tmp_path / "run"
+    common = [f"model.init_from={base}", "peft=lora", "peft.targets=[wq,wk,w2]", *FAST]
+    ok(train(run, "train.steps=2", *common))
+    step = run / "checkpoints" / "step_000002"
+    saved = [k for k in read_metadata(step).state_dict_metadata if k.startswith("model.")]
+    assert len(saved) == 2 * 3 * 2 and all(lora.is_lora_name(k) for k in saved)  # A, B x 3 layers x 2 blocks
+    assert "resumed: from" in ok(train(run, "train.steps=3", *common))
+
+    peft = dataclasses.replace(LORA, rank=8, alpha=16.0, targets=["wq", "wk", "w2"])
+    cfg, model = lora_model(base, peft)
+    adapters = checkpoint_model_state(run / "checkpoints" / "step_000003")
+    assert model.load_state_dict(adapters, strict=False).unexpected_keys == []
+    assert adapters["layers.0.attention.wq.lora_B.weight"].abs().max() > 0  # it trained
+    with torch.no_grad():
+        ours = model(tokens())
+    assert _export(str(run), str(tmp_path / "merged")).returncode == 0
+    proc = _export(str(run), str(tmp_path / "adapter"), "--adapter")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter"
+    ).eval()
+    with torch.no_grad():
+        assert (merged(tokens()).logits - ours).abs().max().item() <= TOL
+        assert (loaded(tokens()).logits - ours).abs().max().item() <= TOL
+    # Not a LoRA run, or over a folder export-hf did not write: one line, exit 2, nothing written.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    refused = _export(str(run), str(other), "--adapter")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["keep.txt"]
