@@ -217,3 +217,47 @@ def test_train_resume_and_both_exports_from_the_cli(base: Path, tmp_path: Path) 
     refused = _export(str(run), str(other), "--adapter")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert sorted(p.name for p in other.iterdir()) == ["keep.txt"]
+
+
+def test_an_adapter_folder_starts_the_adapters(base: Path, tmp_path: Path) -> None:
+    """peft.adapter=FOLDER (export-hf --adapter's, or peft's own) restores the adapters exactly."""
+    cfg, model = lora_model(base)
+    randomize_adapters(model)
+    with torch.no_grad():
+        expected = model(tokens())
+    export_adapter(dict(model.state_dict()), cfg.model, LORA, tmp_path / "adapter", str(base))
+    cfg.peft = dataclasses.replace(LORA, adapter=str(tmp_path / "adapter"))
+    check_rules(cfg)
+    _, again = lora_model(base, cfg.peft)
+    with torch.no_grad():
+        assert (again(tokens()) - expected).abs().max().item() == 0.0
+
+
+def test_an_adapter_of_another_base_is_one_line_exit_2_and_no_run_dir(base: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other_base"
+    make_hf_model(other, 48, 4, 2, False, None, None)
+    cfg = resolve(Config(model=ModelConfig(init_from=str(other))), [])
+    cfg.train.seq_len = 16
+    _, model = lora_model(other)
+    export_adapter(dict(model.state_dict()), cfg.model, LORA, tmp_path / "adapter", str(other))
+    cfg = resolve(Config(model=ModelConfig(init_from=str(base))), [])
+    cfg.peft = dataclasses.replace(LORA, adapter=str(tmp_path / "adapter"))
+    with pytest.raises(
+        ValueError,
+        match=r"^peft\.adapter=.* an adapter of this base; it was trained on .*"
+        r"\(hidden_size 48 != 64\), not model\.init_from=",
+    ) as e:
+        check_rules(cfg)
+    assert "\n" not in str(e.value)
+    cfg.peft = dataclasses.replace(cfg.peft, rank=8)  # another rank: named with the adapter's
+    with pytest.raises(ValueError, match=r"hidden_size 48 != 64"):
+        check_rules(cfg)
+    from tests.test_init_from import train
+
+    run = tmp_path / "run"
+    args = [f"model.init_from={base}", "peft=lora", "peft.targets=[wq,wk,wv,wo,w2]", "peft.rank=4"]
+    proc = train(run, *args, "peft.alpha=8", f"peft.adapter={tmp_path / 'adapter'}", "train.steps=1", *FAST)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "hidden_size 48 != 64" in lines[0], proc.stderr[-2000:]
+    assert not run.exists()

@@ -28,8 +28,7 @@ from framework.checkpoint.export_hf import (
 from framework.config.schema import ModelConfig, PeftConfig
 from framework.models import lora, model_spec
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS
 
 
 def to_peft_state(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:

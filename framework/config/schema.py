@@ -704,6 +704,9 @@ class PeftConfig:
     targets: list[str] = only_with("peft.method", PeftMethod.lora, factory=lambda: ["wq", "wv"])
     # The frozen weights' dtype: bfloat16 halves their memory (the adapters stay float32).
     base_dtype: DType = only_with("peft.method", PeftMethod.lora, default=DType.float32)
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, e.g. export-hf --adapter)
+    # to start the adapters from, instead of B = 0; its base, rank, alpha and layers must be this run's.
+    adapter: Optional[str] = only_with("peft.method", PeftMethod.lora, default=None)
 
 
 _COMPILED = (ExecutorMode.compile, ExecutorMode.cudagraphs)

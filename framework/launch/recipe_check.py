@@ -84,6 +84,7 @@ class Guard:
 
 _CK = (("checkpoint.enabled", True),)
 _VERIFY = (("verify.enabled", True),)
+_PEFT = (("peft.method", "lora"),)
 # Recipes may set values, not places or trust: the one table of what only conf/ or the command line
 # may set, and why. tests/test_recipe_check.py walks the schema so that a new path-like field
 # cannot be missing here (or from NOT_PLACES below).
@@ -108,6 +109,9 @@ COMMAND_LINE_ONLY: dict[str, Guard] = {
     "tokenizer.path": Guard("is a tokenizer file read", "/etc/passwd", local=True),
     "model.init_from": Guard(
         "is a checkpoint or weights folder read (a checkpoint can carry code)", "/tmp/w"
+    ),
+    "peft.adapter": Guard(
+        "is an adapter folder read into the model (weights another party chose)", "/tmp/a", context=_PEFT
     ),
     "checkpoint.resume": Guard(
         "names a checkpoint to load (a checkpoint can carry code)", "/tmp", also=("auto", "none"), context=_CK
@@ -161,6 +165,7 @@ NOT_PLACES: dict[str, str] = {
     "logger.project": "a project of the user's own account",
     "model.float8_skip": "layer name fragments",
     "freeze.ignore": "module paths inside the model",
+    "peft.targets": "module-name patterns inside the model",
     "freeze.export_methods": "method names",
     "logger.tags": "labels",
     "nccl.env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",

@@ -256,6 +256,22 @@ def _lora_error(c: Config) -> str | None:
     return None
 
 
+def _adapter_error(c: Config) -> str | None:
+    """``framework.models.lora.check_adapter``: the folder against this run's base and adapters."""
+    from framework.model import build_model
+    from framework.models import lora
+
+    if c.peft.adapter is None:
+        return None
+    try:
+        model = build_model(c.model, c.train.seq_len)
+        lora.attach(model, c.peft)
+        lora.check_adapter(model, c.peft, c.model.init_from)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_layout(cfg: Config, declared: Degrees | None) -> None:
     """The rules that read the layout the user fixed (``declared``: read once by the launcher,
     framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
@@ -686,6 +702,12 @@ RULES: dict[str, Rule] = {
         lambda c: (_lora_error(c) or "an integer >= 1").split("valid: ", 1)[-1],
         lambda v, c: _is_int(v) and 1 <= v <= INT64_MAX and _lora_error(c) is None,
         (0, -1, 100000),
+        context=(("peft.method", "lora"),),
+    ),
+    "peft.adapter": Rule(
+        lambda c: (_adapter_error(c) or "a PEFT adapter folder").split("valid: ", 1)[-1],
+        lambda v, c: v is None or _adapter_error(c) is None,
+        ("/nonexistent/adapter",),
         context=(("peft.method", "lora"),),
     ),
     "peft.alpha": number(0, lo_open=True, bad=(0.0, -1.0, math.nan, math.inf)),

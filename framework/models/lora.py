@@ -207,3 +207,119 @@ def with_base(
     if missing:
         raise ValueError(f"checkpoint lacks the adapters {missing[:3]} of peft.targets={list(cfg.targets)}")
     return state | {k: v for k, v in adapters.items() if is_lora_name(k)}
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# The base's shape in a config.json, compared when the adapter names a local base folder.
+_BASE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def _pairs_from_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of an HF q/k ``lora_B`` (rotate-half order) back to our interleaved pairs, per head
+    (the inverse of framework.checkpoint.export_hf.permute_rope_rows)."""
+    return w.reshape(n_heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _read_adapter(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    folder = Path(path)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(
+            f"peft.adapter={path!r} is not valid; valid: a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})"
+        )
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return config, shapes
+
+
+def _ours(model: nn.Module) -> dict[str, str]:
+    """peft's adapter tensor name -> ours, for the adapters the model has."""
+    from framework.models import model_spec
+
+    names = model_spec(model.cfg).hf_names()
+    out = {}
+    for n, _ in model.named_parameters():
+        if is_lora_name(n):
+            module, kind = n.removesuffix(".weight").rsplit(".", 1)
+            hf = names[f"{module}.weight"].removesuffix(".weight")
+            out[f"base_model.model.{hf}.{kind}.weight"] = n
+    return out
+
+
+def check_adapter(model: nn.Module, cfg: PeftConfig, init_from: str | None) -> None:
+    """ValueError (one line) unless ``cfg.adapter`` is a LoRA adapter of this base (a local base
+    folder it names has this shape; every tensor has this model's shape) with this run's rank,
+    alpha and layers. ``model``: the meta model with its adapters attached."""
+    import json
+    from pathlib import Path
+
+    assert cfg.adapter is not None
+    config, shapes = _read_adapter(cfg.adapter)
+    where = f"peft.adapter={cfg.adapter!r} is not valid; valid:"
+    base = config.get("base_model_name_or_path")
+    if base and (Path(base) / "config.json").is_file():
+        theirs = json.loads((Path(base) / "config.json").read_text())
+        ours = {"hidden_size": model.cfg.dim, "num_hidden_layers": model.cfg.n_layers}
+        ours |= {"num_attention_heads": model.cfg.n_heads, "num_key_value_heads": model.cfg.n_kv_heads}
+        ours |= {"vocab_size": model.cfg.vocab_size}
+        differ = [
+            f"{k} {theirs.get(k)} != {ours[k]}" for k in _BASE_FIELDS if theirs.get(k, ours[k]) != ours[k]
+        ]
+        if differ:
+            raise ValueError(
+                f"{where} an adapter of this base; it was trained on {base} ({', '.join(differ)}), "
+                f"not model.init_from={init_from}"
+            )
+    if config.get("peft_type") != "LORA" or (config.get("r"), config.get("lora_alpha")) != (
+        cfg.rank,
+        cfg.alpha,
+    ):
+        raise ValueError(
+            f"{where} a LORA adapter of peft.rank={cfg.rank}, peft.alpha={cfg.alpha:g}; it has "
+            f"peft_type={config.get('peft_type')}, r={config.get('r')}, lora_alpha={config.get('lora_alpha')}"
+        )
+    names = _ours(model)
+    params = dict(model.named_parameters())
+    if set(shapes) != set(names):
+        extra, lacking = sorted(set(shapes) - set(names))[:2], sorted(set(names) - set(shapes))[:2]
+        raise ValueError(
+            f"{where} adapters on the layers peft.targets={list(cfg.targets)} selects; "
+            f"it has {extra} that they do not, and lacks {lacking}"
+        )
+    for k, n in names.items():
+        if shapes[k] != tuple(params[n].shape):
+            raise ValueError(
+                f"{where} an adapter of this base; {k} is {list(shapes[k])}, this model's {list(params[n].shape)}"
+            )
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str) -> None:
+    """Fill the adapters from a PEFT folder that ``check_adapter`` accepted (before launch); each
+    rank reads the (small) file and keeps its shard."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from framework.models import model_spec
+
+    tensors = load_file(str(Path(path) / ADAPTER_WEIGHTS))
+    rope = model_spec(model.cfg).rope_heads()
+    params = dict(model.named_parameters())
+    for k, n in _ours(model).items():
+        v = tensors[k]
+        base = n.rsplit(".", 2)[0] + ".weight"
+        if ".lora_B." in n and base in rope:
+            v = _pairs_from_halves(v, rope[base])
+        _fill(params[n], v)

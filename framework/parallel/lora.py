@@ -52,4 +52,6 @@ def after_materialize(model: nn.Module, cfg: PeftConfig | None, seed: int) -> No
     if cfg is None or cfg.method is PeftMethod.none:
         return
     lora.init_adapters(model, seed)
+    if cfg.adapter is not None:
+        lora.load_adapter(model, cfg.adapter)
     lora.cast_base(model, lora.base_dtype(cfg))
