@@ -694,8 +694,11 @@ class PeftConfig:
     """LoRA (Hu et al. 2021): each targeted Linear keeps its weight W frozen and learns
     W + (alpha / rank) * B @ A, with A (rank x in) and B (out x rank, zero at the start)."""
 
+    # none: full fine-tuning; lora: frozen base, adapters (framework.models.lora).
     method: PeftMethod = PeftMethod.none
+    # The adapters' rank r: 1 .. the smallest in/out size of a targeted layer.
     rank: int = only_with("peft.method", PeftMethod.lora, default=8)
+    # The update is scaled by alpha / rank (peft's lora_alpha).
     alpha: float = only_with("peft.method", PeftMethod.lora, default=16.0)
     # nn.Dropout on the adapter's input (peft's lora_dropout); the frozen path sees the plain input.
     dropout: float = only_with("peft.method", PeftMethod.lora, default=0.0)
@@ -904,6 +907,7 @@ GROUPS = (
     "bucketing",
     "nccl",
     "freeze",
+    "peft",
     "executor",
     "checkpoint",
     "verify",
