@@ -268,16 +268,17 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def test_pipeline_on_two_ranks_trains_like_one_process_and_tp_is_refused(tmp_path: Path) -> None:
-    """pp=2 (the default tied llama_tiny: its frozen tied embedding has no gradient to reduce across
+def test_pipeline_and_fsdp_on_two_ranks_train_like_one_process_and_tp_is_refused(tmp_path: Path) -> None:
+    """pp=2 and FSDP (adapters sharded beside frozen weights) for 3 steps (the default tied llama_tiny: its frozen tied embedding has no gradient to reduce across
     stages) gives one process's losses; tp=2 is refused in one line, exit 2, no run dir."""
     from tests.test_init_from import ok, train
 
     fast = [*FAST[:-1], "peft=lora", "train.steps=3"]
     ok(train(tmp_path / "one", *fast))
     ok(train(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *fast))
-    one, pp = _losses(tmp_path / "one"), _losses(tmp_path / "pp")
-    assert len(one) == 3 and one == pytest.approx(pp, rel=1e-5)
+    ok(train(tmp_path / "fsdp", "mesh=2", "sharding=fsdp", *fast))
+    one, pp, fsdp = _losses(tmp_path / "one"), _losses(tmp_path / "pp"), _losses(tmp_path / "fsdp")
+    assert len(one) == 3 and one == pytest.approx(pp, rel=1e-5) and one == pytest.approx(fsdp, rel=1e-5)
     proc = train(tmp_path / "tp", "mesh=2", "sharding=tp", *fast)
     assert proc.returncode == 2 and not (tmp_path / "tp").exists()
     assert "peft.method=lora with tp=2: not supported; valid: tp=1" in proc.stderr.strip().splitlines()[-1]
