@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from framework.checkpoint import Checkpointer
 from framework.config.schema import AsyncMode, CheckpointConfig, ModelConfig
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 
 SHAPES = {
     "tiny": ModelConfig(),

@@ -36,7 +36,7 @@ ROWS: list[tuple[str, str, list[str], float, str, bool | None]] = [
     ("1B ddp 2 GPUs, micro 4", "llama1b", ["executor=compile", "mesh=2", "sharding=ddp", "train.global_batch_size=8", "train.micro_batch_size=4"], 109_165, "multi-GPU s2", True),
     ("1B fsdp 2 GPUs, micro 4", "llama1b", ["executor=compile", "mesh=2", "sharding=fsdp", "train.global_batch_size=8", "train.micro_batch_size=4"], 104_070, "multi-GPU s2", False),
     ("1B hsdp 2x1 (= ddp by degrees)", "llama1b", ["executor=compile", "mesh.shape=[2,1]", "sharding=hsdp", "train.global_batch_size=8", "train.micro_batch_size=4"], 104_927, "multi-GPU s2", None),
-    ("1B tp=2, micro 4", "llama1b", ["executor=compile", "mesh=2", "sharding=tp", "sharding.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4"], 73_001, "multi-GPU s2", False),
+    ("1B tp=2, micro 4", "llama1b", ["executor=compile", "mesh=2", "sharding=tp", "sharding.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4"], 73_001, "multi-GPU s2", True),
     ("7B fsdp 2 GPUs, micro 4", "llama7b", ["executor=compile", "mesh=2", "sharding=fsdp", "train.global_batch_size=8", "train.micro_batch_size=4"], 22_462, "multi-GPU s2", False),
 ]  # fmt: skip
 

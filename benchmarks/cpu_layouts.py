@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from framework.config.schema import Config, HardwareConfig, ModelConfig, ParallelConfig  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
+from framework.models import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, dp_mesh_info, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from framework.config.schema import AttentionBackend, ModelConfig  # noqa: E402
 from framework.kernels import fa4  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
+from framework.models import build_model, materialize  # noqa: E402
 
 
 def qkv(b: int, h: int, kv: int, s: int, d: int, seed: int = 0) -> list[torch.Tensor]:

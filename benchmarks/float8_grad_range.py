@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from framework.data.sampler import load_stdlib  # noqa: E402
 from framework.launch import recipes  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
+from framework.models import build_model, materialize  # noqa: E402
 
 
 def cast(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

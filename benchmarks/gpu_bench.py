@@ -48,7 +48,7 @@ from framework.config import schema as config_mod  # noqa: E402
 from framework.config.schema import Config, Float8Recipe, ModelConfig, quote_numeric_choices, to_config  # noqa: E402
 from framework.launch import recipes  # noqa: E402
 from framework.launch.ranks import apply_allocator_environment, register_resolvers  # noqa: E402
-from framework.model import build_model, flops_per_token, materialize  # noqa: E402
+from framework.models import build_model, flops_per_token, materialize  # noqa: E402
 from framework.parallel.step import loss_fn  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 

@@ -6,7 +6,7 @@ The packages stand in layers; a module imports only from its own package or from
 1. ``config``     the schema, instantiate (the allowlist), interpolation, override errors
 2. ``record``     what a run records: metrics (and the wandb sink), the train state
 3. ``kernels``    fa4, fused cross-entropy, float8, the compute target
-4. ``models``     model specs and the model (``framework/model.py`` is of this layer)
+4. ``models``     the family registry and records, one folder per family, the shared parts and decoder
 5. ``data``       tokenizer, token files, streams, SFT records, sampler
 6. ``planner``    layout, topology, stages, cost, plan, search, resolve (config -> plan, once): pure
 7. ``freeze``     exported artifacts

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "train": ("train.py", [], "train a model: GROUP=OPTION and KEY=VALUE overrides, as python train.py"),
     "evaluate": (
-        "framework.generate.evaluate",
+        "framework.launch.evaluate",
         [],
-        "validation loss of a run dir's newest checkpoint (or a checkpoint)",
+        "loss, perplexity and tokens of a run dir, checkpoint or HF folder on a data set (JSON report)",
     ),
-    "generate": ("framework.generate.decode", [], "sample text from a run dir or checkpoint"),
+    "generate": ("framework.launch.generate", [], "sample text from a run dir, checkpoint or HF folder"),
     "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
     "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
     "recipes": (

@@ -36,7 +36,7 @@ def _entry(
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         out = fn(rank, world, *args)
-        q.put((rank, out, None))
+        q.put((rank, _to_wire(out), None))
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -48,6 +48,45 @@ def _entry(
         q.close()
         q.join_thread()
         os._exit(code)
+
+
+class _Tensor:
+    """A tensor sent by value: through a multiprocessing queue torch shares a tensor's storage by a
+    file descriptor that the parent fetches from the rank, and a rank that already ended with
+    ``os._exit`` then loses its result ("Connection reset by peer")."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        t = t.detach().cpu().contiguous()
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        self.data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    def tensor(self) -> torch.Tensor:
+        raw = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return raw.view(self.dtype).reshape(self.shape)
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _Tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_wire(v) for v in obj)
+    return obj
+
+
+def _from_wire(obj: Any) -> Any:
+    if isinstance(obj, _Tensor):
+        return obj.tensor()
+    if isinstance(obj, dict):
+        return {k: _from_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_from_wire(v) for v in obj)
+    return obj
 
 
 def run_ranks(
@@ -77,7 +116,7 @@ def run_ranks(
                 if err is not None:
                     errors[rank] = err
                     break
-                results[rank] = out
+                results[rank] = _from_wire(out)
         except Exception as e:  # queue.Empty on timeout
             errors[-1] = f"timed out after {timeout_s}s waiting for ranks: {e!r}"
         finally:

@@ -28,7 +28,7 @@ from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume
 from framework.checkpoint.manager import _payload_bytes
 from framework.checkpoint.store import tmp_dir
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity, ModelConfig
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

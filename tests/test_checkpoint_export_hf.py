@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from framework.checkpoint import export_hf, to_hf_state_dict
 from framework.checkpoint.export_hf import permute_rope_rows
 from framework.config.schema import ModelConfig
-from framework.model import apply_rope, build_model, materialize, rope_tables
+from framework.models import build_model, materialize
+from framework.models.parts.rope import apply_rope, rope_tables
 
 GQA = ModelConfig(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=100, tie_embeddings=False
@@ -199,3 +200,79 @@ def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
     for folder in (run / "hf", tmp_path / "cli"):
         tok = AutoTokenizer.from_pretrained(folder)
         assert tok("def é", add_special_tokens=False)["input_ids"] == list("def é".encode())
+
+
+SFT_TOKENIZER = Path(__file__).resolve().parent.parent / "recipes" / "data" / "sft_tiny"
+# Llama 3.1's RoPE scaling; the source says 4096 positions, far beyond the runs' seq_len.
+SOURCE_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+SOURCE_ROPE |= {"original_max_position_embeddings": 1024, "rope_theta": 500000.0}
+
+
+def make_hf_folder(out: Path, vocab_size: int = 384, seed: int = 0) -> Path:
+    """A tiny random Llama and its tokenizer, both written by transformers' save_pretrained into one
+    folder, as a model downloaded from the Hub is: the chat template in chat_template.jinja, pad and
+    unk tokens, a context of 4096 positions and Llama 3.1's RoPE scaling."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(SFT_TOKENIZER)
+    tok.add_special_tokens({"pad_token": "<|pad|>", "unk_token": "<|unk|>"})
+    tok.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=4096,
+        rope_parameters=SOURCE_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id < vocab_size else None,  # a bad folder's: none
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out
+
+
+CONFIG_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+    "max_position_embeddings", "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id",
+)  # fmt: skip
+TOKENIZER_FIELDS = (
+    "bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id",
+    "unk_token_id", "chat_template", "vocab_size",
+)  # fmt: skip
+
+
+def test_export_of_a_fine_tuned_hf_model_carries_its_context_rope_and_special_tokens(tmp_path: Path) -> None:
+    """A run started from an HF folder (model.init_from, its tokenizer), exported: config.json and the
+    tokenizer equal the source's field by field under AutoConfig / AutoTokenizer. The export wrote the
+    training seq_len as max_position_embeddings (32 here, where the source says 4096), dropped pad and
+    unk, and had no chat template."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from framework.checkpoint.export_hf import export_checkpoint
+    from tests.entry import train_forked
+
+    src = make_hf_folder(tmp_path / "src")
+    run = tmp_path / "run"
+    proc = train_forked(
+        f"hydra.run.dir={run}", f"model.init_from={src}", "tokenizer=hf", f"tokenizer.path={src}",
+        "data=synthetic", "train.steps=2", "train.seq_len=32", "train.global_batch_size=2",
+        "train.eval_every=0", "checkpoint=sync", "freeze=none", "logger.plot=false",
+        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = export_checkpoint(run, tmp_path / "hf")
+    theirs, ours = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(out)
+    for field in CONFIG_FIELDS:
+        assert getattr(ours, field) == getattr(theirs, field), (field, getattr(ours, field))
+    assert ours.max_position_embeddings == 4096 and ours.rope_parameters["rope_type"] == "llama3"
+    theirs, ours = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(out)
+    for field in TOKENIZER_FIELDS:
+        assert getattr(ours, field) == getattr(theirs, field) is not None, (field, getattr(ours, field))
+    msgs = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(msgs)
+    # The run logs and plans the model it loaded, by its folder's name, not the recipe's default.
+    assert "name: src" in (run / "config.yaml").read_text()

@@ -21,8 +21,11 @@ pytest.importorskip("transformers")
 
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
-from framework.models import model_spec  # noqa: E402
+from framework.models import (  # noqa: E402
+    build_model,
+    materialize,
+    model_spec,  # noqa: E402
+)
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402

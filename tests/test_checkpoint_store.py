@@ -15,7 +15,7 @@ from framework.checkpoint import Checkpointer, find_latest, resolve_resume, veri
 from framework.checkpoint.state import SafeReader
 from framework.checkpoint.store import retention_victims, step_dir, tmp_dir
 from framework.config.schema import CheckpointConfig, Integrity, ModelConfig
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 
 TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64)
 

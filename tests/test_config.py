@@ -12,7 +12,7 @@ from framework.config import schema as config
 from framework.config.schema import Config, Strategy, quote_numeric_choices, to_config
 from framework.launch import recipes
 from framework.launch.ranks import register_resolvers
-from framework.model import build_model, num_params
+from framework.models import build_model, num_params
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 config.register()

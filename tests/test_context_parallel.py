@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from framework.config.schema import Config, Device, ModelConfig, ParallelConfig, ResidualDtype
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.context import sequence_shard
 from framework.parallel.mesh import dp_mesh_info

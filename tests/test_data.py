@@ -69,9 +69,24 @@ def test_synthetic_batches_are_deterministic_and_in_vocab() -> None:
 
 def test_validation_set_is_fixed() -> None:
     corpus = load_corpus(DataConfig(source=DataSource.stdlib), 256, 32)
-    v1 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
-    v2 = validation_batches(corpus, 256, 32, 4, 2, 0, 1)
+    v1 = validation_batches(corpus, 256, 32, 4, 4, 2, 0, 1)
+    v2 = validation_batches(corpus, 256, 32, 4, 4, 2, 0, 1)
     assert len(v1) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2, strict=True))
+
+
+@pytest.mark.parametrize(("micro", "dp"), [(8, 1), (2, 1), (4, 2), (1, 4), (2, 2)])
+def test_validation_set_is_the_same_windows_on_every_layout(micro: int, dp: int) -> None:
+    """Global batches of the same windows whatever the micro batch and the data-parallel degree:
+    sized by the micro batch (as it was), one process and a pipeline evaluated other windows."""
+    corpus = load_corpus(DataConfig(source=DataSource.stdlib), 256, 32)
+    whole = torch.cat([x for x, _ in validation_batches(corpus, 256, 32, 8, 8, 3, 0, 1)])
+    ranks = [validation_batches(corpus, 256, 32, 8, micro, 3, r, dp) for r in range(dp)]
+    assert all(x.shape[0] == micro for rank in ranks for x, _ in rank)
+    per_batch = 8 // dp // micro  # micro batches of one global batch on one rank
+    rows = [
+        torch.cat([x for x, _ in rank[b * per_batch : (b + 1) * per_batch]]) for b in range(3) for rank in ranks
+    ]
+    assert torch.equal(torch.cat(rows), whole)
 
 
 def test_prepare_and_memmap_round_trip(tmp_path: Path) -> None:

@@ -314,7 +314,10 @@ def train_main(run_dir: Path, *overrides: str) -> None:
             ["data.source=tokens", "data.path={missing}"],
             "does not exist",
         ),  # the spelling from before the group
-        (["tokenizer=hf", "tokenizer.path={bpe}"], "model.vocab_size=256"),
+        (
+            ["tokenizer=hf", "tokenizer.path={bpe}", "model.vocab_size=256"],
+            "than model.vocab_size=256: set model.vocab_size>=512 (or leave it unset",
+        ),
         (
             [
                 "data=parquet",
@@ -424,3 +427,59 @@ def test_a_symlink_loop_is_read_once_and_validation_may_not_share_training_files
         cfg(DataConfig(source=DataSource.jsonl, path=str(fifo)), bpe(corpus)),
         f"data.path='{fifo}' is a FIFO, not a regular file",
     )
+
+
+@pytest.mark.parametrize(("micro", "dp"), [(1, 1), (2, 2), (1, 4)])
+def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, micro: int, dp: int) -> None:
+    """A packed source (jsonl, BPE): each rank's validation micro batches are its share of the same
+    global batches of windows as one process with the whole batch (as for the flat sources)."""
+    import dataclasses
+
+    import torch
+
+    from framework.data import build_data
+
+    base = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), bpe(corpus))
+    base.train = dataclasses.replace(base.train, eval_batches=3)
+
+    def rows(m: int, rank: int, size: int) -> list[torch.Tensor]:
+        c = dataclasses.replace(base, train=dataclasses.replace(base.train, micro_batch_size=m))
+        data = build_data(c, rank, size)
+        data.sampler.close()
+        assert all(x.shape[0] == m for x, _ in data.val_batches)
+        return [x for x, _ in data.val_batches]
+
+    whole = torch.cat(rows(4, 0, 1))
+    ranks = [rows(micro, r, dp) for r in range(dp)]
+    per = 4 // dp // micro  # micro batches per global batch and rank
+    parts = [torch.cat(rank[b * per : (b + 1) * per]) for b in range(3) for rank in ranks]
+    assert whole.shape[0] == 12 and torch.equal(torch.cat(parts), whole)
+
+
+def _validated(*overrides: str) -> Config:
+    """The launcher's typed config for a real Hydra composition of ``overrides`` (the command line)."""
+    from hydra import compose, initialize_config_dir
+
+    from framework.config import schema
+    from framework.launch import recipes
+    from framework.launch.entry import validate
+    from framework.launch.ranks import register_resolvers
+
+    schema.register()
+    recipes.register()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+        return validate(compose("config", overrides=list(overrides)), list(overrides))
+
+
+def test_model_vocab_size_follows_the_tokenizer_unless_the_command_line_sets_it(corpus: Corpus) -> None:
+    """The default recipe's 256 (the byte tokenizer's) grows to a 512-token BPE's vocabulary; a value
+    set on the command line stays (a larger one as it is, a smaller one is refused); a recipe's
+    value that already holds the tokenizer stays (sft_tiny rounds its 379 tokens up to 384)."""
+    bpe_args = ["data=jsonl", f"data.path={corpus.jsonl}", "tokenizer=hf", f"tokenizer.path={corpus.bpe}"]
+    assert _validated(*bpe_args).model.vocab_size == 512
+    assert _validated(*bpe_args, "model.vocab_size=640").model.vocab_size == 640
+    with pytest.raises(ValueError, match="larger than model.vocab_size=300: set model.vocab_size>=512"):
+        _validated(*bpe_args, "model.vocab_size=300")
+    assert _validated().model.vocab_size == 256  # the byte tokenizer: nothing to follow
+    assert _validated("recipe=sft_tiny").model.vocab_size == 384

@@ -27,7 +27,7 @@ from framework.config.schema import (
 from framework.data import build_data, check_data
 from framework.data.sft import IGNORE_INDEX, ChatFormat, Fields, read_records
 from framework.data.tokenizer import load_tokenizer
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from tests.corpus import ROOT
 
 SHIPPED = ROOT / "recipes" / "data" / "sft_tiny"
@@ -127,7 +127,7 @@ def test_packed_rows_give_the_unpacked_loss_with_each_example_kept_to_itself() -
     document start. The model (document masking, RoPE restarting per example) gives the same
     token-weighted loss as one example per row, over the same examples, and trains the same targets."""
     from framework.data.sft import SFTWindows, split_rows
-    from framework.model import DOC_START, NO_EOS, document_ids
+    from framework.models.parts.masks import DOC_START, NO_EOS, document_ids
 
     cfg = make_cfg(SHIPPED / "train.jsonl")
     tok = load_tokenizer(cfg.tokenizer)
@@ -334,3 +334,60 @@ def test_an_sft_file_edited_mid_run_stops_it_in_one_line_keeping_the_checkpoints
         f.write_bytes(f.read_bytes()[:3000] + b'{"messages": [')
 
     run_and_change(tmp_path, data, cut, "recipe=sft_tiny", "logger.plot=false")
+
+
+def _save_pretrained_tokenizer(out: Path, template: str | None = None) -> Path:
+    """The shipped tokenizer as transformers 5's save_pretrained writes it: its chat template in
+    chat_template.jinja, none in tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(SHIPPED)
+    if template is not None:
+        hf.chat_template = template
+    hf.save_pretrained(out)
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+    return out
+
+
+# transformers' {% generation %} marks the assistant's text (return_assistant_tokens_mask); it renders its body.
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, GENERATION_TEMPLATE], ids=["shipped", "generation_block"])
+def test_a_save_pretrained_folder_uses_its_chat_template_jinja(tmp_path: Path, template: str | None) -> None:
+    """The template in chat_template.jinja was ignored (the plain format, announced by one INFO
+    line): now every example's ids are apply_chat_template's, and only assistant turns are trained."""
+    from transformers import AutoTokenizer
+
+    folder = _save_pretrained_tokenizer(tmp_path / "tok", template)
+    hf = AutoTokenizer.from_pretrained(folder)
+    fmt = ChatFormat(load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(folder))), add_bos=False)
+    assert fmt.description == "the tokenizer's chat template"
+    examples = records()
+    for (_, msgs), (ids, trained) in zip(examples, fmt.encode_many(examples), strict=True):
+        assert ids.tolist() == list(hf.apply_chat_template(msgs, tokenize=True)["input_ids"])
+        answers = [m["content"] + "<|end_of_text|>" for m in msgs if m["role"] == "assistant"]
+        assert fmt.tok.decode(ids[trained]) == "".join(answers)
+
+
+def test_train_py_refuses_a_chat_template_it_cannot_render_with_exit_2_and_no_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template the framework cannot parse (here: a tag transformers does not know either) is one
+    line naming the folder, before launch, instead of training on the plain format."""
+    from tests.test_data_pipeline import train_main
+
+    folder = _save_pretrained_tokenizer(tmp_path / "tok", "{% tool_call %}{{ messages }}")
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        train_main(tmp_path / "run", "recipe=sft_tiny", f"tokenizer.path={folder}", "train.eval_every=0")
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert (
+        len(errors) == 1 and f"the chat template of {folder / 'tokenizer.json'} does not parse" in errors[0]
+    )
+    assert not (tmp_path / "run").exists()

@@ -135,7 +135,7 @@ def test_validation_records_never_reach_training(corpus: Corpus) -> None:
     train = torch.cat([torch.cat([x, y[:, -1:]], 1) for _ in range(3) for x, y in data.sampler.next_batch()])
     data.sampler.close()
     val = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in data.val_batches])
-    assert len(data.val_batches) == cfg.train.eval_batches
+    assert len(data.val_batches) == cfg.train.eval_batches * GBS // MBS  # global batches, in micro batches
     train_windows = {tuple(r.tolist()) for r in train}
     assert not any(tuple(r.tolist()) in train_windows for r in val)
     again = build_data(cfg, 0, 1)

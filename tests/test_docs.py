@@ -103,3 +103,77 @@ def test_each_readme_dry_run_exits_0_and_fits_its_devices(tmp_path: Path, args: 
     assert train_main(f"hydra.run.dir={run}", *args.split()) == 0, args
     memory = json.loads((run / "plan.json").read_text())["memory"]
     assert memory["total"] <= memory["device"], (args, memory)
+
+
+# The commands that train, as a new user copies them: README.md's and docs/overview.md's (the page
+# the README sends them to first), from their bash blocks. Each line is either run here (on CPU,
+# shortened by SHORT) or listed in NOT_ON_CPU with why; a new line in neither fails the test.
+FIRST_PAGES = ("README.md", "docs/overview.md")
+NOT_ON_CPU = {  # the line -> why not here, and the device its dry run plans for
+    "recipe=llama1b sharding=fsdp mesh=8 nccl=gdr3 train.global_batch_size=64": (
+        "a 1B model on 8 GPUs",
+        "mesh/hardware=h100_sxm",
+    ),
+    "mesh=2x4 sharding=hsdp": ("8 ranks on a 2-core CI machine", "mesh/hardware=cpu"),
+    "mesh=2x4 parallel.dp_replicate=2 parallel.dp_shard=2 parallel.tp=2": (
+        "8 ranks on a 2-core CI machine",
+        "mesh/hardware=cpu",
+    ),
+}
+# A few steps, one validation and the final checkpoint: what the full run does, at a test's cost.
+SHORT = [
+    "train.steps=3",
+    "train.warmup_steps=1",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+]
+SHORT += ["logger.plot=false"]
+
+
+def training_commands() -> list[str]:
+    """The ``python train.py ...`` lines of FIRST_PAGES' bash blocks that train (not a dry run, not
+    --help / --cfg), as their arguments; ``pip install ... && python train.py`` counts as its second half."""
+    import shlex
+
+    from tests.entry import ROOT
+
+    out = []
+    for page in FIRST_PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S):
+            for line in block.splitlines():
+                cmd = line.split("  #")[0].strip().split("&& ")[-1]
+                if not cmd.startswith("python train.py") or "run.dry_run=true" in cmd or "--" in cmd:
+                    continue
+                out.append(" ".join(shlex.split(cmd)[2:]))
+    return out
+
+
+def test_the_first_pages_list_commands_that_train() -> None:
+    """The extraction finds the README's first command and the overview's; each is run or excused."""
+    found = training_commands()
+    assert "" in found and "mesh=4" in found, found  # `python train.py` itself and 4 local ranks
+    assert set(NOT_ON_CPU) <= set(found), set(NOT_ON_CPU) - set(found)  # no stale excuse
+
+
+@pytest.mark.parametrize("args", [a for a in training_commands() if a not in NOT_ON_CPU])
+def test_each_first_page_command_that_trains_exits_0(tmp_path: Path, args: str) -> None:
+    """Run as written, shortened; any non-zero exit fails (the README's first command exited 0 but
+    others went red unnoticed: only dry runs were tested). A sweep (-m) writes to hydra.sweep.dir."""
+    import json
+    import os
+
+    where = f"hydra.sweep.dir={tmp_path}" if args.startswith("-m ") else f"hydra.run.dir={tmp_path}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = train_forked(*args.split(), *SHORT, where, timeout=400, env=env)
+    assert proc.returncode == 0, (args, (proc.stdout + proc.stderr)[-3000:])
+    summaries = sorted(tmp_path.rglob("summary.json"))
+    assert summaries and all(json.loads(s.read_text())["steps"] == 3 for s in summaries), args
+
+
+@pytest.mark.parametrize("args", sorted(NOT_ON_CPU))
+def test_each_first_page_command_not_run_here_plans_and_fits(tmp_path: Path, args: str) -> None:
+    """What is not trained here is planned here: its dry run exits 0 and fits its devices (a GPU
+    line's on the GPU it names; on the CPU profile the 1B plans 109 of 24 GiB)."""
+    hardware = NOT_ON_CPU[args][1]
+    test_each_readme_dry_run_exits_0_and_fits_its_devices(tmp_path, f"{args} {hardware} run.dry_run=true")

@@ -127,7 +127,7 @@ def test_cp_with_pp_dry_run_measures_what_the_plan_estimates() -> None:
 def test_float8_layouts_of_a_gpu_profile(strategy: str, tp: int) -> None:
     """llama1b in float8 tensorwise, planned for 8 H100s on this CPU: torchao swaps the planner's
     layers, FSDP2 all-gathers each of their weights in float8, and the bytes match the estimate."""
-    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
     base = compose_config("recipe=llama1b", "model.float8=tensorwise")
     cfg = on(cfg_for(strategy, [8], tp, base.model), "h100_sxm")
     report = resolved_dry_run(cfg)
@@ -144,7 +144,7 @@ def test_train_py_plans_float8_for_a_gpu_profile_on_this_cpu(
 ) -> None:
     """The user's command on a CPU login node (train.py's entry point, in this process): exit 0,
     and the report's measured parameter bytes are the planner's."""
-    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
     run = tmp_path / "run"
     args = [
         "recipe=llama1b",

@@ -16,7 +16,8 @@ import torch
 from framework.config.schema import AttentionBackend, Config
 from framework.kernels import fa4
 from framework.launch.entry import check_fa4
-from framework.model import _SDPA_BACKENDS
+from framework.models import model_spec
+from framework.models.parts.attention import _SDPA_BACKENDS
 from framework.planner import search
 from tests.test_config import compose_config
 from tests.test_data_pipeline import train_main
@@ -31,7 +32,8 @@ def fa4_cfg(*overrides: str) -> Config:
 
 def refused(cfg: Config, capability: tuple[int, int] | None, *fragments: str, device: str = "cuda") -> None:
     with pytest.raises(ValueError) as e:
-        fa4.check(cfg, device, capability, "NVIDIA A100" if capability == (8, 0) else "NVIDIA H100")
+        fa4.check(cfg, device, capability, "NVIDIA A100" if capability == (8, 0) else "NVIDIA H100",
+                  head_dim=model_spec(cfg.model).head_dim)
     message = str(e.value)
     assert "\n" not in message and message.startswith("model.attention=fa4"), message
     for f in fragments:
@@ -57,7 +59,7 @@ def test_registry_and_package() -> None:
     (its CuTe DSL libraries are GPU-only), so a Hopper launch is refused for the package."""
     assert fa4.registry_has_fa4()
     if fa4.installed():
-        fa4.check(fa4_cfg(), "cuda", H100, "NVIDIA H100")
+        fa4.check(fa4_cfg(), "cuda", H100, "NVIDIA H100", head_dim=model_spec(fa4_cfg().model).head_dim)
     else:
         refused(fa4_cfg(), H100, "needs the flash-attn-4 package", "pip install")
 
@@ -106,7 +108,7 @@ def test_other_backends_are_never_refused() -> None:
     for backend in AttentionBackend:
         if backend is not AttentionBackend.fa4:
             other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=backend))
-            fa4.check(other, "cpu", None, "cpu")
+            fa4.check(other, "cpu", None, "cpu", head_dim=model_spec(other.model).head_dim)
 
 
 def test_fa4_runs_sdpa_flash_and_context_parallelism_is_not_searched() -> None:

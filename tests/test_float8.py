@@ -20,14 +20,14 @@ from framework.kernels import float8
 from framework.kernels.target import MissingPackage
 from framework.launch.entry import check_float8
 from framework.launch.rules import check_option_fields
-from framework.model import build_model, materialize
+from framework.models import build_model, linears, materialize
 from framework.planner.resolve import make_plan
 from framework.record.metrics import read_metrics
 from tests.entry import train_main
 from tests.test_config import compose_config
 from tests.test_target import on
 
-torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+torchao = pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
 
 from framework.parallel.float8 import apply_float8, float8_config, is_float8  # noqa: E402
 
@@ -35,7 +35,7 @@ LLAMA1B = compose_config("recipe=llama1b").model
 
 
 def block_names(m: ModelConfig) -> list[str]:
-    return [s.fqn.removeprefix("layers.0.") for s in float8.converted(m) if s.fqn.startswith("layers.0.")]
+    return [s.fqn.removeprefix("layers.0.") for s in linears.converted(m) if s.fqn.startswith("layers.0.")]
 
 
 def test_default_filter_skips_head_and_small_layers() -> None:
@@ -48,7 +48,7 @@ def test_default_filter_skips_head_and_small_layers() -> None:
         "feed_forward.w2",
         "feed_forward.w3",
     ]
-    assert all(s.fqn != "output" for s in float8.converted(tw))
+    assert all(s.fqn != "output" for s in linears.converted(tw))
     every = dataclasses.replace(tw, float8_size_filter=False)
     assert len(block_names(every)) == 7
     rw = dataclasses.replace(LLAMA1B, float8=Float8Recipe.rowwise)
@@ -69,7 +69,7 @@ def test_shapes_float8_cannot_run_are_refused() -> None:
         ValueError,
         match=r"model.float8=rowwise converts no Linear layer of llama_tiny.*float8_size_filter=false",
     ):
-        float8.check_shapes(small)
+        linears.check_shapes(small)
     odd = ModelConfig(
         dim=512,
         n_heads=8,
@@ -78,14 +78,14 @@ def test_shapes_float8_cannot_run_are_refused() -> None:
         float8=Float8Recipe.tensorwise,
         float8_size_filter=False,
     )
-    float8.check_shapes(odd, tp=2)  # 1376 / 2 = 688, a multiple of 16
+    linears.check_shapes(odd, tp=2)  # 1376 / 2 = 688, a multiple of 16
     with pytest.raises(
         ValueError,
         match=r"sharding.tp=4: layers.0.feed_forward.w1's local weight shard is \(344, 512\).*e.g. \[1, 2\]",
     ):
-        float8.check_shapes(odd, tp=4)
+        linears.check_shapes(odd, tp=4)
     with pytest.raises(ValueError, match="ties to the embedding"):
-        float8.check_shapes(dataclasses.replace(odd, float8_skip=[]))
+        linears.check_shapes(dataclasses.replace(odd, float8_skip=[]))
 
 
 def test_device_refusals() -> None:
@@ -143,10 +143,10 @@ def test_swap_keeps_names_and_high_precision_weights(tmp_path: Path) -> None:
     m = ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False)
     fp8 = build_model(m, 32)
     names = apply_float8(fp8, m)
-    assert names == [s.fqn for s in float8.converted(m)] and len(names) == 4 * 7
+    assert names == [s.fqn for s in linears.converted(m)] and len(names) == 4 * 7
     assert not is_float8(fp8.output) and all(is_float8(fp8.get_submodule(n)) for n in names)
     assert {n for n, mod in fp8.named_modules() if isinstance(mod, nn.Linear)} == {
-        s.fqn for s in float8.linear_shapes(m)
+        s.fqn for s in linears.linear_shapes(m)
     }
     materialize(fp8, "cpu", seed=3)
     plain = build_model(dataclasses.replace(m, float8=Float8Recipe.none), 32)

@@ -35,7 +35,7 @@ from tests.dist import run_ranks
 from tests.test_checkpoint import _digest, _lr
 from tests.test_parallel import make_cfg, parallel_model
 
-pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (in dev)")
+pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
 
 from torchao.float8.float8_utils import amax_to_scale  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402

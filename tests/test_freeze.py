@@ -27,7 +27,7 @@ from framework.freeze import (
     save_fingerprint,
 )
 from framework.freeze.torchscript import script_model, ts_fingerprint
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from tests.dist import run_ranks
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "freeze"

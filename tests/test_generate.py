@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config.schema import ModelConfig, ModelFamily, to_config
-from framework.generate.decode import KVCache, forward_cached, generate, load_model, main
-from framework.model import build_model
+from framework.generate.decode import generate, load_model, main
+from framework.models import KVCache, build_model, forward_cached
 from tests.entry import train_forked
 
 
@@ -127,3 +127,95 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, capsys, flags: list[s
     assert main([str(tmp_path), "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_checkpoint_export_hf import make_hf_folder
+
+    return make_hf_folder(tmp_path_factory.mktemp("hf") / "tiny_llama", seed=1)
+
+
+def transformers_greedy(folder: Path, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (its generation_config's EOS stops it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, list[str]]:
+    from framework.launch.generate import main as generate_main
+
+    code = generate_main([*argv, "--device", "cpu"])
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.startswith("error:")]
+
+
+def test_an_hf_folder_generates_transformers_greedy_tokens_plain_and_chat(
+    hf_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate HF_DIR` (it said "no config.yaml"): greedy text equals transformers' generate token
+    for token; with --chat the prompt is apply_chat_template's (add_generation_prompt) and the reply
+    alone is printed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    code, out, err = cli([str(hf_dir), "--prompt", "Say hello", "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    theirs = transformers_greedy(hf_dir, tok.encode("Say hello", add_special_tokens=False), 12)
+    assert out == "Say hello" + tok.decode(theirs) + "\n"
+    code, out, err = cli([str(hf_dir), "--prompt", "Say hello", "--chat", "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    msgs = [{"role": "user", "content": "Say hello"}]
+    chat_ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert chat_ids[0] == tok.bos_token_id and tok.decode(chat_ids).endswith("<|assistant|>\n")
+    assert out == tok.decode(transformers_greedy(hf_dir, chat_ids, 12)) + "\n"
+
+
+def test_generation_stops_at_eos_without_printing_it(
+    tmp_path: Path, hf_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """generation_config.json's eos_token_id (a list, as Llama 3's) is where a reply ends; the EOS
+    text was printed. The folder's EOS here is the token greedy decoding emits third."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    free = transformers_greedy(hf_dir, tok.encode("Say hello", add_special_tokens=False), 12)
+    stop = next(i for i, t in enumerate(free) if t not in free[:i] and i >= 2)  # its first occurrence
+    folder = tmp_path / "eos"
+    shutil.copytree(hf_dir, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(
+        json.dumps({**gen, "eos_token_id": [tok.eos_token_id, free[stop]]})
+    )
+    code, out, err = cli([str(folder), "--prompt", "Say hello", "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    assert out == "Say hello" + tok.decode(free[:stop]) + "\n"
+    assert (
+        transformers_greedy(folder, tok.encode("Say hello", add_special_tokens=False), 12) == free[: stop + 1]
+    )
+
+
+def test_bad_hf_folders_are_one_line_and_exit_2(
+    tmp_path: Path, hf_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tokenizer with ids past the model's embedding; --chat with a tokenizer that has no template."""
+    import shutil
+
+    from tests.test_checkpoint_export_hf import make_hf_folder
+
+    small = make_hf_folder(tmp_path / "small_vocab", vocab_size=300)
+    code, out, err = cli([str(small), "--prompt", "x"], capsys)
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert "its tokenizer has 374 tokens but its config.json has vocab_size=300" in err[0]
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_dir, plain)
+    (plain / "chat_template.jinja").unlink()
+    code, out, err = cli([str(plain), "--prompt", "x", "--chat"], capsys)
+    assert code == 2 and out == "" and len(err) == 1 and "has no chat template" in err[0], err

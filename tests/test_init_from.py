@@ -23,7 +23,7 @@ from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.launch.rules import check_model_shape  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
+from framework.models import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -148,6 +148,8 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     # Framework (trained checkpoint, loaded through init_from) vs transformers on the export.
     cfg = resolve(Config(model=ModelConfig(init_from=str(run))), [])
     assert cfg.model.init_from == str(run / "checkpoints" / "step_000003")
+    # A run started from this checkpoint logs the model it continues (the recipe's default name was logged).
+    assert cfg.model.name == "mha_tied"
     model = build_model(cfg.model, 16)
     materialize(model, "cpu", seed=0)
     with torch.no_grad():
@@ -164,7 +166,8 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     cli = hf_tensors(tmp_path / "cli")
     assert sorted(cli) == sorted(exported) and all(torch.equal(cli[k], exported[k]) for k in cli)
     conf = json.loads((tmp_path / "cli" / "config.json").read_text())
-    assert conf["max_position_embeddings"] == 16 and conf["num_key_value_heads"] == 4
+    # The source's context (64 positions), not the training seq_len (16), which the export used to write.
+    assert conf["max_position_embeddings"] == 64 and conf["num_key_value_heads"] == 4
 
     # The framework checkpoint as init_from on another layout (2 TP ranks, DTensor shards read
     # from DCP): transformers' logits on the export again.

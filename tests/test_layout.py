@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from framework.config.schema import Config, Device, HardwareConfig, ModelConfig, ParallelConfig, Strategy
+from framework.planner.cost import gemm_shape_efficiency
 from framework.planner.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
 from framework.planner.resolve import make_plan
 
@@ -91,8 +92,10 @@ def test_cp_is_planned_in_a_dry_run() -> None:
     base.train.micro_batch_size = 4
     base.run.dry_run = True
     one = make_plan(base)
+    shape_one = gemm_shape_efficiency(base, one.layout)
     base.parallel = ParallelConfig(dp_shard=2, cp=2, tp=2)
     two = make_plan(base)
+    shape_two = gemm_shape_efficiency(base, two.layout)
     assert two.strategy == "fsdp_tp_cp" and two.mesh_axes == ("dp_shard", "cp", "tp")
     assert two.params_per_rank == one.params_per_rank  # FSDP shards over dp_shard x cp = 4 either way
     # Half the tokens per micro batch (the ring's gathered K/V of one layer on top); a data-parallel
@@ -104,7 +107,8 @@ def test_cp_is_planned_in_a_dry_run() -> None:
     assert sorted(ring) == ["dkv_ring_backward", "kv_ring_backward", "kv_ring_forward"]
     assert ring["kv_ring_forward"].calls == ring["kv_ring_backward"].calls == layers * two.grad_accum_steps
     assert {c.axis for c in two.comm} >= {"dp_shard_cp", "cp", "tp"}
-    assert two.prediction.compute_s == pytest.approx(one.prediction.compute_s)
+    # (at the GEMM rate of each one's shapes: CP halves the micro batch's GEMM rows)
+    assert two.prediction.compute_s * shape_two == pytest.approx(one.prediction.compute_s * shape_one)
 
 
 def test_cp_with_pp_is_planned_in_a_dry_run() -> None:

@@ -19,8 +19,10 @@ from framework.checkpoint.export_hf import export_hf  # noqa: E402
 from framework.checkpoint.export_lora import export_adapter, to_peft_state  # noqa: E402
 from framework.config.schema import Config, ModelConfig, PeftConfig, PeftMethod, Strategy  # noqa: E402
 from framework.launch.rules import check as check_rules  # noqa: E402
-from framework.model import build_model  # noqa: E402
-from framework.models import lora  # noqa: E402
+from framework.models import (
+    build_model,  # noqa: E402
+    lora,  # noqa: E402
+)
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402

@@ -1,4 +1,4 @@
-"""framework.model: the residual stream's dtype under autocast, eager and compiled."""
+"""framework.models: the residual stream's dtype under autocast, eager and compiled."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from framework.config.schema import ModelConfig, ResidualDtype
-from framework.model import build_model, compute_dtype, materialize
+from framework.models import build_model, compute_dtype, materialize
 
 
 def test_compute_dtype_follows_the_device() -> None:
@@ -47,7 +47,8 @@ def test_residual_dtype_under_autocast(compiled: bool) -> None:
 def test_document_mask_stops_attention_at_eos() -> None:
     """With a document mask, the second document's logits do not depend on the first's tokens;
     without one they do. EOS (id 1) ends a document and belongs to it."""
-    from framework.model import Llama, document_mask
+    from framework.models import decoder
+    from framework.models.parts.masks import document_mask
 
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
     eos = 1
@@ -55,7 +56,7 @@ def test_document_mask_stops_attention_at_eos() -> None:
     b = torch.tensor([[20, 21, 22, eos, 9, 10, 11, 12]])  # another first document, same second one
     mask = document_mask(a, eos)
     assert mask.shape == (1, 1, 8, 8) and bool(mask[0, 0, 3, 0]) and not bool(mask[0, 0, 4, 3])
-    masked, plain = Llama(cfg, 8, document_eos=eos), Llama(cfg, 8)
+    masked, plain = decoder(cfg, 8, document_eos=eos), decoder(cfg, 8)
     torch.manual_seed(0)
     for m in (masked, plain):
         m.init_weights(0)
@@ -67,7 +68,7 @@ def test_document_mask_stops_attention_at_eos() -> None:
 
 
 def test_document_positions_restart_after_each_eos() -> None:
-    from framework.model import document_ids, document_positions
+    from framework.models.parts.masks import document_ids, document_positions
 
     eos = 1
     tokens = torch.tensor([[5, 6, eos, 7, 8, 9, eos, 4], [eos, 3, 3, 3, 3, 3, 3, 3]])
@@ -77,10 +78,10 @@ def test_document_positions_restart_after_each_eos() -> None:
 
 
 def _tiny_llama(document_eos: int | None, seq: int = 24) -> torch.nn.Module:
-    from framework.model import Llama
+    from framework.models import decoder
 
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
-    model = Llama(cfg, seq, document_eos=document_eos)
+    model = decoder(cfg, seq, document_eos=document_eos)
     model.init_weights(0)
     return model
 
@@ -139,7 +140,7 @@ def test_document_mask_kernel_follows_the_device() -> None:
     """CPU trains through SDPA's dense mask (FlexAttention has no CPU backward in torch 2.13)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from framework.model import flex_trains_on
+    from framework.models.parts.masks import flex_trains_on
 
     eos = 1
     model = _tiny_llama(eos)
@@ -157,7 +158,7 @@ def test_document_mask_kernel_follows_the_device() -> None:
 def test_flex_attention_trains_like_the_sdpa_mask_on_cuda() -> None:
     """On CUDA the default document kernel is compiled FlexAttention; its loss and gradients match
     SDPA with the dense mask (fp32)."""
-    from framework.model import Llama
+    from framework.models import decoder
 
     eos = 1
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
@@ -167,7 +168,7 @@ def test_flex_attention_trains_like_the_sdpa_mask_on_cuda() -> None:
     x, y = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
     grads, losses = [], []
     for flex in (True, False):
-        model = Llama(cfg, 256, document_eos=eos).cuda()
+        model = decoder(cfg, 256, document_eos=eos).cuda()
         model.init_weights(0)
         model.document_flex = None if flex else False
         loss = model(x, y)

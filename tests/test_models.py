@@ -1,4 +1,4 @@
-"""The model spec (framework.models) against the modules framework.model builds: every consumer
+"""The model spec (framework.models) against the modules framework.models builds: every consumer
 (planner, TP plan, float8, HF names) reads the spec, so the spec must be the model."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from framework.config.schema import ModelConfig, ModelFamily
-from framework.model import build_model
-from framework.models import TPStyle, blocks, model_spec
+from framework.models import TPStyle, blocks, build_model, model_spec
 
 SHAPES = {
     "tiny_tied": ModelConfig(),

@@ -16,9 +16,7 @@ pytest.importorskip("transformers")
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
 from framework.config.schema import ModelConfig, ModelFamily  # noqa: E402
-from framework.generate.decode import KVCache, forward_cached  # noqa: E402
-from framework.model import build_model, materialize  # noqa: E402
-from framework.models import FAMILIES, model_spec  # noqa: E402
+from framework.models import FAMILIES, KVCache, build_model, forward_cached, materialize, model_spec  # noqa: E402
 
 SEQ, WINDOW, TOL = 16, 4, 1e-5
 

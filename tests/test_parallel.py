@@ -28,7 +28,7 @@ from framework.config.schema import (
     ParallelConfig,
     Strategy,
 )
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, is_checkpointed
 from framework.parallel.compile import apply_compile, inductor_mode
@@ -315,3 +315,57 @@ def test_ddp_buckets_match_plan() -> None:
     assert len(plan.bucket_sizes) > 2
     real = run_ranks(_ddp_bucket_worker, 2, cfg)[0]
     assert sorted(real) == sorted(plan.bucket_sizes)
+
+
+def _accumulating_worker(rank: int, world: int, cfg: Config) -> dict:
+    """train_step over 2 micro batches a step; FSDP2's parameter all-gathers counted per step."""
+    from framework.train.loop import build_optimizer, build_scheduler, train_step
+
+    cpu = torch.device("cpu")
+    model, mesh, plan = parallel_model(cfg)
+    dp_rank, dp_size = dp_mesh_info(mesh, plan)
+    opt, real = build_optimizer(model, cfg.train, cpu), dist.all_gather_single
+    sched = build_scheduler(opt, cfg.train)
+    counts, out = [0], []
+
+    def gather(*args: object, **kwargs: object) -> object:
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    n, micro = GLOBAL_BATCH // dp_size, plan.micro_batch_size
+    dist.all_gather_single = gather  # type: ignore[assignment]
+    try:
+        for b in batches():
+            mine = b[dp_rank * n : (dp_rank + 1) * n]
+            mbs = [(mine[i : i + micro, :-1], mine[i : i + micro, 1:]) for i in range(0, n, micro)]
+            r = train_step(model, opt, sched, mbs, cfg.train.grad_clip, cpu)
+            out.append((float(r.loss), float(r.grad_norm)))
+            counts.append(0)
+    finally:
+        dist.all_gather_single = real  # type: ignore[assignment]
+    gathers = [c for c in plan.comm if c.collective == "all_gather" and c.axis == "dp_shard"]
+    return {
+        "trace": out,
+        "gathers": counts[:-1],
+        "planned": gathers[0].calls,
+        "units": len(plan.bucket_sizes),
+    }
+
+
+def test_fsdp_holds_units_for_the_step_without_reshard_after_forward() -> None:
+    """sharding.reshard_after_forward=false under gradient accumulation (2 micro batches on each of 2
+    gloo ranks): the units stay unsharded from the step's first forward to its last backward, one
+    all-gather per unit and step as planned (against 2 per unit and micro batch resharding), and the
+    losses and gradient norms are those of the resharding run."""
+    runs = {}
+    for raf in (True, False):
+        cfg = make_cfg("fsdp", [2])
+        cfg.train.micro_batch_size = GLOBAL_BATCH // 4
+        cfg.sharding.reshard_after_forward = raf
+        runs[raf] = run_ranks(_accumulating_worker, 2, cfg)
+    for held, resharded in zip(runs[False], runs[True], strict=True):
+        assert resharded["planned"] == resharded["units"] * 2 * 2
+        assert held["planned"] == held["units"]
+        assert all(c == held["planned"] for c in held["gathers"]), held["gathers"]
+        assert all(c == resharded["planned"] for c in resharded["gathers"]), resharded["gathers"]
+        torch.testing.assert_close(held["trace"], resharded["trace"], rtol=RTOL, atol=0)

@@ -15,7 +15,7 @@ import torch
 
 from framework.checkpoint import Checkpointer
 from framework.config.schema import Config, PPSchedule
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.pipeline import PipelineModel
 from framework.planner.resolve import make_plan

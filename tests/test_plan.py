@@ -18,7 +18,7 @@ from framework.config.schema import (
     Strategy,
 )
 from framework.launch.rules import check_option_fields
-from framework.model import build_model, num_params
+from framework.models import build_model, num_params
 from framework.planner.plan import (
     GIB,
     check_world_size,
@@ -324,3 +324,97 @@ def test_optimizer_in_backward_refusals_and_memory() -> None:
         ValueError, match=r"mesh.shape=\[2\] \(world 2\): the per-parameter step fires before"
     ):
         make_plan(bad)
+
+
+def _composed(recipe: str, *overrides: str):
+    from framework.launch.recipes import compose_recipe
+
+    base = ["mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile"]
+    return compose_recipe(recipe, [*base, *overrides])
+
+
+def test_fsdp_prefetch_hides_all_but_the_first_unit_and_the_last_reduce() -> None:
+    """cost.exposed_comm: with a compute window longer than the traffic and full overlap, one unit's
+    all-gather per pass and the last reduce-scatter stay exposed; with no window, all of it."""
+    from framework.planner.cost import CommEstimate, exposed_comm
+
+    ag = CommEstimate("dp_shard", "all_gather", 8, "inter", 20, 1, 20, 2.0)  # 10 units, 2 passes
+    rs = CommEstimate("dp_shard", "reduce_scatter", 8, "inter", 10, 1, 10, 1.0)
+    total, hidden = exposed_comm([ag, rs], 10, 100.0, 1.0, 1.0, 0)
+    assert total == pytest.approx(3.0)
+    assert hidden == pytest.approx(2 * 0.1 + 0.1)
+    assert exposed_comm([ag, rs], 10, 0.0, 1.0, 1.0, 0)[1] == pytest.approx(3.0)
+    assert exposed_comm([ag, rs], 10, 100.0, 1.0, 0.0, 0)[1] == pytest.approx(3.0)  # overlap 0: none hidden
+    tp = CommEstimate("tp", "all_gather", 8, "intra", 4, 1, 4, 0.4)
+    assert exposed_comm([tp], 10, 100.0, 0.5, 1.0, 0)[1] == pytest.approx(0.8 + 4 * 0.26e-3)
+
+
+def test_units_held_for_the_step_under_any_schedule_without_reshard_after_forward() -> None:
+    """sharding.reshard_after_forward=false under 1F1B: torch's PipelineStage keeps
+    reshard_after_backward off until the step's reduce, so each unit is gathered once a step."""
+    common = (
+        "mesh=2x8", "parallel.tp=1", "parallel.pp=2", "parallel.dp_shard=8", "train.global_batch_size=64",
+        "train.micro_batch_size=1", "parallel.pp_microbatches=8", "sharding.activation_checkpointing=full",
+    )  # fmt: skip
+    held = make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))
+    per_micro = make_plan(_composed("llama3_8b", *common))
+    (g_held,) = [c for c in held.comm if c.collective == "all_gather" and c.axis == "dp_shard"]
+    (g_micro,) = [c for c in per_micro.comm if c.collective == "all_gather" and c.axis == "dp_shard"]
+    units = len(held.bucket_sizes)
+    assert g_held.calls == units and g_micro.calls == units * 8 * 2
+    assert held.memory.comm_buffers > per_micro.memory.comm_buffers  # the stage's unsharded weights
+    assert held.prediction.exposed_comm_s < per_micro.prediction.exposed_comm_s
+
+
+def test_tp_collectives_count_recompute_and_carry_the_cp_shard() -> None:
+    """TP under sequence parallelism: 4 all-gathers + 4 reduce-scatters per block and micro batch, 2
+    more of each per recomputed forward; under CP each carries the CP rank's sequence shard."""
+    common = (
+        "mesh=2x8",
+        "parallel.tp=8",
+        "parallel.dp_shard=2",
+        "train.global_batch_size=2",
+        "train.seq_len=32768",
+    )
+    none = make_plan(_composed("llama3_8b", *common, "sharding.activation_checkpointing=none"))
+    full = make_plan(_composed("llama3_8b", *common, "sharding.activation_checkpointing=full"))
+    layers = 32
+    tp_none, tp_full = (
+        next(c for c in p.comm if c.axis == "tp" and c.collective == "all_gather") for p in (none, full)
+    )
+    assert tp_none.calls == 4 * layers and tp_full.calls == 6 * layers
+    cp = make_plan(
+        _composed(
+            "llama3_8b", "mesh=2x8", "parallel.tp=8", "parallel.cp=2", "parallel.dp_shard=1",
+            "train.global_batch_size=2", "train.seq_len=32768", "sharding.activation_checkpointing=none",
+        )
+    )  # fmt: skip
+    tp_cp = next(c for c in cp.comm if c.axis == "tp" and c.collective == "all_gather")
+    assert tp_cp.bytes_per_call * 2 == tp_none.bytes_per_call
+
+
+def test_gemm_shape_efficiency_is_one_at_calibration_and_lower_for_small_gemms() -> None:
+    from framework.planner.cost import gemm_shape_efficiency
+    from framework.planner.layout import Degrees
+
+    one_b = _composed(
+        "llama1b", "train.micro_batch_size=16", "train.global_batch_size=16", "train.seq_len=2048"
+    )
+    assert gemm_shape_efficiency(one_b, Degrees()) == pytest.approx(1.0)
+    tiny = _composed("llama1b", "train.micro_batch_size=1", "train.global_batch_size=1", "train.seq_len=128")
+    assert 0.2 < gemm_shape_efficiency(tiny, Degrees(tp=8)) < 0.9
+
+
+def test_held_units_that_do_not_fit_are_refused_with_their_memory() -> None:
+    """sharding.reshard_after_forward=false on a layout where the held units do not fit: one line with
+    the memory they need and the setting that frees it; resharding fits."""
+    common = (
+        "mesh=1x8", "parallel.dp_shard=8", "train.global_batch_size=8", "train.micro_batch_size=1",
+        "sharding.activation_checkpointing=full", "run.dry_run=false", "mesh.hardware.memory_gib=32",
+        "sharding.param_dtype=bfloat16",
+    )  # fmt: skip
+    make_plan(_composed("llama3_8b", *common))
+    with pytest.raises(
+        ValueError, match=r"FSDP units held unsharded for the step \d+\.\d.*reshard_after_forward=true"
+    ):
+        make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))

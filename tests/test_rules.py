@@ -97,7 +97,9 @@ def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: P
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
         elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
-            assert key in msg and any(f"weight={e.weight}" in msg or f"[{e.weight}]" in msg for e in bad), msg
+            weights, names = [getattr(e, "weight", None) for e in bad], [getattr(e, "name", None) for e in bad]
+            shown = [f"weight={w}" for w in weights] + [f"[{w}]" for w in weights] + [f"name={n!r}" for n in names]
+            assert key in msg and any(s in msg for s in shown), msg
         else:
             assert key in msg, msg
             shown = [show(bad)[:20], str(bad)[:20], repr(bad)[:20]]
@@ -139,7 +141,8 @@ def test_self_referencing_interpolation_is_one_line(base: DictConfig, tmp_path: 
 def test_resume_path_while_checkpointing_is_off(base: DictConfig, tmp_path: Path) -> None:
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
-    msg = refusal(base, {"checkpoint.resume": str(ckpt)}, tmp_path / "t")
+    # checkpoint=none (the default option, final, saves)
+    msg = refusal(base, {"checkpoint.resume": str(ckpt), "checkpoint.enabled": False}, tmp_path / "t")
     assert "checkpoint.resume=" in msg and "checkpoint.enabled=true" in msg, msg
     prelaunch(with_values(base, {"checkpoint.resume": str(ckpt), "checkpoint.enabled": True}), ckpt, RECIPE)
 

@@ -141,3 +141,29 @@ def test_the_mission_command_plans_a_layout_that_fits(tmp_path: Path, command: l
     assert plan["memory_gib"] == pytest.approx(chosen["memory_gib"]) == plan["memory"]["total"] / GIB
     written = OmegaConf.load(tmp_path / "run" / "config.yaml")  # ranks plan it without searching
     assert {k: written.parallel[k] for k in chosen["degrees"]} == chosen["degrees"]
+
+
+def test_search_weighs_the_reshard_policy_and_virtual_stages() -> None:
+    """The search plans FSDP layouts both resharding after forward and holding their units for the
+    step, and interleaved pipelines at 2 and 4 virtual stages; the choice is written into the config."""
+    from framework.launch.recipes import compose_recipe
+
+    cfg = compose_recipe(
+        "llama3_8b",
+        ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
+         "sharding=auto", "sharding.activation_checkpointing=full", "train.global_batch_size=64"],
+    )  # fmt: skip
+    result = search(cfg)
+    fsdp = [c for c in result.candidates if c.degrees["dp_shard"] * c.degrees["cp"] > 1]
+    assert {c.reshard_after_forward for c in fsdp} == {True, False}
+    inter = {c.pp_stages_per_rank for c in result.candidates if c.pp_schedule == "interleaved_1f1b"}
+    assert inter == {2, 4}
+    assert result.chosen_cfg.sharding.reshard_after_forward == result.chosen.reshard_after_forward
+    # Held units cost memory and save gathers: for the same layout, never more exposed communication.
+    key = lambda c: (c.layout, c.short().replace(" held", ""), c.activation_checkpointing, c.micro_batch_size)  # noqa: E731
+    by = {}
+    for c in fsdp:
+        by.setdefault(key(c), {})[c.reshard_after_forward] = c
+    pairs = [p for p in by.values() if len(p) == 2]
+    assert pairs and all(p[False].exposed_comm_s <= p[True].exposed_comm_s + 1e-12 for p in pairs)
+    assert all(p[False].memory_gib >= p[True].memory_gib for p in pairs)

@@ -196,3 +196,61 @@ def test_tokenizer_train_refuses_a_vocab_size_out_of_range(
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"argument --vocab-size: {message}" in errors[0], errors
     assert not (tmp_path / "t.json").exists()
+
+
+def _saved_by_transformers(out: Path) -> Path:
+    """The shipped SFT tokenizer as transformers 5 writes it: ``save_pretrained`` puts the chat
+    template in chat_template.jinja (not tokenizer_config.json), with pad and unk tokens added."""
+    from transformers import AutoTokenizer
+
+    from tests.corpus import ROOT
+
+    hf = AutoTokenizer.from_pretrained(ROOT / "recipes" / "data" / "sft_tiny")
+    hf.add_special_tokens({"pad_token": "<|pad|>", "unk_token": "<|unk|>"})
+    hf.save_pretrained(out)
+    assert (out / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+    return out
+
+
+def test_chat_template_and_special_tokens_of_a_save_pretrained_folder_survive_save(tmp_path: Path) -> None:
+    """Read from chat_template.jinja (it was silently ignored: only tokenizer_config.json's was read)
+    and written back there, with bos/eos/pad/unk: AutoTokenizer of the copy equals the source's."""
+    from transformers import AutoTokenizer
+
+    src = _saved_by_transformers(tmp_path / "src")
+    tok = load_tokenizer(TokenizerConfig(kind=TokenizerKind.hf, path=str(src)))
+    assert tok.chat_template == (src / "chat_template.jinja").read_text()
+    assert tok.special_tokens == {
+        "bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|pad|>", "unk": "<|unk|>",
+    }  # fmt: skip
+    assert "chat_template.jinja" in tok.save(tmp_path / "copy")
+    theirs, ours = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(tmp_path / "copy")
+    for field in ("chat_template", "bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, field) == getattr(theirs, field) is not None, field
+    msgs = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(msgs)
+
+
+def test_chat_template_precedence_and_a_list_without_default(tmp_path: Path) -> None:
+    """transformers 5's order: chat_template.jinja, additional_chat_templates/default.jinja, then
+    tokenizer_config.json; named templates without a default are refused (they fell back silently)."""
+    src = _saved_by_transformers(tmp_path / "src")
+    conf = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": "config"}))
+    cfg = TokenizerConfig(kind=TokenizerKind.hf, path=str(src))
+    assert load_tokenizer(cfg).chat_template not in (None, "config")  # the .jinja file wins
+    (src / "chat_template.jinja").unlink()
+    assert load_tokenizer(cfg).chat_template == "config"
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("tools")
+    named = [{"name": "rag", "template": "rag"}]
+    (src / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": named}))
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(cfg)
+    msg = str(info.value)
+    assert "\n" not in msg and "chat templates ['rag', 'tool_use'] but no non-empty default" in msg, msg
+    (src / "additional_chat_templates" / "default.jinja").write_text("default")
+    assert load_tokenizer(cfg).chat_template == "default"

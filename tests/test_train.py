@@ -67,6 +67,16 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert losses(run) == pytest.approx(ref[9::10], rel=2e-5, abs=0)
     plan = json.loads((run / "plan.json").read_text())
     assert plan["strategy"] == "single" and plan["search"]["chosen"]["activation_checkpointing"] == "none"
+    # The first model a user trains can be used: one final checkpoint (checkpoint=final, the default),
+    # named in the summary with the commands that read it; generate samples from the run dir.
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000040"]
+    latest = summary["checkpoint"]["latest"]
+    assert latest == str(run / "checkpoints" / "step_000040") and summary["checkpoint"]["saved"] == 1
+    announced = f"checkpoint: {latest} (use it: python -m framework generate {run} --prompt"
+    assert announced in (run / "train.log").read_text()
+    from framework import __main__ as cli
+
+    assert cli.main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
 
 
 def test_four_ddp_ranks_match_one_process_in_one_run_dir(tmp_path: Path) -> None:

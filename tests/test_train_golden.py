@@ -28,7 +28,7 @@ from framework.data import build_data, document_eos
 from framework.launch import recipes
 from framework.launch.entry import prelaunch
 from framework.launch.ranks import register_resolvers
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.record.metrics import read_metrics
 from tests.entry import ROOT, train_forked
 

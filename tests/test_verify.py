@@ -25,7 +25,7 @@ from framework.config.schema import (
     VerifyConfig,
 )
 from framework.freeze import freeze
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.planner.layout import Degrees
 from framework.train.loop import build_optimizer, build_scheduler, train_step

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.config.schema import Config, FreezeConfig, FreezeMode, ModelConfig, Strategy
 from framework.freeze import freeze
-from framework.model import build_model, materialize
+from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.planner.resolve import make_plan
 from framework.verify import RankMismatchError, check_numerics, check_ranks

@@ -77,6 +77,7 @@ def hf_config(
     max_position_embeddings: int,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    pad_id: int | None = None,
 ) -> dict[str, object]:
     """``config.json`` for the spec's HF class (transformers' LlamaConfig field names)."""
     spec = model_spec(model_cfg)
@@ -114,14 +115,24 @@ def hf_config(
         "initializer_range": model_cfg.init_std,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
-def generation_config(bos_id: int | None, eos_id: int | None) -> dict[str, object]:
+def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None = None) -> dict[str, object]:
     """``generation_config.json`` (transformers' GenerationConfig fields): the special tokens that
-    ``generate`` starts and stops on; sampling settings stay transformers' defaults."""
-    return {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    ``generate`` starts, stops and pads on; sampling settings stay transformers' defaults."""
+    out: dict[str, object] = {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    return out | ({"pad_token_id": pad_id} if pad_id is not None else {})
+
+
+def special_ids(tokenizer: Tokenizer | None) -> tuple[int | None, int | None, int | None]:
+    """(bos, eos, pad) token ids of the tokenizer (None each without one, or without a tokenizer)."""
+    if tokenizer is None:
+        return None, None, None
+    pad = tokenizer.special_tokens.get("pad")
+    return tokenizer.bos_id, tokenizer.eos_id, None if pad is None else tokenizer.token_id(pad)
 
 
 def save_tokenizer(tokenizer: Tokenizer | None, out_dir: Path) -> list[str]:
@@ -141,9 +152,9 @@ def export_hf(
     save itself) its files into ``out_dir``; return ``out_dir``.
 
     ``model_state`` is the full, unsharded state (``full_model_state`` on rank 0); call this on
-    rank 0 only. Pass the training ``seq_len`` (or the longest context the model is meant for) as
-    ``max_position_embeddings``. ``tokenizer`` is a ``framework.data.tokenizer.Tokenizer``; its
-    ``bos_id``/``eos_id`` go into both configs.
+    rank 0 only. Pass the longest context the model is meant for (``model.max_position_embeddings``,
+    else the training ``seq_len``) as ``max_position_embeddings``. ``tokenizer`` is a
+    ``framework.data.tokenizer.Tokenizer``; its bos/eos/pad ids go into both configs.
     """
     from safetensors.torch import save_file
 
@@ -152,10 +163,10 @@ def export_hf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
-    cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos)
+    bos, eos, pad = special_ids(tokenizer)
+    cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos, pad)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = generation_config(bos, eos)
+    gen = generation_config(bos, eos, pad)
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     marker = {"written_by": "framework.checkpoint export-hf", "architecture": cfg["architectures"]}
     (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -215,7 +226,8 @@ def export_checkpoint(
     ``checkpoint``: a ``step_N`` dir, a checkpoint root or a run dir (its newest complete
     checkpoint). The model shape comes from the checkpoint (``extra.json``) or the run's
     ``config.yaml`` (``run_config``, default two levels above the step dir), which also gives the
-    tokenizer and ``max_position_embeddings`` (the training ``seq_len``). Raises ValueError when the
+    tokenizer. ``max_position_embeddings`` is the model's own (``model.max_position_embeddings``,
+    which ``model.init_from`` took from its source), else the training ``seq_len``. Raises ValueError when the
     path is not a checkpoint or its shape cannot be found, or OUT holds what export-hf did not
     write (unless ``force``).
     """
@@ -257,4 +269,5 @@ def export_checkpoint(
         state = lora.merge(
             lora.with_base(state, cfg.peft, model_cfg, cfg.model.init_from, cfg.train), cfg.peft
         )
-    return export_hf(state, model_cfg, out_dir, seq_len, tokenizer)
+    context = model_cfg.max_position_embeddings or seq_len
+    return export_hf(state, model_cfg, out_dir, context, tokenizer)

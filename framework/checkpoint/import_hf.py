@@ -49,6 +49,8 @@ SHAPE_FIELDS = {
     "rope_low_freq_factor": "rope_parameters.low_freq_factor",
     "rope_high_freq_factor": "rope_parameters.high_freq_factor",
     "rope_original_max_position": "rope_parameters.original_max_position_embeddings",
+    # Not a shape, but the source's context length: carried so that the export writes it back.
+    "max_position_embeddings": "max_position_embeddings",
 }
 # LlamaConfig's defaults for the fields a config.json may leave out (transformers' LlamaConfig).
 _HF_DEFAULTS: dict[str, Any] = {
@@ -57,6 +59,7 @@ _HF_DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
+    "max_position_embeddings": 0,  # unknown: the export then writes the training seq_len
 }
 
 
@@ -192,6 +195,7 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
             "ffn_dim",
             "vocab_size",
             "rope_original_max_position",
+            "max_position_embeddings",
         )
         for k, v in out.items():
             if k != "family":
@@ -286,7 +290,7 @@ def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], h
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
-    """Fill every parameter of a materialised (possibly sharded) Llama from ``ckpt``, each rank
+    """Fill every parameter of a materialised (possibly sharded) decoder from ``ckpt``, each rank
     reading only its local chunk. No collective: every rank calls it on its own."""
     from safetensors import safe_open
 

@@ -12,7 +12,7 @@ Two stages, as everywhere: ``resolve`` runs in the entry point, before the plan.
 shape from the source (config.json, or the shape the run saved), so ``model.init_from=PATH`` alone
 is enough, refuses a command-line shape override that contradicts it, and checks every tensor's
 name and shape against the model, all without reading tensor data. ``load`` runs on every rank
-after the (possibly sharded) model is placed (``framework.model.materialize``): each rank reads only
+after the (possibly sharded) model is placed (``framework.models.materialize``): each rank reads only
 its own shards, and no collective runs.
 """
 
@@ -41,7 +41,8 @@ def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
     """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
     fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields]
     shape = {k: getattr(model_cfg, k) for k in fields}
-    return shape | {"family": model_cfg.family.value}
+    # The name is not a shape (saved_shape leaves it out): a run started from this one logs it.
+    return shape | {"family": model_cfg.family.value, "name": model_cfg.name}
 
 
 def _typed(shape: dict[str, Any]) -> dict[str, Any] | None:
@@ -89,6 +90,24 @@ def saved_shape(step_dir: Path) -> dict[str, Any] | None:
             return None
         return _typed({k: model[k] for k in import_hf.SHAPE_FIELDS if k in model})
     return None
+
+
+def saved_name(step_dir: Path) -> str | None:
+    """The model name of the run that saved ``step_dir``: ``extra.json``'s ``model.name``, else the
+    run's ``config.yaml`` two levels up; None when neither says."""
+    from framework.checkpoint.state import read_extra
+
+    try:
+        name = (read_extra(step_dir)["extra"].get("model") or {}).get("name")
+    except (ValueError, AttributeError):
+        name = None
+    run_config = step_dir.parent.parent / RUN_CONFIG
+    if name is None and run_config.is_file():
+        try:
+            name = (OmegaConf.to_container(OmegaConf.load(run_config)).get("model") or {}).get("name")
+        except Exception:  # noqa: BLE001 - an unreadable config.yaml just gives no name
+            return None
+    return name if isinstance(name, str) and name else None
 
 
 def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None:
@@ -168,8 +187,10 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
                 f"model.{k}={set_on_cli[k]} on the command line contradicts {KEY}={str(path)!r}, whose "
                 f"{theirs}; drop the override (init_from sets the shape)"
             )
-    if hf is not None and "name" not in set_on_cli:
-        shape["name"] = path.name  # logs and the plan name the model loaded, not the recipe's
+    if "name" not in set_on_cli:  # logs and the plan name the model loaded, not the recipe's
+        name = path.name if hf is not None else saved_name(step_dir)  # type: ignore[arg-type]
+        if name is not None:
+            shape["name"] = name
     model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
     try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
         # rules, passed in: this layer sits below them)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from framework.checkpoint import store
 from framework.checkpoint.manager import Checkpointer
 from framework.checkpoint.preempt import PreemptionHandler
 from framework.config.schema import CheckpointConfig, TrainConfig
@@ -242,7 +243,8 @@ class RunCheckpoints:
                 self.preempt.close()
 
     def summary(self, is_main: bool) -> dict[str, Any] | None:
-        """Saves committed and failed, and the last failure (None without checkpointing)."""
+        """Saves committed and failed, the last failure and the newest committed checkpoint
+        (None without checkpointing)."""
         if self.ckpt is None:
             return None
         c = self.ckpt
@@ -253,7 +255,9 @@ class RunCheckpoints:
                 c.saves_failed,
                 c.last_error,
             )
-        return {"saved": c.saves_ok, "failed": c.saves_failed, "last_error": c.last_error}
+        committed = store.committed(c.root)  # the newest one is what generate / export-hf read
+        latest = str(committed[-1][1]) if committed else None
+        return {"saved": c.saves_ok, "failed": c.saves_failed, "last_error": c.last_error, "latest": latest}
 
     def _log_failures(self) -> None:
         """A ``checkpoint_failed`` event for each save that failed since the last call (at its own step)."""

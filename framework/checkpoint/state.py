@@ -90,7 +90,7 @@ def to_dcp(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
     (a pipeline's last stage offers its copy under that name: DCP writes one replica, and reads the
     embedding into it). ``from_dcp`` undoes it after a load."""
     how, out = _tied(model), dict(msd)
-    if how == "copy":
+    if how == "copy" and _OUTPUT in out:  # a frozen copy (peft=lora) is not in the state
         out[_EMBEDDING] = out.pop(_OUTPUT)
     elif how is not None:
         out.pop(_OUTPUT, None)
@@ -101,7 +101,7 @@ def from_dcp(model: nn.Module, loaded: dict[str, Any]) -> dict[str, Any]:
     """The model state dict to set from a payload that ``to_dcp`` made and DCP filled:
     ``output.weight`` again, with the embedding's value."""
     how, out = _tied(model), dict(loaded)
-    if how == "copy":
+    if how == "copy" and _EMBEDDING in out:
         out[_OUTPUT] = out.pop(_EMBEDDING)
     elif how is not None and _EMBEDDING in out:  # a frozen embedding is not in a LoRA checkpoint
         out[_OUTPUT] = out[_EMBEDDING]

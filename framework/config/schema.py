@@ -320,6 +320,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # The context length the model is made for (transformers' max_position_embeddings, which the HF
+    # export writes); 0 = train.seq_len. model.init_from takes it from the source's config.json.
+    max_position_embeddings: int = 0
     tie_embeddings: bool = True
     init_std: float = 0.02
     # cudnn measured 1.6x faster than flash for GQA at the Llama-3.2-1B shape on an H200. fa4:
@@ -378,6 +381,19 @@ class MixEntry:
     streaming: bool = False
     # Relative share of the samples (normalised over the mix; > 0).
     weight: float = 1.0
+
+
+@dataclass
+class EvalSet:
+    """One named validation set of ``train.eval_sets``: its own data (read with the run's tokenizer
+    and seq_len, from its start, in order), scored at every evaluation and logged as ``val_loss/NAME``."""
+
+    name: str = ""
+    source: DataSource = DataSource.jsonl
+    # A file, a folder or a glob, as data.path (text, jsonl, parquet, tokens, sft).
+    path: Optional[str] = None
+    field: str = "text"  # jsonl: the key of each line's text
+    column: str = "text"  # parquet: the column of the text
 
 
 @dataclass
@@ -450,7 +466,12 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
+    # Validation: this many global batches of held-out windows, the same windows on every layout
+    # (each rank evaluates its share); the loss is the mean over all their targets.
     eval_batches: int = 4
+    # Named validation sets scored beside the run's own (each eval_batches micro-batches per rank
+    # from its start): train.eval_sets='[{name: code, path: code.jsonl}]' logs val_loss/code.
+    eval_sets: list[EvalSet] = field(default_factory=list)
 
 
 @dataclass

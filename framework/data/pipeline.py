@@ -13,14 +13,25 @@ document sources and mixtures go through the packing ``StreamSampler`` (framewor
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from framework.config.schema import AttentionBackend, Config, DataConfig, DataSource, TokenizerKind
+from framework.config.schema import (
+    AttentionBackend,
+    Config,
+    DataConfig,
+    DataSource,
+    TokenizerKind,
+    TrainConfig,
+)
+from framework.data.evaluation import eval_rows
 from framework.data.records import (
     CHECK_ALL_BYTES,
     Records,
@@ -41,7 +52,9 @@ from framework.data.stream import (
 )
 from framework.data.tokenizer import Tokenizer, check_vocab, eos_fix, load_tokenizer
 from framework.data.tokens import tokenizer_digest
-from framework.model import NO_EOS
+from framework.models.parts.masks import NO_EOS
+
+log = logging.getLogger("framework")
 
 VAL_SEED = 12345  # the validation set is the same in every run (as validation_batches' seed)
 DOCUMENT_SOURCES = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.hf)
@@ -52,6 +65,71 @@ class Pipeline:
     sampler: BatchSampler | StreamSampler
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     description: str
+    # train.eval_sets: name -> this rank's batches (framework.data.evaluation rows, split over ranks)
+    eval_sets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def eval_set_data(cfg: Config, i: int) -> DataConfig:
+    """``train.eval_sets[i]`` as a data config: its source and path, the run's other data settings
+    (SFT fields, encode batch) and no hold-out or mixture. SFT examples one per row: packed rows
+    carry document-start flags that only a model built for packed SFT (the run's data) reads."""
+    e = cfg.train.eval_sets[i]
+    return dataclasses.replace(
+        cfg.data, source=e.source, path=e.path, val_path=None, field=e.field, column=e.column, mix=[],
+        sft_pack=False,
+    )  # fmt: skip
+
+
+def check_eval_sets(cfg: Config, tok: Tokenizer) -> None:
+    """Each named set: a unique name usable as a metric key, and data of at least one window
+    (read through once here, before launch, as the ranks will read it)."""
+    sets = cfg.train.eval_sets
+    if sets and cfg.train.eval_every <= 0:
+        raise ValueError(
+            f"train.eval_sets has {len(sets)} sets but train.eval_every={cfg.train.eval_every}: they are "
+            "scored at each evaluation; set train.eval_every>0 or drop train.eval_sets"
+        )
+    seen: set[str] = set()
+    for i, e in enumerate(sets):
+        key = f"train.eval_sets[{i}]"
+        if not EVAL_SET_NAME.fullmatch(e.name or "") or e.name in seen:
+            raise ValueError(
+                f"{key}.name={e.name!r}: valid: a unique non-empty name of letters, digits, '_', '.' or '-' "
+                f"(logged as val_loss/NAME); taken: {sorted(seen)}"
+            )
+        seen.add(e.name)
+        if not e.path:
+            raise ValueError(f"{key}.path is unset; valid: a file, folder or glob of {e.source.value} data")
+        limit = cfg.train.eval_batches * max(1, cfg.train.global_batch_size)
+        eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, cfg.train.seq_len, cfg.tokenizer.add_bos,
+                  limit, key)  # fmt: skip
+
+
+def eval_set_batches(cfg: Config, tok: Tokenizer, dp_rank: int, dp_size: int) -> dict[str, list]:
+    """This rank's batches of each named set: the set's first ``eval_batches * global_batch_size``
+    rows, as the validation set (the same tokens on every layout), cut to whole global batches when
+    the set is shorter (to a multiple of the dp degree when it is shorter than one); the same number
+    on every rank (each rank's forward is a collective under FSDP/TP), ``micro_batch_size`` at a time."""
+    t, out = cfg.train, {}
+    for i, e in enumerate(t.eval_sets):
+        key = f"train.eval_sets[{i}]"
+        rows, _ = eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, t.seq_len, cfg.tokenizer.add_bos,
+                            t.eval_batches * t.global_batch_size, key)  # fmt: skip
+        whole = rows.shape[0] // t.global_batch_size * t.global_batch_size
+        per_rank = (whole or rows.shape[0]) // dp_size
+        if per_rank == 0:
+            raise ValueError(
+                f"{key} ({e.name}) has {rows.shape[0]} windows of train.seq_len+1={t.seq_len + 1} tokens, "
+                f"fewer than the {dp_size} data-parallel ranks; give it more data"
+            )
+        mine = torch.from_numpy(np.ascontiguousarray(rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]))
+        out[e.name] = [
+            split_rows(mine[j : j + t.micro_batch_size]) for j in range(0, per_rank, t.micro_batch_size)
+        ]
+    return out
 
 
 def entries(data: DataConfig) -> list[tuple[SourceSpec, float]]:
@@ -110,6 +188,31 @@ def uses_batch_sampler(cfg: Config, tok: Tokenizer) -> bool:
     )
 
 
+def follow_tokenizer_vocab(cfg: Config, set_on_command_line: bool) -> Config:
+    """``model.vocab_size`` grows to the tokenizer's vocabulary when the user did not set it.
+
+    Why: the default recipe's 256 is the byte tokenizer's; a user who brings a 512-token BPE
+    (``tokenizer=hf tokenizer.path=...``) was told to also set ``model.vocab_size>=512``. A value set
+    on the command line is the user's: it stays, and one smaller than the tokenizer's vocabulary is
+    refused by ``check_data`` (exit 2). Under ``model.init_from`` the size is the checkpoint's. A
+    recipe value at least the tokenizer's stays (a recipe may round it up: sft_tiny's 384 holds its
+    tokenizer's 379); the rows past the tokenizer's are then never read (a warning says how many).
+    Raises ValueError (one line) for a tokenizer that does not load."""
+    if set_on_command_line or cfg.model.init_from:
+        return cfg
+    tok = load_tokenizer(cfg.tokenizer)
+    if tok.vocab_size <= cfg.model.vocab_size:
+        return cfg
+    log.info(
+        "model.vocab_size=%d: the tokenizer's vocabulary (tokenizer=%s; the recipe had %d; "
+        "model.vocab_size=N on the command line sets it)",
+        tok.vocab_size,
+        tok.kind.value,
+        cfg.model.vocab_size,
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
+
+
 def check_data(cfg: Config) -> None:
     """Every data and tokenizer check, once, before launch; raises ValueError with one clear line."""
     d = cfg.data
@@ -129,6 +232,7 @@ def check_data(cfg: Config) -> None:
     for spec, _ in entries(cfg.data):
         _check_entry(spec, tok, cfg)
     check_document_mask(cfg, tok)
+    check_eval_sets(cfg, tok)
 
 
 def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
@@ -300,8 +404,34 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
     return train, val, desc
 
 
+def stream_validation(
+    built: list[tuple[WindowSource, WindowSource, str]],
+    weights: list[float],
+    t: TrainConfig,
+    dp_rank: int,
+    dp_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation micro batches: ``train.eval_batches`` global batches of fixed windows
+    (the same on every layout, as ``validation_batches``), each rank taking its contiguous share."""
+    per_batch, share = t.global_batch_size, t.global_batch_size // dp_size
+    rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
+    val = []
+    for b in range(t.eval_batches):
+        mine = torch.from_numpy(np.ascontiguousarray(rows[b * per_batch + dp_rank * share :][:share]))
+        val += [split_rows(m) for m in mine.split(t.micro_batch_size)]
+    return val
+
+
 def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
-    """The sampler and this rank's fixed validation batches (checked before launch by check_data)."""
+    """The sampler, this rank's fixed validation batches and those of each ``train.eval_sets`` set
+    (checked before launch by check_data)."""
+    pipe = _build_data(cfg, dp_rank, dp_size)
+    if cfg.train.eval_sets and cfg.train.eval_every > 0:
+        pipe.eval_sets = eval_set_batches(cfg, load_tokenizer(cfg.tokenizer), dp_rank, dp_size)
+    return pipe
+
+
+def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
     tok = load_tokenizer(cfg.tokenizer)
     t = cfg.train
     if uses_batch_sampler(cfg, tok):
@@ -321,7 +451,14 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         val = []
         if t.eval_every > 0:
             val = validation_batches(
-                corpus, cfg.model.vocab_size, t.seq_len, t.micro_batch_size, t.eval_batches, dp_rank, dp_size
+                corpus,
+                cfg.model.vocab_size,
+                t.seq_len,
+                t.global_batch_size,
+                t.micro_batch_size,
+                t.eval_batches,
+                dp_rank,
+                dp_size,
             )
         if corpus is None:
             return Pipeline(sampler, val, "synthetic tokens")
@@ -340,14 +477,7 @@ def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
         t.seed,
         cfg.data.prefetch,
     )
-    val = []
-    if t.eval_every > 0:
-        per_batch = t.micro_batch_size * dp_size
-        rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
-        for b in range(t.eval_batches):
-            mine = rows[b * per_batch + dp_rank * t.micro_batch_size :][: t.micro_batch_size]
-            m = torch.from_numpy(np.ascontiguousarray(mine))
-            val.append(split_rows(m))
+    val = stream_validation(built, weights, t, dp_rank, dp_size) if t.eval_every > 0 else []
     if len(built) == 1:
         desc = built[0][2]
     else:

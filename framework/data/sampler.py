@@ -216,18 +216,25 @@ def validation_batches(
     corpus: Corpus | None,
     vocab_size: int,
     seq_len: int,
-    batch_size: int,
+    global_batch_size: int,
+    micro_batch_size: int,
     num_batches: int,
     dp_rank: int,
     dp_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed held-out set (same on every run), split across data-parallel ranks."""
+    """A fixed held-out set, the same windows on every run and every layout: ``num_batches`` global
+    batches of ``global_batch_size`` sequences, each rank taking its share in micro batches.
+
+    Why the global batch: it is the one batch size every layout of a run shares. Sized by the micro
+    batch (as it was), one process (micro batch 16), pp=2 (4) and an interleaved pipeline (2)
+    evaluated 64, 16 and 8 different windows, and reported different validation losses for the
+    same weights."""
     sampler = BatchSampler(
         None if corpus is None else corpus.val,
         vocab_size,
         seq_len,
-        batch_size * dp_size,
-        batch_size,
+        global_batch_size,
+        micro_batch_size,
         dp_rank,
         dp_size,
         seed=12345,

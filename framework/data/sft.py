@@ -6,8 +6,9 @@ A jsonl line is a conversation, ``{"messages": [{"role": ..., "content": ...}, .
 ``data.prompt_field`` and ``data.response_field``.
 
 How an example becomes tokens:
-- with a chat template (an HF tokenizer folder whose ``tokenizer_config.json`` has
-  ``chat_template``): the template is rendered with jinja2 as ``transformers``' ``apply_chat_template``
+- with a chat template (an HF tokenizer folder's ``chat_template.jinja``, where transformers 5's
+  ``save_pretrained`` writes it, or its ``tokenizer_config.json``'s ``chat_template``:
+  framework.data.tokenizer.read_chat_template): the template is rendered with jinja2 as ``transformers``' ``apply_chat_template``
   renders it (a sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
   ``bos_token``/``eos_token``), one message at a time: the text an assistant message adds after the
   generation prompt (its content and the template's end-of-turn token) is trained on, everything else
@@ -19,7 +20,7 @@ How an example becomes tokens:
 
 Whole examples are packed back to back into rows of ``seq_len + 1`` tokens (``data.sft_pack``;
 false: one example per row), padded with EOS whose targets are masked. Each example's first token
-carries ``DOC_START`` (framework.model): the model starts a document there, so attention and RoPE
+carries ``DOC_START`` (framework.models): the model starts a document there, so attention and RoPE
 positions stay within the example (``data.document_mask=true`` is refused: an EOS mask would also
 cut a conversation at an EOS inside it). An example longer than the row is cut
 (the end of its response is lost; the number cut is logged before launch); an example whose prompt
@@ -46,7 +47,7 @@ from framework.config.schema import DataConfig
 from framework.data.records import json_line, watched
 from framework.data.tokenizer import Tokenizer, eos_fix
 from framework.data.tokens import FileStamp
-from framework.model import DOC_START
+from framework.models.parts.masks import DOC_START
 
 log = logging.getLogger("framework")
 
@@ -167,12 +168,27 @@ def _bounded_binop(op: str, left: Any, right: Any) -> Any:
 
 
 def _chat_env() -> Any:
-    """transformers' chat-template environment (utils/chat_template_utils.py), without its
-    ``{% generation %}`` tracker: a sandbox, since a template from a shared folder is untrusted,
-    whose arithmetic is bounded (``_bounded_binop``; ``render_bounded`` bounds the loops)."""
+    """transformers' chat-template environment (utils/chat_template_utils.py): a sandbox, since a
+    template from a shared folder is untrusted, whose arithmetic is bounded (``_bounded_binop``;
+    ``render_bounded`` bounds the loops). ``{% generation %}`` blocks render their body (transformers
+    tracks their offsets; the masks here come from rendering message by message). No ``strftime_now``:
+    templates that test for it (Llama 3's) then write their fixed date, so that the tokens of an
+    example do not change with the day a run (or its resume) starts."""
     import jinja2
     import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlocks(jinja2.ext.Extension):
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"**", "*", "+"})
@@ -194,7 +210,9 @@ def _chat_env() -> Any:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     return env
@@ -243,17 +261,6 @@ def render_bounded(template: Any, **context: Any) -> str:
         sys.settrace(previous)
 
 
-def chat_template(tok: Tokenizer) -> str | None:
-    """The tokenizer's chat template (tokenizer_config.json's ``chat_template``; of a list of named
-    templates, the one named ``default``), or None."""
-    value = getattr(tok, "config", {}).get("chat_template")
-    if isinstance(value, list):
-        value = next(
-            (t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None
-        )
-    return value if isinstance(value, str) and value else None
-
-
 class ChatFormat:
     """Messages -> (token ids, which of them are trained on), by the chat template or the plain format."""
 
@@ -265,13 +272,19 @@ class ChatFormat:
             )
         self.tok = tok
         self.bos = tok.bos_id if add_bos else None
-        self.template_text = chat_template(tok)
+        self.template_text = tok.chat_template
         self.template = None
         if self.template_text is not None:
             try:
                 self.template = _chat_env().from_string(self.template_text)
             except Exception as e:  # noqa: BLE001 - jinja2 raises TemplateSyntaxError and others
-                raise ValueError(f"the tokenizer's chat_template does not parse ({e})") from e
+                where = getattr(tok, "path", "the tokenizer")
+                first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise ValueError(
+                    f"data=sft: the chat template of {where} does not parse here ({first}); valid: a "
+                    "template transformers' apply_chat_template renders, or a tokenizer folder without one "
+                    "(the plain format)"
+                ) from None
         self.special = {
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
@@ -293,6 +306,16 @@ class ChatFormat:
             ) from None
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, or any jinja2 error
             raise ValueError(f"{where}: the chat template failed on this conversation ({e})") from e
+
+    def prompt(self, messages: list[dict], where: str = "--chat") -> str:
+        """The text that asks the model for the next assistant turn (``add_generation_prompt``):
+        what ``python -m framework generate --chat`` encodes. ValueError without a template."""
+        if self.template is None:
+            raise ValueError(
+                f"{where}: {getattr(self.tok, 'path', 'the tokenizer')} has no chat template (no "
+                "chat_template.jinja, none in tokenizer_config.json); drop --chat to use the prompt as it is"
+            )
+        return self._render(messages, True, where)
 
     def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
         """(text, trained on) pieces whose concatenation is the rendered conversation."""

@@ -9,6 +9,11 @@ Kinds: ``bytes`` (one token per UTF-8 byte, the embedded default), ``hf`` (a ``t
 ``sentencepiece`` (a ``tokenizer.model``, Llama-2 style). BOS/EOS are explicit: ``encode`` never adds
 special tokens; the data pipeline appends ``eos_id`` after each document (and ``bos_id`` before it
 with ``tokenizer.add_bos=true``). ``train_bpe`` trains a byte-level BPE offline.
+
+A file tokenizer also carries what its folder says beside the vocabulary, read as transformers 5
+reads it and written back the same way by ``save``: the chat template (``chat_template.jinja``,
+which ``save_pretrained`` writes, before ``tokenizer_config.json``'s ``chat_template``) and the special
+tokens (bos, eos, pad, unk: ``tokenizer_config.json``, else ``special_tokens_map.json``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
 # What `tokenizer train` adds to the vocabulary (Llama-3's names: the HF export and AutoTokenizer
 # recognise them through tokenizer_config.json).
 TRAIN_BOS, TRAIN_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Where transformers 5's save_pretrained puts the chat template(s) (utils CHAT_TEMPLATE_FILE / _DIR);
+# a file there wins over tokenizer_config.json's ``chat_template``, as in its from_pretrained.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 
 
 class Tokenizer(Protocol):
@@ -40,12 +50,20 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    # The folder's default chat template (None: it has none), and its special tokens by role
+    # (``SPECIAL_TOKENS``; a role it does not name is absent).
+    chat_template: str | None
+    special_tokens: dict[str, str]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, never with special tokens (the caller adds BOS/EOS explicitly)."""
         ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary by its text (a special token's), or None."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -80,12 +98,17 @@ class ByteTokenizer:
     vocab_size = 256
     bos_id: int | None = None
     eos_id: int | None = None
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = {}  # noqa: RUF012 - read only
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
+
+    def token_id(self, token: str) -> int | None:
+        return None  # no special tokens
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -103,7 +126,7 @@ class ByteTokenizer:
         tok = HFTok(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        return _save_hf(tok, out_dir, None, None, {})
+        return _save_hf(tok, out_dir, {}, None, {})
 
 
 class HFTokenizer:
@@ -121,17 +144,19 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any parse error
             first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise ValueError(f"tokenizer.path={str(path)!r} is not a valid tokenizer.json ({first})") from e
-        side = path.parent / "tokenizer_config.json"
         self.config: dict[str, Any] = {}
-        if side.is_file() and path.name == "tokenizer.json":
-            try:
-                self.config = json.loads(side.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{side} is not valid JSON ({e})") from e
+        self.chat_template: str | None = None
+        if path.name == "tokenizer.json":  # a folder's: its side files describe it
+            self.config = read_side_config(path.parent)
+            self.chat_template = read_chat_template(path.parent, self.config)
         self.bos_token = self._special("bos", bos_token, BOS_NAMES)
         self.eos_token = self._special("eos", eos_token, EOS_NAMES)
         self.bos_id = None if self.bos_token is None else self.tok.token_to_id(self.bos_token)
         self.eos_id = None if self.eos_token is None else self.tok.token_to_id(self.eos_token)
+        self.special_tokens = {"bos": self.bos_token, "eos": self.eos_token}
+        for which in ("pad", "unk"):
+            self.special_tokens[which] = self._special(which, None, ())
+        self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
         # Ids can have holes (added tokens past the base vocabulary): the embedding needs max id + 1.
         ids = self.tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self.tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
@@ -159,6 +184,9 @@ class HFTokenizer:
         # encode_batch_fast: no offsets; the Rust side spreads the batch over its thread pool.
         return [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
+    def token_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -169,8 +197,8 @@ class HFTokenizer:
         return hashlib.sha256((blob + json.dumps(model.get("merges"))).encode()).hexdigest()
 
     def save(self, out_dir: Path) -> list[str]:
-        extra = {k: self.config[k] for k in ("chat_template", "model_max_length") if k in self.config}
-        return _save_hf(self.tok, out_dir, self.bos_token, self.eos_token, extra)
+        extra = {k: self.config[k] for k in ("model_max_length", "add_bos_token") if k in self.config}
+        return _save_hf(self.tok, out_dir, self.special_tokens, self.chat_template, extra)
 
 
 class SentencePieceTokenizer:
@@ -192,6 +220,10 @@ class SentencePieceTokenizer:
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id = self._special("bos", bos_token, self.sp.bos_id())
         self.eos_id = self._special("eos", eos_token, self.sp.eos_id())
+        ids = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.sp.pad_id(), "unk": self.sp.unk_id()}
+        self.special_tokens = {k: self.sp.id_to_piece(i) for k, i in ids.items() if i is not None and i >= 0}
+        side = read_side_config(path.parent) if path.name == "tokenizer.model" else {}
+        self.chat_template = read_chat_template(path.parent, side) if path.name == "tokenizer.model" else None
 
     def _special(self, which: str, configured: str | None, own: int) -> int | None:
         if configured is None:
@@ -207,6 +239,10 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.sp.encode(list(texts))
 
+    def token_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return i if self.sp.id_to_piece(i) == token else None
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
@@ -218,20 +254,25 @@ class SentencePieceTokenizer:
         (AutoTokenizer converts the model itself); plus a tokenizer.json, converted by transformers'
         Llama converter, when transformers is installed."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        piece = self.sp.id_to_piece
-        bos = piece(self.bos_id) if self.bos_id is not None else None
-        eos = piece(self.eos_id) if self.eos_id is not None else None
         (out_dir / "tokenizer.model").write_bytes(self.sp.serialized_model_proto())
-        config = {"tokenizer_class": "LlamaTokenizer", "bos_token": bos, "eos_token": eos}
+        tokens = {f"{k}_token": self.special_tokens.get(k) for k in SPECIAL_TOKENS}
+        tokens = {k: v for k, v in tokens.items() if v is not None or k in ("bos_token", "eos_token")}
+        config = {"tokenizer_class": "LlamaTokenizer", **tokens}
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = ["tokenizer.model", "tokenizer_config.json"]
+        if self.chat_template is not None:
+            (out_dir / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
+            written.append(CHAT_TEMPLATE_FILE)
         try:
             from transformers import AutoTokenizer
         except ImportError:
             return written
         AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
         return sorted(
-            {*written, *(p.name for p in out_dir.iterdir() if p.name.startswith(("tokenizer", "special")))}
+            {
+                *written,
+                *(p.name for p in out_dir.iterdir() if p.name.startswith(("tokenizer", "special", "chat"))),
+            }
         )
 
 
@@ -245,20 +286,92 @@ def needs(module: str, what: str) -> Any:
         raise ValueError(f"{what} needs the {module} package: pip install -e '.[data]'") from e
 
 
-def _save_hf(tok: Any, out_dir: Path, bos: str | None, eos: str | None, extra: dict[str, Any]) -> list[str]:
+def _save_hf(
+    tok: Any, out_dir: Path, special: dict[str, str], template: str | None, extra: dict[str, Any]
+) -> list[str]:
+    """tokenizer.json, tokenizer_config.json (the special tokens) and special_tokens_map.json, plus
+    the chat template where transformers 5 reads it (``CHAT_TEMPLATE_FILE``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
+    tokens = {f"{k}_token": special.get(k) for k in SPECIAL_TOKENS if k in special or k in ("bos", "eos")}
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
+        **tokens,
         "clean_up_tokenization_spaces": False,
         **extra,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    mapped = {k: v for k, v in tokens.items() if v is not None}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(mapped, indent=2, ensure_ascii=False) + "\n")
+    written = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    stale = out_dir / CHAT_TEMPLATE_FILE  # an earlier export's template must not outlive this one
+    if template is not None:
+        stale.write_text(template, encoding="utf-8")
+        written.append(CHAT_TEMPLATE_FILE)
+    elif stale.is_file():
+        stale.unlink()
+    return written
+
+
+def read_side_config(folder: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` of a tokenizer folder ({} when absent), its missing special tokens
+    filled from ``special_tokens_map.json`` (older folders name them only there). ValueError when
+    either is not a JSON object."""
+    config: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        side = folder / name
+        if not side.is_file():
+            continue
+        try:
+            blob = json.loads(side.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{side} is not valid JSON ({e})") from e
+        if not isinstance(blob, dict):
+            raise ValueError(f"{side} holds a {type(blob).__name__}; valid: a JSON object")
+        if name == "tokenizer_config.json":
+            config = blob
+        else:
+            keys = [f"{k}_token" for k in SPECIAL_TOKENS]
+            config |= {k: blob[k] for k in keys if k in blob and k not in config}
+    return config
+
+
+def read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """The folder's default chat template, found where transformers 5 looks, in its order:
+    ``chat_template.jinja``, ``additional_chat_templates/default.jinja``, then tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named templates: the one named ``default``). None when
+    there is none at all; ValueError when there are templates but none is the default, or a file
+    does not read as UTF-8 text: falling back to another format silently trained on other tokens."""
+    named: dict[str, str] = {}
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        named["default"] = value
+    elif isinstance(value, list):
+        named |= {t["name"]: t.get("template") for t in value if isinstance(t, dict) and "name" in t}
+    elif value is not None:
+        raise ValueError(
+            f"{folder / 'tokenizer_config.json'}: chat_template is a {type(value).__name__}; valid: a "
+            "string or a list of {name, template}"
+        )
+    extra = folder / CHAT_TEMPLATE_DIR
+    files = sorted(extra.glob("*.jinja")) if extra.is_dir() else []
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        files.append(folder / CHAT_TEMPLATE_FILE)
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat template {f} does not read as UTF-8 text ({e})") from None
+        named["default" if f.name == CHAT_TEMPLATE_FILE else f.stem] = text
+    if not named:
+        return None
+    template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError(
+            f"tokenizer folder {folder} has chat templates {sorted(named)[:8]} but no non-empty default "
+            f"one; valid: a {CHAT_TEMPLATE_FILE}, or a template named 'default'"
+        )
+    return template
 
 
 def resolve_path(kind: TokenizerKind, path: str | None) -> Path:
@@ -319,7 +432,7 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = N
         fix = (
             f"the size of model.init_from={init_from!r}; use that model's own tokenizer"
             if init_from
-            else f"set model.vocab_size>={tok.vocab_size}"
+            else f"set model.vocab_size>={tok.vocab_size} (or leave it unset: it then follows the tokenizer)"
         )
         raise ValueError(
             f"the tokenizer's vocabulary ({tok.vocab_size} tokens, tokenizer={tok.kind.value}) is larger "

@@ -1,94 +1,38 @@
-"""Sample text from a trained model: ``python -m framework.generate RUN_DIR|CHECKPOINT --prompt ...``.
+"""Sample text from a trained model: ``python -m framework.generate RUN_DIR|CHECKPOINT|HF_DIR --prompt ...``.
 
-Why a KV cache here rather than in ``framework.model``: training runs whole sequences through one
-causal SDPA call, and a cache would put a branch and per-call state into the graphs that freeze,
-export and compile see. Decoding instead walks the same modules (the same weights, norms, RoPE and
-SwiGLU) step by step, keeping each layer's keys and values. The tests check it against re-running
-the full forward for every new token.
+Decoding walks the model's own modules step by step with a KV cache (``framework.models.KVCache``
+and ``forward_cached``: each block's cached step sits beside its ``forward``, in its family's parts,
+so a family's decoding is the family's own). The tests check it against re-running the full forward
+for every new token.
 
 The model is rebuilt from the run's resolved ``config.yaml`` and its weights are read from a DCP
-checkpoint in one process (DCP reshards whatever layout saved them); the tokenizer is the run's.
+checkpoint in one process (DCP reshards whatever layout saved them); the tokenizer is the run's. A
+Hugging Face folder is loaded by the command line's ``load`` (framework.launch.generate passes
+framework.launch.source's, which checks it as ``model.init_from`` does), with its own tokenizer.
+Decoding stops at the tokenizer's EOS (and, for an HF folder, at every ``eos_token_id`` of its
+``generation_config.json``: chat models end a turn on another token), which is not printed.
+``--chat`` renders the prompt as one user message through the tokenizer's chat template
+(``add_generation_prompt``) and prints the reply only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from framework.config.schema import Config, to_config
-from framework.model import (
-    Attention,
-    Llama,
-    TransformerBlock,
-    apply_rope,
-    build_model,
-    causal_band,
-    rope_tables,
-)
-from framework.models import model_spec
-
-
-@dataclass
-class KVCache:
-    """Keys and values per layer, (batch, kv_heads, capacity, head_dim); ``length`` positions filled."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    rope: torch.Tensor
-    length: int = 0
-    window: int = 0  # the family's sliding window (0: every cached key is seen)
-
-    @classmethod
-    def empty(cls, model: Llama, batch: int, capacity: int) -> KVCache:
-        cfg = model.cfg
-        head_dim = model_spec(cfg).head_dim
-        p = model.tok_embeddings.weight
-        shape = (batch, cfg.n_kv_heads, capacity, head_dim)
-        keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        # Tables for the whole capacity: a prompt plus its continuation may be longer than training's seq_len.
-        rope = rope_tables(head_dim, capacity, cfg.rope_theta, p.device, cfg)
-        return cls(keys, values, rope, window=model_spec(cfg).sliding_window)
-
-
-def _attend(attn: Attention, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-    b, s, _ = x.shape
-    start, end = cache.length, cache.length + s
-    q, k, v = attn.heads(x)
-    rope = cache.rope[start:end]
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
-    cache.values[layer][:, :, start:end] = v.transpose(1, 2)
-    keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
-    # the last ``sliding_window`` of them where the family has a window.
-    mask = causal_band(s, end, start, cache.window, x.device)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.gqa)
-    return attn.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-def _block(block: TransformerBlock, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-    h = x + _attend(block.attention, block.attention_norm(x), cache, layer)
-    return h + block.feed_forward(block.ffn_norm(h))
-
-
-@torch.no_grad()
-def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones."""
-    h = model.tok_embeddings(tokens)
-    for i, block in enumerate(model.layers.values()):
-        h = _block(block, h, cache, i)
-    cache.length += tokens.shape[1]
-    return model.output(model.norm(h[:, -1]))
+from framework.data.tokenizer import Tokenizer
+from framework.models import Decoder, KVCache, build_model, forward_cached
 
 
 def sample_next(
@@ -107,26 +51,28 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: Llama,
+    model: Decoder,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     seed: int = 0,
 ) -> list[int]:
-    """The tokens generated after ``prompt`` (not including it); stops early at ``eos_id``."""
+    """The tokens generated after ``prompt`` (not including it); stops early at ``eos_id`` (one id
+    or several), which ends the list."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. --prompt 'def ')")
     device = model.tok_embeddings.weight.device
     cache = KVCache.empty(model, 1, len(prompt) + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed)
     logits = forward_cached(model, torch.tensor([prompt], device=device), cache)
+    stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     out: list[int] = []
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, generator)
         out.append(int(nxt.item()))
-        if eos_id is not None and out[-1] == eos_id:
+        if out[-1] in stop:
             break
         logits = forward_cached(model, nxt.view(1, 1), cache)
     return out
@@ -213,7 +159,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
     return found
 
 
-def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
+def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
     """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
     from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 
@@ -232,12 +178,66 @@ def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Llama:
     return model.eval()
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Loaded:
+    """What ``main`` samples from: the model, its tokenizer, the ids that end a reply and what the
+    weights were read from (printed on stderr)."""
+
+    model: Decoder
+    tokenizer: Tokenizer
+    stop_ids: set[int]
+    weights: Path
+
+
+# (PATH, --config, device) -> the model to sample from; framework.launch.generate passes one that
+# also takes a Hugging Face folder.
+Loader = Callable[[Path, "Path | None", torch.device], Loaded]
+
+
+def load_run(path: Path, config: Path | None, device: torch.device) -> Loaded:
+    """A run dir's newest verified checkpoint, or one checkpoint, with the run's tokenizer."""
     from framework.data.tokenizer import load_tokenizer
 
+    cfg = load_run_config(config or find_run_config(path))
+    checkpoint = resolve_checkpoint(path, cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    stop = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    return Loaded(load_model(checkpoint, cfg, device), tokenizer, stop, checkpoint)
+
+
+def generation_stop_ids(folder: Path) -> set[int]:
+    """``eos_token_id`` of an HF folder's generation_config.json (an id or a list; Llama 3's instruct
+    models end a turn on <|eot_id|>, not on the tokenizer's EOS); empty when absent or unreadable."""
+    try:
+        value = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    values = value if isinstance(value, list) else [value]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's ids; with ``chat``, of the chat template's rendering of it as one user message."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    from framework.data.sft import ChatFormat
+
+    return tokenizer.encode(
+        ChatFormat(tokenizer, add_bos=False).prompt([{"role": "user", "content": prompt}])
+    )
+
+
+def main(argv: list[str] | None = None, load: Loader = load_run) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path, help="a run dir (its newest checkpoint) or a checkpoint dir")
+    parser.add_argument(
+        "path", type=Path, help="a run dir (its newest checkpoint), a checkpoint dir or a Hugging Face folder"
+    )
     parser.add_argument("--prompt", required=True)
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the tokenizer's chat template to the prompt; print the reply",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -250,24 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_flags(args.max_new_tokens, args.temperature, args.top_k)
         device = parse_device(args.device)
-        cfg = load_run_config(args.config or find_run_config(args.path.resolve()))
-        checkpoint = resolve_checkpoint(args.path.resolve(), cfg)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        model = load_model(checkpoint, cfg, device)
+        if args.config is not None:
+            load_run_config(args.config)  # a bad --config is refused before anything is read
+        src = load(args.path.resolve(), args.config, device)
+        prompt = encode_prompt(src.tokenizer, args.prompt, args.chat)
         ids = generate(
-            model,
-            tokenizer.encode(args.prompt),
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            tokenizer.eos_id,
-            args.seed,
+            src.model, prompt, args.max_new_tokens, args.temperature, args.top_k, src.stop_ids, args.seed
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"# {checkpoint}", file=sys.stderr)
-    print(args.prompt + tokenizer.decode(ids))
+    if ids and ids[-1] in src.stop_ids:
+        ids = ids[:-1]  # the end of the reply, not part of it
+    print(f"# {src.weights}", file=sys.stderr)
+    text = src.tokenizer.decode(ids)
+    print(text if args.chat else args.prompt + text)
     return 0
 
 

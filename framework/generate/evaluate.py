@@ -1,59 +1,81 @@
-"""Validation loss of a trained model: ``python -m framework evaluate RUN_DIR|CHECKPOINT``.
+"""Loss, perplexity and token count of a model on a data set: what ``python -m framework evaluate``
+computes (its command line, which composes the config and loads the model from a run dir, a
+checkpoint or a Hugging Face folder, is ``framework.launch.evaluate``).
 
-Why a tool and not a training run with zero steps: a run dir already holds all that validation
-needs (its resolved ``config.yaml`` and its checkpoints), so this reuses the training code's own
-pieces without a process group: the model and weights as ``framework.generate.decode`` loads them, the
-validation batches of ``framework.data.pipeline.build_data`` and the loss of ``framework.train.loop.evaluate``.
-The batches are those of one data-parallel rank, so for a one-rank run at its last step the figure is
-the run's final ``val_loss``.
+Two evaluation sets:
+
+- the run's own validation batches (``framework.data.pipeline.build_data``, one
+  data-parallel rank), so that for a one-rank run at its last step the figure is its final ``val_loss``.
+- ``data_rows``: a whole data set in order, one pass (framework.data.evaluation): ``data.val_path``
+  if set, else every record of ``data.path`` (no hold-out), in consecutive windows of
+  ``train.seq_len + 1`` tokens as training packs them. Data shorter than one window is refused.
+
+The loss is the mean cross-entropy (fp32) over every scored target token of the whole set (token
+weighted, not a mean of batch means), the figure transformers' causal-LM loss gives on the same
+tokens.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import math
-import sys
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-from omegaconf import OmegaConf
+import torch.nn.functional as F
 
-from framework.config.schema import to_config
+from framework.config.schema import Config
+from framework.data.evaluation import eval_rows
+from framework.data.sft import IGNORE_INDEX, split_rows
+from framework.data.tokenizer import Tokenizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from framework.data.pipeline import build_data
-    from framework.generate.decode import find_run_config, load_model, resolve_checkpoint
-    from framework.train.loop import evaluate
+@dataclass(frozen=True)
+class Score:
+    """The result of one evaluation."""
 
-    parser = argparse.ArgumentParser(prog="python -m framework evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path, help="a run dir (its newest checkpoint) or a checkpoint dir")
-    parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's)")
-    parser.add_argument(
-        "--config", type=Path, default=None, help="the run's config.yaml (default: found above PATH)"
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        if args.batches is not None and args.batches < 1:
-            raise ValueError(f"--batches={args.batches} must be >= 1")
-        cfg = to_config(OmegaConf.load(args.config or find_run_config(args.path.resolve())))
-        checkpoint = resolve_checkpoint(args.path.resolve(), cfg)
-        batches = args.batches or cfg.train.eval_batches
-        cfg.train = dataclasses.replace(
-            cfg.train, eval_every=max(1, cfg.train.eval_every), eval_batches=batches
+    loss: float  # mean cross-entropy per scored token, nats
+    tokens: int  # scored target tokens (masked SFT prompt tokens are not counted)
+    windows: int  # rows of train.seq_len + 1 tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def data_rows(cfg: Config, tok: Tokenizer, limit: int | None = None) -> tuple[np.ndarray, str]:
+    """The evaluation set of ``cfg.data`` (framework.data.evaluation.eval_rows) with the run's
+    seq_len, vocabulary and BOS setting."""
+    t = cfg.train
+    return eval_rows(cfg.data, tok, cfg.model.vocab_size, t.seq_len, cfg.tokenizer.add_bos, limit)
+
+
+def batches_of(rows: np.ndarray, micro_batch_size: int) -> Iterator[Batch]:
+    """(inputs, targets) of ``micro_batch_size`` rows at a time (the last batch may be smaller)."""
+    for i in range(0, rows.shape[0], micro_batch_size):
+        yield split_rows(torch.from_numpy(np.ascontiguousarray(rows[i : i + micro_batch_size])))
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, batches: Iterator[Batch] | list[Batch], device: torch.device) -> Score:
+    """Token-weighted mean cross-entropy (fp32 log-softmax, as the model's loss head) over ``batches``."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = windows = 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
         )
-        device = torch.device(args.device)
-        model = load_model(checkpoint, cfg, device)
-        val_loss = evaluate(model, build_data(cfg, 0, 1).val_batches, device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({"checkpoint": str(checkpoint), "val_loss": val_loss, "val_ppl": math.exp(val_loss)}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        total += loss.double()
+        tokens += int((y != IGNORE_INDEX).sum())
+        windows += x.shape[0]
+    model.train(was_training)
+    if tokens == 0:
+        raise ValueError("the evaluation set has no scored target token (every target is masked)")
+    return Score(float(total) / tokens, tokens, windows)

@@ -11,7 +11,7 @@ torch's own FA4 entry unpacks ``_flash_attn_fwd``'s result as ``(out, lse)``, wh
 4.0.0b36 returns five values; so this module registers torch's FA4 glue under its own name with
 itself as the kernel module (``_flash_attn_fwd``/``_flash_attn_bwd`` below pass the calls on and keep
 the results torch reads). The swap is for the whole process, so it is made where the model meets
-its device (``framework.model.materialize``). ``check`` refuses before launch what FA4 cannot run.
+its device (``framework.models.materialize``). ``check`` refuses before launch what FA4 cannot run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 
 from framework.config.schema import AttentionBackend, Config
 from framework.kernels.target import MissingPackage
-from framework.models import model_spec
 
 IMPL = "FA4_framework"  # this module's entry in torch's registry (torch's own is "FA4")
 KERNELS = "flash_attn.cute.interface"  # flash-attn-4's kernel module
@@ -88,15 +87,17 @@ def head_dim_supported(major: int, head_dim: int) -> bool:
     return 8 <= head_dim <= 256 if major == 9 else 8 <= head_dim <= 128 or head_dim == 256
 
 
-def check(cfg: Config, device_type: str, capability: tuple[int, int] | None, name: str) -> None:
+def check(
+    cfg: Config, device_type: str, capability: tuple[int, int] | None, name: str, *, head_dim: int
+) -> None:
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
     attention ops itself), on a torch without the registry, or without the package. (The document
     mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)
-    The last two are ``MissingPackage``: a dry run only warns of them (framework.kernels.target)."""
+    The last two are ``MissingPackage``: a dry run only warns of them (framework.kernels.target).
+    ``head_dim``: the model's head size, from its spec (the caller reads it: kernels sit below models)."""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
-    head_dim = model_spec(cfg.model).head_dim
     if device_type != "cuda" or capability is None:
         raise ValueError(
             f"{KEY} needs a CUDA GPU of compute capability 9.x or 10.x (Hopper, Blackwell), this run "

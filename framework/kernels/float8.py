@@ -1,7 +1,8 @@
 """Which Linear layers train in float8 (``model.float8``), and what cannot: the rules, without torchao.
 
 The planner, the entry point's refusals and ``framework.parallel.float8`` (which does the swap with
-torchao) all read the same rules from here, so the plan counts exactly the layers that are swapped
+torchao) all read the same rules from here (``converts``; ``framework.models.linears`` applies it to
+the model's Linear layers, from its spec), so the plan counts exactly the layers that are swapped
 and a config that float8 cannot run is refused before launch, on any host, torchao installed or not.
 
 The default filter follows torchtitan's float8 converter: keep the output head in bf16
@@ -13,11 +14,8 @@ GEMM saves; at the 125M's dim 768 float8 everywhere made a run slower).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from framework.config.schema import Float8Recipe, ModelConfig
 from framework.kernels.target import MissingPackage
-from framework.models import TPStyle, model_spec
 
 # Hopper (sm90) and Ada (sm89) have float8 tensor cores; torch._scaled_mm refuses older GPUs.
 MIN_CAPABILITY = (8, 9)
@@ -28,29 +26,6 @@ MIN_CAPABILITY = (8, 9)
 # Linear in float8 tensorwise: peak 65.8 -> 52.0 GiB, i.e. 1.25 bytes per input element per token;
 # benchmarks/PERF.md): a fit, not a derivation.
 SAVED_BYTES_PER_INPUT = 1.25
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """One ``nn.Linear`` of framework.model.Llama: ``weight`` is (out_features, in_features)."""
-
-    fqn: str
-    out_features: int
-    in_features: int
-    tp_style: str  # "colwise" (shards out_features under TP) or "rowwise" (shards in_features)
-
-
-def linear_shapes(m: ModelConfig) -> list[LinearShape]:
-    """Every Linear of the model, in module order, from its spec (framework.models)."""
-    spec = model_spec(m)
-    out: list[LinearShape] = []
-    for unit in spec.units():
-        for w in spec.block:
-            if w.tp in (TPStyle.colwise, TPStyle.rowwise):
-                out.append(LinearShape(f"{unit}.{w.module}", *w.shape, w.tp.value))
-    head = next(w for w in spec.last if w.tp is TPStyle.output)
-    out.append(LinearShape(head.module, *head.shape, "colwise"))
-    return out
 
 
 def pays_off(recipe: Float8Recipe, n: int, k: int) -> bool:
@@ -75,63 +50,6 @@ def converts(
     if out_features % 16 or in_features % 16:
         return False
     return not m.float8_size_filter or pays_off(recipe, out_features, in_features)
-
-
-def converted(m: ModelConfig) -> list[LinearShape]:
-    """The Linear layers that ``model.float8`` swaps for float8 ones."""
-    return [s for s in linear_shapes(m) if converts(m, s.fqn, s.out_features, s.in_features)]
-
-
-def check_shapes(m: ModelConfig, tp: int = 1) -> None:
-    """Refuse a float8 config that converts nothing, or whose TP shards float8 cannot multiply.
-
-    Raises ValueError naming the value and what would work. No-op for ``model.float8=none``.
-    """
-    if m.float8 is Float8Recipe.none:
-        return
-    chosen = converted(m)
-    if not chosen:
-        dims = sorted({(s.out_features, s.in_features) for s in linear_shapes(m)})
-        raise ValueError(
-            f"model.float8={m.float8.value} converts no Linear layer of {m.name}: each is in "
-            f"model.float8_skip={m.float8_skip}, has a dim that is not a multiple of 16, or "
-            + (
-                "is below the float8 size threshold (model.float8_size_filter=true)"
-                if m.float8_size_filter
-                else "cannot be converted"
-            )
-            + f"; weight shapes (out, in) {dims[:6]}: use model.float8=none"
-            + (", or model.float8_size_filter=false" if m.float8_size_filter else "")
-        )
-    if m.tie_embeddings and any(s.fqn == "output" for s in chosen):
-        raise ValueError(
-            f"model.float8={m.float8.value} would convert the output head, which {m.name} ties to the "
-            f"embedding (model.tie_embeddings=true), and float8 weights cannot be shared: keep 'output' "
-            f"in model.float8_skip (now {m.float8_skip})"
-        )
-    if tp > 1:
-        for s in chosen:
-            out = s.out_features // tp if s.tp_style == "colwise" else s.out_features
-            inp = s.in_features // tp if s.tp_style == "rowwise" else s.in_features
-            if out % 16 or inp % 16:
-                raise ValueError(
-                    f"model.float8={m.float8.value} with sharding.tp={tp}: {s.fqn}'s local weight shard "
-                    f"is ({out}, {inp}), and float8 GEMMs need dims that are multiples of 16: use a "
-                    f"sharding.tp that keeps them so (e.g. {_good_tp(chosen)}), or add "
-                    f"'{s.fqn.rsplit('.', 1)[-1]}' to model.float8_skip"
-                )
-
-
-def _good_tp(chosen: list[LinearShape]) -> list[int]:
-    ok = []
-    for tp in (1, 2, 4, 8):
-        if all(
-            (s.out_features // tp if s.tp_style == "colwise" else s.out_features) % 16 == 0
-            and (s.in_features // tp if s.tp_style == "rowwise" else s.in_features) % 16 == 0
-            for s in chosen
-        ):
-            ok.append(tp)
-    return ok
 
 
 def check_device(
@@ -163,11 +81,3 @@ def check_torchao(recipe: Float8Recipe) -> None:
             f'model.float8={recipe.value} needs torchao ({e}): pip install -e ".[float8]", or use '
             f"model.float8=none"
         ) from e
-
-
-def saved_activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int) -> int:
-    """Saved-activation bytes that float8 saves per block and micro-batch (the planner subtracts it)."""
-    if m.float8 is Float8Recipe.none:
-        return 0
-    per_block = [s for s in converted(m) if s.fqn.startswith("layers.0.")]
-    return int(SAVED_BYTES_PER_INPUT * tokens * sum(s.in_features for s in per_block)) // tp

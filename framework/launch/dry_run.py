@@ -6,7 +6,7 @@ of an N-rank job would, on the meta device (nothing is allocated). The per-rank 
 measured from the sharded model (``to_local()`` shapes of DTensors) and set next to the planner's
 estimate: if they disagree, the planner's model of the wrappers is wrong. Under ``model.float8`` the
 report also counts the Linear layers torchao swapped and the weights FSDP2 all-gathers in float8,
-next to the layers the planner counts (framework.kernels.float8.converted).
+next to the layers the planner counts (framework.models.linears.converted).
 
 The model is parallelized for the declared hardware's device type (``mesh.hardware.compute_capability``):
 for a GPU profile the executor's CUDA-only paths (``executor=cudagraphs``) are applied as a launch
@@ -33,8 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import Config, Float8Recipe
-from framework.kernels import float8
-from framework.model import build_model
+from framework.models import build_model, linears
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.float8 import is_float8
 from framework.planner.plan import GIB, Plan, pp_rank_param_bytes, pp_rank_specs
@@ -94,7 +93,7 @@ def float8_all_gathered(model: nn.Module) -> int:
 def planned_float8(cfg: Config, plan: Plan) -> tuple[int, int]:
     """(Linear layers the planner converts on pp rank 0, of them the weights FSDP2 all-gathers in
     float8: all of them under tensorwise with FSDP over more than one rank, else none)."""
-    chosen = {s.fqn for s in float8.converted(cfg.model)}
+    chosen = {s.fqn for s in linears.converted(cfg.model)}
     layers = sum(s.name.removesuffix(".weight") in chosen for s in pp_rank_specs(cfg, plan, 0))
     layout = plan.layout
     gathered = cfg.model.float8 is Float8Recipe.tensorwise and layout.fsdp and layout.fsdp_shard > 1

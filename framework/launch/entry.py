@@ -58,6 +58,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.models import linears, model_spec
 from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
@@ -171,8 +172,9 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)
-    from framework.data import check_data
+    from framework.data import check_data, follow_tokenizer_vocab
 
+    cfg = follow_tokenizer_vocab(cfg, "vocab_size" in init_from.command_line_keys(overrides or []))
     check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
     # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
@@ -238,7 +240,7 @@ def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
-    float8.check_shapes(cfg.model, tp)
+    linears.check_shapes(cfg.model, tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     with target.tolerate_missing_packages(where):
@@ -252,7 +254,7 @@ def check_fa4(cfg: Config, device: torch.device) -> None:
         return
     where = target.of_run(cfg, device)
     with target.tolerate_missing_packages(where):
-        fa4.check(cfg, where.type, where.capability, where.name)
+        fa4.check(cfg, where.type, where.capability, where.name, head_dim=model_spec(cfg.model).head_dim)
 
 
 def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:
@@ -595,7 +597,7 @@ def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | Non
     committed = store.committed(root) if cfg.checkpoint.enabled else []
     latest = f"the latest checkpoint is {committed[-1][1]}" if committed else "there is no checkpoint"
     if not cfg.checkpoint.enabled:
-        why = "checkpointing is off (checkpoint=sync|async saves on a signal)"
+        why = "checkpointing is off (checkpoint=final|sync|async saves on a signal)"
     elif stop is None:
         why = "the ranks stopped before they agreed on a step to save"
     else:

@@ -106,6 +106,7 @@ COMMAND_LINE_ONLY: dict[str, Guard] = {
     "data.path": Guard("is a file read as training data", "/etc/passwd", local=True),
     "data.val_path": Guard("is a file read as validation data", "/etc/passwd", local=True),
     "data.mix[].path": Guard("is a file read as training data", "/etc/passwd", local=True),
+    "train.eval_sets[].path": Guard("is a file read as validation data", "/etc/passwd", local=True),
     "tokenizer.path": Guard("is a tokenizer file read", "/etc/passwd", local=True),
     "model.init_from": Guard(
         "is a checkpoint or weights folder read (a checkpoint can carry code)", "/tmp/w"
@@ -153,6 +154,9 @@ NOT_PLACES: dict[str, str] = {
     "data.prompt_field": "a key of each record",
     "data.response_field": "a key of each record",
     "data.mix[].field": "a key of each record",
+    "train.eval_sets[].name": "a label (the metric is val_loss/NAME)",
+    "train.eval_sets[].field": "a key of each record",
+    "train.eval_sets[].column": "a column name",
     "data.mix[].column": "a column name",
     "data.mix[].name": "a dataset configuration name",
     "data.mix[].split": "a split name",

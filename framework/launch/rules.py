@@ -35,7 +35,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.schema import Config, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.config.schema import Config, EvalSet, ExecutorMode, MixEntry, OptimizerName, option_fields
+from framework.models import FAMILIES, own_fields
 from framework.planner.layout import Degrees
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
@@ -56,6 +57,17 @@ class Rule:
 
 
 TYPED = Rule(typed=True)
+
+
+def family_field(name: str) -> Rule:
+    """A family's own integer field (framework.models: its record's ``hf_fields``): 0 (off) under
+    every family, > 0 only under the families that compute it (elsewhere it would do nothing)."""
+    owners = [fam.name for fam in FAMILIES.values() if name in fam.hf_fields]
+    return Rule(
+        f"0 (off), or an integer >= 1 with model.family={'|'.join(owners)}",
+        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value in owners),
+        (-1, 10**1000),
+    )
 
 
 def _is_int(v: Any) -> bool:
@@ -244,8 +256,7 @@ def _muon_ok(v: Any, c: Config) -> bool:
 
 def _lora_error(c: Config) -> str | None:
     """``framework.models.lora.check`` on the meta model of ``c``: its one line, or None."""
-    from framework.model import build_model
-    from framework.models import lora
+    from framework.models import build_model, lora
 
     if getattr(c.peft.method, "value", c.peft.method) == "none":
         return None
@@ -258,8 +269,7 @@ def _lora_error(c: Config) -> str | None:
 
 def _adapter_error(c: Config) -> str | None:
     """``framework.models.lora.check_adapter``: the folder against this run's base and adapters."""
-    from framework.model import build_model
-    from framework.models import lora
+    from framework.models import build_model, lora
 
     if c.peft.adapter is None:
         return None
@@ -429,12 +439,8 @@ RULES: dict[str, Rule] = {
         (0, 3, 8),
     ),
     "model.ffn_dim": integer(1),
-    # A window only where the family computes one (framework.models: Mistral's record).
-    "model.sliding_window": Rule(
-        "0 (off), or an integer >= 1 with model.family=mistral",
-        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value == "mistral"),
-        (-1, 10**1000),
-    ),
+    # A family's own fields (a window only where the family computes one: Mistral's record).
+    **{f"model.{f}": family_field(f) for f in own_fields()},
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, lo_open=True),
     "model.rope_theta": number(0, lo_open=True),
@@ -447,6 +453,7 @@ RULES: dict[str, Rule] = {
         (1.0, math.nan),
     ),
     "model.rope_original_max_position": integer(1),
+    "model.max_position_embeddings": integer(0, what="0 = train.seq_len"),
     "model.tie_embeddings": TYPED,
     "model.init_std": number(0, lo_open=True),
     # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without
@@ -516,6 +523,12 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
+    "train.eval_sets": Rule(
+        "[] (none) or entries {name, source, path, field, column} with unique names and data of at least "
+        "one window (train.eval_every>0)",
+        checked_by="framework.data.pipeline.check_eval_sets",
+        bad=([EvalSet(name="", path="a.jsonl")],),
+    ),
     "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
     # optimizer, lr_scheduler (framework.train.loop.build_optimizer, lr_lambda)
     # Muon on a sharded layout: check_layout, once the launcher read the layout (the same line).

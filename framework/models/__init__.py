@@ -1,67 +1,39 @@
-"""Model families, each described once (``framework.models.spec.ModelSpec``).
+"""Model families: one folder each (``llama/``, ``qwen3/``, ``mistral/``: spec, block, HF fields,
+the planner's activation term, brought together in a ``Family`` record), on shared pieces
+(``parts/``: norm, RoPE, attention and its masks, MLP, the decoder trunk, the KV-cache decode).
 
-``model_spec(cfg)`` is what the planner, the TP plan, activation checkpointing, compile, FSDP,
-float8 and the Hugging Face converters read; ``framework.model`` builds the modules it describes.
+The rest of the framework reads the family record (``family(cfg)``), the spec (``model_spec(cfg)``)
+and the decoder interface (``Decoder``), never a family's module.
 """
 
 from __future__ import annotations
 
-import functools
-
-from torch import nn
-
-from framework.config.schema import ModelConfig, ModelFamily
+from framework.models.build import build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
-from framework.models.llama import llama_spec
-from framework.models.mistral import MISTRAL
-from framework.models.qwen3 import qwen3_spec
+from framework.models.parts.cache import KVCache
+from framework.models.parts.decoder import Decoder, compute_dtype, forward_cached, materialize, tie
+from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
-__all__ = ["FAMILIES", "Family", "ModelSpec", "TPStyle", "Weight", "blocks", "family", "model_spec"]
-
-
-@functools.lru_cache(maxsize=256)
-def _spec(key: tuple) -> ModelSpec:
-    m = ModelConfig(**dict(key))
-    return FAMILIES[m.family].spec(m)
-
-
-# The registry: one line per family.
-FAMILIES = {
-    ModelFamily.llama: Family("llama", llama_spec, "LlamaForCausalLM"),
-    ModelFamily.qwen3: Family("qwen3", qwen3_spec, "Qwen3ForCausalLM"),
-    ModelFamily.mistral: MISTRAL,
-}
-
-
-def family(m: ModelConfig) -> Family:
-    """``m``'s family record."""
-    return FAMILIES[m.family]
-
-
-def model_spec(m: ModelConfig) -> ModelSpec:
-    """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
-    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
-    return _spec(key)
-
-
-# The ModelConfig fields a spec depends on (the cache key).
-SHAPE_KEYS = (
+__all__ = [
+    "FAMILIES",
+    "SHAPE_KEYS",
+    "Decoder",
+    "Family",
+    "KVCache",
+    "ModelSpec",
+    "TPStyle",
+    "Weight",
+    "blocks",
+    "build_model",
+    "compute_dtype",
+    "decoder",
     "family",
-    "head_dim",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "tie_embeddings",
-    "sliding_window",
-)
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated units (what activation checkpointing, per-block compile and FSDP wrap),
-    as its spec names them; a pipeline stage holds only some of them."""
-    container = model.get_submodule(model_spec(model.cfg).blocks)
-    return list(container.values())
+    "flops_per_token",
+    "forward_cached",
+    "materialize",
+    "model_spec",
+    "num_params",
+    "own_fields",
+    "tie",
+]

@@ -3,7 +3,8 @@ one family, so that a new family is one folder under ``framework.models`` plus o
 
 Why a record rather than ``family ==`` checks: the HF converters, the planner and the generator
 used to spell each family's differences out where they were needed (adding Qwen3 edited 9
-modules); they now read the record's fields.
+modules); they now read the record's fields, and the modules are the shared decoder trunk
+(``framework.models.parts.decoder.Decoder``) around the family's own block.
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from framework.config.schema import ModelConfig
+from framework.models.parts.decoder import BlockFactory
 from framework.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class Family:
-    """``spec``: the layout of one shape. ``hf_fields``: the family's own ModelConfig field -> its
-    HF ``config.json`` key, beyond the fields every family here shares (``import_hf.SHAPE_FIELDS``);
-    0 in ours is ``null`` in HF's (off), both ways."""
+    """One family, from its folder.
+
+    ``spec``: the layout of one shape (weights, TP styles, HF names, head size, attention window).
+    ``block``: (config, spec) -> the module the decoder trunk repeats ``n_layers`` times.
+    ``hf_architecture``: its ``transformers`` class. ``hf_fields``: the family's own ModelConfig field
+    -> its HF ``config.json`` key, beyond the fields every family here shares
+    (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
+    ``activation_values``: the values one block saves for backward per token (the planner's memory
+    term, ``framework.planner.plan``), from the shape.
+    """
 
     name: str
     spec: Callable[[ModelConfig], ModelSpec]
+    block: BlockFactory
     hf_architecture: str
+    activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)

@@ -197,7 +197,7 @@ def with_base(
     checkpoint. ValueError when the checkpoint lacks adapters that ``cfg`` asks for."""
     import dataclasses
 
-    from framework.model import build_model, materialize
+    from framework.models import build_model, materialize
 
     model = build_model(dataclasses.replace(model_cfg, init_from=init_from), train.seq_len)
     attach(model, cfg)

@@ -74,7 +74,6 @@ class ModelSpec:
     block: tuple[Weight, ...]
     last: tuple[Weight, ...]
     sublayers: dict[str, int] = field(default_factory=dict)
-    qk_norm: bool = False  # an RMSNorm over each query and key head, before RoPE (Qwen3)
     sliding_window: int = 0  # > 0: each position attends to itself and the window - 1 before it (Mistral)
     blocks: str = "layers"
 

@@ -1,4 +1,4 @@
-"""Parallelize a meta-device Llama per the plan: ``parallelize`` applies each concern in order.
+"""Parallelize a meta-device decoder (``framework.models.Decoder``) per the plan, each concern in order.
 
 One module per concern: pipeline.py (pipeline stages and schedule), float8.py (float8 Linear layers),
 tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 / HSDP, DDP), mesh.py (the
@@ -21,7 +21,7 @@ from framework.config.schema import (
     PPSchedule,
     ShardingConfig,
 )
-from framework.model import Llama, materialize
+from framework.models import Decoder, materialize
 from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -37,7 +37,7 @@ __all__ = ["build_mesh", "dp_mesh_info", "parallelize"]
 
 
 def parallelize(
-    model: Llama,
+    model: Decoder,
     mesh: DeviceMesh,
     plan: Plan,
     sharding: ShardingConfig,
@@ -86,7 +86,7 @@ def parallelize(
          DTensors), so dp_replicate x dp_shard x tp is one 3D mesh. With CP it shards over
          dp_shard x cp flattened (``fsdp_mesh``): CP ranks share parameters and average gradients.
          CP itself acts per step, not on the model (framework.parallel.context).
-      5. Materialize (``framework.model.materialize``): ``to_empty`` on the device, re-tie, then
+      5. Materialize (``framework.models.materialize``): ``to_empty`` on the device, re-tie, then
          ``init_weights(seed)``, which draws every full parameter from a per-name generator and
          slices the local shard: every layout starts from the single-process weights. It also
          sets the residual stream's dtype for the device (``model.residual_dtype``).
@@ -109,7 +109,7 @@ def parallelize(
 
 
 def _pipeline(
-    model: Llama,
+    model: Decoder,
     mesh: DeviceMesh,
     plan: Plan,
     sharding: ShardingConfig,
@@ -156,7 +156,7 @@ def _pipeline(
 
 
 def _parallelize_stage(
-    model: Llama,
+    model: Decoder,
     mesh: DeviceMesh,
     plan: Plan,
     sharding: ShardingConfig,

@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.config.schema import ActivationCheckpointing
-from framework.model import Llama
-from framework.models import blocks
+from framework.models import Decoder, blocks
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -36,7 +35,7 @@ def is_checkpointed(block: nn.Module) -> bool:
     return isinstance(fwd, functools.partial) and fwd.func is _checkpointed
 
 
-def apply_ac(model: Llama, mode: ActivationCheckpointing) -> int:
+def apply_ac(model: Decoder, mode: ActivationCheckpointing) -> int:
     """Checkpoint blocks per ``mode``; returns how many. No-op for ``none`` and for ``budget``
     (the compiler's partitioner recomputes instead: ``apply_compile``'s ``memory_budget``).
 

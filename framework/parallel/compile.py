@@ -16,8 +16,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from framework.config.schema import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy
-from framework.model import Llama
-from framework.models import blocks
+from framework.models import Decoder, blocks
 
 
 def inductor_mode(executor: ExecutorConfig) -> str | None:
@@ -35,7 +34,7 @@ def _compile(fn: Callable[..., Any], executor: ExecutorConfig, mode: str | None)
 
 
 def apply_compile(
-    model: Llama,
+    model: Decoder,
     executor: ExecutorConfig,
     device: torch.device,
     memory_budget: float | None = None,

@@ -24,17 +24,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from framework.model import Llama
+from framework.models import Decoder
 from framework.parallel.mesh import sub_mesh
 from framework.planner.plan import MeshAxis, Plan
 
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
 
 
-def _llama(model: nn.Module) -> Llama:
+def _decoder(model: nn.Module) -> Decoder:
     inner = getattr(model, "module", model)  # DDP; FSDP2 and per-block compile keep the class
     inner = getattr(inner, "_orig_mod", inner)  # whole-model torch.compile
-    assert isinstance(inner, Llama), type(inner)
+    assert isinstance(inner, Decoder), type(inner)
     return inner
 
 
@@ -52,7 +52,7 @@ def sequence_shard(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> SequenceSh
 
     cp_mesh = sub_mesh(mesh, plan, (MeshAxis.cp,))
     assert cp_mesh is not None
-    llama = _llama(model)
+    decoder = _decoder(model)
     # All-gather K/V once per attention (torch's default; the planner costs it as blocking).
     set_rotate_method("allgather")
 
@@ -60,7 +60,7 @@ def sequence_shard(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> SequenceSh
     def shard(tokens: torch.Tensor, targets: torch.Tensor) -> Iterator[None]:
         with context_parallel(
             cp_mesh,
-            buffers=[tokens, targets, llama.rope],
+            buffers=[tokens, targets, decoder.rope],
             buffer_seq_dims=[1, 1, 0],
             no_restore_buffers={tokens, targets},
         ):

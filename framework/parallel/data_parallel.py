@@ -10,8 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.config.schema import BucketingConfig, DType, ShardingConfig
-from framework.model import Llama
-from framework.models import blocks
+from framework.models import Decoder, blocks
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
@@ -39,7 +38,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucketing: BucketingConfig,
     )
 
 
-def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> None:
+def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> None:
     """FSDP2: ``fully_shard`` each block, then the root (embeddings, final norm, output).
 
     A 1D ``dp_mesh`` shards over all its ranks (fsdp, fsdp_tp); a 2D (dp_replicate, dp_shard) mesh is
@@ -54,6 +53,9 @@ def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, sharding: ShardingConfig) -> N
     for block in blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
+    # Without resharding after forward, gradient accumulation keeps the units unsharded until the
+    # step's last backward too (framework.train.loop._no_grad_sync): one all-gather a step, as planned.
+    model.hold_for_step = not sharding.reshard_after_forward
     names = set(dp_mesh.mesh_dim_names or ())
     unsharded = [
         n

@@ -2,7 +2,7 @@
 
 As torchtitan does it: each stage is a copy of the whole meta-device model with the blocks of other
 stages deleted, and the embedding (all but the first stage) or the final norm and output projection
-(all but the last) set to None; ``Llama.forward`` passes hidden states through a stage without
+(all but the last) set to None; ``Decoder.forward`` passes hidden states through a stage without
 them. Parameter names stay those of the single-process model (``layers.5.attention.wq.weight``),
 so the per-name initialisation gives every layout the single-process weights and DCP checkpoints
 load across pp degrees. The plan says which blocks each stage holds (``Plan.pp_split``, by the
@@ -54,8 +54,18 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
-from framework.model import Llama, document_ids
-from framework.parallel.step import HostIO, StepResult, StepTimer, autocast, step_result, to_device, update
+from framework.models import Decoder
+from framework.models.parts.masks import document_ids
+from framework.parallel.step import (
+    HostIO,
+    StepResult,
+    StepTimer,
+    autocast,
+    step_result,
+    targets_counted,
+    to_device,
+    update,
+)
 
 SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
     PPSchedule["gpipe"]: ScheduleGPipe,
@@ -66,7 +76,7 @@ SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
 }
 
 
-def cut_stage(model: Llama, layers: range, first: bool, last: bool) -> Llama:
+def cut_stage(model: Decoder, layers: range, first: bool, last: bool) -> Decoder:
     """A copy of the meta-device ``model`` that keeps only ``layers`` (and the embedding if
     ``first``, the final norm and output projection if ``last``). Copying on meta costs no memory."""
     stage = copy.deepcopy(model)
@@ -89,7 +99,7 @@ class PipelineModel(nn.Module):
     the whole model. Calling it is an error: the schedule (``step``) runs the stages.
     """
 
-    def __init__(self, stages: list[Llama], stage_ids: list[int], num_stages: int) -> None:
+    def __init__(self, stages: list[Decoder], stage_ids: list[int], num_stages: int) -> None:
         super().__init__()
         self.cfg = stages[0].cfg
         self.stage_ids = stage_ids
@@ -116,7 +126,7 @@ class PipelineModel(nn.Module):
         return [self.tied.copy] if self.tied is not None and self.tied.copy is not None else []
 
     @property
-    def stages(self) -> list[Llama]:
+    def stages(self) -> list[Decoder]:
         return self._stages
 
     @property
@@ -395,8 +405,10 @@ def pipeline_full_state(model: PipelineModel) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def pipeline_evaluate(
     model: PipelineModel, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
-) -> torch.Tensor:
-    """Mean loss over this rank's validation batches, through the schedule's forward-only ``eval``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's validation loss sum and trained-target count (float64; both 0 off the last stage),
+    through the schedule's forward-only ``eval``: each micro batch's mean loss times its number of
+    trained targets, as ``framework.train.loop.evaluate`` adds them without a pipeline.
 
     The schedule takes exactly its number of micro batches of the training shape (its buffers
     between stages are sized on the first step), so the batches go in groups of that many; the last
@@ -404,7 +416,8 @@ def pipeline_evaluate(
     """
     assert model.schedule is not None
     n = model.schedule._n_microbatches
-    kept: list[torch.Tensor] = []
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(batches), n):
         group = batches[start : start + n]
         real = len(group)
@@ -412,9 +425,14 @@ def pipeline_evaluate(
         x = torch.cat([b[0] for b in group]).to(device)
         y = torch.cat([b[1] for b in group]).to(device)
         losses, _ = _eval(model, x, y, device)
-        kept += [t.float() for t in losses[:real]]
-    mine = torch.stack(kept).mean() if model.has_last and kept else torch.zeros((), device=device)
-    return _pp_sum(mine, model)
+        if not model.has_last:  # the losses live on the last stage
+            continue
+        for loss, (_, targets) in zip(losses[:real], group[:real], strict=True):
+            counted = targets_counted(targets)
+            if counted:  # no trained target: a NaN mean that adds nothing
+                total += loss.double() * counted
+                count += counted
+    return total, count
 
 
 def _eval(

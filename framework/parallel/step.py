@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.model import compute_dtype
+from framework.kernels.fused_ce import IGNORE_INDEX
+from framework.models import compute_dtype
 
 
 class HostIO:
@@ -206,3 +207,17 @@ def mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value)  # gloo has no AVG: sum, then divide
         value /= dist.get_world_size()
     return float(value)
+
+
+def targets_counted(y: torch.Tensor) -> int:
+    """The targets a mean cross-entropy averages over (F.cross_entropy skips IGNORE_INDEX ones)."""
+    return int((y != IGNORE_INDEX).sum())
+
+
+def ratio_over_ranks(total: torch.Tensor, count: torch.Tensor) -> float:
+    """sum(total) / sum(count) over every rank, in one all-reduce (float64: sums over thousands of
+    micro batches keep their digits); NaN when no rank counted anything."""
+    both = torch.stack([total.double(), count.double()])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(both)
+    return float(both[0] / both[1]) if float(both[1]) > 0 else float("nan")

@@ -24,8 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.config.schema import Float8Recipe
-from framework.model import Llama, tie
-from framework.models import ModelSpec, TPStyle, Weight, blocks, model_spec
+from framework.models import Decoder, ModelSpec, TPStyle, Weight, blocks, model_spec, tie
 from framework.parallel.float8 import tp_styles
 
 
@@ -75,7 +74,7 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
     return plan
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh | None) -> None:
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
     """Shard ``model`` in place over ``tp_mesh`` by its spec's TP styles; no-op when there is no TP
     axis (or it has size 1).
 

@@ -5,31 +5,36 @@ Why a model and not a measurement: ``sharding=auto`` ranks hundreds of layouts f
 are not here, before anything runs. Each term is simple and each constant is measured (the sources
 are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml``):
 
-- **compute**: the model's flops (``framework.model.flops_per_token``: 6N + 12·L·H·Q·T, plus the
-  forward recomputed by activation checkpointing) at ``gemm_efficiency`` x ``peak_tflops``. TP
-  splits the flops of every rank's tokens by its degree; CP gives each rank 1/cp of the tokens.
+- **compute**: the model's flops (``framework.models.flops_per_token``: 6N + 12·L·H·Q·T, plus the
+  forward recomputed by activation checkpointing) at ``gemm_efficiency`` x ``peak_tflops``, scaled by
+  the GEMMs' wave quantization on the device's SMs (``gemm_shape_efficiency``: a GEMM whose output
+  tiles leave the last wave of SMs part idle runs below the rate the 1B profile measured). TP splits
+  the flops of every rank's tokens by its degree; CP gives each rank 1/cp of the tokens.
 - **memory-bound work** at ``hbm_gbps``: the pointwise kernels of each block (norms, RoPE, SwiGLU,
   residual adds; ``_POINTWISE_BYTES`` per element of a block's width per token), the loss head's
   pass over the logits (``_LOGIT_BYTES`` per logit), the bf16 weight casts once per micro batch, the
   gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
   Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
-  TP's collectives, CP's K/V passes and a pipeline's tied-embedding transfers (between backward and
-  the optimizer step, and after it) sit on the critical path; FSDP's all-gathers / reduce-scatters and the
-  data-parallel all-reduce overlap the compute by ``comm_overlap`` (and never by more than the
-  compute lasts).
+  TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes and a pipeline's
+  tied-embedding transfers (between backward and the optimizer step, and after it) sit on the
+  critical path. FSDP prefetches the next unit while one computes, so of its all-gathers the first
+  unit's of each pass is exposed, and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
+  last one of the step; the rest overlaps the compute by ``comm_overlap`` and never by more than
+  the compute lasts (``exposed_comm``). A pipeline's stage-to-stage sends overlap the steady state;
+  those of the fill and the drain (2 (pp v - 1) of them) are on the critical path.
 
 How well it predicts the GPU runs of benchmarks/PERF.md is the table of ``benchmarks/cost_check.py``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode
-from framework.model import flops_per_token, num_params
-from framework.models import model_spec
+from framework.models import flops_per_token, model_spec, num_params
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -76,6 +81,20 @@ _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
 # Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
 # all-gathers K and V before the attention that needs them).
 _BLOCKING_AXES = ("tp", "cp")
+# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp).
+_FSDP_AXES = ("dp_shard", "dp_shard_cp")
+# Each TP collective costs this much beyond its alpha-beta time: DTensor's redistribution, the
+# sequence-parallel layout changes around it and the stream sync of a blocking collective. Fitted to
+# the one TP run measured (benchmarks/PERF.md, multi-GPU session 2: llama1b tp=2 on 2 H200s, micro 4,
+# 224.4 ms measured against 156.8 ms predicted without it, 256 TP collectives a step: 0.26 ms each).
+_TP_DISPATCH_S = 0.26e-3
+# Wave quantization (gemm_shape_efficiency): Hopper's cuBLAS / CUTLASS bf16 GEMMs tile the output in
+# 128 x 256 blocks, one block per SM at a time (CUTLASS's default sm90 tile shape), and an H100 SXM
+# or H200 has 132 SMs (NVIDIA H100 datasheet / Hopper tuning guide). Calibration: the 1B b16 profile
+# (gemm_efficiency's measurement, conf/mesh/hardware/h200.yaml) ran at this shape efficiency.
+_TILE_M, _TILE_N = 128, 256
+_SMS = 132
+_CALIBRATION_SHAPE = (16 * 2048, 2048, 8192, 16, 32, 8, 128256)  # tokens, dim, ffn, layers, heads, kv, vocab
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
 # the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied).
 _BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
@@ -108,6 +127,69 @@ def _recompute_flops_per_token(cfg: Config) -> float:
     return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
 
 
+def _wave(m: int, n: int) -> float:
+    """Fraction of the SM-waves a GEMM with an m x n output keeps busy (1.0: every wave full)."""
+    tiles = math.ceil(m / _TILE_M) * math.ceil(n / _TILE_N)
+    return tiles / (math.ceil(tiles / _SMS) * _SMS)
+
+
+def _shape_efficiency(
+    tokens: int, dim: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tp: int
+) -> float:
+    """Flops-weighted wave efficiency of one micro batch's GEMMs on one TP rank: per weight of
+    (out, in) shape the forward (tokens x out), input-gradient (tokens x in) and weight-gradient
+    (out x in) GEMMs, each a third of its flops; column-parallel weights split ``out`` by tp,
+    row-parallel ones ``in``; the output projection splits the vocabulary."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    weights = [  # (out, in) of one rank's shard
+        (q // tp, dim), (kv // tp, dim), (kv // tp, dim), (dim, q // tp),
+        (ffn // tp, dim), (ffn // tp, dim), (dim, ffn // tp), (vocab // tp, dim),
+    ]  # fmt: skip
+    num = den = 0.0
+    for out, inp in weights:
+        flops = float(out * inp)
+        num += flops * (_wave(tokens, out) + _wave(tokens, inp) + _wave(out, inp)) / 3.0
+        den += flops
+    return num / den
+
+
+def gemm_shape_efficiency(cfg: Config, d: Degrees) -> float:
+    """The GEMMs' wave efficiency at this layout's shapes over the calibration run's (1.0 there): the
+    factor on ``gemm_efficiency``. Sequence parallelism gathers the whole micro batch before each
+    GEMM, so M is the micro batch's tokens (1/cp of them under CP)."""
+    m = cfg.model
+    tokens = max(1, cfg.train.micro_batch_size * cfg.train.seq_len // d.cp)
+    hd = model_spec(m).head_dim
+    mine = _shape_efficiency(tokens, m.dim, m.ffn_dim, m.n_heads, m.n_kv_heads, hd, m.vocab_size, d.tp)
+    t, dim, ffn, _, heads, kv, vocab = _CALIBRATION_SHAPE
+    return mine / _shape_efficiency(t, dim, ffn, heads, kv, dim // heads, vocab, 1)
+
+
+def exposed_comm(
+    comm: list[CommEstimate], units: int, window: float, link_efficiency: float, overlap: float, pp_hops: int
+) -> tuple[float, float]:
+    """(all communication, what the compute ``window`` does not hide), in seconds at the achieved link
+    speed (see the module docstring): blocking collectives in full; of FSDP's, one unit's all-gather
+    per pass and the step's last reduce-scatter / all-reduce, then the rest at ``overlap`` and never
+    hidden beyond the window; of the pipeline's sends, the ``pp_hops`` of its fill and drain."""
+    blocking = first = rest = 0.0
+    for c in comm:
+        t = c.time_s / link_efficiency
+        per_call = t / max(c.calls, 1)
+        if c.axis in _BLOCKING_AXES or c.collective in _BLOCKING_COLLECTIVES:
+            blocking += t + (c.calls * _TP_DISPATCH_S if c.axis == "tp" else 0.0)
+        elif c.axis == "pp":  # send_recv: the steady state's sends overlap the other micro batches
+            blocking += min(t, per_call * pp_hops)
+        else:
+            passes = c.calls / units if c.axis in _FSDP_AXES and c.collective == "all_gather" else 1.0
+            head = min(t, per_call * passes)
+            first += head
+            rest += t - head
+    hidden_left = max(rest * (1.0 - overlap), rest - window)
+    total = sum(c.time_s for c in comm) / link_efficiency
+    return total, blocking + first + hidden_left
+
+
 def predict_step(
     cfg: Config,
     d: Degrees,
@@ -124,7 +206,7 @@ def predict_step(
     point-to-point sends between stages are on the critical path (like TP's collectives).
     """
     hw, m = cfg.mesh.hardware, cfg.model
-    peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
+    peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
     hbm = hw.hbm_gbps * 1e9
     # Per rank: its data-parallel share, and of that its sequence shard under CP (load-balanced, so
     # each CP rank also does 1/cp of the causal attention).
@@ -157,11 +239,11 @@ def predict_step(
         memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
         bubble_s = (compute_s + memory_s) * bubble
 
-    blocks = [c.axis in _BLOCKING_AXES or c.collective in _BLOCKING_COLLECTIVES for c in comm]
-    blocking = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if b) / hw.link_efficiency
-    overlappable = sum(c.time_s for c, b in zip(comm, blocks, strict=True) if not b) / hw.link_efficiency
     window = compute_s + memory_s
-    exposed = blocking + max(overlappable * (1.0 - hw.comm_overlap), overlappable - window)
+    hops = 2 * (d.pp * cfg.parallel.pp_stages_per_rank - 1) if d.pp > 1 else 0
+    total, exposed = exposed_comm(
+        comm, max(1, len(unit_bytes)), window, hw.link_efficiency, hw.comm_overlap, hops
+    )
     step = compute_s + memory_s + optimizer_s + exposed + bubble_s
     job_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops_per_token(m, cfg.train.seq_len) * job_tokens / (step * hw.peak_tflops * 1e12 * d.world_size)
@@ -169,7 +251,7 @@ def predict_step(
         compute_s=compute_s,
         memory_s=memory_s,
         optimizer_s=optimizer_s,
-        comm_s=blocking + overlappable,
+        comm_s=total,
         exposed_comm_s=exposed,
         step_time_s=step,
         tokens_per_s=job_tokens / step,

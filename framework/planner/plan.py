@@ -27,8 +27,8 @@ from framework.config.schema import (
     FusedCrossEntropy,
     ModelConfig,
 )
-from framework.kernels.float8 import saved_activation_bytes_per_layer
-from framework.models import model_spec
+from framework.models import family, model_spec
+from framework.models.linears import saved_activation_bytes_per_layer
 from framework.planner import stages as pipeline_stages
 from framework.planner.cost import CommEstimate, StepPrediction, predict_step
 from framework.planner.layout import (
@@ -295,10 +295,10 @@ def _activation_bytes(
 ) -> int:
     """Saved activations of one micro batch, per rank.
 
-    Per token and layer the block saves on the order of 10*dim + 3*kv_dim + 4*ffn_dim values (norm
-    inputs and outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs, SiLU
-    and the product feeding w2), scaled by a measured factor per executor (see above); SDPA keeps no
-    seq x seq matrix. Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
+    Per token and layer the block saves the values its family's record counts
+    (``Family.activation_values``; a dense block's are on the order of 10*dim + 3*kv_dim + 4*ffn_dim,
+    ``framework.models.parts.layout.dense_saved_values``), scaled by a measured factor per executor
+    (see above). Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
     recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
     gathered to every TP rank. Context parallelism divides the tokens by its degree (each rank keeps
@@ -316,8 +316,8 @@ def _activation_bytes(
     k, logit_bytes = (_COMPILED_K, _COMPILED_LOGIT_BYTES) if compiled else (_EAGER_K, _EAGER_LOGIT_BYTES)
     if not bf16:
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
-    kv_dim = m.n_kv_heads * model_spec(m).head_dim
-    per_layer = int(k * tokens * (10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim) * elem) // tp
+    # The family's own count of what one block saves per token (its record: framework.models).
+    per_layer = int(k * tokens * family(m).activation_values(m) * elem) // tp
     # model.float8: the converted Linear layers keep their inputs in float8 (framework.kernels.float8).
     per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
     block_input = tokens * m.dim * elem // tp
@@ -367,9 +367,9 @@ def _memory(
     cp: int = 1,
     held: bool = False,
 ) -> MemoryEstimate:
-    """``held``: the FSDP units stay unsharded for the whole step (a zero-bubble pipeline schedule,
-    framework.parallel._pipeline), so the rank's whole unsharded parameters replace the two units
-    in flight."""
+    """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
+    zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
+    parameters replace the two units in flight."""
     local = sum(local_numel(s, tp, dp_shard) for s in specs)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
@@ -508,8 +508,8 @@ def _comm(
     held: bool = False,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
-    in backward, once per micro batch (once per step where ``held``: a zero-bubble pipeline keeps
-    its units unsharded for the step, see ``_memory``), and reduce-scatters its gradient once per step (the loop
+    in backward, once per micro batch (once per step where ``held``: units kept unsharded for the
+    step, framework.planner.stages.held_for_step), and reduce-scatters its gradient once per step (the loop
     turns gradient sync off on all but the last micro batch); replicated gradients are all-reduced
     once per step (DDP's no_sync, or HSDP after the reduce-scatter); TP with sequence parallelism
     all-gathers and reduce-scatters each block's activations twice forward and twice backward."""
@@ -569,10 +569,14 @@ def _comm(
             )
     if tp > 1:
         elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp  # a CP rank's sequence shard
         act = tokens * cfg.model.dim * elem
-        # 2 forward + 2 backward, each kind; a pipeline rank runs only its own blocks.
-        calls = (cfg.model.n_layers if layers is None else layers) * 4 * accum
+        # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
+        # checkpointing); a pipeline rank runs only its own blocks.
+        n = cfg.model.n_layers if layers is None else layers
+        mode = cfg.sharding.activation_checkpointing
+        recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+        calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
         # The output projection gathers the full logits for the loss, once per micro batch.
@@ -671,10 +675,11 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units = _fsdp_units(specs, tp)
     else:
         units = _fsdp_units(specs, tp)
-        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp)
+        held = pipeline_stages.held_for_step(cfg, d.pp)
+        memory = _memory(cfg, specs, tp, shard, units, ddp=d.ddp, accum=accum, cp=d.cp, held=held)
 
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
-    held = pipe is not None and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE
+    held = pipeline_stages.held_for_step(cfg, d.pp)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
@@ -779,10 +784,20 @@ def _check_fits(
     cfg: Config, d: Degrees, memory: MemoryEstimate, check_memory: bool, warnings: list[str]
 ) -> None:
     """Refuse a launch whose per-rank memory estimate exceeds the device (or warn, see below)."""
+    # Units held for the step by the user's sharding.reshard_after_forward=false (not a zero-bubble
+    # schedule's own need): say what it costs and that resharding would free it.
+    held = not cfg.sharding.reshard_after_forward and d.fsdp_shard > 1
+    held_msg = (
+        f", of it FSDP units held unsharded for the step {memory.comm_buffers / GIB:.1f}: "
+        f"sharding.reshard_after_forward=true frees them"
+        if held
+        else ""
+    )
     mem_msg = (
         f"needs {memory.total / GIB:.1f} GiB per rank, device has {cfg.mesh.hardware.memory_gib:g} "
         f"(params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer "
-        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}): use sharding=auto "
+        f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}, comm buffers "
+        f"{memory.comm_buffers / GIB:.1f}{held_msg}): use sharding=auto "
         f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
         f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
     )
@@ -908,7 +923,7 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
             accum=accum,
             pipeline=(layers, flight, last in ids),
             cp=d.cp,
-            held=sched in pipeline_stages.ZERO_BUBBLE,
+            held=pipeline_stages.held_for_step(cfg, d.pp),
         )
         per_rank.append((mem.total, mine, layers, mem))
     _, mine, layers, memory = max(per_rank, key=lambda t: t[0])

@@ -1,7 +1,8 @@
 """``sharding=auto``: the planner chooses the layout against the declared topology, and says why.
 
-Every feasible (dp_replicate, dp_shard, tp, activation checkpointing, micro batch) for the model and
-the mesh is planned with ``plan_for`` (memory per rank, communication) and costed with
+Every feasible (dp_replicate, dp_shard, tp, pp schedule with its virtual stages and micro batches,
+activation checkpointing, micro batch, FSDP reshard policy) for the model and the mesh is planned
+with ``plan_for`` (memory per rank, communication) and costed with
 ``framework.planner.cost`` (step time, MFU). The fastest layout that fits the device wins; ties go to the
 smaller memory. ``format_search`` prints the top 10 with the reason each loses against the choice:
 memory (it does not fit), communication, compute (recompute included) or memory-bound work.
@@ -10,7 +11,9 @@ What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is se
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
 node; ``sharding.tp`` other than 1 pins it), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
-``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch). Anything the
+``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
+``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
+framework.planner.stages.held_for_step; chosen only where it fits and is faster). Anything else the
 user set is kept. cp is searched for long sequences (``_cp_options``); pp is 1 (not implemented yet).
 """
 
@@ -70,10 +73,14 @@ class Candidate:
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 1
     bubble_s: float = 0.0
+    # FSDP: units resharded after each forward (True), or held unsharded for the step (False).
+    reshard_after_forward: bool = True
 
     def short(self) -> str:
-        pp = f" {self.pp_schedule}/{self.pp_microbatches}" if self.pp_schedule else ""
-        return Degrees(**self.degrees).short() + pp
+        v = f" v{self.pp_stages_per_rank}" if self.pp_schedule.startswith("interleaved") else ""
+        pp = f" {self.pp_schedule}{v}/{self.pp_microbatches}" if self.pp_schedule else ""
+        held = " held" if not self.reshard_after_forward and Degrees(**self.degrees).fsdp_shard > 1 else ""
+        return Degrees(**self.degrees).short() + pp + held
 
 
 @dataclass(frozen=True)
@@ -167,10 +174,22 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
     scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
     if 2 * d.pp <= cfg.model.n_layers:
         scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
+    if 4 * d.pp <= cfg.model.n_layers:  # more virtual stages: a smaller bubble, more sends
+        scheds.append((PPSchedule["interleaved_1f1b"], 4))
     unset = type(p)()
     if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
         scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
     return [(s, v, m) for s, v in scheds for m in counts]
+
+
+def _reshard_options(d: Degrees, pipe: tuple[PPSchedule, int, int] | None) -> list[bool]:
+    """``sharding.reshard_after_forward`` to weigh: both where FSDP shards and it changes anything
+    (not under a zero-bubble schedule, which holds its units anyway: stages.held_for_step). False
+    holds every unit unsharded for the step: one all-gather a step instead of one or two per micro
+    batch, for the rank's whole unsharded weights in memory."""
+    if d.fsdp_shard == 1 or (d.pp > 1 and pipe is not None and pipe[0] in pipeline_stages.ZERO_BUBBLE):
+        return [True]
+    return [True, False]
 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
@@ -216,8 +235,13 @@ def _configure(
     ac: ActivationCheckpointing,
     micro: int,
     pipeline: tuple[PPSchedule, int, int] | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> Config:
     out = with_degrees(cfg, d)
+    if reshard_after_forward is not None:
+        out = dataclasses.replace(
+            out, sharding=dataclasses.replace(out.sharding, reshard_after_forward=reshard_after_forward)
+        )
     if pipeline is not None and d.pp > 1:
         sched, spr, m = pipeline
         parallel = dataclasses.replace(
@@ -235,7 +259,7 @@ def _pipeline_of(c: Candidate) -> tuple[PPSchedule, int, int] | None:
     return (PPSchedule[c.pp_schedule], c.pp_stages_per_rank, c.pp_microbatches) if c.pp_schedule else None
 
 
-def _candidate(plan: Plan, device: int) -> Candidate:
+def _candidate(plan: Plan, device: int, reshard_after_forward: bool = True) -> Candidate:
     p = plan.prediction
     return Candidate(
         degrees=dict(plan.degrees),
@@ -256,6 +280,7 @@ def _candidate(plan: Plan, device: int) -> Candidate:
         pp_microbatches=plan.pp_microbatches,
         pp_stages_per_rank=plan.pp_stages_per_rank,
         bubble_s=p.bubble_s,
+        reshard_after_forward=reshard_after_forward,
     )
 
 
@@ -303,13 +328,14 @@ def search(cfg: Config) -> SearchResult:
                 for ac in _ac_options(cfg):
                     if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
                         continue
-                    trial = _configure(cfg, d, ac, micro, pipe)
-                    try:
-                        plan = plan_for(trial, d, check_memory=False)
-                    except ValueError as e:
-                        errors.append(str(e))
-                        continue
-                    cands.append(_candidate(plan, device))
+                    for raf in _reshard_options(d, pipe):
+                        trial = _configure(cfg, d, ac, micro, pipe, raf)
+                        try:
+                            plan = plan_for(trial, d, check_memory=False)
+                        except ValueError as e:
+                            errors.append(str(e))
+                            continue
+                        cands.append(_candidate(plan, device, raf))
     if not cands and errors and fixed_degrees(cfg) is not None:
         raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
@@ -332,6 +358,7 @@ def search(cfg: Config) -> SearchResult:
         ActivationCheckpointing(best.activation_checkpointing),
         best.micro_batch_size,
         _pipeline_of(best),
+        best.reshard_after_forward,
     )
     return SearchResult(ranked[0], ranked, chosen_cfg, device_gib)
 
@@ -344,6 +371,7 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
         ActivationCheckpointing(smallest.activation_checkpointing),
         smallest.micro_batch_size,
         _pipeline_of(smallest),
+        smallest.reshard_after_forward,
     )
     m = plan_for(trial, Degrees(**smallest.degrees), check_memory=False).memory
     state = (m.params + m.grads + m.optimizer) / GIB  # shrinks with more data-parallel ranks

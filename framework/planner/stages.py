@@ -40,6 +40,17 @@ _EMBED_BYTES_PER_ELEM = 16.0
 _ADAMW_BYTES = 38.0
 
 
+def held_for_step(cfg: Config, pp: int) -> bool:
+    """Whether the FSDP units stay unsharded from their first forward to the step's gradient
+    reduction (one all-gather per unit and step; the rank's unsharded weights live for the step):
+    always under the zero-bubble schedules (framework.parallel._pipeline), and with
+    ``sharding.reshard_after_forward=false`` everywhere: under every pipeline schedule torch's
+    ``PipelineStage`` turns ``reshard_after_backward`` off for every backward but the step's
+    ``perform_reduce_grad`` (torch/distributed/pipelining/stage.py, torch 2.13), and under gradient
+    accumulation the loop does the same (framework.train.loop._no_grad_sync)."""
+    return (pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE) or not cfg.sharding.reshard_after_forward
+
+
 def num_stages(cfg: Config) -> int:
     return max(1, cfg.parallel.pp) * cfg.parallel.pp_stages_per_rank if cfg.parallel.pp > 1 else 1
 

@@ -28,8 +28,13 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-def validation_row(step: int, val_loss: float) -> dict[str, Any]:
-    return {"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+def validation_row(step: int, val_loss: float, sets: dict[str, float] | None = None) -> dict[str, Any]:
+    """A validation row; ``sets``: the loss of each named set (train.eval_sets), as ``val_loss/NAME``
+    and ``val_ppl/NAME``."""
+    row = {"step": step, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+    for name, loss in (sets or {}).items():
+        row |= {f"val_loss/{name}": loss, f"val_ppl/{name}": perplexity(loss)}
+    return row
 
 
 class Metrics:
@@ -127,6 +132,7 @@ def format_row(row: dict[str, Any]) -> str:
     ):
         if row.get(key) is not None:
             parts.append(fmt.format(row[key]))
+    parts += [f"{k} {v:.4f}" for k, v in row.items() if k.startswith("val_loss/") and v is not None]
     return " | ".join(parts)
 
 

@@ -33,8 +33,9 @@ from framework.parallel.step import (
     StepResult,
     StepTimer,
     autocast,
-    mean_over_ranks,
+    ratio_over_ranks,
     step_result,
+    targets_counted,
     to_device,
     update,
 )
@@ -296,14 +297,22 @@ def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMan
         return model.no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if set_sync is not None:  # FSDP2's FSDPModule
+        # sharding.reshard_after_forward=false: the units also stay unsharded after this backward, so
+        # each is gathered once from the step's first forward to its last backward (as torch's
+        # PipelineStage does under pp; the plan counts one all-gather per unit and step).
+        hold = getattr(model, "hold_for_step", False)
 
         @contextlib.contextmanager
         def fsdp_no_sync() -> Iterator[None]:
             set_sync(False)
+            if hold:
+                model.set_reshard_after_backward(False)  # type: ignore[operator]
             try:
                 yield
             finally:
                 set_sync(True)
+                if hold:
+                    model.set_reshard_after_backward(True)  # type: ignore[operator]
 
         return fsdp_no_sync()
     return contextlib.nullcontext()
@@ -411,16 +420,28 @@ def _step_in_backward(
 def evaluate(
     model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
 ) -> float:
-    """Mean loss over this rank's validation batches, averaged over ranks."""
+    """The mean loss over every trained target of the validation set, whatever the layout.
+
+    Each micro batch's mean loss is weighted by its number of trained targets (IGNORE_INDEX ones
+    count for nothing) and the sums and counts are added over all ranks in one all-reduce, then
+    divided. So the value is the same for one process, dp, tp and pp (up to float summation order):
+    a mean of per-rank means weighed a rank's masked batch like a full one, and a pipeline's
+    stages other than the last hold no loss (they add 0 to both)."""
     if getattr(model, "schedule", None) is not None:  # pipeline parallel: through the schedule
         from framework.parallel.pipeline import pipeline_evaluate
 
-        return mean_over_ranks(pipeline_evaluate(model, batches, device))  # type: ignore[arg-type]
+        total, count = pipeline_evaluate(model, batches, device)  # type: ignore[arg-type]
+        return ratio_over_ranks(total, count)
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in batches:
         with autocast(device):
-            total += model(x.to(device), y.to(device)).float()
+            loss = model(x.to(device), y.to(device)).double()
+        n = targets_counted(y)
+        if n:  # a micro batch with no trained target has a NaN mean: it adds nothing
+            total += loss * n
+            count += n
     model.train(was_training)
-    return mean_over_ranks(total / max(1, len(batches)))
+    return ratio_over_ranks(total, count)

@@ -35,7 +35,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     rows = read_metrics(run_dir)
     if not any("loss" in r or "val_loss" in r for r in rows):
         raise ValueError(f"no loss rows in {run_dir / 'metrics.jsonl'}: nothing to plot")
-    panels = [("loss", ["loss", "val_loss"]), ("tokens/s", ["tokens_per_s"])]
+    # train.eval_sets: each named set is a line of its own.
+    sets = sorted({k for r in rows for k in r if k.startswith("val_loss/")})
+    panels = [("loss", ["loss", "val_loss", *sets]), ("tokens/s", ["tokens_per_s"])]
     if any(r.get("mfu") is not None for r in rows):
         panels.append(("MFU", ["mfu"]))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True, squeeze=False)
@@ -43,7 +45,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         for key in keys:
             steps, values = _series(rows, key)
             if steps:
-                ax.plot(steps, values, marker="o" if key == "val_loss" else None, markersize=3, label=key)
+                marker = "o" if key.startswith("val_loss") else None
+                ax.plot(steps, values, marker=marker, markersize=3, label=key)
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if len(keys) > 1:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.model import build_model
+from framework.models import build_model
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute

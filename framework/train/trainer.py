@@ -39,8 +39,7 @@ from framework.checkpoint.session import RunCheckpoints
 from framework.config.schema import Config, ExecutorMode, FreezeMode, Policy, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
-from framework.model import build_model, flops_per_token, num_params
-from framework.models import lora
+from framework.models import build_model, flops_per_token, lora, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
@@ -126,7 +125,8 @@ class Summary:
     # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
     # rejected checkpoints, failed saves, preemption.
     events: list[str] = field(default_factory=list)
-    # checkpoint=...: saves committed and failed, and the last failure (None without checkpointing).
+    # checkpoint=...: saves committed and failed, the last failure, the newest committed checkpoint
+    # (None with checkpoint=none).
     checkpoint: dict[str, Any] | None = None
     # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
     compile_cache: dict[str, int] | None = None
@@ -253,7 +253,13 @@ def validate(p: Parts, state: TrainState, step: int) -> None:
     state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
-    p.metrics.log(validation_row(step, state.last_val_loss))
+    p.metrics.log(validation_row(step, state.last_val_loss, eval_set_losses(p)))
+
+
+def eval_set_losses(p: Parts) -> dict[str, float]:
+    """The loss of each ``train.eval_sets`` set, by name (every rank evaluates each one)."""
+    model, device = p.runner.model, p.env.device
+    return {name: evaluate(model, batches, device) for name, batches in p.data.eval_sets.items()}
 
 
 def setup(
@@ -356,7 +362,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
     cfg, env = p.cfg, p.env
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
         state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
-        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss))
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, eval_set_losses(p)))
     s = Summary(
         steps=state.step,
         final_loss=state.final_loss,
@@ -399,7 +405,8 @@ def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEn
         from framework.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        out = export_hf(state, cfg.model, run_dir / "hf", cfg.train.seq_len, tokenizer)
+        context = cfg.model.max_position_embeddings or cfg.train.seq_len
+        out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer)
         log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 
@@ -462,6 +469,12 @@ def write_summary(
         )
     if summary.final_loss is not None:
         lines.append(f"final train loss: {summary.final_loss:.4f}")
+    latest = (summary.checkpoint or {}).get("latest")
+    if latest:  # the first model a user trains is one command away from use
+        lines.append(
+            f"checkpoint: {latest} (use it: python -m framework generate {run_dir} --prompt 'def '; "
+            f"python -m framework export-hf {run_dir} OUT)"
+        )
     if summary.tokens_per_s:
         lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
     if summary.data_wait_share is not None:

@@ -8,7 +8,7 @@ data sampler or the optimiser:
   under every sharding because the wrappers (DDP, FSDP2, TP) and the weights are the very same
   objects. Skipped for ``executor=eager`` (it would compare a path with itself).
 * executed vs an unsharded eager model built from the same config and seed (every layout is
-  initialised to the single-process weights, see ``Llama.init_weights``): catches sharding bugs.
+  initialised to the single-process weights, see ``Decoder.init_weights``): catches sharding bugs.
   Built only when the model is small (``verify.reference_model_max_params``), since every rank
   holds a full copy for a moment.
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import ModelConfig
-from framework.model import build_model, materialize, num_params
+from framework.models import build_model, materialize, num_params
 from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 
@@ -68,7 +68,7 @@ def eager_logits(
 def reference_model(
     cfg: ModelConfig, seq_len: int, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """An unsharded eager Llama with the run's initial weights (``dtype``: FSDP's param_dtype), with
+    """An unsharded eager decoder with the run's initial weights (``dtype``: FSDP's param_dtype), with
     the run's float8 layers (``model.float8``), so that only the sharding differs."""
     from framework.parallel.float8 import apply_float8
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
 from framework.freeze import FrozenResult
-from framework.model import Llama
+from framework.models import Decoder
 from framework.planner.layout import Degrees
 from framework.verify import baseline as baseline_mod
 from framework.verify.consistency import check_ranks, check_reference, export_fingerprint, meta_example
@@ -114,7 +114,7 @@ class Verifier:
 
     def check_graph(
         self,
-        meta_model: Llama,
+        meta_model: Decoder,
         frozen: FrozenResult,
         config_hash: str,
         flat_config: dict[str, Any],

@@ -1,4 +1,8 @@
-"""The Llama layout (torchtitan's module names; Hugging Face ``LlamaForCausalLM``'s names)."""
+"""The shared pieces as spec entries (``framework.models.spec.Weight``): the dense block's weights
+and the root weights around it, and what one dense block saves for backward (the planner's term).
+
+A family's ``spec.py`` lays its block out from these; the names are torchtitan's and Hugging Face's.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +25,32 @@ def attention(m: ModelConfig, hd: int) -> tuple[Weight, ...]:
     )
 
 
+def qk_norms(hd: int) -> tuple[Weight, ...]:
+    """Qwen3's RMSNorm over each query and key head: one weight shared by every head, over head_dim
+    (its entries follow the RoPE pair order)."""
+    return (
+        Weight("attention.q_norm", "self_attn.q_norm.weight", (hd,), TPStyle.heads, 1),
+        Weight("attention.k_norm", "self_attn.k_norm.weight", (hd,), TPStyle.heads, 1),
+    )
+
+
 def feed_forward(m: ModelConfig) -> tuple[Weight, ...]:
     """SwiGLU: w2(silu(w1 x) * w3 x); w1/w3 column-parallel, w2 row-parallel."""
     return (
         Weight("feed_forward.w1", "mlp.gate_proj.weight", (m.ffn_dim, m.dim), TPStyle.colwise),
         Weight("feed_forward.w2", "mlp.down_proj.weight", (m.dim, m.ffn_dim), TPStyle.rowwise),
         Weight("feed_forward.w3", "mlp.up_proj.weight", (m.ffn_dim, m.dim), TPStyle.colwise),
+    )
+
+
+def dense_block(m: ModelConfig, hd: int, qk_norm: bool = False) -> tuple[Weight, ...]:
+    """Pre-norm attention and SwiGLU (``framework.models.parts.decoder.dense_block``'s weights)."""
+    return (
+        Weight("attention_norm", "input_layernorm.weight", (m.dim,), TPStyle.sequence),
+        *attention(m, hd),
+        *(qk_norms(hd) if qk_norm else ()),
+        Weight("ffn_norm", "post_attention_layernorm.weight", (m.dim,), TPStyle.sequence),
+        *feed_forward(m),
     )
 
 
@@ -53,16 +77,10 @@ def decoder_spec(m: ModelConfig, family: str, block: tuple[Weight, ...], hd: int
     )
 
 
-def llama_block(m: ModelConfig, hd: int) -> tuple[Weight, ...]:
-    """Pre-norm attention and SwiGLU: the block of Llama and of the families built on it."""
-    return (
-        Weight("attention_norm", "input_layernorm.weight", (m.dim,), TPStyle.sequence),
-        *attention(m, hd),
-        Weight("ffn_norm", "post_attention_layernorm.weight", (m.dim,), TPStyle.sequence),
-        *feed_forward(m),
-    )
-
-
-def llama_spec(m: ModelConfig) -> ModelSpec:
-    hd = head_dim(m)
-    return decoder_spec(m, "llama", llama_block(m, hd), hd, "LlamaForCausalLM")
+def dense_saved_values(m: ModelConfig, hd: int) -> int:
+    """Values one dense block saves for backward, per token (the planner's activation term, scaled
+    there by a measured factor per executor): on the order of 10*dim + 3*kv_dim + 4*ffn_dim (norm
+    inputs and outputs, q/k/v before and after RoPE, attention output, residual, w1/w3 outputs,
+    SiLU and the product feeding w2); SDPA keeps no seq x seq matrix."""
+    kv_dim = m.n_kv_heads * hd
+    return 10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim

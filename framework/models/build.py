@@ -1,0 +1,43 @@
+"""A family's decoder from a config, and what the planner reads off its shape: parameter count and
+training flops per token."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from framework.config.schema import ModelConfig
+from framework.models.parts.decoder import Decoder
+from framework.models.registry import family, model_spec
+
+
+def decoder(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> Decoder:
+    """``cfg``'s family's decoder on the current device (its spec, its block, the shared trunk)."""
+    return Decoder(cfg, model_spec(cfg), family(cfg).block, max_seq_len, document_eos)
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = None) -> Decoder:
+    """Build on the meta device: no memory is taken until ``to_empty`` + ``init_weights``."""
+    with torch.device("meta"):
+        return decoder(cfg, max_seq_len, document_eos)
+
+
+def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameter count from the shape alone (its spec; tied embeddings counted once)."""
+    n = sum(math.prod(w.shape) for _, w, _ in model_spec(cfg).params())
+    return n if include_embedding else n - cfg.vocab_size * cfg.dim
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training flops per token: 6N + 12·L·H·Q·T (PaLM appendix B; N excludes the input embedding).
+
+    6N covers the matmuls of forward (2N) and backward (4N); 12·L·H·Q·T is attention's score and
+    value products (L layers, H heads, Q head dim, T sequence length), which N does not see.
+    """
+    n = num_params(cfg, include_embedding=False)
+    if cfg.tie_embeddings:
+        # The tied output projection is a matmul of vocab x dim even though its weight is shared.
+        n += cfg.vocab_size * cfg.dim
+    head_dim = model_spec(cfg).head_dim
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

@@ -1,0 +1,10 @@
+"""Llama 2/3 (Hugging Face ``LlamaForCausalLM``): the record the registry lists."""
+
+from __future__ import annotations
+
+from framework.models.family import Family
+from framework.models.llama.hf import HF_ARCHITECTURE, HF_FIELDS
+from framework.models.llama.model import llama_block
+from framework.models.llama.spec import activation_values, llama_spec
+
+LLAMA = Family("llama", llama_spec, llama_block, HF_ARCHITECTURE, activation_values, HF_FIELDS)

@@ -1,0 +1,331 @@
+"""The decoder trunk every family here shares: embedding, ``n_layers`` blocks, final norm, loss head.
+
+A family brings its spec (``framework.models.spec.ModelSpec``: the weights, the head size, the
+attention window) and its block (``Family.block``); the trunk runs them. Module names follow
+torchtitan (``tok_embeddings``, ``layers.N.attention.wq`` ...) so tensor-parallel plans and
+checkpoint converters can name them. The model is built on the meta device and initialised after
+placement (``init_weights``), so a 70B shape never materialises on one host.
+
+What the rest of the framework may rely on (the decoder interface): ``cfg``, ``tok_embeddings``,
+``layers`` (a ModuleDict "0".."L-1"), ``norm``, ``output``, ``rope``, ``head_dim``,
+``sliding_window``, ``document_eos``, ``forward(tokens, targets, documents)``, ``head_loss``,
+``init_weights``; a pipeline stage sets the embedding or the head to None. Each block has a
+``forward_cached`` for decoding (``forward_cached`` below, framework.models.parts.cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config.schema import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
+from framework.kernels.fused_ce import linear_cross_entropy
+from framework.models.parts.attention import Attention
+from framework.models.parts.cache import KVCache
+from framework.models.parts.masks import (
+    DOC_START,
+    causal_band,
+    dense_document_mask,
+    document_block_mask,
+    document_ids,
+    document_positions,
+    flex_trains_on,
+)
+from framework.models.parts.mlp import FeedForward
+from framework.models.parts.norm import RMSNorm
+from framework.models.parts.rope import rope_tables
+from framework.models.spec import ModelSpec
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, attention: nn.Module, feed_forward: nn.Module) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # ``mask`` may also be a BlockMask (see Attention.forward). The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
+        if mask is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """``forward`` for new positions after the cached ones (framework.models.parts.cache)."""
+        h = x + self.attention.forward_cached(self.attention_norm(x), cache, layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def dense_block(cfg: ModelConfig, spec: ModelSpec, qk_norm: bool = False) -> TransformerBlock:
+    """Llama's block (grouped-query attention, SwiGLU); ``qk_norm``: Qwen3's per-head q/k norm."""
+    return TransformerBlock(cfg, Attention(cfg, spec.head_dim, qk_norm), FeedForward(cfg.dim, cfg.ffn_dim))
+
+
+# A family's block: (config, spec) -> the module repeated ``n_layers`` times.
+BlockFactory = Callable[[ModelConfig, ModelSpec], nn.Module]
+
+
+class Decoder(nn.Module):
+    """Decoder-only transformer. ``forward(tokens) -> logits`` (batch, seq, vocab)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        spec: ModelSpec,
+        block: BlockFactory,
+        max_seq_len: int,
+        document_eos: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not cfg.head_dim and cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}"
+            )
+        self.cfg = cfg
+        self.head_dim = spec.head_dim
+        self.max_seq_len = max_seq_len
+        # data.document_mask: the EOS id whose positions end documents (None = plain causal attention).
+        self.document_eos = document_eos
+        # The document mask's kernel: None = FlexAttention where it trains (``flex_trains_on``) and
+        # model.attention=auto, else SDPA with the dense mask; True / False force one (tests).
+        self.document_flex: bool | None = None
+        # The family's attention window (its spec: Mistral); None = full causal attention, an
+        # attribute TorchScript drops the branch on.
+        self.sliding_window: int | None = spec.sliding_window or None
+        if self.sliding_window is not None and document_eos is not None:
+            raise ValueError(
+                f"model.sliding_window={self.sliding_window} with data.document_mask: valid: one of them"
+            )
+        # model.fused_cross_entropy, None for the default head: an attribute rather than a config
+        # read, so TorchScript (freeze=script) drops the fused branch it cannot compile.
+        self.fused_cross_entropy = (
+            None if cfg.fused_cross_entropy is FusedCrossEntropy.none else cfg.fused_cross_entropy
+        )
+        # The residual stream's dtype: ``materialize`` sets the loop's compute dtype (bf16 on CUDA)
+        # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
+        # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
+        self.stream_dtype: torch.dtype | None = None
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): block(cfg, spec) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        tie(self)
+        # Non-persistent: recomputed from the shape, never checkpointed.
+        self.register_buffer("rope", self._rope_tables(None), persistent=False)
+
+    def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
+        return rope_tables(self.head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits (batch, seq, vocab); or, given ``targets``, the mean cross-entropy loss.
+
+        Computing the loss inside ``forward`` lets the loss head (final norm, output projection,
+        fp32 log-softmax) be compiled as one region and run under DDP/FSDP's forward hooks.
+        ``documents``: the rows' ``document_ids`` (data.document_mask), given to every pipeline stage
+        (a later stage sees hidden states, not the tokens they are built from); None: built here.
+        """
+        if self.document_eos is not None:
+            return self._forward_documents(tokens, targets, documents)
+        if self.sliding_window is not None:
+            return self._forward_window(tokens, targets, self.sliding_window)
+        h = self._embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self._head(h, targets)
+
+    def _forward_window(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, window: int
+    ) -> torch.Tensor:
+        """``forward`` with a sliding window: one banded causal mask for the shape, every layer."""
+        h = self._embed(tokens)
+        s = h.shape[1]
+        mask = causal_band(s, s, 0, window, h.device)
+        for layer in self.layers.values():
+            h = layer(h, self.rope, mask=mask)
+        return self._head(h, targets)
+
+    def _forward_documents(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, documents: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward`` with ``data.document_mask``: attention and RoPE positions restart at each
+        document. Its own method, reached only when ``document_eos`` is set, so that TorchScript
+        (``freeze=script``, which skips a branch on a None attribute) compiles none of it otherwise."""
+        doc = documents
+        if self.tok_embeddings is not None:
+            if doc is None:
+                doc = document_ids(tokens, self.document_eos)
+            tokens = torch.bitwise_and(tokens, DOC_START - 1)  # the ids without the start flags
+        assert doc is not None, "a pipeline stage without the embedding needs the rows' document ids"
+        h = self._embed(tokens)
+        rope = self.rope[document_positions(doc)]  # (batch, seq, head_dim // 2, 2)
+        mask = self.document_attention_mask(tokens, doc)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask=mask)
+        return self._head(h, targets)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage (framework.parallel.pipeline) may lack the embedding (it then takes the
+        # previous stage's hidden states) and the head (``_head`` then returns its hidden states).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.stream_dtype is not None:
+            # fp32 embeddings under autocast would make the whole residual stream fp32 (every add
+            # promotes): twice the traffic of every norm, add and saved block input.
+            h = h.to(self.stream_dtype)
+        return h
+
+    def _head(self, h: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(self.norm(h))
+        return self.head_loss(h, targets)
+
+    def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        """FlexAttention's ``BlockMask``, or SDPA's dense mask (see ``document_flex``). TorchScript
+        cannot name BlockMask (the annotation leaves it out): a scripted model takes the dense mask."""
+        if torch.jit.is_scripting():
+            return dense_document_mask(doc)
+        else:
+            flex = self.document_flex
+            if flex is None:
+                flex = flex_trains_on(tokens.device) and self.cfg.attention is AttentionBackend.auto
+            return document_block_mask(doc) if flex else dense_document_mask(doc)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm + output projection + cross-entropy in fp32 (a separate method so that the
+        executor can compile it as its own region: with a 128K vocabulary it is a large share of
+        the step). ``model.fused_cross_entropy`` replaces the projection and the loss with one fused
+        kernel (framework.kernels.fused_ce) that never writes the logits."""
+        if self.fused_cross_entropy is not None:
+            return linear_cross_entropy(self.fused_cross_entropy, self.norm(h), self.output.weight, targets)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise in place after ``to_empty`` (meta -> real device).
+
+        Draws each parameter from a generator seeded by (seed, parameter name) on the parameter's
+        device type, so the values do not depend on the wrapping or the number of ranks (they do
+        depend on the device type: CPU and CUDA generators differ). Drawing on the GPU keeps a 7B
+        init to seconds rather than minutes of CPU sampling. Sharded (DTensor) parameters are filled
+        from the full tensor's generator and sliced to the local shard. Residual projections (wo, w2)
+        are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
+        """
+        std = self.cfg.init_std
+        device = local_device(self)
+        for name, p in self.named_parameters():
+            if name == "output.weight" and self.cfg.tie_embeddings:
+                # A pipeline's last stage holds its own copy of the tied weight (the embedding is on
+                # the first stage): drawn from the embedding's name, it starts equal to it.
+                name = "tok_embeddings.weight"
+            leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                full = torch.ones(_full_shape(p), device=device)
+            else:
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if leaf in ("wo", "w2") else std
+                g = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+                full = torch.randn(_full_shape(p), generator=g, device=device) * scale
+            _copy_full_into(p, full)
+        # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
+        self.rope = self._rope_tables(device)
+
+
+@torch.no_grad()
+def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones: the
+    trunk walked block by block, each block's ``forward_cached`` (its family's own)."""
+    h = model.tok_embeddings(tokens)
+    for i, block in enumerate(model.layers.values()):
+        h = block.forward_cached(h, cache, i)
+    cache.length += tokens.shape[1]
+    return model.output(model.norm(h[:, -1]))
+
+
+def tie(model: Decoder) -> None:
+    """Tie the output projection to the embedding (``model.tie_embeddings``), again after anything
+    that re-creates parameters (``to_empty``, TP). A pipeline stage holding only one of the two
+    keeps its own (framework.parallel.pipeline ties the copies across stages)."""
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_device(model: nn.Module) -> torch.device:
+    """The device of the model's (local shard of its) first parameter."""
+    p = next(model.parameters())
+    return p.to_local().device if _is_dtensor(p) else p.device
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    return p.shape  # a DTensor reports its global shape
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # Stable across processes (unlike hash()): a simple polynomial hash of the name.
+    h = seed * 1_000_003
+    for ch in name:
+        h = (h * 131 + ord(ch)) % (2**61 - 1)
+    return h
+
+
+def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
+    if _is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard locally.
+        full = full.to(device=p.to_local().device, dtype=p.dtype)
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        p.copy_(full.to(device=p.device, dtype=p.dtype))
+
+
+def compute_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype the training loop autocasts to on ``device``: bf16 on CUDA; None (fp32) elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else None
+
+
+def materialize(model: Decoder, device: torch.device | str, seed: int) -> None:
+    """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it:
+    from ``model.init_from`` when set (each rank reads its own shards, framework.checkpoint.init_from), else
+    ``init_weights(seed)``.
+
+    ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
+    are tied again before init.
+    """
+    model.to_empty(device=device)
+    if model.cfg.attention is AttentionBackend.fa4:
+        from framework.kernels import fa4
+
+        fa4.activate()  # process-wide: where the model meets its device, before any forward
+    if model.cfg.residual_dtype == ResidualDtype.autocast:
+        model.stream_dtype = compute_dtype(device)
+    tie(model)
+    if model.cfg.init_from is None:
+        model.init_weights(seed)
+        return
+    from framework.checkpoint.init_from import load
+
+    load(model, model.cfg.init_from)
+    # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).
+    model.rope = model._rope_tables(local_device(model))

@@ -1,0 +1,10 @@
+"""Qwen3 dense (Hugging Face ``Qwen3ForCausalLM``): the record the registry lists."""
+
+from __future__ import annotations
+
+from framework.models.family import Family
+from framework.models.qwen3.hf import HF_ARCHITECTURE, HF_FIELDS
+from framework.models.qwen3.model import qwen3_block
+from framework.models.qwen3.spec import activation_values, qwen3_spec
+
+QWEN3 = Family("qwen3", qwen3_spec, qwen3_block, HF_ARCHITECTURE, activation_values, HF_FIELDS)

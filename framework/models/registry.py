@@ -1,0 +1,72 @@
+"""The registry of families (one line each) and the cached spec of a shape.
+
+``model_spec(cfg)`` is what the planner, the TP plan, activation checkpointing, compile, FSDP,
+float8 and the Hugging Face converters read; ``framework.models.build`` builds the modules it
+describes. A new family is its folder and one line in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from framework.config.schema import ModelConfig, ModelFamily
+from framework.models.family import Family
+from framework.models.llama import LLAMA
+from framework.models.mistral import MISTRAL
+from framework.models.qwen3 import QWEN3
+from framework.models.spec import ModelSpec
+
+# The registry: one line per family.
+FAMILIES: dict[ModelFamily, Family] = {
+    ModelFamily.llama: LLAMA,
+    ModelFamily.qwen3: QWEN3,
+    ModelFamily.mistral: MISTRAL,
+}
+
+
+def family(m: ModelConfig) -> Family:
+    """``m``'s family record."""
+    return FAMILIES[m.family]
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(key: tuple) -> ModelSpec:
+    m = ModelConfig(**dict(key))
+    return FAMILIES[m.family].spec(m)
+
+
+def model_spec(m: ModelConfig) -> ModelSpec:
+    """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
+    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
+    return _spec(key)
+
+
+def own_fields() -> tuple[str, ...]:
+    """The ModelConfig fields some family has as its own (its record's ``hf_fields``: integers, 0 =
+    off), in registry order: the launcher rules them (a window only where the family computes one)
+    and the spec cache keys on them, with no per-field line outside the family's folder."""
+    return tuple(dict.fromkeys(f for fam in FAMILIES.values() for f in fam.hf_fields))
+
+
+# The ModelConfig fields a spec depends on (the cache key): the shared shape, then the families' own.
+SHAPE_KEYS = (
+    "family",
+    "head_dim",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_embeddings",
+    *own_fields(),
+)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated units (what activation checkpointing, per-block compile and FSDP wrap),
+    as its spec names them; a pipeline stage holds only some of them."""
+    container = model.get_submodule(model_spec(model.cfg).blocks)
+    return list(container.values())
