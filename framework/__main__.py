@@ -25,7 +25,11 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "generate": ("framework.launch.generate", [], "sample text from a run dir, checkpoint or HF folder"),
     "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
     "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
-    "recipes": ("framework.launch.recipes", [], "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)"),
+    "recipes": (
+        "framework.launch.recipes",
+        [],
+        "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)",
+    ),
     "verify": ("framework.verify.__main__", [], "compare two run dirs side by side"),
     "docs": ("framework.launch.docs", [], "regenerate (or --check) docs/config.md and the --help text"),
 }

@@ -28,12 +28,20 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument(
         "--force", action="store_true", help="replace the files of an OUT folder export-hf did not write"
     )
+    exp.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA runs: write the PEFT adapter folder (adapter_config.json, adapter_model.safetensors) "
+        "instead of merged weights",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from framework.checkpoint.export_hf import export_checkpoint
+    from framework.checkpoint.export_lora import export_adapter_checkpoint
 
+    export = export_adapter_checkpoint if args.adapter else export_checkpoint
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.config, args.force)
+        out = export(args.checkpoint, args.out, args.config, args.force)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from framework.config.schema import ModelConfig
 from framework.data.tokenizer import Tokenizer
-from framework.models import family, model_spec
+from framework.models import family, lora, model_spec
 
 log = logging.getLogger("framework")
 # Written into every export: ``export-hf`` replaces a folder holding it, and refuses another model's.
@@ -282,5 +282,10 @@ def export_checkpoint(
     model_cfg = dataclasses.replace(model_cfg, **(shape or {}), init_from=None)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg is not None else None
     seq_len = cfg.train.seq_len if cfg is not None else 2048
+    state = checkpoint_model_state(step_dir)
+    if cfg is not None and cfg.peft.method.value == "lora":  # adapters only: the base rebuilt, merged
+        state = lora.merge(
+            lora.with_base(state, cfg.peft, model_cfg, cfg.model.init_from, cfg.train), cfg.peft
+        )
     context = model_cfg.max_position_embeddings or seq_len
-    return export_hf(checkpoint_model_state(step_dir), model_cfg, out_dir, context, tokenizer)
+    return export_hf(state, model_cfg, out_dir, context, tokenizer)

@@ -27,6 +27,7 @@ from torch import nn
 from framework.config.schema import ModelFamily
 from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
+from framework.models.lora import is_lora_name
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -300,7 +301,7 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
 
     spec = model_spec(model.cfg)
     names, rope = spec.hf_names(), spec.rope_heads()
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}  # adapters: not in HF
     check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()}, names)
     by_file: dict[str, list[str]] = {}
     for n in params:

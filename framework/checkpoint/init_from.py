@@ -270,13 +270,22 @@ def load(model: nn.Module, path: str) -> None:
     if import_hf.is_hf_checkpoint(source):
         import_hf.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
         return
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
+    from framework.models.lora import is_lora_name
 
-    payload = {"model": to_dcp(model, get_model_state_dict(model))}  # a tied weight is stored once
+    full = get_model_state_dict(model)
+    own = {k: v for k, v in full.items() if not is_lora_name(k)}  # the base only: adapters start fresh
+    payload = {"model": to_dcp(model, own)}  # a tied weight is stored once
     # no_dist: each rank plans and reads its own chunks; the ranks need not agree on anything here.
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
         load_dcp(payload, source, no_dist=True)
-    set_model_state_dict(model, from_dcp(model, payload["model"]))
+    set_model_state_dict(
+        model, from_dcp(model, payload["model"]), options=StateDictOptions(strict=own == full)
+    )

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from framework.parallel.pipeline import is_pipeline
@@ -55,12 +55,20 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     checkpoint saved from DDP loads into FSDP2 or a plain module. On an optimizer that has not
     stepped yet it runs one zero-lr step to allocate the moments DCP loads into.
     """
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     msd = to_dcp(model, {k: _plain(v) for k, v in msd.items()})
     return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
 
 
 _EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """Frozen weights (``peft.method=lora``: the base, rebuilt from ``model.init_from`` or the seed
+    at every start) stay out of checkpoints: a LoRA checkpoint holds the adapters and their
+    optimizer state only. The load is then not strict, as the state names no frozen weight."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _tied(model: nn.Module) -> str | None:
@@ -83,7 +91,7 @@ def to_dcp(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
     (a pipeline's last stage offers its copy under that name: DCP writes one replica, and reads the
     embedding into it). ``from_dcp`` undoes it after a load."""
     how, out = _tied(model), dict(msd)
-    if how == "copy":
+    if how == "copy" and _OUTPUT in out:  # a frozen copy (peft=lora) is not in the state
         out[_EMBEDDING] = out.pop(_OUTPUT)
     elif how is not None:
         out.pop(_OUTPUT, None)
@@ -94,9 +102,9 @@ def from_dcp(model: nn.Module, loaded: dict[str, Any]) -> dict[str, Any]:
     """The model state dict to set from a payload that ``to_dcp`` made and DCP filled:
     ``output.weight`` again, with the embedding's value."""
     how, out = _tied(model), dict(loaded)
-    if how == "copy":
+    if how == "copy" and _EMBEDDING in out:
         out[_OUTPUT] = out.pop(_EMBEDDING)
-    elif how is not None:
+    elif how is not None and _EMBEDDING in out:  # a frozen embedding is not in a LoRA checkpoint
         out[_OUTPUT] = out[_EMBEDDING]
     return out
 
@@ -142,7 +150,13 @@ def apply_tensor_state(
     if names is not None:
         groups = [{**g, "params": own["params"]} for g, own in zip(groups, names, strict=True)]
     osd = {"state": payload["optim"]["state"], "param_groups": groups}
-    set_state_dict(model, optimizer, model_state_dict=from_dcp(model, payload["model"]), optim_state_dict=osd)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=from_dcp(model, payload["model"]),
+        optim_state_dict=osd,
+        options=_options(model),
+    )
 
 
 def _retype_like(saved: dict, now: dict) -> dict:

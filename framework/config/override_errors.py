@@ -139,7 +139,9 @@ def explain(error: BaseException, overrides: Sequence[str]) -> str | None:
     if isinstance(error, ConfigCompositionException):
         return _composition(str(error), parsed)
     if isinstance(error, ValueError) and "Config group override must be a string" in str(error):
-        for o in parsed:  # a number as a group's option (framework.config.schema.quote_numeric_choices quotes ours)
+        for o in (
+            parsed
+        ):  # a number as a group's option (framework.config.schema.quote_numeric_choices quotes ours)
             if not isinstance(o.value(), (str, list)) and (o.key_or_group in GROUPS or "/" in o.key_or_group):
                 return f"{o.input_line}: an option of a config group is a name; quote it: {o.key_or_group}='{o.value()}'"
     return None

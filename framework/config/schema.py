@@ -140,6 +140,13 @@ class DType(Enum):
     float16 = "float16"
 
 
+class PeftMethod(Enum):
+    """Parameter-efficient fine-tuning (the ``peft`` group): none trains every weight."""
+
+    none = "none"
+    lora = "lora"
+
+
 class FreezeMode(Enum):
     none = "none"
     export = "export"
@@ -703,6 +710,29 @@ class FreezeConfig:
     export_methods: list[str] = only_with("freeze.mode", FreezeMode.script, factory=list)
 
 
+@dataclass
+class PeftConfig:
+    """LoRA (Hu et al. 2021): each targeted Linear keeps its weight W frozen and learns
+    W + (alpha / rank) * B @ A, with A (rank x in) and B (out x rank, zero at the start)."""
+
+    # none: full fine-tuning; lora: frozen base, adapters (framework.models.lora).
+    method: PeftMethod = PeftMethod.none
+    # The adapters' rank r: 1 .. the smallest in/out size of a targeted layer.
+    rank: int = only_with("peft.method", PeftMethod.lora, default=8)
+    # The update is scaled by alpha / rank (peft's lora_alpha).
+    alpha: float = only_with("peft.method", PeftMethod.lora, default=16.0)
+    # nn.Dropout on the adapter's input (peft's lora_dropout); the frozen path sees the plain input.
+    dropout: float = only_with("peft.method", PeftMethod.lora, default=0.0)
+    # Module-name patterns (fnmatch) matched against the full name ("layers.*.attention.wq") or its
+    # last part ("wq"); every pattern must match at least one Linear. peft's Llama default: q and v.
+    targets: list[str] = only_with("peft.method", PeftMethod.lora, factory=lambda: ["wq", "wv"])
+    # The frozen weights' dtype: bfloat16 halves their memory (the adapters stay float32).
+    base_dtype: DType = only_with("peft.method", PeftMethod.lora, default=DType.float32)
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, e.g. export-hf --adapter)
+    # to start the adapters from, instead of B = 0; its base, rank, alpha and layers must be this run's.
+    adapter: Optional[str] = only_with("peft.method", PeftMethod.lora, default=None)
+
+
 _COMPILED = (ExecutorMode.compile, ExecutorMode.cudagraphs)
 
 
@@ -852,6 +882,7 @@ class Config:
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
@@ -907,6 +938,7 @@ GROUPS = (
     "bucketing",
     "nccl",
     "freeze",
+    "peft",
     "executor",
     "checkpoint",
     "verify",

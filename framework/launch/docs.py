@@ -42,6 +42,7 @@ GROUP_DESCRIPTIONS: dict[str, str] = {
     "bucketing": "DDP bucket_cap_mb, gradient_as_bucket_view, static_graph (auto: from the comm model)",
     "nccl": "NCCL environment presets, validated before the process group starts",
     "freeze": "static graph: torch.export (fingerprint, artifact) or legacy TorchScript",
+    "peft": "parameter-efficient fine-tuning: none (every weight trains) or lora (frozen base, adapters)",
     "executor": "how a step runs: eager, torch.compile, CUDA graphs",
     "checkpoint": "DCP checkpoints: cadence, async, retention, resume",
     "verify": "graph and performance verification against a reference",
@@ -273,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [g for g in config_mod.GROUPS if g not in GROUP_DESCRIPTIONS]
     if missing:
-        print(f"error: config groups without a description in framework/launch/docs.py: {missing}", file=sys.stderr)
+        print(
+            f"error: config groups without a description in framework/launch/docs.py: {missing}",
+            file=sys.stderr,
+        )
         return 1
     if args.check:
         old = stale()

@@ -59,6 +59,7 @@ from framework.launch.ranks import (
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
 from framework.models import linears, model_spec
+from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
@@ -443,6 +444,7 @@ def prelaunch_with_search(
         # and the plan to plan.json; the ranks read both back and plan nothing.
         resolved = resolve(cfg)
         cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
+        lora_layout(cfg.peft, plan.layout.tp, plan.layout.fsdp)  # LoRA: no TP, one dtype under FSDP
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

@@ -84,6 +84,7 @@ class Guard:
 
 _CK = (("checkpoint.enabled", True),)
 _VERIFY = (("verify.enabled", True),)
+_PEFT = (("peft.method", "lora"),)
 # Recipes may set values, not places or trust: the one table of what only conf/ or the command line
 # may set, and why. tests/test_recipe_check.py walks the schema so that a new path-like field
 # cannot be missing here (or from NOT_PLACES below).
@@ -109,6 +110,9 @@ COMMAND_LINE_ONLY: dict[str, Guard] = {
     "tokenizer.path": Guard("is a tokenizer file read", "/etc/passwd", local=True),
     "model.init_from": Guard(
         "is a checkpoint or weights folder read (a checkpoint can carry code)", "/tmp/w"
+    ),
+    "peft.adapter": Guard(
+        "is an adapter folder read into the model (weights another party chose)", "/tmp/a", context=_PEFT
     ),
     "checkpoint.resume": Guard(
         "names a checkpoint to load (a checkpoint can carry code)", "/tmp", also=("auto", "none"), context=_CK
@@ -165,6 +169,7 @@ NOT_PLACES: dict[str, str] = {
     "logger.project": "a project of the user's own account",
     "model.float8_skip": "layer name fragments",
     "freeze.ignore": "module paths inside the model",
+    "peft.targets": "module-name patterns inside the model",
     "freeze.export_methods": "method names",
     "logger.tags": "labels",
     "nccl.env": "NCCL variables, checked by name (CODE_LOADING_NCCL)",
@@ -252,13 +257,17 @@ def _check_defaults(entries: Any) -> str | None:
         if ok:
             ((key, value),) = entry.items()
             m = _DEFAULT_KEY.fullmatch(str(key).strip())
-            values = value if isinstance(value, list) and m is not None and m["group"] in LIST_GROUPS else [value]
+            values = (
+                value if isinstance(value, list) and m is not None and m["group"] in LIST_GROUPS else [value]
+            )
             ok = (
                 m is not None
                 and m["group"] in RECIPE_GROUPS
                 and bool(values)
                 and all(
-                    isinstance(v, (str, int)) and not isinstance(v, bool) and _OPTION.fullmatch(str(v)) is not None
+                    isinstance(v, (str, int))
+                    and not isinstance(v, bool)
+                    and _OPTION.fullmatch(str(v)) is not None
                     for v in values
                 )
             )

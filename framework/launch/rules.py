@@ -254,6 +254,34 @@ def _muon_ok(v: Any, c: Config) -> bool:
     return hasattr(torch.optim, "Muon")
 
 
+def _lora_error(c: Config) -> str | None:
+    """``framework.models.lora.check`` on the meta model of ``c``: its one line, or None."""
+    from framework.models import build_model, lora
+
+    if getattr(c.peft.method, "value", c.peft.method) == "none":
+        return None
+    try:
+        lora.check(build_model(c.model, c.train.seq_len), c.peft)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _adapter_error(c: Config) -> str | None:
+    """``framework.models.lora.check_adapter``: the folder against this run's base and adapters."""
+    from framework.models import build_model, lora
+
+    if c.peft.adapter is None:
+        return None
+    try:
+        model = build_model(c.model, c.train.seq_len)
+        lora.attach(model, c.peft)
+        lora.check_adapter(model, c.peft, c.model.init_from)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def check_layout(cfg: Config, declared: Degrees | None) -> None:
     """The rules that read the layout the user fixed (``declared``: read once by the launcher,
     framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
@@ -487,7 +515,9 @@ RULES: dict[str, Rule] = {
     # Off CUDA (in a dry run: the declared hardware), a missing package (a dry run warns), executor.scope=model
     # and TP are refused by framework.kernels.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,
-    "model.init_from": optional_path("framework.checkpoint.init_from reads the checkpoint and checks every tensor"),
+    "model.init_from": optional_path(
+        "framework.checkpoint.init_from reads the checkpoint and checks every tensor"
+    ),
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.data.tokenizer reads the file"),
     "tokenizer.bos_token": optional_name("unset (null: the tokenizer's own) or a token of its vocabulary"),
@@ -714,6 +744,34 @@ RULES: dict[str, Rule] = {
     "freeze.check_graph_breaks": TYPED,
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),
     "freeze.export_methods": names_list("method names (non-empty strings)"),
+    # peft (framework.models.lora): the patterns and the rank against the model's own Linears
+    "peft.method": TYPED,
+    "peft.targets": Rule(
+        lambda c: (_lora_error(c) or "patterns of Linear layers").split("valid: ", 1)[-1],
+        lambda v, c: _lora_error(c) is None or not _lora_error(c).startswith("peft.targets"),
+        (["no_such_layer"],),
+        context=(("peft.method", "lora"),),
+    ),
+    "peft.rank": Rule(
+        lambda c: (_lora_error(c) or "an integer >= 1").split("valid: ", 1)[-1],
+        lambda v, c: _is_int(v) and 1 <= v <= INT64_MAX and _lora_error(c) is None,
+        (0, -1, 100000),
+        context=(("peft.method", "lora"),),
+    ),
+    "peft.adapter": Rule(
+        lambda c: (_adapter_error(c) or "a PEFT adapter folder").split("valid: ", 1)[-1],
+        lambda v, c: v is None or _adapter_error(c) is None,
+        ("/nonexistent/adapter",),
+        context=(("peft.method", "lora"),),
+    ),
+    "peft.alpha": number(0, lo_open=True, bad=(0.0, -1.0, math.nan, math.inf)),
+    "peft.dropout": number(0, 1, hi_open=True, bad=(-0.1, 1.0, math.nan)),
+    "peft.base_dtype": Rule(
+        "float32 or bfloat16 (float32 with FSDP: framework.parallel.lora.check_layout, after the plan)",
+        lambda v, c: getattr(v, "value", v) != "float16",
+        ("float16",),
+        context=(("peft.method", "lora"),),
+    ),
     # executor
     "executor.mode": TYPED,  # cudagraphs needs CUDA (in a dry run the declared): framework.launch.entry.check_cudagraphs
     "executor.scope": TYPED,

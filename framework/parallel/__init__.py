@@ -17,6 +17,7 @@ from framework.config.schema import (
     ActivationCheckpointing,
     BucketingConfig,
     ExecutorConfig,
+    PeftConfig,
     PPSchedule,
     ShardingConfig,
 )
@@ -25,6 +26,7 @@ from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.float8 import apply_float8
+from framework.parallel.lora import after_materialize, apply_lora
 from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mesh
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
@@ -45,6 +47,7 @@ def parallelize(
     seed: int,
     *,
     init_weights: bool = True,
+    peft: PeftConfig | None = None,
 ) -> nn.Module:
     """Shard, checkpoint, compile, place and initialise a model built on the meta device.
 
@@ -60,6 +63,11 @@ def parallelize(
          Float8Linear, first, as torchao requires: TP shards the float8 modules (torchao's float8
          styles under tensorwise), compile traces their casts, FSDP2 all-gathers their weights in
          float8 (tensorwise). Off under ``model.float8=none``.
+     0b. LoRA (``apply_lora``, ``peft``; framework.parallel.lora says why here): freezes the model
+         and attaches the adapters after float8 (whose swap would drop them) and before TP (refused:
+         TP's styles would shard the adapters on the base's dim), AC, compile and FSDP (which wrap,
+         trace and shard them with their block). Their seeded init and ``peft.base_dtype``'s cast
+         follow materialisation (5), before DDP (6). Off under ``peft=none``.
       1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
@@ -94,8 +102,10 @@ def parallelize(
     sharded something sharded nothing.
     """
     if plan.layout.pp > 1:
-        return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights)
-    return _parallelize_stage(model, mesh, plan, sharding, bucketing, executor, device, seed, init_weights)
+        return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights, peft)
+    return _parallelize_stage(
+        model, mesh, plan, sharding, bucketing, executor, device, seed, init_weights, peft
+    )
 
 
 def _pipeline(
@@ -107,6 +117,7 @@ def _pipeline(
     device: torch.device,
     seed: int,
     init_weights: bool,
+    peft: PeftConfig | None = None,
 ) -> PipelineModel:
     """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule (and
     with tied embeddings the group that keeps the last stage's copy equal to the embedding).
@@ -130,7 +141,9 @@ def _pipeline(
     ids = stage_ids(pp_mesh.get_local_rank(), plan.layout.pp, plan.pp_stages_per_rank, schedule)
     stages = [cut_stage(model, range(*plan.pp_split[i]), i == 0, i == n - 1) for i in ids]
     for stage in stages:
-        out = _parallelize_stage(stage, mesh, plan, sharding, None, executor, device, seed, init_weights)
+        out = _parallelize_stage(
+            stage, mesh, plan, sharding, None, executor, device, seed, init_weights, peft
+        )
         assert out is stage, "under pp, data parallelism is FSDP (in place), never a DDP wrapper"
     piped = PipelineModel(stages, ids, n)
     if init_weights:
@@ -152,10 +165,12 @@ def _parallelize_stage(
     device: torch.device,
     seed: int,
     init_weights: bool,
+    peft: PeftConfig | None = None,
 ) -> nn.Module:
     """Steps 0-6 of ``parallelize`` on one model (the whole model, or one pipeline stage)."""
     layout = plan.layout
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
+    apply_lora(model, peft, layout.tp, layout.fsdp)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
     budget = (
         sharding.activation_memory_budget
@@ -174,6 +189,7 @@ def _parallelize_stage(
         apply_fsdp(model, shard_mesh, sharding)
     if init_weights:
         materialize(model, device, seed)
+        after_materialize(model, peft, seed)
     # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
     # them with itself, and keep its gradient buckets resident through forward: the concern is off.
     if layout.ddp and init_weights:

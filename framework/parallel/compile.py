@@ -51,7 +51,9 @@ def apply_compile(
     ``framework.launch.entry.check_cudagraphs``, a budget with the eager executor by ``framework.planner.plan``.
     """
     if executor.mode == ExecutorMode.eager:
-        assert memory_budget is None, "activation_checkpointing=budget with eager: refused by framework.planner.plan"
+        assert memory_budget is None, (
+            "activation_checkpointing=budget with eager: refused by framework.planner.plan"
+        )
         return 0
     assert executor.mode != ExecutorMode.cudagraphs or device.type == "cuda", (
         "refused by framework.launch.entry.check_cudagraphs"

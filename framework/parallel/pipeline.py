@@ -202,7 +202,11 @@ class TiedWeight:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """After backward: the embedding's gradient becomes the sum of both uses' (the copy's is
-        dropped), as one process's tied parameter accumulates both."""
+        dropped), as one process's tied parameter accumulates both. Nothing when the weight is
+        frozen (``peft=lora``): no stage computed a gradient for it."""
+        held = self.master if self.master is not None else self.copy
+        if held is not None and not held.requires_grad:
+            return
         if self.master is not None and self.copy is not None:
             _local_grad(self.master).add_(_local_grad(self.copy))
         elif self.group is not None:

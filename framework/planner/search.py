@@ -121,7 +121,9 @@ def _degree_options(cfg: Config) -> list[Degrees]:
                     out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
     if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
         out = [d for d in out if d.dp_shard == 1 and d.tp == 1 and d.cp == 1]
-    if cfg.model.fused_cross_entropy is not FusedCrossEntropy.none:  # the whole head: framework.kernels.fused_ce
+    if (
+        cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
+    ):  # the whole head: framework.kernels.fused_ce
         out = [d for d in out if d.tp == 1]
     return out
 

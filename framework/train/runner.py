@@ -130,6 +130,7 @@ class StepRunner:
             self.executor,
             self.device,
             cfg.train.seed,
+            peft=cfg.peft,
         )
         # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
         self.seq_shard = sequence_shard(self.model, self.mesh, self.plan) if self.mesh is not None else None

@@ -42,7 +42,7 @@ from framework.checkpoint.session import RunCheckpoints
 from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
-from framework.models import build_model, flops_per_token, num_params
+from framework.models import build_model, flops_per_token, lora, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
@@ -420,7 +420,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
 
 def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
     """``checkpoint.export_hf``: the trained model as a Hugging Face folder in ``run_dir/hf``."""
-    state = full_model_state(model)  # a collective under FSDP / TP: every rank calls it
+    state = lora.merge(full_model_state(model), cfg.peft)  # a collective under FSDP / TP: every rank calls it
     if env.is_main:
         from framework.data.tokenizer import load_tokenizer
 
