@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from framework.config.schema import SHIPPED_CALLBACKS, Config, RunConfig, default_callbacks
+from framework.planner.resolve import resolve
 from framework.record.metrics import read_metrics
 from framework.train.callbacks import Callback, Callbacks, build_callbacks, check_callbacks
 from framework.verify.baseline import PerfFigures, baseline_key, device_name, save_baseline
@@ -155,7 +156,8 @@ def test_a_rebuild_is_heard_and_the_fault_callback_rearms_on_the_new_model(
     model: the forward of step 7 raises there, and every callback is still closed."""
     _, args = _install(tmp_path, monkeypatch)
     over = ["verify=on", "executor=compile", "executor.backend=eager", "train.seq_len=32"]
-    key = baseline_key(compose_config(*over), 1, device_name(torch.device("cpu")))
+    resolved = resolve(compose_config(*over))
+    key = baseline_key(resolved.cfg, resolved.plan.layout, 1, device_name(torch.device("cpu")))
     store = tmp_path / "baselines.json"
     save_baseline(store, key, PerfFigures(1e-9, 1e-9, 1e9, None, None), {})
     run = tmp_path / "run"
