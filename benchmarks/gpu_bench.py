@@ -50,7 +50,7 @@ from framework.launch import recipes  # noqa: E402
 from framework.launch.ranks import apply_allocator_environment, register_resolvers  # noqa: E402
 from framework.models import build_model, flops_per_token, materialize  # noqa: E402
 from framework.parallel.step import loss_fn  # noqa: E402
-from framework.planner.resolve import make_plan  # noqa: E402
+from framework.planner.resolve import resolve  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16 datasheet figure
 
@@ -123,6 +123,7 @@ def framework_run(
         "train.eval_every=0",
         "run.device=cuda",
         "mesh/hardware=h200",
+        "checkpoint=none",  # the default saves at the end: not what is measured
     ]
     # A key in ``extra`` replaces the default here (Hydra refuses a key given twice).
     given = {e.split("=", 1)[0] for e in extra}
@@ -132,8 +133,9 @@ def framework_run(
     run_dir = out / (name or f"{recipe}-{mode}")
     run_dir.mkdir(parents=True, exist_ok=True)
     reset()
-    summary = trainer.run(cfg, run_dir)
-    plan = make_plan(cfg)
+    resolved = resolve(cfg)  # as the launcher does, once
+    cfg, plan = resolved.cfg, resolved.plan
+    summary = trainer.run(cfg, plan, run_dir)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     # The median step, as for the hand loop (robust to a shared host's hiccups); the mean beside it.
     p50 = summary.step_p50_s
