@@ -231,11 +231,14 @@ def test_bad_hf_folders_are_one_line_and_exit_2(
     assert code == 2 and out == "" and len(err) == 1 and "has no chat template" in err[0], err
 
 
+VALID_PATHS = "a run dir (its newest checkpoint), a checkpoint dir or a Hugging Face folder"
+
+
 @pytest.mark.parametrize("command", ["generate", "evaluate"])
 def test_a_path_that_is_missing_or_a_file_says_so(tmp_path: Path, capsys, command: str) -> None:
     """Both were "no config.yaml in PATH or the three folders above it", which sent the user
     looking for a config."""
-    from framework.generate.evaluate import main as evaluate
+    from framework.launch.evaluate import main as evaluate
 
     run = main if command == "generate" else evaluate
     extra = ["--prompt", "x"] if command == "generate" else []
@@ -245,20 +248,13 @@ def test_a_path_that_is_missing_or_a_file_says_so(tmp_path: Path, capsys, comman
         err = capsys.readouterr().err
         assert (
             err
-            == f"error: PATH={str(path)!r} {what}; valid: a run dir (its newest checkpoint) or a checkpoint dir\n"
+            == f"error: PATH={str(path)!r} {what}; valid: {VALID_PATHS}\n"
         )
 
 
 EVALUATE_FLAGS = [
     (["--device", "bogus"], "--device='bogus' is not a torch device; valid: cpu or cuda[:N]"),
-    (["--config", "{tmp}/fifo"], "fifo is not a regular file"),  # OmegaConf.load waited on it forever
-    (["--config", "{tmp}"], "is a folder; valid: a run's config.yaml"),  # was IsADirectoryError
-    (["--config", "{tmp}/other.yaml"], "is not a run's config.yaml (Key 'a' not in 'Config')"),  # traceback
-    (["--batches", "0"], "--batches=0 is not valid; valid: 1.."),
-    (
-        ["--batches", "100000000"],
-        "--batches=100000000 is not valid; valid: 1..65027 (the batches are built",
-    ),
+    (["--batches", "0"], "--batches=0 is not valid; valid: 1 or more"),
 ]
 
 
@@ -269,7 +265,7 @@ def test_evaluate_bad_flags_are_one_line_and_exit_2(
     """``python -m framework evaluate``: each was a traceback (``--device cuda`` on CPU torch too),
     a hang, or 1e8 batches built in memory; checked before any checkpoint is read."""
     from framework.config.schema import Config, to_yaml
-    from framework.generate.evaluate import main as evaluate
+    from framework.launch.evaluate import main as evaluate
 
     (tmp_path / "config.yaml").write_text(to_yaml(Config()))  # seq_len 128 x batch 32: 4128 tokens a batch
     (tmp_path / "other.yaml").write_text("a: 1\n")

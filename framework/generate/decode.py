@@ -142,7 +142,7 @@ def load_run_config(path: Path) -> Config:
 def check_path(path: Path) -> Path:
     """PATH must be a folder: one that does not exist, or a file, was reported as "no config.yaml in
     PATH or the three folders above it", which sends the user looking for a config."""
-    valid = "valid: a run dir (its newest checkpoint) or a checkpoint dir"
+    valid = "valid: a run dir (its newest checkpoint), a checkpoint dir or a Hugging Face folder"
     if not path.exists():
         raise ValueError(f"PATH={str(path)!r} does not exist; {valid}")
     if not path.is_dir():
@@ -150,12 +150,11 @@ def check_path(path: Path) -> Path:
     return path.resolve()
 
 
-def check_top_k(top_k: int, cfg: Config) -> None:
+def check_top_k(top_k: int, vocab_size: int) -> None:
     """``--top-k`` above the vocabulary sampled from every token silently (as 0 does): say so."""
-    if top_k > cfg.model.vocab_size:
+    if top_k > vocab_size:
         raise ValueError(
-            f"--top-k={top_k} is more than the model's {cfg.model.vocab_size} tokens; valid: "
-            f"0..{cfg.model.vocab_size} (0 = all tokens)"
+            f"--top-k={top_k} is more than the model's {vocab_size} tokens; valid: 0..{vocab_size} (0 = all tokens)"
         )
 
 
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None, load: Loader = load_run) -> int:
         if args.config is not None:
             load_run_config(args.config)  # a bad --config is refused before anything is read
         src = load(check_path(args.path), args.config, device)
-        check_top_k(args.top_k, src.model.cfg)
+        check_top_k(args.top_k, src.model.cfg.vocab_size)
         prompt = encode_prompt(src.tokenizer, args.prompt, args.chat)
         ids = generate(
             src.model, prompt, args.max_new_tokens, args.temperature, args.top_k, src.stop_ids, args.seed

@@ -51,15 +51,16 @@ def default_report(path: Path, run_config: Path | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from framework.generate.decode import parse_device
+    from framework.generate.decode import check_path, parse_device
     from framework.generate.evaluate import batches_of, check_batches, data_rows, score
     from framework.launch.source import load_source, override_keys
 
     args = parse(argv)
     try:
         if args.batches is not None and args.batches < 1:
-            raise ValueError(f"--batches={args.batches} must be >= 1")
+            raise ValueError(f"--batches={args.batches} is not valid; valid: 1 or more")
         device = parse_device(args.device)
+        check_path(args.path)
         keys = override_keys(args.overrides)
         whole_set = any(k == "data" or k.startswith("data.") for k in keys)
         from framework.checkpoint.import_hf import is_hf_checkpoint
