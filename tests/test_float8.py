@@ -99,7 +99,7 @@ def test_device_refusals() -> None:
     float8.check_device(Float8Recipe.tensorwise, "cuda", (9, 0), "NVIDIA H200")
     cfg = Config(model=ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False))
     with pytest.raises(ValueError, match="this run uses cpu"):
-        check_float8(cfg, torch.device("cpu"))
+        check_float8(cfg, torch.device("cpu"), 1)
 
 
 def test_dry_run_checks_the_declared_hardware(
@@ -110,17 +110,17 @@ def test_dry_run_checks_the_declared_hardware(
     torchao warns in one line, a launch refuses (MissingPackage)."""
     cpu = torch.device("cpu")
     cfg = compose_config("recipe=llama1b", "model.float8=tensorwise")
-    check_float8(on(cfg, "h100_sxm"), cpu)
+    check_float8(on(cfg, "h100_sxm"), cpu, 1)
     with pytest.raises(ValueError, match=r"; mesh.hardware.name=a100_80gb is 8.0: use model.float8=none$"):
-        check_float8(on(cfg, "a100_80gb"), cpu)
+        check_float8(on(cfg, "a100_80gb"), cpu, 1)
     for refused in (on(cfg, "cpu"), on(cfg, "h100_sxm", dry_run=False)):
         with pytest.raises(ValueError, match="this run uses cpu"):
-            check_float8(refused, cpu)
+            check_float8(refused, cpu, 1)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 raises ImportError
     with pytest.raises(MissingPackage, match=r"needs torchao .*pip install"):
         float8.check_torchao(Float8Recipe.tensorwise)
     with caplog.at_level(logging.WARNING, logger="framework"):
-        check_float8(on(cfg, "h100_sxm"), cpu)
+        check_float8(on(cfg, "h100_sxm"), cpu, 1)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("dry run: model.float8=tensorwise needs torchao")
 
