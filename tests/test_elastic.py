@@ -199,6 +199,7 @@ def test_eight_ddp_ranks_resume_bitwise(tmp_path: Path) -> None:
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(step_dir(base, 1), step_dir(resumed, 1))
     shutil.copy(base / "config.yaml", resumed / "config.yaml")
+    shutil.copy(base / "plan.json", resumed / "plan.json")  # the launcher writes both; a rank plans nothing
     run_ranks(train_rank, 8, str(resumed), timeout_s=300)
     [event] = events(resumed, "resumed")
     assert event["step"] == 1 and "step_000001" in event["detail"], event

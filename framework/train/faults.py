@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from framework.parallel.pipeline import called_modules
 from framework.train.callbacks import Callback, RunContext
 
 log = logging.getLogger("framework")
@@ -53,9 +54,7 @@ class FaultInjection(Callback):
                 raise InjectedFault(f"run.fault_raise_at_step={at}: injected fault on rank {rank}")
 
         # A pipeline's schedule calls its stages, never the model (framework.parallel.pipeline).
-        model = run.runner.model
-        modules = getattr(model, "stages", None) or [model]
-        self.handles = [m.register_forward_pre_hook(fail) for m in modules]
+        self.handles = [m.register_forward_pre_hook(fail) for m in called_modules(run.runner.model)]
 
     def on_step_read(self, run: RunContext, step: int) -> None:
         cfg = run.cfg.run
