@@ -8,6 +8,8 @@ same step: a rank that stopped alone would leave the others in a collective, fai
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from framework.checkpoint.group import Channel, new_gloo_group
@@ -29,3 +31,14 @@ class RunDirWatch:
         reason = self.channel.broadcast(reason)
         if reason is not None:
             raise DirGone(stopped(reason, f"at step {step}"))
+
+    @contextmanager
+    def blame(self, step: int) -> Iterator[None]:
+        """Around a save: the checkpoint dir found gone is the run dir's deletion when that went too
+        (a deletion between ``check`` and the save's own stat names the run dir, not its child).
+        Collective like ``check``: a save's DirGone is raised on every rank at once."""
+        try:
+            yield
+        except DirGone:
+            self.check(step)
+            raise

@@ -216,7 +216,8 @@ def train(p: Parts, state: TrainState) -> None:
             continue
         if saving:  # a save into a deleted run dir would recreate part of it
             p.watch.check(state.step)
-        preempted = ckpt.save_if_due(state.step)  # preempted: saved (or the event says why not)
+        with p.watch.blame(state.step):
+            preempted = ckpt.save_if_due(state.step)  # preempted: saved (or the event says why not)
         if saving:
             p.callbacks.on_save(state.step)
         if preempted:
