@@ -7,7 +7,7 @@
 # rank per GPU on NCCL. The summary prints each step's loss and gradient norm next to the
 # one-process run's, with the largest relative difference. The launcher's loop runs bf16 autocast
 # on CUDA, so the differences here are bf16 rounding; the fp32 equivalence (rtol 1e-5) is
-# tests/test_context_parallel.py's CUDA tests. Each run's log is $OUT/NAME.log.
+# tests/parallel/test_context_parallel.py's CUDA tests. Each run's log is $OUT/NAME.log.
 set -u
 STEPS=${1:-20}; shift 2>/dev/null || true
 CASES=${*:-one cp2 cp2_dp2}

@@ -11,10 +11,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDU
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "=== cuda tests $(date +%T)"
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  "tests/test_fused_ce.py::test_fused_loss_and_gradients_match_the_unfused_head" \
-  "tests/test_loop.py::test_host_io_ring_copies_in_and_out" \
-  "tests/test_loop.py::test_optimizer_in_backward_side_stream_matches_the_plain_step" \
-  "tests/test_model.py::test_flex_attention_trains_like_the_sdpa_mask_on_cuda" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+  "tests/kernels/test_fused_ce.py::test_fused_loss_and_gradients_match_the_unfused_head" \
+  "tests/train/test_loop.py::test_host_io_ring_copies_in_and_out" \
+  "tests/train/test_loop.py::test_optimizer_in_backward_side_stream_matches_the_plain_step" \
+  "tests/models/test_model.py::test_flex_attention_trains_like_the_sdpa_mask_on_cuda" 2>&1 | tail -15 | tee "$OUT/tests.txt"
 for ex in ${EXECUTORS:-compile}; do
   ex=executor=$ex
   echo "=== train.py recipe=llama_125m $ex $(date +%T)"

@@ -8,7 +8,7 @@ Each row names its source (document and table); what the source does not state i
 ``assumed`` in ``Published.assumed`` and is the planner's choice, not a published number.
 
 Runs on the CPU machine in about 10 s (planner only, no training):
-``python benchmarks/published.py``. ``tests/test_published.py`` pins the predictions.
+``python benchmarks/published.py``. ``tests/planner/test_published.py`` pins the predictions.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ interpreter importing torch and the framework) before it does anything. A refusa
 process (``train_main``) costs the compose and the checks, well under a second. A run that
 trains goes to a child forked from this process (``train_forked``): real ``train.py``, real
 Hydra, real launcher and ranks, without the imports. The real-process path keeps its own tests
-(``tests/test_rules.py``'s end-to-end cases, the signal and launcher tests of test_elastic.py).
+(``tests/launch/test_rules.py``'s end-to-end cases, the signal and launcher tests of test_elastic.py).
 """
 
 from __future__ import annotations

@@ -149,3 +149,14 @@ def test_every_known_exception_still_occurs() -> None:
 def test_find_cycle_sees_a_loop_and_a_tree() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}}) is None
+
+
+REPO_WIDE = {"test_docs.py", "test_structure.py"}  # tests of the repository itself, not of one layer
+
+
+def test_tests_mirror_the_layers() -> None:
+    """A layer's tests live in ``tests/<layer>/``; only the repository-wide ones stay at the top."""
+    top = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert top == REPO_WIDE, f"move {sorted(top - REPO_WIDE)} into tests/<layer>/"
+    folders = {p.parent.name for p in (ROOT / "tests").glob("*/test_*.py")}
+    assert folders <= set(LAYERS), f"tests/{sorted(folders - set(LAYERS))}/ is not a layer of {LAYERS}"

@@ -14,7 +14,7 @@ would, and nothing runs, so no kernel or GPU is needed.
 
 The fake group and the meshes live in a forked child process: state they leave behind in torch's
 distributed globals made later real (gloo) FSDP2/TP runs forked from the same process compute
-wrong results (found by running tests/test_dry_run.py before tests/test_parallel.py), so the
+wrong results (found by running tests/launch/test_dry_run.py before tests/parallel/test_parallel.py), so the
 caller's process is never touched. Fork costs milliseconds; nothing is re-imported.
 """
 

@@ -86,7 +86,7 @@ _CK = (("checkpoint.enabled", True),)
 _VERIFY = (("verify.enabled", True),)
 _PEFT = (("peft.method", "lora"),)
 # Recipes may set values, not places or trust: the one table of what only conf/ or the command line
-# may set, and why. tests/test_recipe_check.py walks the schema so that a new path-like field
+# may set, and why. tests/launch/test_recipe_check.py walks the schema so that a new path-like field
 # cannot be missing here (or from NOT_PLACES below).
 COMMAND_LINE_ONLY: dict[str, Guard] = {
     # Places that are written (or deleted).

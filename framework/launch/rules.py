@@ -5,7 +5,7 @@ sign or the relation to other keys. ``train.lr=nan`` is a float, ``model.dim=0``
 used to fail minutes later inside a rank (or never: ``train.steps=-5`` trained nothing and exited 0).
 Here every schema key has exactly one entry; ``check`` runs them all from ``framework.launch.entry`` before
 the run files are written, and each failure is one ``ValueError`` line naming the key, its value and
-what is valid. ``tests/test_rules.py`` is generated from this table and fails when a schema key has
+what is valid. ``tests/launch/test_rules.py`` is generated from this table and fails when a schema key has
 no entry, so a field added later without a rule is caught.
 
 An entry is one of:

@@ -3,7 +3,7 @@
 Why one description: the planner (parameter shapes and FSDP units), the tensor-parallel plan, the
 activation-checkpoint and compile units, float8's Linear list and the Hugging Face name maps (both
 directions, with the RoPE row permutation) used to spell the Llama layout out one by one, so a new
-family meant editing each in step. Each of them now reads a ``ModelSpec``; ``tests/test_models.py``
+family meant editing each in step. Each of them now reads a ``ModelSpec``; ``tests/models/test_models.py``
 checks that the spec and the built ``nn.Module`` agree, name for name and shape for shape.
 """
 

@@ -105,7 +105,7 @@ def attach_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer) 
     the whole weight's amax, where the per-forward one is reduced over the FSDP axis only, so under
     FSDP x TP each TP shard would get its own scale on the steps that no precompute preceded (the
     first, and the first after a load): precomputing at these points keeps every step's float8
-    weights those of one process (tests/test_float8_dist.py).
+    weights those of one process (tests/parallel/test_float8_dist.py).
     """
     if not _float8_gathered(model):
         return False

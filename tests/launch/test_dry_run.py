@@ -1,0 +1,162 @@
+"""Dry run on a fake process group: the real sharded model agrees with the planner's estimate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from framework.config.schema import Config, ModelConfig, Strategy
+from framework.launch.dry_run import DryRunReport, dry_run, format_dry_run
+from framework.planner.resolve import resolve
+from tests.config.test_config import compose_config
+from tests.entry import train_main
+from tests.kernels.test_target import on
+
+
+def resolved_dry_run(cfg: Config) -> DryRunReport:
+    """The dry run of ``cfg`` as the launcher runs it: resolved and planned once, then sharded."""
+    resolved = resolve(cfg)
+    return dry_run(resolved.cfg, resolved.plan)
+
+# A shape whose dims do not divide evenly by large shard counts, so FSDP2's padding shows.
+ODD = ModelConfig(
+    dim=192, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=520, vocab_size=1000, tie_embeddings=False
+)
+
+
+def cfg_for(strategy: str, shape: list[int], tp: int = 1, model: ModelConfig | None = None) -> Config:
+    cfg = Config(model=model or ModelConfig())
+    cfg.mesh.shape = shape
+    cfg.sharding.strategy = Strategy(strategy)
+    cfg.sharding.tp = tp
+    cfg.train.global_batch_size = cfg.mesh.world_size
+    cfg.train.micro_batch_size = 1
+    return cfg
+
+
+CASES = [
+    ("ddp", [2], 1),
+    ("ddp", [64, 8], 1),
+    ("fsdp", [4], 1),
+    ("fsdp", [64, 8], 1),
+    ("hsdp", [2, 2], 1),
+    ("hsdp", [64, 8], 1),
+    ("tp", [2], 2),
+    ("fsdp_tp", [2, 2], 2),
+    ("fsdp_tp", [64, 8], 2),
+]
+
+
+@pytest.mark.parametrize("model", [ModelConfig(), ODD], ids=["tiny_tied", "odd_untied"])
+@pytest.mark.parametrize(
+    ("strategy", "shape", "tp"), CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES]
+)
+def test_measured_matches_estimate(strategy: str, shape: list[int], tp: int, model: ModelConfig) -> None:
+    report = resolved_dry_run(cfg_for(strategy, shape, tp, model))
+    assert report.rel_error < 0.01, format_dry_run(report)
+    sharded = strategy != "ddp"
+    assert (report.num_sharded_params == report.num_params) == sharded
+    if sharded:  # sharding really divided the parameters
+        assert report.measured_param_bytes < 4 * report.plan.num_params / 1.9
+    assert not dist.is_initialized()  # the fake group is gone
+
+
+def test_report_and_refusals() -> None:
+    report = resolved_dry_run(cfg_for("fsdp_tp", [2, 4], 2))
+    text = format_dry_run(report)
+    assert "dry run: fsdp_tp on 8 ranks (dp_shard=4 x tp=2)" in text
+    assert f"measured {report.measured_param_bytes:,} B" in text
+    with pytest.raises(ValueError, match="sharding.tp=3 does not divide"):
+        resolved_dry_run(cfg_for("fsdp_tp", [4], 3))
+    assert not dist.is_initialized()
+
+
+def test_leaves_this_process_clean() -> None:
+    """A real FSDP2 run forked after a dry run of the same shape still matches one process.
+
+    Regression: with the fake group in this process, the later gloo run trained on wrong values.
+    """
+    from tests.dist import run_ranks
+    from tests.parallel.test_parallel import _worker, make_cfg, reference_losses
+
+    resolved_dry_run(cfg_for("fsdp", [4]))
+    cfg = make_cfg("fsdp", [4])
+    losses = run_ranks(_worker, 4, cfg)[0]["losses"]
+    assert losses == pytest.approx(reference_losses(cfg), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "shape"),
+    [((1, 1, 4, 1), [4]), ((2, 2, 2, 2), [2, 8])],
+    ids=["cp4", "hsdp_tp_cp-2x8"],
+)
+def test_cp_shards_parameters_over_dp_shard_and_cp(degrees: tuple[int, ...], shape: list[int]) -> None:
+    """CP ranks share parameters: FSDP2 shards them over dp_shard x cp flattened (and HSDP's
+    dp_replicate stays outer); planned for CUDA hardware in a dry run on this CPU machine."""
+    cfg = Config(model=ODD)
+    cfg.mesh.shape = shape
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.tp = degrees
+    cfg.train.seq_len = 64
+    cfg.train.global_batch_size = degrees[0] * degrees[1]
+    cfg.train.micro_batch_size = 1
+    cfg.run.dry_run = True
+    report = resolved_dry_run(cfg)
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+    assert report.num_sharded_params == report.num_params
+    fsdp_ranks = degrees[1] * degrees[2]
+    assert report.measured_param_bytes < 4 * report.plan.num_params / degrees[3] / fsdp_ranks * 1.1
+
+
+def test_cp_with_pp_dry_run_measures_what_the_plan_estimates() -> None:
+    """pp=2 x cp=2: each stage's parameters are sharded over the CP ranks, as the plan says."""
+    cfg = Config(model=ODD)
+    cfg.mesh.shape = [4]
+    cfg.parallel.pp, cfg.parallel.cp = 2, 2
+    cfg.train.seq_len = 64
+    cfg.train.global_batch_size = 2
+    cfg.run.dry_run = True
+    report = resolved_dry_run(cfg)
+    assert report.plan.strategy == "fsdp_cp_pp"
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+
+
+@pytest.mark.parametrize(("strategy", "tp"), [("fsdp", 1), ("fsdp_tp", 2)])
+def test_float8_layouts_of_a_gpu_profile(strategy: str, tp: int) -> None:
+    """llama1b in float8 tensorwise, planned for 8 H100s on this CPU: torchao swaps the planner's
+    layers, FSDP2 all-gathers each of their weights in float8, and the bytes match the estimate."""
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
+    base = compose_config("recipe=llama1b", "model.float8=tensorwise")
+    cfg = on(cfg_for(strategy, [8], tp, base.model), "h100_sxm")
+    report = resolved_dry_run(cfg)
+    text = format_dry_run(report)
+    assert report.measured_param_bytes == report.estimated_param_bytes, text
+    # 16 blocks x (wq, wo, w1, w2, w3): wk/wv are below tensorwise's size threshold, the head is skipped.
+    assert report.num_float8_layers == report.planned_float8_layers == 80, text
+    assert report.num_float8_all_gather == report.planned_float8_all_gather == 80, text
+    assert "float8 layers       planned 80, swapped 80 (model.float8=tensorwise)" in text
+
+
+def test_train_py_plans_float8_for_a_gpu_profile_on_this_cpu(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The user's command on a CPU login node (train.py's entry point, in this process): exit 0,
+    and the report's measured parameter bytes are the planner's."""
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
+    run = tmp_path / "run"
+    args = [
+        "recipe=llama1b",
+        "model.float8=tensorwise",
+        "mesh=8",
+        "mesh/hardware=h100_sxm",
+        "run.dry_run=true",
+    ]
+    code = train_main(f"hydra.run.dir={run}", *args)
+    err = capfd.readouterr().err
+    assert code == 0, err[-2000:]
+    log = (run / "train.log").read_text()
+    found = re.search(r"params per rank     estimated ([\d,]+) B .*measured ([\d,]+) B", log)
+    assert found is not None and found[1] == found[2], log[-2000:]
+    assert re.search(r"float8 layers       planned (\d+), swapped \1 ", log), log[-2000:]

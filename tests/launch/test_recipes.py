@@ -1,0 +1,309 @@
+"""Recipe roots (folders and installed packages), the recipes CLI, and refusal of unsafe recipes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework.launch import recipes
+
+ROOT = Path(__file__).resolve().parents[2]
+TEAM_RECIPE = """# Team recipe: the tiny model with a shorter schedule.
+model:
+  name: team_tiny
+train:
+  steps: 4
+  seq_len: 32
+  global_batch_size: 4
+  micro_batch_size: 2
+  eval_every: 0
+"""
+# Hydra instantiates callbacks before any of our code runs, and its own blocklist lets this one
+# through (checked by hand: without the refusal the marker file appears).
+HYDRA_CALLBACK = """# Looks harmless; writes a file through Hydra's callbacks.
+hydra:
+  callbacks:
+    pwn:
+      _target_: shutil.copyfile
+      _args_: ["{src}", "{marker}"]
+"""
+TARGET_IN_DATA = """# Smuggles a _target_ into a free-form dict.
+nccl:
+  env:
+    _target_: os.system
+"""
+WIDEN = """# Widens the allowlist for itself.
+run:
+  instantiate_allow: ["os."]
+"""
+# No `hydra:` key: a defaults entry packages another recipe (the payload) into hydra.callbacks.
+REPACKAGE = """# Looks harmless; its defaults move the payload into hydra.callbacks.
+defaults:
+  - /recipe@hydra.callbacks.pwn: payload
+  - _self_
+model:
+  name: repackaged
+"""
+PAYLOAD = """_target_: shutil.copyfile
+src: {src}
+dst: {marker}
+"""
+PRELOAD = """# Loads a library into every rank.
+nccl:
+  env:
+    LD_PRELOAD: /tmp/evil.so
+"""
+READS_ENV = """# Writes a secret into config.yaml.
+model:
+  name: ${oc.env:FRAMEWORK_TEST_SECRET}
+"""
+# 9 levels of 9 aliases: 9^9 = 387 million strings from 431 bytes.
+ALIAS_BOMB = (
+    '# An alias bomb.\na: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    + "".join(
+        f"{k}: &{k} [{', '.join(['*' + p] * 9)}]\n" for p, k in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+)
+# Schema-valid: every tag doubles the one before it (2^60 characters).
+DOUBLING = "logger:\n  tags:\n    - xx\n" + "".join(
+    f"    - ${{logger.tags[{i}]}}${{logger.tags[{i}]}}\n" for i in range(60)
+)
+
+
+@pytest.fixture
+def team_package(tmp_path: Path) -> tuple[Path, Path]:
+    """An installed-package root (teamrecipes/llama/*.yaml on sys.path) with good and bad recipes."""
+    site = tmp_path / "site"
+    folder = site / "teamrecipes" / "llama"
+    folder.mkdir(parents=True)
+    (site / "teamrecipes" / "__init__.py").write_text("")
+    (folder / "team_tiny.yaml").write_text(TEAM_RECIPE)
+    marker = tmp_path / "PWNED"
+    (folder / "evil_callback.yaml").write_text(HYDRA_CALLBACK.format(src=ROOT / "README.md", marker=marker))
+    (folder / "evil_target.yaml").write_text(TARGET_IN_DATA)
+    (folder / "evil_widen.yaml").write_text(WIDEN)
+    (folder / "evil_repackage.yaml").write_text(REPACKAGE)
+    (folder / "payload.yaml").write_text(PAYLOAD.format(src=ROOT / "README.md", marker=marker))
+    (folder / "evil_preload.yaml").write_text(PRELOAD)
+    (folder / "evil_env.yaml").write_text(READS_ENV)
+    (folder / "evil_alias_bomb.yaml").write_text(ALIAS_BOMB)
+    (folder / "evil_doubling.yaml").write_text(DOUBLING)
+    return site, marker
+
+
+def _env(site: Path, root: str) -> dict[str, str]:
+    env = {**os.environ, "FRAMEWORK_RECIPE_PATH": root, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("RUN_STAMP", None)
+    return env
+
+
+def test_package_root_resolves_without_importing(team_package: tuple[Path, Path], monkeypatch) -> None:
+    site, _ = team_package
+    monkeypatch.syspath_prepend(str(site))
+    assert recipes.package_root("pkg://teamrecipes.llama") == site / "teamrecipes" / "llama"
+    with pytest.raises(ValueError, match="no installed package 'nope_pkg'"):
+        recipes.package_root("pkg://nope_pkg.recipes")
+
+
+def test_refusal_reasons() -> None:
+    assert recipes.refusal({"model": {"dim": 8}}) is None
+    assert "hydra" in recipes.refusal({"hydra": {"run": {"dir": "x"}}})
+    assert "Hydra option" in recipes.refusal({"defaults": [{"override /hydra/launcher": "x"}]})
+    assert "instantiate_allow" in recipes.refusal({"run": {"instantiate_allow": ["os."]}})
+
+
+def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[Path, Path]) -> None:
+    site, _ = team_package
+    out = subprocess.run(
+        [sys.executable, "-m", "framework.launch.recipes", "list"],
+        cwd=ROOT,
+        env=_env(site, "pkg://teamrecipes.llama"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert "Team recipe: the tiny model" in lines["team_tiny"]
+    assert str(site / "teamrecipes" / "llama" / "team_tiny.yaml") in lines["team_tiny"]
+    assert "recipes/llama_tiny.yaml" in lines["llama_tiny"]
+    assert "REFUSED" in lines["evil_callback"] and "REFUSED" not in lines["team_tiny"]
+    assert "anchors/aliases" in lines["evil_alias_bomb"]  # listed (bounded), the others unaffected
+
+
+def test_validate_prints_the_plan_or_the_error(
+    team_package: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site, _ = team_package  # in-process: the CLI's main(), with the extra root on the environment
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", "pkg://teamrecipes.llama")
+    # sharding=ddp: under auto the search's choice for this tiny model moves with the cost model
+    # (since pipelines carry tied embeddings it plans zbv on 2 ranks); what is tested is the printing.
+    assert recipes.main(["validate", "team_tiny", "mesh=2", "sharding=ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out
+    assert recipes.main(["validate", "team_tiny", "mesh=4", "sharding=ddp", "train.global_batch_size=6"]) == 2
+    assert "global_batch_size=6" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil_widen"]) == 2
+    assert "is refused: it sets run.instantiate_allow" in capsys.readouterr().err
+    assert recipes.main(["validate", "evil_repackage"]) == 2  # was reported "valid"
+    assert "evil_repackage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("evil_callback", "may not configure Hydra"),
+        ("evil_target", "nccl.env._target_ is refused: only NCCL_*"),
+        ("evil_widen", "run.instantiate_allow"),
+        ("evil_repackage", "its defaults select a Hydra option ({'/recipe@hydra.callbacks.pwn': 'payload'})"),
+        ("evil_preload", "nccl.env.LD_PRELOAD is refused: only NCCL_* / TORCH_NCCL_* variables"),
+        ("evil_env", "calls the resolver 'oc.env'"),
+        ("evil_alias_bomb", "uses YAML anchors/aliases"),
+        ("evil_doubling", "logger.tags.20 would expand to more than 1048576 characters"),
+    ],
+)
+def test_unsafe_recipe_is_refused_before_anything_runs(
+    team_package: tuple[Path, Path], tmp_path: Path, name: str, message: str
+) -> None:
+    """Through train.py and real Hydra: exit 2, one line naming the recipe and why, nothing written,
+    no payload run, within the subprocess timeout (the bombs used to hang with no output)."""
+    site, marker = team_package
+    run_dir = tmp_path / "run"
+    env = {**_env(site, "pkg://teamrecipes.llama"), "FRAMEWORK_TEST_SECRET": "hunter2"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
+    assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
+    assert not run_dir.exists() and not marker.exists()
+
+
+def test_a_root_may_not_replace_a_shipped_recipe_nor_link_files_from_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.entry import train_main
+
+    root = tmp_path / "team"
+    root.mkdir()
+    (root / "llama_tiny.yaml").write_text("# Team's own.\ntrain:\n  steps: 1\n")
+    secret = tmp_path / "credentials"
+    secret.write_text("# aws_secret_access_key = hunter2\n")
+    (root / "leak.yaml").symlink_to(secret)
+    (root / "team_tiny.yaml").write_text(TEAM_RECIPE)
+    (root / "alias.yaml").symlink_to(root / "team_tiny.yaml")  # inside the root: fine
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
+    assert recipes.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert "REFUSED: it is a symlink that leaves its root" in lines["leak"], lines["leak"]
+    assert "REFUSED: it has the name of the shipped recipe" in lines["llama_tiny"], lines["llama_tiny"]
+    assert "REFUSED" not in lines["alias"] and "REFUSED" not in lines["team_tiny"]
+    assert recipes.main(["validate", "llama_tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rename the root's file" in err, err
+    run = tmp_path / "run"
+    assert train_main(f"hydra.run.dir={run}") == 2  # the default recipe is llama_tiny: not replaced
+    err = capsys.readouterr().err
+    assert "the name of the shipped recipe" in err and not run.exists(), err
+    assert recipes.main(["validate", "alias"]) == 0
+    monkeypatch.delenv("FRAMEWORK_RECIPE_PATH")
+    recipes.register()  # the shipped llama_tiny again, for the tests that follow in this process
+    assert "llama_tiny" not in recipes.REFUSED
+
+
+def _unbounded_template_folder(tmp: Path) -> Path:
+    import json
+    import shutil
+
+    tok = tmp / "tok"
+    shutil.copytree(recipes.SHIPPED_ROOT / "data" / "sft_tiny", tok)
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    loops = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    (tok / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": loops}))
+    return tok
+
+
+def _50m_layer_hf_folder(tmp: Path) -> Path:
+    import json
+
+    from tests.checkpoint.test_checkpoint_import_hf import MODELS, make_hf_model
+
+    hf = tmp / "hf"
+    make_hf_model(hf, *MODELS["mha_tied"])
+    conf = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 50_000_000}))
+    return hf
+
+
+VALIDATE_BAD = [
+    ("llama_tiny", lambda _t: ["train.eval_batches=100000000"], "train.eval_batches=100000000 is not valid"),
+    ("llama_tiny", lambda _t: ["mesh=99999999999"], "is 99999999999 ranks"),
+    ("llama_tiny", lambda t: [f"model.init_from={_50m_layer_hf_folder(t)}"], "model.n_layers=50000000"),
+    (
+        "sft_tiny",
+        lambda t: [f"tokenizer.path={_unbounded_template_folder(t)}"],
+        "the chat template is refused: rendering one conversation ran over",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, overrides, message", VALIDATE_BAD, ids=[v[2][:30] for v in VALIDATE_BAD])
+def test_validate_uses_the_launchers_checks(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name,
+    overrides,
+    message,
+) -> None:
+    """`recipes validate` called these valid while train.py hung or refused them: it now runs the
+    same checks (the rules, init_from's config.json, the data and its chat template)."""
+    monkeypatch.chdir(recipes.SHIPPED_ROOT.parent)  # the recipes' data paths are relative to the repo
+    assert recipes.main(["validate", name, *overrides(tmp_path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["sharding=nope"], "sharding=nope: no such option in group 'sharding'; available: auto"),
+        (["train.lr=abc"], "train.lr=abc: not a number (train.lr is a float)"),
+        (["train.lr=["], "train.lr=[: cannot be parsed"),
+        (["+train.lrr=1"], "did you mean train.lr?"),
+        (["model.dim=0"], "model.dim=0 is not valid; valid: a positive multiple of model.n_heads=4"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_validate_exits_2_with_train_py_s_one_line_for_a_bad_input(
+    capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+) -> None:
+    """Every bad input is exit 2 and one line, as train.py says it: a bad value was exit 1 and a
+    bad override Hydra's several lines (its search path, full_key, object_type)."""
+    assert recipes.main(["validate", "llama_tiny", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: recipe 'llama_tiny' (") and message in err[0], err
+    assert recipes.main(["validate", "no_such_recipe"]) == 2
+    assert "error: no recipe 'no_such_recipe'; known: [" in capsys.readouterr().err
+
+
+def test_validate_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        recipes.main(["validate", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 valid (the plan is printed); 2 a bad input" in out
+    assert "1 the validator itself failed (a bug)" in out

@@ -1,0 +1,85 @@
+"""benchmarks/published.py: the planner's predictions for published large runs, pinned.
+
+A cost-model change that moves any prediction fails here: update ``PINNED`` together with the
+predicted-vs-published table in benchmarks/PERF.md, so that the change's effect on the published
+runs is written down. Planner only (no process group, no model), a few seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "published.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("benchmarks_published", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+published = _load()
+
+# Predicted tokens/s per GPU of each row (framework.planner.cost as of this commit).
+PINNED = {
+    "405B 8K, 8192 GPUs": 134.63,
+    "405B 8K, 16384 GPUs": 122.96,
+    "405B 128K, 16384 GPUs": 62.48,
+    "8B FSDP 8 GPUs, eager": 6958.0,
+    "8B FSDP 8 GPUs, compile": 8912.0,
+    "8B FSDP 128 GPUs, eager": 6122.0,
+    "8B FSDP 128 GPUs, compile": 6122.0,
+    "8B FSDP 8 x TP 8, 64 GPUs": 4670.0,
+    "70B FSDP 32 x TP 8, 256 GPUs": 655.03,
+}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict[str, object]]:
+    return {r["label"]: r for r in published.table()}
+
+
+def test_table_has_eight_sourced_rows() -> None:
+    """At least 8 published runs, each with a source naming its table and a published figure."""
+    assert len(published.ROWS) >= 8
+    for row in published.ROWS:
+        assert "table" in row.source, row.label
+        assert (row.tokens_per_s_gpu > 0) != (row.tflops_per_gpu > 0), row.label
+        assert row.tflops_per_gpu == 0 or row.flop_formula, row.label
+        assert row.tp * row.pp * row.cp * row.dp_shard == row.gpus, row.label
+
+
+def test_predictions_pinned(rows: dict[str, dict[str, object]]) -> None:
+    assert set(rows) == set(PINNED)
+    got = {k: round(float(r["predicted"]), 2) for k, r in rows.items()}  # type: ignore[arg-type]
+    for label, want in PINNED.items():
+        assert got[label] == pytest.approx(want, rel=2e-3), (label, got)
+
+
+def test_forced_layout_is_the_published_one(rows: dict[str, dict[str, object]]) -> None:
+    """The planner planned the row's own degrees, schedule and micro batches (not a search's)."""
+    for row in published.ROWS:
+        plan = rows[row.label]["plan"]
+        assert plan.degrees == {
+            "dp_replicate": 1, "dp_shard": row.dp_shard, "cp": row.cp, "tp": row.tp, "pp": row.pp
+        }  # fmt: skip
+        assert plan.micro_batch_size == row.micro_batch
+        if row.pp > 1 and row.pp_stages_per_rank:
+            assert (plan.pp_schedule, plan.pp_stages_per_rank, plan.pp_microbatches) == (
+                row.pp_schedule,
+                row.pp_stages_per_rank,
+                row.pp_microbatches,
+            )
+        elif row.pp > 1:  # virtual stages not published: interleaved (or 1F1B at v = 1), the planner's v
+            assert plan.pp_stages_per_rank in published.VIRTUAL_OPTIONS
+            assert plan.pp_schedule == ("1f1b" if plan.pp_stages_per_rank == 1 else row.pp_schedule)
+            assert plan.pp_microbatches == row.pp_microbatches
+        if row.activation_checkpointing != "auto":
+            assert plan.activation_checkpointing == row.activation_checkpointing

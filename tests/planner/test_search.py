@@ -1,0 +1,169 @@
+"""sharding=auto: the planner's choice fits, is the fastest that fits, and says why the others lose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.config.schema import ActivationCheckpointing
+from framework.launch.recipes import compose_recipe
+from framework.planner.plan import GIB
+from framework.planner.resolve import make_plan, resolve_batch
+from framework.planner.search import format_search, search
+from tests.entry import train_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_default_recipe_picks_the_single_rank_step_of_today() -> None:
+    """``python train.py``: one CPU rank, no checkpointing, the whole batch in one micro batch."""
+    cfg = compose_recipe("llama_tiny")
+    chosen = resolve_batch(cfg)
+    assert (chosen.parallel.dp_replicate, chosen.parallel.dp_shard, chosen.parallel.tp) == (1, 1, 1)
+    assert chosen.sharding.activation_checkpointing == ActivationCheckpointing.none
+    assert chosen.train.micro_batch_size == cfg.train.global_batch_size
+    plan = make_plan(cfg)
+    assert plan.strategy == "single" and plan.grad_accum_steps == 1
+
+
+def test_search_ranks_and_explains() -> None:
+    cfg = compose_recipe("llama70b", ["mesh=16x8", "mesh/hardware=h100_sxm"])
+    result = search(cfg)
+    best = result.chosen
+    assert best.fits and best.reason == "chosen" and best.memory_gib <= 79.6
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting[0] is best
+    assert {c.degrees["cp"] for c in result.candidates} == {1}  # 8192 tokens: no CP searched
+    assert all(c.predicted_step_time_s >= best.predicted_step_time_s for c in fitting)
+    losers = [c for c in result.candidates if not c.fits]
+    assert losers and all(c.reason.startswith("memory:") for c in losers)
+    assert all(
+        c.reason.split(":")[0] in ("communication", "compute", "memory-bound", "bubble", "ties")
+        for c in fitting[1:]
+    )
+    table = format_search(result)
+    assert table.count("\n") == 11 and "chosen" in table  # header, column names, 10 rows
+    # A forced layout is planned with its own prediction, never better than the choice.
+    forced = compose_recipe(
+        "llama70b",
+        ["mesh=16x8", "mesh/hardware=h100_sxm", "parallel.tp=8", "parallel.dp_replicate=2"],
+    )
+    forced.sharding.activation_checkpointing = ActivationCheckpointing.full
+    plan = make_plan(forced)
+    assert plan.degrees["dp_shard"] == 8 and plan.strategy == "hsdp_tp"  # dp_shard took the rest
+    assert plan.prediction.step_time_s >= best.predicted_step_time_s
+
+
+def test_nothing_fits_names_the_smallest_and_the_fix() -> None:
+    cfg = compose_recipe("llama70b", ["mesh=8", "mesh/hardware=h100_sxm"])
+    with pytest.raises(
+        ValueError,
+        match=r"sharding=auto: nothing fits mesh.hardware.memory_gib=79.6 \(mesh.hardware.name=h100_sxm\)",
+    ) as e:
+        search(cfg)
+    assert "the smallest layout" in str(e.value) and "x the ranks" in str(e.value)
+
+
+def test_sharding_tp_pins_the_search() -> None:
+    cfg = compose_recipe("llama7b", ["mesh=2x4", "mesh/hardware=h100_sxm", "sharding.tp=4"])
+    assert {c.degrees["tp"] for c in search(cfg).candidates} == {4}
+
+
+def test_muon_keeps_the_search_to_whole_matrices() -> None:
+    """Muon orthogonalizes whole matrices: under auto only replicated layouts; a sharded preset is refused."""
+    from framework.launch.rules import check, check_layout
+    from framework.planner.layout import fixed_degrees
+
+    cfg = compose_recipe("llama_tiny", ["mesh=4", "optimizer=muon"])
+    check(cfg)
+    check_layout(cfg, fixed_degrees(cfg))
+    assert {(c.degrees["dp_shard"], c.degrees["tp"]) for c in search(cfg).candidates} == {(1, 1)}
+    sharded = compose_recipe("llama_tiny", ["mesh=4", "sharding=fsdp", "optimizer=muon"])
+    with pytest.raises(ValueError, match="optimizer.name='muon' is not valid"):
+        check_layout(sharded, fixed_degrees(sharded))
+
+
+def test_cp_is_searched_for_long_sequences() -> None:
+    """cp joins the candidates from CP_MIN_SEQ tokens on, where it can run: planned for H100s in a
+    dry run, never for a launch on this CPU machine (torch's ring attention is CUDA only)."""
+    long = ["mesh=2x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "train.global_batch_size=16"]
+    result = search(compose_recipe("llama7b", [*long, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in result.candidates} == {1, 2, 4, 8, 16}
+    cp = [c for c in result.candidates if c.degrees["cp"] > 1 and c.fits]
+    assert cp and all(c.reason and c.memory_gib <= 79.6 for c in cp)
+    tiny = ["mesh=4", "train.seq_len=16384", "train.global_batch_size=4", "run.device=cpu"]
+    assert {c.degrees["cp"] for c in search(compose_recipe("llama_tiny", tiny)).candidates} == {1}
+    planned = search(compose_recipe("llama_tiny", [*tiny, "run.dry_run=true"]))
+    assert {c.degrees["cp"] for c in planned.candidates} == {1, 2, 4}
+
+
+def test_cp_with_pp_is_searched_in_dry_runs_only() -> None:
+    """A dry run plans cp together with pp (Llama 3's long-context layout); a launch's search leaves
+    them apart, since a launch of both is refused (framework.planner.layout.check_cp)."""
+    from framework.planner.search import _degree_options
+
+    long = ["mesh=2x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "run.device=cuda"]
+    launch = _degree_options(compose_recipe("llama7b", long))
+    planned = _degree_options(compose_recipe("llama7b", [*long, "run.dry_run=true"]))
+    assert any(d.cp > 1 for d in launch) and not any(d.cp > 1 and d.pp > 1 for d in launch)
+    both = {(d.cp, d.pp) for d in planned if d.cp > 1 and d.pp > 1}
+    assert (2, 2) in both and (8, 2) in both
+
+
+def _dry_run(tmp: Path, *overrides: str) -> dict:
+    """``python train.py ... run.dry_run=true``, its entry point in this process (tests/entry.py):
+    a dry run starts no rank, and an interpreter importing torch costs more than the plan."""
+    assert train_main(*overrides, "run.dry_run=true", f"hydra.run.dir={tmp}") == 0
+    return json.loads((tmp / "plan.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h100_sxm"],
+        ["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h200"],
+        ["recipe=llama70b", "mesh=16x8", "mesh/hardware=h100_sxm"],
+        ["recipe=llama70b", "mesh=16x8", "mesh/hardware=h200"],
+    ],
+    ids=["mission-h100", "mission-h200", "70b-h100", "70b-h200"],
+)
+def test_the_mission_command_plans_a_layout_that_fits(tmp_path: Path, command: list[str]) -> None:
+    """The mission's own command, as written, plus the hardware: the planner's choice, not DDP."""
+    plan = _dry_run(tmp_path / "run", *command)
+    chosen = plan["search"]["chosen"]
+    assert chosen["fits"] and plan["memory"]["total"] <= plan["memory"]["device"]
+    assert plan["degrees"] == chosen["degrees"] and plan["strategy"] != "ddp"
+    assert plan["predicted_step_time_s"] == pytest.approx(chosen["predicted_step_time_s"])
+    assert plan["predicted_mfu"] == pytest.approx(chosen["predicted_mfu"]) and 0 < plan["predicted_mfu"] < 1
+    assert plan["memory_gib"] == pytest.approx(chosen["memory_gib"]) == plan["memory"]["total"] / GIB
+    written = OmegaConf.load(tmp_path / "run" / "config.yaml")  # ranks plan it without searching
+    assert {k: written.parallel[k] for k in chosen["degrees"]} == chosen["degrees"]
+
+
+def test_search_weighs_the_reshard_policy_and_virtual_stages() -> None:
+    """The search plans FSDP layouts both resharding after forward and holding their units for the
+    step, and interleaved pipelines at 2 and 4 virtual stages; the choice is written into the config."""
+    from framework.launch.recipes import compose_recipe
+
+    cfg = compose_recipe(
+        "llama3_8b",
+        ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
+         "sharding=auto", "sharding.activation_checkpointing=full", "train.global_batch_size=64"],
+    )  # fmt: skip
+    result = search(cfg)
+    fsdp = [c for c in result.candidates if c.degrees["dp_shard"] * c.degrees["cp"] > 1]
+    assert {c.reshard_after_forward for c in fsdp} == {True, False}
+    inter = {c.pp_stages_per_rank for c in result.candidates if c.pp_schedule == "interleaved_1f1b"}
+    assert inter == {2, 4}
+    assert result.chosen_cfg.sharding.reshard_after_forward == result.chosen.reshard_after_forward
+    # Held units cost memory and save gathers: for the same layout, never more exposed communication.
+    key = lambda c: (c.layout, c.short().replace(" held", ""), c.activation_checkpointing, c.micro_batch_size)  # noqa: E731
+    by = {}
+    for c in fsdp:
+        by.setdefault(key(c), {})[c.reshard_after_forward] = c
+    pairs = [p for p in by.values() if len(p) == 2]
+    assert pairs and all(p[False].exposed_comm_s <= p[True].exposed_comm_s + 1e-12 for p in pairs)
+    assert all(p[False].memory_gib >= p[True].memory_gib for p in pairs)
