@@ -253,7 +253,7 @@ def export_checkpoint(
 
     from omegaconf import OmegaConf
 
-    from framework.checkpoint.init_from import framework_checkpoint, saved_shape
+    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape
     from framework.config.schema import to_config
     from framework.data.tokenizer import load_tokenizer
 
@@ -285,7 +285,7 @@ def export_checkpoint(
     state = checkpoint_model_state(step_dir)
     if cfg is not None and cfg.peft.method.value == "lora":  # adapters only: the base rebuilt, merged
         state = lora.merge(
-            lora.with_base(state, cfg.peft, model_cfg, cfg.model.init_from, cfg.train), cfg.peft
+            lora.with_base(state, cfg.peft, model_cfg, cfg.model.init_from, cfg.train, load), cfg.peft
         )
     context = model_cfg.max_position_embeddings or seq_len
     return export_hf(state, model_cfg, out_dir, context, tokenizer)

@@ -98,7 +98,7 @@ def export_adapter_checkpoint(
     Raises ValueError (one line) before writing anything."""
     from omegaconf import OmegaConf
 
-    from framework.checkpoint.init_from import framework_checkpoint, saved_shape
+    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape
     from framework.config.schema import to_config
 
     checkpoint = Path(checkpoint).expanduser().resolve()
@@ -116,6 +116,6 @@ def export_adapter_checkpoint(
         )
     model_cfg = dataclasses.replace(cfg.model, **(saved_shape(step_dir) or {}), init_from=None)
     state = lora.with_base(
-        checkpoint_model_state(step_dir), cfg.peft, model_cfg, cfg.model.init_from, cfg.train
+        checkpoint_model_state(step_dir), cfg.peft, model_cfg, cfg.model.init_from, cfg.train, load
     )
     return export_adapter(state, model_cfg, cfg.peft, out_dir, cfg.model.init_from)

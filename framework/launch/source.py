@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.checkpoint import import_hf
+from framework.checkpoint import import_hf, init_from
 from framework.config.schema import GROUPS, Config, TokenizerConfig, TokenizerKind
 from framework.data.tokenizer import Tokenizer, load_tokenizer
 from framework.models import Decoder, build_model, materialize
@@ -166,6 +166,6 @@ def load_source(
 
     cfg, run_config = source_config(path, overrides, evaluate_data)
     model = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
-    materialize(model, device, cfg.train.seed)
+    materialize(model, device, cfg.train.seed, init_from.load)
     assert cfg.model.init_from is not None
     return Source(cfg, model.eval(), load_tokenizer(cfg.tokenizer), Path(cfg.model.init_from), run_config)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from framework.models.build import build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
-from framework.models.parts.decoder import Decoder, compute_dtype, forward_cached, materialize, tie
+from framework.models.parts.decoder import (
+    Decoder,
+    WeightLoader,
+    compute_dtype,
+    forward_cached,
+    materialize,
+    tie,
+)
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
@@ -24,6 +31,7 @@ __all__ = [
     "ModelSpec",
     "TPStyle",
     "Weight",
+    "WeightLoader",
     "blocks",
     "build_model",
     "compute_dtype",

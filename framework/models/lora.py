@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from framework.config.schema import DType, ModelConfig, PeftConfig, PeftMethod, TrainConfig
+from framework.models.parts.decoder import WeightLoader
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 
@@ -191,9 +192,11 @@ def with_base(
     model_cfg: ModelConfig,
     init_from: str | None,
     train: TrainConfig,
+    load_weights: WeightLoader,
 ) -> dict[str, torch.Tensor]:
     """The full state of a LoRA checkpoint (which holds the adapters only): the base rebuilt on CPU
-    as the run built it (``init_from``, or the seeded init of ``train.seed``), the adapters from the
+    as the run built it (``init_from`` read by ``load_weights``, the caller's
+    framework.checkpoint.init_from.load; or the seeded init of ``train.seed``), the adapters from the
     checkpoint. ValueError when the checkpoint lacks adapters that ``cfg`` asks for."""
     import dataclasses
 
@@ -201,7 +204,7 @@ def with_base(
 
     model = build_model(dataclasses.replace(model_cfg, init_from=init_from), train.seq_len)
     attach(model, cfg)
-    materialize(model, "cpu", train.seed)
+    materialize(model, "cpu", train.seed, load_weights)
     state = dict(model.state_dict())
     missing = sorted(k for k in state if is_lora_name(k) and k not in adapters)
     if missing:

@@ -21,7 +21,7 @@ from framework.config.schema import (
     PPSchedule,
     ShardingConfig,
 )
-from framework.models import Decoder, materialize
+from framework.models import Decoder, WeightLoader, materialize
 from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -48,6 +48,7 @@ def parallelize(
     *,
     init_weights: bool = True,
     peft: PeftConfig | None = None,
+    load_weights: WeightLoader | None = None,
 ) -> nn.Module:
     """Shard, checkpoint, compile, place and initialise a model built on the meta device.
 
@@ -88,7 +89,8 @@ def parallelize(
          CP itself acts per step, not on the model (framework.parallel.context).
       5. Materialize (``framework.models.materialize``): ``to_empty`` on the device, re-tie, then
          ``init_weights(seed)``, which draws every full parameter from a per-name generator and
-         slices the local shard: every layout starts from the single-process weights. It also
+         slices the local shard: every layout starts from the single-process weights; or, under
+         ``model.init_from``, ``load_weights`` (the caller's: framework.checkpoint.init_from.load). It also
          sets the residual stream's dtype for the device (``model.residual_dtype``).
          Skipped with ``init_weights=False`` (the dry run measures shapes on meta).
       6. DDP (``apply_ddp``): last, because it verifies, broadcasts and buckets real tensors (it
@@ -102,9 +104,11 @@ def parallelize(
     sharded something sharded nothing.
     """
     if plan.layout.pp > 1:
-        return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights, peft)
+        return _pipeline(
+            model, mesh, plan, sharding, executor, device, seed, init_weights, peft, load_weights
+        )
     return _parallelize_stage(
-        model, mesh, plan, sharding, bucketing, executor, device, seed, init_weights, peft
+        model, mesh, plan, sharding, bucketing, executor, device, seed, init_weights, peft, load_weights
     )
 
 
@@ -118,6 +122,7 @@ def _pipeline(
     seed: int,
     init_weights: bool,
     peft: PeftConfig | None = None,
+    load_weights: WeightLoader | None = None,
 ) -> PipelineModel:
     """Step P of ``parallelize``: cut this rank's stages, parallelize each, build the schedule (and
     with tied embeddings the group that keeps the last stage's copy equal to the embedding).
@@ -142,7 +147,7 @@ def _pipeline(
     stages = [cut_stage(model, range(*plan.pp_split[i]), i == 0, i == n - 1) for i in ids]
     for stage in stages:
         out = _parallelize_stage(
-            stage, mesh, plan, sharding, None, executor, device, seed, init_weights, peft
+            stage, mesh, plan, sharding, None, executor, device, seed, init_weights, peft, load_weights
         )
         assert out is stage, "under pp, data parallelism is FSDP (in place), never a DDP wrapper"
     piped = PipelineModel(stages, ids, n)
@@ -166,6 +171,7 @@ def _parallelize_stage(
     seed: int,
     init_weights: bool,
     peft: PeftConfig | None = None,
+    load_weights: WeightLoader | None = None,
 ) -> nn.Module:
     """Steps 0-6 of ``parallelize`` on one model (the whole model, or one pipeline stage)."""
     layout = plan.layout
@@ -188,7 +194,7 @@ def _parallelize_stage(
         assert shard_mesh is not None
         apply_fsdp(model, shard_mesh, sharding)
     if init_weights:
-        materialize(model, device, seed)
+        materialize(model, device, seed, load_weights)
         after_materialize(model, peft, seed)
     # DDP over a one-rank data-parallel axis would only copy gradients into buckets and all-reduce
     # them with itself, and keep its gradient buckets resident through forward: the concern is off.

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.models import Decoder
+from framework.models import Decoder, WeightLoader
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
@@ -72,6 +72,7 @@ class StepRunner:
         device: torch.device,
         lag: bool,
         rank: int = 0,
+        load_weights: WeightLoader | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
@@ -82,6 +83,7 @@ class StepRunner:
         self.device = device
         self.lag = lag
         self.rank = rank
+        self.load_weights = load_weights  # model.init_from's loader (the trainer's: checkpoint.init_from.load)
         self.model: nn.Module = None  # type: ignore[assignment]  # made by build()
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.scheduler: torch.optim.lr_scheduler.LambdaLR = None  # type: ignore[assignment]
@@ -131,6 +133,7 @@ class StepRunner:
             self.device,
             cfg.train.seed,
             peft=cfg.peft,
+            load_weights=self.load_weights,
         )
         # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
         self.seq_shard = sequence_shard(self.model, self.mesh, self.plan) if self.mesh is not None else None
@@ -173,7 +176,7 @@ class StepRunner:
         from framework.parallel.data_parallel import TORCH_DTYPES
 
         dtype = TORCH_DTYPES[self.cfg.sharding.param_dtype]
-        return reference_model(self._meta_copy(), self.cfg.train.seed, self.device, dtype)
+        return reference_model(self._meta_copy(), self.cfg.train.seed, self.device, dtype, self.load_weights)
 
     # -- the steps ---------------------------------------------------------------------------------
 

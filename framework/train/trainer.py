@@ -36,8 +36,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
 from framework import data as data_mod
-from framework.checkpoint import export_hf, full_model_state
-from framework.checkpoint.init_from import shape_of
+from framework.checkpoint import export_hf, full_model_state, init_from
 from framework.checkpoint.session import RunCheckpoints
 from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
@@ -327,7 +326,7 @@ def setup(
         data.sampler,
         state,
         metrics,
-        {"config_hash": digest, "model": shape_of(cfg.model)},
+        {"config_hash": digest, "model": init_from.shape_of(cfg.model)},
         verifier.fallback,
         cfg.verify.max_bad_steps,
     )
@@ -372,7 +371,9 @@ def build(
     # Lag only without verify=on: with it, every step is read at once (its checks and report read
     # each step before the next is queued). The ladder's breaker reads lagged steps as they come.
     lag = not verifier.enabled
-    runner = StepRunner(cfg, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank)
+    runner = StepRunner(
+        cfg, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank, load_weights=init_from.load
+    )
     return runner, graph
 
 

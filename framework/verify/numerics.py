@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import ModelConfig
-from framework.models import materialize, num_params
+from framework.models import WeightLoader, materialize, num_params
 from framework.parallel.pipeline import is_pipeline, pipeline_logits
 from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
@@ -66,16 +66,21 @@ def eager_logits(
 
 
 def reference_model(
-    meta: nn.Module, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+    meta: nn.Module,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    load_weights: WeightLoader | None = None,
 ) -> nn.Module:
     """The unsharded eager model with the run's initial weights, from a copy of the run's meta model
     (``dtype``: FSDP's param_dtype), with its float8 layers (``model.float8``), so that only the
-    sharding differs. The caller (the runner) owns the meta model; copying on meta costs nothing."""
+    sharding differs (``load_weights``: ``model.init_from``'s loader, the runner's). The caller owns
+    the meta model; copying on meta costs nothing."""
     from framework.parallel.float8 import apply_float8
 
     model = copy.deepcopy(meta)
     apply_float8(model, model.cfg)
-    materialize(model, device, seed)
+    materialize(model, device, seed, load_weights)
     return model.to(dtype)
 
 

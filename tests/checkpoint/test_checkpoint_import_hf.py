@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from framework.checkpoint import export_hf, import_hf  # noqa: E402
+from framework.checkpoint import export_hf, import_hf, init_from  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
 from framework.models import (  # noqa: E402
     build_model,
@@ -135,7 +135,7 @@ def test_one_rank_logits_equal_transformers_and_export_back(tmp_path: Path, hf_m
     for name, (path, expected) in hf_models.items():
         cfg = model_cfg(path)
         model = build_model(cfg, SEQ)
-        materialize(model, "cpu", seed=0)
+        materialize(model, "cpu", seed=0, load_weights=init_from.load)
         with torch.no_grad():
             ours = model(tokens())
         diffs[name] = (ours - expected).abs().max().item()
@@ -148,7 +148,7 @@ def test_one_rank_logits_equal_transformers_and_export_back(tmp_path: Path, hf_m
     # Without the scaling the llama3 model's logits differ: the test can fail.
     plain = dataclasses.replace(model_cfg(hf_models["gqa_llama3_rope"][0]), rope_scaling_factor=1.0)
     model = build_model(plain, SEQ)
-    materialize(model, "cpu", seed=0)
+    materialize(model, "cpu", seed=0, load_weights=init_from.load)
     with torch.no_grad():
         assert (model(tokens()) - hf_models["gqa_llama3_rope"][1]).abs().max().item() > 1e-3
 
@@ -178,6 +178,7 @@ def _parallel_logits(rank: int, world: int, models: dict, layouts: list[tuple[st
                 full.executor,
                 torch.device("cpu"),
                 0,
+                load_weights=init_from.load,
             )
             if strategy != "ddp":  # each rank holds (and so read) only its shards
                 local = sum(p.to_local().numel() for p in model.parameters())
@@ -288,7 +289,7 @@ def test_a_hub_cache_snapshot_reads_and_links_out_of_it_are_refused(tmp_path: Pa
     assert ckpt.shapes == import_hf.read_hf_checkpoint(src).shapes
     assert torch.equal(hf_logits(snap), logits)
     model = build_model(model_cfg(snap), SEQ)
-    materialize(model, "cpu", 0)  # reads the weights through the links
+    materialize(model, "cpu", 0, init_from.load)  # reads the weights through the links
     assert torch.allclose(model(tokens()), logits, atol=TOL)
 
     outside = tmp_path / "outside"

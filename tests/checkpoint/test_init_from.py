@@ -152,7 +152,7 @@ def test_fine_tune_export_and_reload(tmp_path: Path, hf_dirs: dict) -> None:
     # A run started from this checkpoint logs the model it continues (the recipe's default name was logged).
     assert cfg.model.name == "mha_tied"
     model = build_model(cfg.model, 16)
-    materialize(model, "cpu", seed=0)
+    materialize(model, "cpu", seed=0, load_weights=init_from.load)
     with torch.no_grad():
         diff = (hf_logits(run / "hf") - model(tokens())).abs().max().item()
     print(f"framework (3 FSDP steps) -> HF, max |logits diff|: {diff:.3g}")
@@ -183,7 +183,7 @@ def _tp_logits_diff(rank: int, world: int, source: str, expected: torch.Tensor) 
     cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = 16, 1, 1
     plan = make_plan(cfg)
     args = (cfg.sharding, cfg.bucketing, cfg.executor, torch.device("cpu"), 0)
-    model = parallelize(build_model(cfg.model, 16), build_mesh(plan, "cpu"), plan, *args)
+    model = parallelize(build_model(cfg.model, 16), build_mesh(plan, "cpu"), plan, *args, load_weights=init_from.load)
     assert isinstance(model.layers["0"].attention.wq.weight, DTensor)
     with torch.no_grad():
         return (model(tokens()) - expected).abs().max().item()

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.export_hf import export_hf  # noqa: E402
 from framework.checkpoint.export_lora import export_adapter, to_peft_state  # noqa: E402
 from framework.config.schema import Config, ModelConfig, PeftConfig, PeftMethod, Strategy  # noqa: E402
@@ -49,7 +50,7 @@ def lora_model(base: Path, peft: PeftConfig = LORA, world: int = 1, strategy: St
     plan = make_plan(cfg)
     args = (cfg.sharding, cfg.bucketing, cfg.executor, torch.device("cpu"), 0)
     mesh = build_mesh(plan, "cpu") if world > 1 else None  # one process: no process group, no mesh
-    model = parallelize(build_model(cfg.model, 16), mesh, plan, *args, peft=peft)
+    model = parallelize(build_model(cfg.model, 16), mesh, plan, *args, peft=peft, load_weights=init_from.load)
     return cfg, model
 
 

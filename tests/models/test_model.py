@@ -177,3 +177,26 @@ def test_flex_attention_trains_like_the_sdpa_mask_on_cuda() -> None:
         grads.append(model.layers["0"].attention.wq.weight.grad)
     assert abs(losses[0] - losses[1]) < 1e-5
     assert (grads[0] - grads[1]).abs().max() < 1e-5
+
+
+def test_materialize_loads_init_from_through_the_callers_loader() -> None:
+    """``model.init_from``: the weights come from the loader the caller hands in (models/ never imports
+    checkpoint/); without one, materialize refuses in one line rather than keep the seeded init."""
+    source = build_model(ModelConfig(), 16)
+    materialize(source, "cpu", 7)
+    cfg = ModelConfig(init_from="/somewhere/step_000003")
+    with pytest.raises(ValueError, match=r"^model.init_from='/somewhere/step_000003' and no weight loader") as e:
+        materialize(build_model(cfg, 16), "cpu", 0)
+    assert "\n" not in str(e.value)
+    read: list[str] = []
+
+    def load(model: torch.nn.Module, path: str) -> None:
+        read.append(path)
+        model.load_state_dict(source.state_dict())
+
+    model = build_model(cfg, 16)
+    materialize(model, "cpu", 0, load)
+    assert read == ["/somewhere/step_000003"]
+    mine, theirs = model.state_dict(), source.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(model.rope, source.rope)  # the non-persistent RoPE tables, filled again after the load

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from framework.checkpoint import export_hf, import_hf  # noqa: E402
+from framework.checkpoint import export_hf, import_hf, init_from  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
 from framework.config.schema import ModelConfig, ModelFamily  # noqa: E402
 from framework.models import FAMILIES, KVCache, build_model, forward_cached, materialize, model_spec  # noqa: E402
@@ -67,7 +67,7 @@ def imported(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
     shape = import_hf.model_shape(import_hf.read_hf_checkpoint(path))
     cfg = dataclasses.replace(ModelConfig(), **shape, init_from=str(path))
     model = build_model(cfg, SEQ)
-    materialize(model, "cpu", seed=0)  # model.init_from: the HF weights
+    materialize(model, "cpu", seed=0, load_weights=init_from.load)  # model.init_from: the HF weights
     return cfg, model.eval()
 
 

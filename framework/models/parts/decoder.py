@@ -305,13 +305,21 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.bfloat16 if torch.device(device).type == "cuda" else None
 
 
-def materialize(model: Decoder, device: torch.device | str, seed: int) -> None:
+# Loads ``model.init_from``'s weights into a placed (possibly sharded) model, in place: the
+# caller's, handed in (framework.checkpoint.init_from.load), so that models/ never imports a layer above.
+WeightLoader = Callable[[nn.Module, str], None]
+
+
+def materialize(
+    model: Decoder, device: torch.device | str, seed: int, load_weights: WeightLoader | None = None
+) -> None:
     """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it:
-    from ``model.init_from`` when set (each rank reads its own shards, framework.checkpoint.init_from), else
-    ``init_weights(seed)``.
+    from ``model.init_from`` when set, by ``load_weights`` (each rank reads its own shards:
+    framework.checkpoint.init_from.load, which the caller passes), else ``init_weights(seed)``.
 
     ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
-    are tied again before init.
+    are tied again before init. Raises ValueError when ``model.init_from`` is set and no loader was
+    given (the weights would silently be the seeded init's).
     """
     model.to_empty(device=device)
     if model.cfg.attention is AttentionBackend.fa4:
@@ -324,8 +332,11 @@ def materialize(model: Decoder, device: torch.device | str, seed: int) -> None:
     if model.cfg.init_from is None:
         model.init_weights(seed)
         return
-    from framework.checkpoint.init_from import load
-
-    load(model, model.cfg.init_from)
+    if load_weights is None:
+        raise ValueError(
+            f"model.init_from={model.cfg.init_from!r} and no weight loader: pass "
+            "load_weights=framework.checkpoint.init_from.load to materialize / parallelize"
+        )
+    load_weights(model, model.cfg.init_from)
     # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).
     model.rope = model._rope_tables(local_device(model))
