@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,17 +368,22 @@ def run_job(dcfg: DictConfig) -> float | None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     with isolated_environ():
         adopt_submitit_environment()
-        rank = int(os.environ.get("RANK", "0")) if joined_torchrun() else 0
+        torchrun = joined_torchrun()
+        rank = int(os.environ.get("RANK", "0")) if torchrun else 0
         marked = False  # this job's "running" marker is written
         try:
-            job = prepare(dcfg, run_dir, hydra_cfg)
+            if torchrun:  # the process group first; rank 0 alone validates and resolves
+                join_torchrun(dcfg, run_dir)
+            job, sha = from_rank_zero(
+                rank, torchrun, lambda: prepare(dcfg, run_dir, hydra_cfg), lambda j: j.config_sha256
+            )
             if multirun:
                 # Keyed on the resolved config: an edited recipe reruns, reordered overrides do not.
-                done = sweep.completed(run_dir, job.config_sha256)
+                done = sweep.completed(run_dir, sha)
                 if done is not None:
                     summary, source = done
                     if rank == 0:
-                        sweep.record_skip(run_dir, overrides, job.config_sha256, source)
+                        sweep.record_skip(run_dir, overrides, sha, source)
                     log.info(
                         "job %s: skipped, the same resolved config completed in a previous run of this "
                         "sweep (%s)",
@@ -387,9 +393,11 @@ def run_job(dcfg: DictConfig) -> float | None:
                     return sweep.objective(summary)
                 if rank == 0:
                     sweep.set_aside_previous_attempt(run_dir)
-                    sweep.write_job(run_dir, overrides, "running", config_sha256=job.config_sha256)
+                    sweep.write_job(run_dir, overrides, "running", config_sha256=sha)
                 marked = True
-            result = _run(job, run_dir, rank, hydra_cfg.runtime.choices.get("recipe"))
+            recipe = hydra_cfg.runtime.choices.get("recipe")
+            from_rank_zero(rank, torchrun, lambda: write_run_files(job, run_dir, recipe))
+            result = _run(run_dir, rank, job.nccl_env if job is not None else None)
         except JobFailed as e:
             # A refusal before launch (exit 2, no run dir kept) is one line on stderr; a failure whose
             # run dir stays, or a sweep's job, also goes to the job's log.
@@ -415,7 +423,7 @@ def run_job(dcfg: DictConfig) -> float | None:
                 sweep.write_job(run_dir, overrides, "failed", error=f"{type(e).__name__}: {e}")
             return math.nan
         if multirun and rank == 0:
-            sweep.write_job(run_dir, overrides, "ok", config_sha256=job.config_sha256)
+            sweep.write_job(run_dir, overrides, "ok", config_sha256=sha)
         return result
 
 
@@ -479,30 +487,99 @@ def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJ
     return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg), found)
 
 
-def _run(job: PreparedJob, run_dir: Path, rank: int, recipe: str | None) -> float | None:
+def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None:
+    """The launcher's (rank 0's) last checks and the run files every rank reads: ``config.yaml``,
+    ``plan.json`` (with the search), provenance and the NCCL record. JobFailed (exit 2) on a refusal,
+    before anything is written."""
     cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
+    try:
+        check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
+        check_resume_model(cfg, run_dir)
+        check_export_dir(cfg, run_dir)
+    except ValueError as e:
+        raise JobFailed(str(e), 2) from e
+    config_yaml = job.config_yaml
+    (run_dir / "config.yaml").write_text(config_yaml)
+    record = plan_to_dict(plan)
+    if job.search is not None:
+        record["search"] = search_to_dict(job.search)
+        log.info("%s", format_search(job.search))
+    write_plan(run_dir, record)
+    write_provenance(run_dir, recipe, config_yaml)
+    log.info("plan:\n%s", format_plan(plan))
+    write_nccl_record(run_dir, nccl_env)
+    if nccl_env:
+        log.info("nccl: %s", describe_nccl(nccl_env))
+
+
+def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
+    """A torchrun (or submitit) rank: create the process group the trainer then runs in, taking
+    its settings (device, NCCL environment and timeout, allocator) from this rank's own composition,
+    and stop unless every rank composed the same config into the same run dir. Validation and the
+    plan are rank 0's alone (``from_rank_zero``); every rank reads the plan from the run dir.
+
+    Raises JobFailed (exit 2) for settings that do not convert, or ranks that disagree."""
+    from framework.parallel.process import init_distributed
+    from framework.train.trainer import check_same_composition
+
+    try:
+        own = to_config(dcfg)
+        nccl_env = nccl_environment(own.nccl, run_dir, own.mesh.procs_per_node)
+        device = resolve_device(own.run.device)
+    except (ValueError, OmegaConfBaseException) as e:
+        raise JobFailed(str(e).splitlines()[0], 2) from e
+    apply_nccl_environment(nccl_env)  # before the process group: NCCL reads it there
+    apply_allocator_environment(own.run)
+    env = init_distributed(device, own.nccl.timeout_s)
+    composed = OmegaConf.to_container(dcfg, resolve=False)
+    try:
+        check_same_composition(env, run_dir, composed)
+    except ValueError as e:
+        raise JobFailed(str(e), 2) from e
+
+
+def from_rank_zero(
+    rank: int, torchrun: bool, act: Callable[[], Any], share: Callable[[Any], str | None] = lambda _: None
+) -> tuple[Any, str | None]:
+    """``act()`` on rank 0 while the other ranks of a torchrun job wait for it: (its result, on rank 0
+    only; ``share(result)``, a short string such as the config hash, on every rank). A refusal there
+    (JobFailed) is every rank's, with rank 0's line and exit status. Without torchrun this process is
+    the launcher: ``act()``, plainly. Never the plan: the ranks read that from the run dir."""
+    if not torchrun:
+        value = act()
+        return value, share(value)
+    import torch.distributed as dist
+
+    value, failed = None, None
+    box: list[Any] = [None]
     if rank == 0:
         try:
-            check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
-            check_resume_model(cfg, run_dir)
-            check_export_dir(cfg, run_dir)
-        except ValueError as e:
-            raise JobFailed(str(e), 2) from e
-        config_yaml = job.config_yaml
-        (run_dir / "config.yaml").write_text(config_yaml)
-        record = plan_to_dict(plan)
-        if job.search is not None:
-            record["search"] = search_to_dict(job.search)
-            log.info("%s", format_search(job.search))
-        write_plan(run_dir, record)
-        write_provenance(run_dir, recipe, config_yaml)
-        log.info("plan:\n%s", format_plan(plan))
-        write_nccl_record(run_dir, nccl_env)
-        if nccl_env:
-            log.info("nccl: %s", describe_nccl(nccl_env))
-    # Before any process group exists, and before spawning: the ranks inherit it.
-    apply_nccl_environment(nccl_env)
-    apply_allocator_environment(cfg.run)
+            value = act()
+            box = [("ok", share(value))]
+        except JobFailed as e:
+            failed, box = e, [("failed", str(e), e.code)]
+    dist.broadcast_object_list(box, src=0)
+    if failed is not None:
+        raise failed
+    if box[0][0] == "failed":
+        raise JobFailed(box[0][1], box[0][2])
+    return value, box[0][1]
+
+
+def _run(run_dir: Path, rank: int, nccl_env: dict[str, str] | None) -> float | None:
+    """Train on the run dir's ``config.yaml`` and ``plan.json`` (``load_run``), whatever launched this
+    process: the plan was resolved once, before launch, and no rank plans again. ``nccl_env``: the
+    launcher's (None on a torchrun rank, which set its own before joining the process group)."""
+    from framework.launch.worker import load_run
+
+    try:
+        cfg, plan = load_run(run_dir)
+    except ValueError as e:
+        raise JobFailed(str(e), 2) from e
+    if nccl_env is not None and not joined_torchrun():
+        # Before any process group exists, and before spawning: the ranks inherit it.
+        apply_nccl_environment(nccl_env)
+        apply_allocator_environment(cfg.run)
     if cfg.run.dry_run:
         from framework.launch.dry_run import dry_run, format_dry_run
 
@@ -522,8 +599,8 @@ def _run_torchrun_rank(cfg: Config, plan: Plan, run_dir: Path, rank: int) -> flo
     """This process is one rank that torchrun (or submitit) started: train, then end the process
     with ``finish`` (``os._exit``), except under submitit, whose task must return its result.
 
-    Each such rank composed and resolved its config itself (``prelaunch``, once); the trainer's
-    ``check_same_config`` then proves that every rank resolved the same one."""
+    Each such rank composed its config itself (``join_torchrun`` compared the compositions); rank 0
+    alone resolved it, and every rank trains on the run dir's ``config.yaml`` and ``plan.json``."""
     from framework.launch.ranks import die_with_launcher
     from framework.parallel.process import KEPT_PARTS, finish
     from framework.train import trainer

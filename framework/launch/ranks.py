@@ -6,7 +6,10 @@ Three ways a run starts, one code path after ``init_distributed``:
   (the machinery behind torchrun, with ``max_restarts``); each rank runs ``python -m framework.worker
   RUN_DIR`` and reads the same resolved config, so all ranks share one run dir by construction.
 - ``python train.py`` (one rank): the same worker code runs in-process on a world-1 process group.
-- ``torchrun ... train.py ...`` (several hosts): each rank composes the config itself; the run dir is
+- ``torchrun ... train.py ...`` (several hosts): each rank composes the config itself and joins the
+  process group (framework.launch.entry.join_torchrun, which refuses ranks that composed different
+  configs or run dirs); rank 0 alone validates and resolves it and writes ``config.yaml`` and
+  ``plan.json``, which every rank then reads back, as the self-launched ranks do. The run dir is
   ``outputs/<RUN_STAMP>`` when the launcher sets ``RUN_STAMP``, else ``outputs/<date>/<run id>`` from
   torchrun's ``TORCHELASTIC_RUN_ID`` (identical on every rank: pass ``--rdzv-id`` or ``--standalone``).
   Hydra's per-process ``${now:}`` is not used there: ranks can resolve it in different seconds.

@@ -4,7 +4,7 @@ checkpointing under ``auto`` and the micro batch, then the plan of that layout.
 It sits above both ``plan`` (one layout's plan) and ``search`` (which plans many), so that neither
 imports the other back. The launcher calls ``resolve`` once before launch and writes ``config.yaml``
 and ``plan.json``; everything downstream takes the resulting plan (or its ``layout``) as a value,
-and a self-launched rank reads both files back (``load_plan``), never planning again.
+and every rank, whatever launched it, reads both files back (``load_plan``), never planning again.
 """
 
 from __future__ import annotations

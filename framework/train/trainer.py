@@ -74,6 +74,23 @@ def check_same_config(cfg: Config, env: DistEnv, run_dir: Path | None = None) ->
     digest = config_hash(cfg)
     if env.world_size == 1:
         return digest
+    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    _check_ranks_agree(env, run_dir, digest, flat, "resolved")
+    return digest
+
+
+def check_same_composition(env: DistEnv, run_dir: Path, composed: dict[str, Any]) -> None:
+    """``check_same_config`` for what each torchrun rank composed (its command line, unresolved),
+    before rank 0 alone resolves it: the ranks would otherwise all run rank 0's config silently."""
+    if env.world_size == 1:
+        return
+    digest = hashlib.sha256(json.dumps(composed, sort_keys=True, default=str).encode()).hexdigest()
+    _check_ranks_agree(env, run_dir, digest, flatten(composed), "composed")
+
+
+def _check_ranks_agree(
+    env: DistEnv, run_dir: Path | None, digest: str, flat: dict[str, Any], what: str
+) -> None:
     mine = (digest, str(run_dir) if run_dir is not None else None)
     pairs: list[tuple[str, str | None]] = [("", None)] * env.world_size
     dist.all_gather_object(pairs, mine)
@@ -88,13 +105,12 @@ def check_same_config(cfg: Config, env: DistEnv, run_dir: Path | None = None) ->
         )
     hashes = [h for h, _ in pairs]
     if len(set(hashes)) == 1:
-        return digest
-    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+        return
     flats: list[dict[str, Any]] = [{}] * env.world_size
     dist.all_gather_object(flats, flat)
     bad = sorted({k for f in flats for k in set(f) | set(flats[0]) if f.get(k) != flats[0].get(k)})
     ranks = [r for r, h in enumerate(hashes) if h != hashes[0]]
-    raise ValueError(f"ranks {ranks} resolved a different config than rank 0; differing keys: {bad}")
+    raise ValueError(f"ranks {ranks} {what} a different config than rank 0; differing keys: {bad}")
 
 
 def peak_tflops(cfg: Config, device: torch.device) -> float | None:

@@ -7,7 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from framework.config.schema import Config
+from framework.launch.entry import JobFailed, from_rank_zero, join_torchrun
+from tests.dist import run_ranks
 from tests.entry import train_main
 
 
@@ -96,3 +100,37 @@ def test_export_hf_onto_a_users_hf_in_a_reused_run_dir_is_refused_before_trainin
         and not (run / "checkpoints").exists()
         and not (run / "metrics.jsonl").exists()
     )
+
+
+def _join_as_torchrun_rank(rank: int, world: int, run_dir: str, rank1_lr: float | None) -> tuple:
+    """One torchrun rank (the launcher's variables set, no group yet): join, then hear rank 0."""
+    dcfg = OmegaConf.structured(Config())
+    if rank == 1 and rank1_lr is not None:
+        dcfg.train.lr = rank1_lr
+    try:
+        join_torchrun(dcfg, Path(run_dir))
+    except JobFailed as e:
+        return ("join", str(e), e.code)
+    value, shared = from_rank_zero(rank, True, lambda: {"plan": "rank 0's own"}, lambda v: "sha-of-rank-0")
+    assert (value is not None) == (rank == 0)  # the others get the hash only, never rank 0's objects
+
+    def refuse() -> None:
+        raise JobFailed("model.dim=7 is not divisible by model.n_heads=2", 2)
+
+    try:
+        from_rank_zero(rank, True, refuse)
+    except JobFailed as e:
+        return ("rank 0", shared, str(e), e.code)
+    return ("nothing refused",)
+
+
+def test_torchrun_ranks_hear_rank_zeros_refusal_and_refuse_another_composition(tmp_path: Path) -> None:
+    """Real gloo ranks joining as torchrun's do: rank 0's refusal is every rank's one line and exit
+    status; a rank that composed another config is refused before rank 0 resolves anything."""
+    same = run_ranks(_join_as_torchrun_rank, 2, str(tmp_path), None, init=False)
+    line = "model.dim=7 is not divisible by model.n_heads=2"
+    assert same == [("rank 0", "sha-of-rank-0", line, 2)] * 2, same
+    other = run_ranks(_join_as_torchrun_rank, 2, str(tmp_path), 0.5, init=False)
+    for kind, message, code in other:
+        assert kind == "join" and code == 2 and "\n" not in message, other
+        assert message == "ranks [1] composed a different config than rank 0; differing keys: ['train.lr']"

@@ -245,31 +245,61 @@ def test_resume_of_another_model_shape_is_refused_and_the_checkpoint_kept(
     assert not run.exists() and sorted(p.name for p in root.iterdir()) == ["step_000004"]
 
 
-def test_torchrun_ranks_join_and_share_one_run_dir(tmp_path: Path) -> None:
-    """Under torchrun every rank composes the config itself; the run dir comes from the shared run id."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+# Each torchrun rank runs train.py under this profile hook, which writes down (at once: a torchrun rank
+# ends with os._exit) every call of the planner's entry points: what that rank planned itself.
+PLANNER_PROBE = r"""
+import os, runpy, sys
+from framework.planner import plan, resolve, search
+watch = {f.__code__: f.__name__ for f in (resolve.resolve, resolve.resolve_batch, plan.plan_for,
+                                          search.search, resolve.load_plan)}
+out = os.path.join(sys.argv[1], "rank%s.calls" % os.environ["RANK"])
+open(out, "w").close()
+def prof(frame, event, arg):
+    if event == "call" and frame.f_code in watch:
+        with open(out, "a") as f:
+            f.write(watch[frame.f_code] + "\n")
+sys.argv = ["train.py"] + sys.argv[2:]
+sys.setprofile(prof)
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_torchrun_ranks_join_one_run_dir_and_read_its_plan(tmp_path: Path) -> None:
+    """Under torchrun every rank composes the config itself; the run dir comes from the shared run id.
+    Rank 0 alone validates and resolves it (once); every rank reads the plan from the run dir's
+    plan.json, and rank 1 plans nothing (the calls of the planner, recorded on each rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("RUN_STAMP", None)
+    calls = tmp_path / "calls"
+    calls.mkdir()
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        "train.py",
+        "--no-python",
+        sys.executable,
+        "-c",
+        PLANNER_PROBE,
+        str(calls),
         "mesh=2",
         "train.steps=2",
         "train.eval_every=0",
         "train.log_every=1",
         "train.seq_len=32",
         "freeze=none",  # traced on each rank, ~2-4 s of CPU apiece: no part of joining the run dir
-        f"hydra.run.dir={tmp_path}/${{run_stamp:}}",
+        f"hydra.run.dir={tmp_path}/runs/${{run_stamp:}}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dirs = [p for p in tmp_path.glob("*/*") if p.is_dir()]
+    run_dirs = [p for p in (tmp_path / "runs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs  # one dir for both ranks, named by torchrun's run id
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
+    rank0, rank1 = ((calls / f"rank{r}.calls").read_text().split() for r in (0, 1))
+    assert rank0.count("resolve") == 1 and rank0.count("load_plan") == 1, rank0
+    assert rank1 == ["load_plan"], rank1  # no resolve, no search, no plan_for: the file's plan
 
 
 @pytest.mark.parametrize(("warmup", "warned"), [(20, True), (5, True), (4, False)])
