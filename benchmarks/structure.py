@@ -2,7 +2,8 @@
 
     python benchmarks/structure.py [ROOT ...]      # default: this checkout
 
-Static, from every import (function-level ones too) of ``ROOT/framework``: modules, lines, import
+Static, from every import (function-level ones too) of ``ROOT/framework``, read by the same walk that
+tests/test_structure.py holds to the layers (``modules``, ``edges``): modules, lines, import
 edges, import cycles (strongly connected groups of modules), the depth of the import graph (the
 longest chain of modules, cycles collapsed) and, where ``tests/test_structure.py`` declares layers,
 the imports that go up a layer.
@@ -26,39 +27,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
 
-
-def _modules(root: Path) -> dict[str, Path]:
-    out = {}
-    for p in sorted((root / "framework").rglob("*.py")):
-        parts = list(p.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = p
-    return out
-
-
-def _edges(mods: dict[str, Path]) -> set[tuple[str, str]]:
-    edges = set()
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            else:
-                continue
-            for t in targets:
-                while t and t not in mods:
-                    t = t.rpartition(".")[0]
-                if t and t not in ("framework", name):
-                    edges.add((name, t))
-    return edges
+from tests.test_structure import edges as import_edges  # noqa: E402  (the one import walk)
+from tests.test_structure import modules as framework_modules  # noqa: E402
 
 
 def _sccs(nodes: list[str], edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -147,8 +119,8 @@ def _upward(root: Path, edges: set[tuple[str, str]]) -> int | None:
 
 
 def static(root: Path) -> dict:
-    mods = _modules(root)
-    edges = _edges(mods)
+    mods = framework_modules(root)
+    edges = {(name, target) for name, _, target, _ in import_edges(root)}
     comps = _sccs(sorted(mods), edges)
     cycles = [sorted(c) for c in comps if len(c) > 1]
     top = [m for m in mods if m.count(".") == 1 and mods[m].name != "__init__.py"]

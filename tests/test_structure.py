@@ -2,6 +2,7 @@
 
 Every import of every module is read with ``ast``, function-level imports too: an import from a lower
 layer up to a higher one fails, naming the file, the line and the import; so does any cycle of modules.
+The same walk (``modules``, ``edges``, for any checkout's root) is what benchmarks/structure.py counts.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ FACES = {"worker", "recipes", "docs", "plots", "__main__"}  # `python -m framewo
 KNOWN: dict[tuple[str, str], str] = {}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of ``root/framework`` by its dotted name (a package by its ``__init__``)."""
+    return {module_name(p, root): p for p in sorted((root / "framework").rglob("*.py"))}
 
 
 def layer_of(module: str) -> str | None:
@@ -50,8 +52,9 @@ def imports(path: Path, name: str, known: dict[str, Path]) -> list[tuple[int, st
     """(line, imported framework module, source text) for every import in the file."""
     is_pkg = path.name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
+    source = path.read_text()
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source, str(path))):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -66,12 +69,13 @@ def imports(path: Path, name: str, known: dict[str, Path]) -> list[tuple[int, st
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != "framework" and target != name:
-                out.append((node.lineno, target, ast.get_source_segment(path.read_text(), node) or ""))
+                out.append((node.lineno, target, ast.get_source_segment(source, node) or ""))
     return out
 
 
-def edges() -> list[tuple[str, int, str, str]]:
-    known = modules()
+def edges(root: Path = ROOT) -> list[tuple[str, int, str, str]]:
+    """(module, line, imported module, source text) for every import inside ``root/framework``."""
+    known = modules(root)
     return [(name, line, target, text) for name, path in known.items() for line, target, text in
             imports(path, name, known)]
 

@@ -853,7 +853,7 @@ class LoggerConfig:
 
 
 # The shipped callbacks (conf/callbacks/default.yaml lists the same, in the same order): each acts only
-# when its own keys ask (run.profile, logger=wandb, run.fault_*, executor.cache_dir), so all four are
+# when its own keys ask (run.profile, logger=wandb, run.fault_*/verify.inject_nan_steps, executor.cache_dir), so all four are
 # always there. framework.train.callbacks builds them through the allowlist; a test holds the two equal.
 SHIPPED_CALLBACKS: dict[str, str] = {
     "profiler": "framework.train.profiling.Profiling",

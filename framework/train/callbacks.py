@@ -222,8 +222,8 @@ ASKED_BY: dict[str, tuple[str, Callable[[Config], bool]]] = {
     "profiler": ("run.profile=true", lambda c: c.run.profile),
     "wandb": ("logger=wandb", lambda c: c.logger.kind is LoggerKind.wandb),
     "fault_injection": (
-        "run.fault_kill_at_step / run.fault_raise_at_step",
-        lambda c: c.run.fault_kill_at_step >= 0 or c.run.fault_raise_at_step >= 0,
+        "run.fault_kill_at_step / run.fault_raise_at_step / verify.inject_nan_steps",
+        lambda c: c.run.fault_kill_at_step >= 0 or c.run.fault_raise_at_step >= 0 or bool(c.verify.inject_nan_steps),
     ),
     "compile_cache": ("executor.cache_dir", lambda c: c.executor.cache_dir is not None),
 }

@@ -37,7 +37,7 @@ from framework.train.loop import (
     mark_graph_recorded,
     pick_step,
 )
-from framework.verify import carry_state, inject_nan
+from framework.verify import carry_state
 from framework.verify.numerics import reference_model
 
 log = logging.getLogger("framework")
@@ -97,7 +97,9 @@ class StepRunner:
         self._since_build = 0  # steps queued since the last build: each build pays its own warm-up
         self._late: Step | None = None  # queued, not read yet
         self._read_any = False
-        self._nan_batches = set(cfg.verify.inject_nan_steps)
+        # The sampler's index of the batch a step is running on, while it runs (None between steps):
+        # what fault injection's NaN hook keys on (framework.train.faults), so it fires once per batch.
+        self.running_batch: int | None = None
 
     @property
     def mode(self) -> ExecutorMode:
@@ -181,18 +183,20 @@ class StepRunner:
     # -- the steps ---------------------------------------------------------------------------------
 
     def step(self, sampler: data_mod.BatchSampler | data_mod.StreamSampler, number: int) -> Step:
-        """Queue optimizer step ``number`` on the sampler's next batch (``verify.inject_nan_steps``
-        applies here); its figures are read later, see ``defer``."""
-        # A batch index: fires once, even after a rollback.
-        poison = sampler.consumed_batches in self._nan_batches
+        """Queue optimizer step ``number`` on the sampler's next batch (``running_batch`` names it
+        while the step runs); its figures are read later, see ``defer``."""
+        index = sampler.consumed_batches  # a batch index, not a step: a rollback does not revisit it
         batch = sampler.next_batch()
         wait_s = sampler.last_wait_s  # the sampler times its own wait
         scales = sampler.loss_scales()
 
         def attempt() -> StepResult:
             assert self._step is not None, "build() first"
-            with inject_nan(self.model, poison):
+            self.running_batch = index
+            try:
                 return self._step(batch, self.io, scales)
+            finally:
+                self.running_batch = None
 
         guard, self.first_step_guard = self.first_step_guard, None
         result = attempt() if guard is None else guard(attempt)

@@ -20,7 +20,6 @@ from framework.verify.fallback import (
     StepAction,
     Verdict,
     carry_state,
-    inject_nan,
     next_float8,
     next_mode,
 )
@@ -49,7 +48,6 @@ __all__ = [
     "check_ranks",
     "check_reference",
     "compare_perf",
-    "inject_nan",
     "next_float8",
     "next_mode",
     "perf_figures",

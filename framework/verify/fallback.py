@@ -17,8 +17,7 @@ takes the same decision at the same step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeVar
@@ -34,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from framework.config.schema import ExecutorMode, Float8Recipe
-from framework.parallel.pipeline import logit_modules
 from framework.verify.baseline import percentile
 
 T = TypeVar("T")
@@ -296,29 +294,3 @@ def carry_state(
     osd = get_optimizer_state_dict(src_model, src_opt)
     set_model_state_dict(dst_model, msd)
     set_optimizer_state_dict(dst_model, dst_opt, osd)
-
-
-@contextlib.contextmanager
-def inject_nan(model: nn.Module, active: bool) -> Iterator[None]:
-    """While ``active``, make ``model``'s forward output NaN (a debugging knob: verify.inject_nan_steps).
-
-    A forward hook on the outermost module multiplies the logits by NaN, so the loss, the gradients
-    and their norm all become NaN through the real code path, exactly as a numerical blow-up would.
-    Under a pipeline the schedule calls the stages, never the model: the hook goes on the stage that
-    makes the logits (on the last stage's rank; other pp ranks hook nothing). Its NaN loss reaches
-    every pp rank through the loss's sum over the pp axis, and its NaN input gradients flow back
-    through every stage, so all ranks see the same non-finite step (framework.parallel.pipeline).
-    """
-    if not active:
-        yield
-        return
-
-    def poison(_m: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output * float("nan")
-
-    handles = [m.register_forward_hook(poison) for m in logit_modules(model)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()

@@ -28,6 +28,7 @@ from framework.freeze import freeze
 from framework.models import build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.planner.layout import Degrees
+from framework.train.faults import poison_logits
 from framework.train.loop import build_optimizer, build_scheduler, train_step
 from framework.verify import (
     BadStepTracker,
@@ -44,7 +45,6 @@ from framework.verify import (
     check_numerics,
     check_reference,
     compare_perf,
-    inject_nan,
     next_mode,
     perf_figures,
     save_baseline,
@@ -277,18 +277,23 @@ def test_carry_state_moves_weights_and_optimizer_to_a_rebuilt_model() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_inject_nan_makes_a_real_non_finite_step() -> None:
+def test_poisoned_logits_make_a_real_non_finite_step() -> None:
+    """Fault injection's NaN hook (verify.inject_nan_steps, framework.train.faults): while active, the
+    step is non-finite through the real code path and skipped; inactive, it trains."""
     tcfg = TrainConfig(steps=4, warmup_steps=0)
     model = _model()
     opt = build_optimizer(model, tcfg, CPU)
     sched = build_scheduler(opt, tcfg)
     before = [p.detach().clone() for p in model.parameters()]
-    with inject_nan(model, active=True):
-        res = train_step(model, opt, sched, [_batch()], 1.0, CPU)
+    active = [True]
+    handles = poison_logits(model, lambda: active[0])
+    res = train_step(model, opt, sched, [_batch()], 1.0, CPU)
     assert not res.finite
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # step skipped
-    with inject_nan(model, active=False):
-        assert train_step(model, opt, sched, [_batch()], 1.0, CPU).finite
+    active[0] = False
+    assert train_step(model, opt, sched, [_batch()], 1.0, CPU).finite
+    for h in handles:
+        h.remove()
     assert not model._forward_hooks
 
 
