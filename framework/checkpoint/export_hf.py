@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from framework.config.schema import ModelConfig
 from framework.data.tokenizer import Tokenizer
 from framework.models import family, lora, model_spec
+from framework.record.run_dir import check_creatable
 
 log = logging.getLogger("framework")
 # Written into every export: ``export-hf`` replaces a folder holding it, and refuses another model's.
@@ -223,17 +223,7 @@ def check_out_dir(out_dir: Path, step_dir: Path, force: bool = False) -> None:
 def check_writable_folder(out_dir: Path, out: Path) -> None:
     """OUT (resolved: ``out``) must be a folder this user can create or fill: under a file it was a
     FileExistsError traceback, in a read-only folder a PermissionError after the weights were read."""
-    for p in (out, *out.parents):
-        if not p.exists():
-            continue
-        if not p.is_dir():
-            raise ValueError(f"OUT={str(out_dir)!r} cannot be created: {str(p)!r} is a file, not a folder")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"OUT={str(out_dir)!r} cannot be written: {str(p)!r} is not writable by this user; "
-                "valid: a folder you can create and write"
-            )
-        return
+    check_creatable(f"OUT={str(out_dir)!r}", out, "folder")
 
 
 def export_checkpoint(

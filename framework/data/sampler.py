@@ -114,6 +114,15 @@ def load_corpus(cfg: DataConfig, vocab_size: int, seq_len: int, scan: bool = Fal
     return corpus
 
 
+def check_batch_split(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
+    """A sampler's global batch must be whole micro batches on every data-parallel rank (ValueError)."""
+    if global_batch_size % (dp_size * micro_batch_size):
+        raise ValueError(
+            f"train.global_batch_size={global_batch_size} is not divisible by data-parallel degree "
+            f"{dp_size} x train.micro_batch_size={micro_batch_size}"
+        )
+
+
 class BatchSampler:
     """Deterministic batches for one data-parallel rank; state is the replicated global position.
 
@@ -132,11 +141,7 @@ class BatchSampler:
         dp_size: int,
         seed: int,
     ) -> None:
-        if global_batch_size % (dp_size * micro_batch_size):
-            raise ValueError(
-                f"train.global_batch_size={global_batch_size} is not divisible by data-parallel degree "
-                f"{dp_size} x train.micro_batch_size={micro_batch_size}"
-            )
+        check_batch_split(global_batch_size, micro_batch_size, dp_size)
         self.tokens = tokens
         self.vocab_size = vocab_size
         self.seq_len = seq_len

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from framework.data.records import Records
+from framework.data.sampler import check_batch_split
 from framework.data.sft import split_rows
 from framework.data.tokenizer import Tokenizer
 from framework.data.tokens import FileStamp, check_unchanged
@@ -232,11 +233,7 @@ class StreamSampler:
         seed: int,
         prefetch: int = 4,
     ) -> None:
-        if global_batch_size % (dp_size * micro_batch_size):
-            raise ValueError(
-                f"train.global_batch_size={global_batch_size} is not divisible by data-parallel degree "
-                f"{dp_size} x train.micro_batch_size={micro_batch_size}"
-            )
+        check_batch_split(global_batch_size, micro_batch_size, dp_size)
         self.sources = list(sources)
         self.weights = torch.tensor(list(weights), dtype=torch.float64)
         self.seq_len = seq_len

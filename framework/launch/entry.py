@@ -74,7 +74,7 @@ from framework.planner.topology import (
     validate_mesh,
     write_nccl_record,
 )
-from framework.record.run_dir import GONE_PREFIXES, DirGone
+from framework.record.run_dir import GONE_PREFIXES, DirGone, check_creatable
 from framework.train.callbacks import check_callbacks
 
 log = logging.getLogger("framework")
@@ -323,17 +323,7 @@ def check_not_nested(key: str, value: str | Path) -> None:
 def check_dir_creatable(key: str, value: str) -> None:
     """ValueError naming ``key`` when ``value`` or a parent of it is an existing file, or when the
     nearest existing folder is not writable (this user cannot create or fill the directory)."""
-    path = Path(value)
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ValueError(f"{key}={value!r} cannot be created: {str(p)!r} is a file, not a directory")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ValueError(
-                    f"{key}={value!r} cannot be written: {str(p)!r} is not writable by this user; "
-                    "valid: a directory you can create and write"
-                )
-            return
+    check_creatable(f"{key}={value!r}", Path(value))
 
 
 class RunDirCheck(Callback):

@@ -352,27 +352,25 @@ def search(cfg: Config) -> SearchResult:
         dataclasses.replace(c, reason="chosen" if c is best else _why(c, best, device_gib))
         for c in (*fitting, *others)
     )
-    chosen_cfg = _configure(
-        cfg,
-        Degrees(**best.degrees),
-        ActivationCheckpointing(best.activation_checkpointing),
-        best.micro_batch_size,
-        _pipeline_of(best),
-        best.reshard_after_forward,
-    )
+    chosen_cfg = _candidate_config(cfg, best)
     return SearchResult(ranked[0], ranked, chosen_cfg, device_gib)
+
+
+def _candidate_config(cfg: Config, c: Candidate) -> Config:
+    """``cfg`` with candidate ``c``'s choices written in (``_configure``)."""
+    return _configure(
+        cfg,
+        Degrees(**c.degrees),
+        ActivationCheckpointing(c.activation_checkpointing),
+        c.micro_batch_size,
+        _pipeline_of(c),
+        c.reshard_after_forward,
+    )
 
 
 def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
     hw, world = cfg.mesh.hardware, cfg.mesh.world_size
-    trial = _configure(
-        cfg,
-        Degrees(**smallest.degrees),
-        ActivationCheckpointing(smallest.activation_checkpointing),
-        smallest.micro_batch_size,
-        _pipeline_of(smallest),
-        smallest.reshard_after_forward,
-    )
+    trial = _candidate_config(cfg, smallest)
     m = plan_for(trial, Degrees(**smallest.degrees), check_memory=False).memory
     state = (m.params + m.grads + m.optimizer) / GIB  # shrinks with more data-parallel ranks
     rest = smallest.memory_gib - state

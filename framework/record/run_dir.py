@@ -69,3 +69,20 @@ class DirStamp:
 def stopped(reason: str, when: str) -> str:
     """The one line of a DirGone: what went, when the run noticed, and that it wrote nothing more."""
     return f"{reason}; noticed {when}, the ranks stopped and wrote nothing more"
+
+
+def check_creatable(named: str, path: Path, noun: str = "directory") -> None:
+    """ValueError naming ``named`` (``key=value``) when ``path`` or a parent of it is an existing file,
+    or when the nearest existing folder is not writable (this user cannot create or fill it): before
+    a run, a save or an export writes there, not as a traceback halfway through."""
+    for p in (path, *path.parents):
+        if not p.exists():
+            continue
+        if not p.is_dir():
+            raise ValueError(f"{named} cannot be created: {str(p)!r} is a file, not a {noun}")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"{named} cannot be written: {str(p)!r} is not writable by this user; "
+                f"valid: a {noun} you can create and write"
+            )
+        return
