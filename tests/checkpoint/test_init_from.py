@@ -189,6 +189,25 @@ def _tp_logits_diff(rank: int, world: int, source: str, expected: torch.Tensor) 
         return (model(tokens()) - expected).abs().max().item()
 
 
+def _first_loss(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in rows if "loss" in r)
+
+
+def test_pipeline_stages_read_only_their_tensors(tmp_path: Path, hf_dirs: dict) -> None:
+    """pp=2 on 2 gloo ranks from an HF folder (tied: the last stage's output projection is a copy
+    of the embedding, read from ``model.embed_tokens.weight``): each stage reads only its blocks
+    (the whole folder's names were "unknown tensor names" to a stage), and the first loss is the
+    1-rank run's from the same weights."""
+    src = hf_dirs["mha_tied"]
+    common = [f"model.init_from={src}", "train.steps=1", "checkpoint=none", *FAST]
+    ok(train(tmp_path / "one", *common))
+    ok(train(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common))
+    one, pp = _first_loss(tmp_path / "one"), _first_loss(tmp_path / "pp")
+    print(f"first loss from {src.name}: 1 rank {one!r}, pp=2 {pp!r}")
+    assert pp == pytest.approx(one, rel=1e-6, abs=0)
+
+
 def test_bad_sources_exit_2_with_one_line_and_no_run_dir(tmp_path: Path, hf_dirs: dict) -> None:
     """A folder with no weights through train.py (one line, exit 2, no run dir); weights of
     another shape through the same check in process (it runs in the entry point, before launch)."""
