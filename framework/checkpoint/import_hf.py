@@ -31,6 +31,7 @@ from framework.models.lora import is_lora_name
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 # ModelConfig field -> LlamaConfig field: the shape that ``model.init_from`` takes from config.json.
 SHAPE_FIELDS = {
@@ -145,6 +146,23 @@ def _check_names(names: list[object], where: str) -> None:
                 f"{where}: {INDEX_FILE} names {name!r} in its weight_map; valid: the file name of a "
                 "*.safetensors file in the folder itself (no path, no '..')"
             )
+
+
+def read_generation_config(folder: Path, key: str) -> dict[str, object] | None:
+    """An HF folder's ``generation_config.json`` as a dict; None when it has none. ValueError naming
+    ``key`` and the file when it is not a JSON object (transformers would refuse it too)."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}={str(folder)!r}: {GENERATION_CONFIG} does not parse: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{key}={str(folder)!r}: {GENERATION_CONFIG} is {type(value).__name__}; valid: a JSON object"
+        )
+    return value
 
 
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:

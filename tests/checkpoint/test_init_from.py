@@ -67,6 +67,14 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     names = ("gqa_untied", "mha_tied", "qwen3_untied_3heads_hd24")
     for name in names:
         make_hf_model(root / name, *MODELS[name])
+    # A generation config as an instruct model ships it (Llama 3 Instruct: two stop tokens, sampling
+    # defaults), which the export carries through; the others keep save_pretrained's.
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=1, eos_token_id=[2, 7], do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
+        max_new_tokens=77, repetition_penalty=1.1,
+    ).save_pretrained(root / "gqa_untied")  # fmt: skip
     return {name: root / name for name in names}
 
 
@@ -116,6 +124,21 @@ def test_round_trip_zero_steps_is_equal_tensor_for_tensor(tmp_path: Path, hf_dir
     assert sorted(before) == sorted(after)
     for tensor, t in before.items():
         assert torch.equal(after[tensor], t), tensor
+    # The source's generation config, field by field as transformers reads it; the tokenizer's ids
+    # fill only the special tokens the source leaves unset.
+    from transformers import GenerationConfig
+
+    theirs = GenerationConfig.from_pretrained(src).to_dict()
+    ours = GenerationConfig.from_pretrained(run / "hf").to_dict()
+    filled = {k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if theirs.get(k) is None}
+    differ = {
+        k: (theirs.get(k), ours.get(k))
+        for k in (theirs.keys() | ours.keys()) - filled
+        if theirs.get(k) != ours.get(k)
+    }
+    assert not differ, differ
+    if name == "gqa_untied":
+        assert (ours["eos_token_id"], ours["do_sample"], ours["temperature"]) == ([2, 7], True, 0.6)
     conf, back = (
         json.loads((src / "config.json").read_text()),
         json.loads((run / "hf" / "config.json").read_text()),
@@ -260,6 +283,10 @@ BAD_HF = [
     (lambda f: _edit_weights(f, "int8"), "is I8; valid: floating-point weights"),
     (lambda f: _edit_weights(f, "bool"), "is BOOL; valid: floating-point weights"),
     (lambda f: _edit_weights(f, "nan"), "holds NaN or inf; valid: finite weights"),
+    (
+        lambda f: (f / "generation_config.json").write_text("{not json"),
+        "generation_config.json does not parse",
+    ),
 ]
 
 
