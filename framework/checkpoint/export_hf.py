@@ -121,11 +121,36 @@ def hf_config(
     }
 
 
-def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None = None) -> dict[str, object]:
+def generation_config(
+    bos_id: int | None, eos_id: int | None, pad_id: int | None = None, source: dict[str, object] | None = None
+) -> dict[str, object]:
     """``generation_config.json`` (transformers' GenerationConfig fields): the special tokens that
-    ``generate`` starts, stops and pads on; sampling settings stay transformers' defaults."""
+    ``generate`` starts, stops and pads on. ``source``: the generation config of the model the run
+    started from (``source_generation_config``), carried through as it is (its eos list, e.g. Llama
+    3 Instruct's end-of-turn tokens, its sampling defaults); the tokenizer's ids fill only what it
+    leaves unset. Without one, the sampling settings stay transformers' defaults."""
+    if source is not None:
+        ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+        return dict(source) | {k: v for k, v in ids.items() if source.get(k) is None and v is not None}
     out: dict[str, object] = {"_from_model_config": True, "bos_token_id": bos_id, "eos_token_id": eos_id}
     return out | ({"pad_token_id": pad_id} if pad_id is not None else {})
+
+
+def source_generation_config(init_from: str | None) -> dict[str, object] | None:
+    """The generation config of the HF folder a run started from (``model.init_from``); None when
+    it started from a framework checkpoint or a random init, or the folder has no such file. A folder
+    gone since the run started: a warning, and the export writes its own."""
+    from framework.checkpoint.import_hf import GENERATION_CONFIG, is_hf_checkpoint, read_generation_config
+
+    if not init_from:
+        return None
+    folder = Path(init_from)
+    if not folder.is_dir():
+        log.warning(
+            "model.init_from=%s is gone: the export's %s is not the source's", folder, GENERATION_CONFIG
+        )
+        return None
+    return read_generation_config(folder, "model.init_from") if is_hf_checkpoint(folder) else None
 
 
 def special_ids(tokenizer: Tokenizer | None) -> tuple[int | None, int | None, int | None]:
@@ -148,6 +173,7 @@ def export_hf(
     out_dir: Path,
     max_position_embeddings: int = 2048,
     tokenizer: Tokenizer | None = None,
+    source: str | None = None,
 ) -> Path:
     """Write the model, ``config.json``, ``generation_config.json`` and (when ``tokenizer`` can
     save itself) its files into ``out_dir``; return ``out_dir``.
@@ -155,7 +181,9 @@ def export_hf(
     ``model_state`` is the full, unsharded state (``full_model_state`` on rank 0); call this on
     rank 0 only. Pass the longest context the model is meant for (``model.max_position_embeddings``,
     else the training ``seq_len``) as ``max_position_embeddings``. ``tokenizer`` is a
-    ``framework.data.tokenizer.Tokenizer``; its bos/eos/pad ids go into both configs.
+    ``framework.data.tokenizer.Tokenizer``; its bos/eos/pad ids go into both configs. ``source``:
+    the run's ``model.init_from``; when it is an HF folder, its ``generation_config.json`` is carried
+    through (``generation_config``).
     """
     from safetensors.torch import save_file
 
@@ -167,7 +195,7 @@ def export_hf(
     bos, eos, pad = special_ids(tokenizer)
     cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos, pad)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = generation_config(bos, eos, pad)
+    gen = generation_config(bos, eos, pad, source_generation_config(source))
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     marker = {"written_by": "framework.checkpoint export-hf", "architecture": cfg["architectures"]}
     (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -278,4 +306,5 @@ def export_checkpoint(
             lora.with_base(state, cfg.peft, model_cfg, cfg.model.init_from, cfg.train, load), cfg.peft
         )
     context = model_cfg.max_position_embeddings or seq_len
-    return export_hf(state, model_cfg, out_dir, context, tokenizer)
+    source = cfg.model.init_from if cfg is not None else None
+    return export_hf(state, model_cfg, out_dir, context, tokenizer, source)

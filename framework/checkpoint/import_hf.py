@@ -31,6 +31,7 @@ from framework.models.lora import is_lora_name
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 # ModelConfig field -> LlamaConfig field: the shape that ``model.init_from`` takes from config.json.
 SHAPE_FIELDS = {
@@ -145,6 +146,23 @@ def _check_names(names: list[object], where: str) -> None:
                 f"{where}: {INDEX_FILE} names {name!r} in its weight_map; valid: the file name of a "
                 "*.safetensors file in the folder itself (no path, no '..')"
             )
+
+
+def read_generation_config(folder: Path, key: str) -> dict[str, object] | None:
+    """An HF folder's ``generation_config.json`` as a dict; None when it has none. ValueError naming
+    ``key`` and the file when it is not a JSON object (transformers would refuse it too)."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}={str(folder)!r}: {GENERATION_CONFIG} does not parse: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{key}={str(folder)!r}: {GENERATION_CONFIG} is {type(value).__name__}; valid: a JSON object"
+        )
+    return value
 
 
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:
@@ -296,13 +314,24 @@ def _read_rope_rows(sl: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], h
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
     """Fill every parameter of a materialised (possibly sharded) decoder from ``ckpt``, each rank
-    reading only its local chunk. No collective: every rank calls it on its own."""
+    reading only its local chunk. No collective: every rank calls it on its own.
+
+    ``model`` may be one pipeline stage (framework.parallel.pipeline.cut_stage): it holds only its
+    blocks, so the folder is checked against the whole model's names and shapes (the spec's) and
+    only the stage's own tensors are read. A tied model's last stage holds a copy of the embedding
+    as its output projection: it is read from the embedding's tensor, as transformers ties it.
+    """
     from safetensors import safe_open
 
     spec = model_spec(model.cfg)
     names, rope = spec.hf_names(), spec.rope_heads()
+    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.params()}, names)
+    if model.cfg.tie_embeddings:
+        names["output.weight"] = names["tok_embeddings.weight"]
     params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}  # adapters: not in HF
-    check_against(ckpt, {n: tuple(p.shape) for n, p in params.items()}, names)
+    assert set(params) <= set(names), (
+        f"parameters the spec does not name: {sorted(set(params) - set(names))[:5]}"
+    )
     by_file: dict[str, list[str]] = {}
     for n in params:
         by_file.setdefault(ckpt.files[names[n]], []).append(n)

@@ -201,6 +201,9 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     if hf is not None:
         import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
         check_float_weights(hf)
+        import_hf.read_generation_config(
+            path, KEY
+        )  # the export carries it through: refused now, not after training
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)

@@ -13,6 +13,14 @@ Two evaluation sets:
 The loss is the mean cross-entropy (fp32) over every scored target token of the whole set (token
 weighted, not a mean of batch means), the figure transformers' causal-LM loss gives on the same
 tokens.
+
+On N ranks (``mesh=N``, any layout training has: DDP, FSDP, TP, pp) the model is placed as
+training places it (``place_model``: every rank reads only its own shards) and scored through the
+training loop's ``evaluate``, which adds each rank's loss sums and target counts in one all-reduce.
+The windows are dealt out to the data-parallel ranks in micro batches (``rank_batches``); the last
+ones are filled up with fully masked rows, so that every rank runs the same number of forwards
+(FSDP's all-gathers, the pipeline's sends) and the fill adds nothing. One process scores the whole
+model the same way, without a process group.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from framework.config.schema import Config
 from framework.data.evaluation import eval_rows
@@ -59,26 +67,82 @@ def batches_of(rows: np.ndarray, micro_batch_size: int) -> Iterator[Batch]:
         yield split_rows(torch.from_numpy(np.ascontiguousarray(rows[i : i + micro_batch_size])))
 
 
-@torch.no_grad()
-def score(model: torch.nn.Module, batches: Iterator[Batch] | list[Batch], device: torch.device) -> Score:
-    """Token-weighted mean cross-entropy (fp32 log-softmax, as the model's loss head) over ``batches``."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = windows = 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+# A row of fill: token 0 everywhere, every target masked (framework.data.sft's ``~t`` marks).
+FILL = ~0
+
+
+def rank_batches(
+    rows: np.ndarray, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> tuple[list[Batch], int]:
+    """This data-parallel rank's micro batches of ``rows`` and how many real windows they hold.
+
+    Batch ``i`` of rank ``r`` is rows ``[(i * dp_size + r) * mbs, ... + mbs)``; the rows are first
+    filled up with FILL rows to a multiple of ``mbs * dp_size``, so every batch has the training
+    shape (a pipeline's schedule needs it) and every rank the same number of batches."""
+    per_round = micro_batch_size * dp_size
+    fill = -len(rows) % per_round
+    padded = np.concatenate([rows, np.full((fill, rows.shape[1]), FILL, dtype=rows.dtype)]) if fill else rows
+    batches, real = [], 0
+    for start in range(dp_rank * micro_batch_size, len(padded), per_round):
+        batches.append(
+            split_rows(torch.from_numpy(np.ascontiguousarray(padded[start : start + micro_batch_size])))
         )
-        total += loss.double()
-        tokens += int((y != IGNORE_INDEX).sum())
-        windows += x.shape[0]
-    model.train(was_training)
+        real += max(0, min(micro_batch_size, len(rows) - start))
+    return batches, real
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    batches: list[Batch],
+    device: torch.device,
+    windows: int | None = None,
+    replicas: int = 1,
+) -> Score:
+    """Token-weighted mean cross-entropy over ``batches`` on every rank (the training loop's
+    ``evaluate``: fp32 loss, summed over ranks in float64), with the scored target tokens and the
+    windows of all ranks. ``windows``: this rank's real rows (default: all of its batches' rows);
+    ``replicas``: ranks that score the same batches (world size / data-parallel size: tp and pp ranks),
+    by which the summed counts are divided. ValueError when no target is scored."""
+    from framework.train.loop import evaluate
+
+    loss = evaluate(model, batches, device)
+    mine = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    counts = torch.tensor(
+        [mine, sum(x.shape[0] for x, _ in batches) if windows is None else windows], dtype=torch.int64
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = counts.to(device)
+        dist.all_reduce(counts)
+    tokens, rows = (int(c) // replicas for c in counts.tolist())
     if tokens == 0:
         raise ValueError("the evaluation set has no scored target token (every target is masked)")
-    return Score(float(total) / tokens, tokens, windows)
+    return Score(loss, tokens, rows)
+
+
+def place_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, int, int, int]:
+    """The model of ``cfg`` (weights: its ``model.init_from``) on this rank, (data-parallel rank,
+    data-parallel size) and the ranks that score the same batches (tp x pp: world / dp size).
+
+    On a process group: placed as training places it (the plan of ``cfg``'s mesh, each rank reading
+    only its own shards). Without one: the whole model in this process, whatever layout saved it."""
+    from framework.data.pipeline import document_eos
+    from framework.models import build_model, materialize
+
+    meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
+    if not dist.is_initialized():
+        materialize(meta, device, cfg.train.seed)
+        return meta, 0, 1, 1
+    from framework.parallel import build_mesh, parallelize
+    from framework.parallel.mesh import dp_mesh_info
+    from framework.planner.resolve import make_plan
+
+    plan = make_plan(cfg)
+    mesh = build_mesh(plan, device.type)
+    args = (cfg.sharding, cfg.bucketing, cfg.executor, device, cfg.train.seed)
+    model = parallelize(meta, mesh, plan, *args)
+    dp_rank, dp_size = dp_mesh_info(mesh, plan)
+    return model, dp_rank, dp_size, dist.get_world_size() // dp_size
 
 
 # The bound framework.launch.rules sets on train.eval_batches, for the same reason: the validation

@@ -165,6 +165,18 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
     this process if it is killed (``die_with_launcher``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        launch_local(world_size, max_restarts, run_dir.name, ("-m", "framework.launch.worker", str(run_dir)))
+    except SignalException as e:
+        return int(e.sigval)
+    return None
+
+
+def launch_local(world_size: int, max_restarts: int, run_id: str, args: tuple[str, ...]) -> None:
+    """``python *args`` on ``world_size`` local ranks through torch's elastic launcher (``spawn_local``
+    says how; ``python -m framework evaluate mesh=N`` starts its ranks here too). Raises torch's
+    ``ChildFailedError`` when a rank failed, ``SignalException`` when this process was told to stop."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["FRAMEWORK_WORKER"] = "1"  # inherited by the ranks: they are ours, not torchrun's
@@ -183,18 +195,14 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
-        run_id=run_dir.name,
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", "framework.launch.worker", str(run_dir))
-    except SignalException as e:
-        return int(e.sigval)
-    return None
+    elastic_launch(config, sys.executable)(*args)
 
 
 LAUNCHER_PID = "FRAMEWORK_LAUNCHER_PID"

@@ -444,7 +444,7 @@ def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEn
 
         tokenizer = load_tokenizer(cfg.tokenizer)
         context = cfg.model.max_position_embeddings or cfg.train.seq_len
-        out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer)
+        out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer, cfg.model.init_from)
         log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 

@@ -67,6 +67,14 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     names = ("gqa_untied", "mha_tied", "qwen3_untied_3heads_hd24")
     for name in names:
         make_hf_model(root / name, *MODELS[name])
+    # A generation config as an instruct model ships it (Llama 3 Instruct: two stop tokens, sampling
+    # defaults), which the export carries through; the others keep save_pretrained's.
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=1, eos_token_id=[2, 7], do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
+        max_new_tokens=77, repetition_penalty=1.1,
+    ).save_pretrained(root / "gqa_untied")  # fmt: skip
     return {name: root / name for name in names}
 
 
@@ -116,6 +124,21 @@ def test_round_trip_zero_steps_is_equal_tensor_for_tensor(tmp_path: Path, hf_dir
     assert sorted(before) == sorted(after)
     for tensor, t in before.items():
         assert torch.equal(after[tensor], t), tensor
+    # The source's generation config, field by field as transformers reads it; the tokenizer's ids
+    # fill only the special tokens the source leaves unset.
+    from transformers import GenerationConfig
+
+    theirs = GenerationConfig.from_pretrained(src).to_dict()
+    ours = GenerationConfig.from_pretrained(run / "hf").to_dict()
+    filled = {k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if theirs.get(k) is None}
+    differ = {
+        k: (theirs.get(k), ours.get(k))
+        for k in (theirs.keys() | ours.keys()) - filled
+        if theirs.get(k) != ours.get(k)
+    }
+    assert not differ, differ
+    if name == "gqa_untied":
+        assert (ours["eos_token_id"], ours["do_sample"], ours["temperature"]) == ([2, 7], True, 0.6)
     conf, back = (
         json.loads((src / "config.json").read_text()),
         json.loads((run / "hf" / "config.json").read_text()),
@@ -189,6 +212,25 @@ def _tp_logits_diff(rank: int, world: int, source: str, expected: torch.Tensor) 
         return (model(tokens()) - expected).abs().max().item()
 
 
+def _first_loss(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in rows if "loss" in r)
+
+
+def test_pipeline_stages_read_only_their_tensors(tmp_path: Path, hf_dirs: dict) -> None:
+    """pp=2 on 2 gloo ranks from an HF folder (tied: the last stage's output projection is a copy
+    of the embedding, read from ``model.embed_tokens.weight``): each stage reads only its blocks
+    (the whole folder's names were "unknown tensor names" to a stage), and the first loss is the
+    1-rank run's from the same weights."""
+    src = hf_dirs["mha_tied"]
+    common = [f"model.init_from={src}", "train.steps=1", "checkpoint=none", *FAST]
+    ok(train(tmp_path / "one", *common))
+    ok(train(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common))
+    one, pp = _first_loss(tmp_path / "one"), _first_loss(tmp_path / "pp")
+    print(f"first loss from {src.name}: 1 rank {one!r}, pp=2 {pp!r}")
+    assert pp == pytest.approx(one, rel=1e-6, abs=0)
+
+
 def test_bad_sources_exit_2_with_one_line_and_no_run_dir(tmp_path: Path, hf_dirs: dict) -> None:
     """A folder with no weights through train.py (one line, exit 2, no run dir); weights of
     another shape through the same check in process (it runs in the entry point, before launch)."""
@@ -241,6 +283,10 @@ BAD_HF = [
     (lambda f: _edit_weights(f, "int8"), "is I8; valid: floating-point weights"),
     (lambda f: _edit_weights(f, "bool"), "is BOOL; valid: floating-point weights"),
     (lambda f: _edit_weights(f, "nan"), "holds NaN or inf; valid: finite weights"),
+    (
+        lambda f: (f / "generation_config.json").write_text("{not json"),
+        "generation_config.json does not parse",
+    ),
 ]
 
 

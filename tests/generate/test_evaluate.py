@@ -212,18 +212,49 @@ def test_bad_eval_sets_exit_2_with_one_line_and_no_run_dir(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_mesh_override_is_checked_and_said_to_be_unused(
-    tmp_path: Path,
-    hf_dir: Path,
-    documents: Path,
-    capsys: pytest.CaptureFixture[str],
-    caplog: pytest.LogCaptureFixture,
+def _rank_report(rank: int, world: int, argv: list[str], report: str) -> None:
+    """A rank as ``python -m framework evaluate ... mesh=N`` launches it (``--as-rank``: it makes its
+    own process group, places the model as training does, rank 0 writes the report)."""
+    assert main([*argv, "--report", report, "--as-rank"]) == 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["sharding=fsdp"], ["parallel.pp=2", "parallel.dp_shard=1"]],
+    ids=["fsdp", "pp"],
+)
+def test_two_ranks_give_the_one_rank_figures(
+    tmp_path: Path, hf_dir: Path, documents: Path, layout: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """evaluate scores in one process: mesh=2 composes and passes the launch checks, one warning says
-    it does nothing, and the figure is the one-process one (to float rounding: other micro-batches)."""
+    """mesh=2 (2 gloo ranks, forked; FSDP shards or two pipeline stages): the same token and window
+    count as one rank, and its loss to float rounding (other sums). 38 windows: the last round of
+    micro batches is filled up with masked rows, which count for nothing."""
+    from tests.dist import run_ranks
+
+    data = ["data=jsonl", f"data.path={documents}", "train.seq_len=20", "train.global_batch_size=4"]
+    one = evaluate(hf_dir, data, tmp_path / "one.json", capsys)
+    argv = [str(hf_dir), *data, "mesh=2", *layout, "--device", "cpu"]
+    run_ranks(_rank_report, 2, argv, str(tmp_path / "two.json"), init=False)
+    two = json.loads((tmp_path / "two.json").read_text())
+    print(f"{layout}: 1 rank {one['loss']!r}, 2 ranks {two['loss']!r}, {two['tokens']} tokens")
+    assert two["mesh"] == [2] and one["windows"] % 4 != 0  # the last round is filled up
+    assert (two["tokens"], two["windows"]) == (one["tokens"], one["windows"])
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=0)
+    assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-5, abs=0)
+
+
+def test_mesh_2_launches_two_ranks_from_the_command_line(
+    tmp_path: Path, hf_dir: Path, documents: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m framework evaluate HF_DIR data=... mesh=2``: two launched ranks (the shipped
+    sharding=auto), the one-rank figures; a mesh this host cannot hold is one line, no report."""
     data = ["data=jsonl", f"data.path={documents}", "train.seq_len=32"]
     one = evaluate(hf_dir, data, tmp_path / "one.json", capsys)
-    with caplog.at_level("WARNING", logger="framework"):
-        two = evaluate(hf_dir, [*data, "mesh=2"], tmp_path / "two.json", capsys)
-    assert any("mesh=2 is checked but not used" in r.getMessage() for r in caplog.records)
-    assert two["tokens"] == one["tokens"] and abs(two["loss"] - one["loss"]) <= TOL
+    two = evaluate(hf_dir, [*data, "mesh=2"], tmp_path / "two.json", capsys)
+    assert two["mesh"] == [2] and (two["tokens"], two["windows"]) == (one["tokens"], one["windows"])
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=0)
+    report = tmp_path / "too_many.json"
+    assert main([str(hf_dir), *data, "mesh=1000", "--report", str(report), "--device", "cpu"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "starts 1000 CPU ranks on this host" in err[0], err
+    assert not report.exists()
