@@ -21,7 +21,8 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.
 STEPS=${STEPS:-12}
 ATTN=${ATTN:-auto}
 DOCS=/tmp/docs/docs.jsonl
-BPE=.whl/bpe128k.json
+WHL=${WHL:-.whl}  # the carried wheels and BPE (a copy of the tree elsewhere: WHL=PATH)
+BPE=$WHL/bpe128k.json
 common=(recipe=llama3_8b run.device=cuda mesh/hardware=h200 executor=compile data=jsonl "data.path=$DOCS"
   tokenizer=hf "tokenizer.path=$BPE" model.vocab_size=128256 train.seq_len=8192 train.global_batch_size=1
   train.micro_batch_size=1 train.optimizer_in_backward=true train.grad_clip=0 "train.steps=$STEPS"
@@ -48,7 +49,7 @@ for phase in "$@"; do
   echo "=== $phase $(date +%T)"
   case $phase in
     setup)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
       python3 benchmarks/llama8b_8k.py docs /tmp/docs --mb 64
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
       free -g | head -2
