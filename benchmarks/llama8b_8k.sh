@@ -40,6 +40,10 @@ variant() {  # NAME -> its overrides
     fp8_none_nomask) echo sharding.activation_checkpointing=none model.attention=$ATTN "${f8[@]}" ;;
     fp8_none_mask) echo sharding.activation_checkpointing=none data.document_mask=true "${f8[@]}" ;;
     fp8_budget_mask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=0.5 data.document_mask=true "${f8[@]}" ;;
+    bf16_none_nomask_liger) echo sharding.activation_checkpointing=none model.attention=$ATTN model.fused_cross_entropy=liger ;;
+    bf16_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger ;;
+    bf16_selective_nomask) echo sharding.activation_checkpointing=selective model.attention=$ATTN ;;
+    bf16_selective_mask) echo sharding.activation_checkpointing=selective data.document_mask=true ;;
     fp8_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger "${f8[@]}" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
@@ -62,6 +66,9 @@ for phase in "$@"; do
     fw:*)
       name=${phase#fw:}
       ov=$(variant "$name") || continue
+      # PROFILE=1: one step under torch.profiler (the 8th: the median of 12 steps stays a plain one);
+      # the top kernels go to the run's profile/top_ops_rank0.json and its log.
+      [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=6 run.profile_warmup=1 run.profile_active=1"
       # shellcheck disable=SC2086  # the overrides are words
       timeout "${FW_TIMEOUT:-150}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \
         "hydra.run.dir=/tmp/r/$name" > "/tmp/r/$name.log" 2>&1
@@ -88,7 +95,7 @@ for phase in "$@"; do
       cat "$OUT/results.md"
       ;;
     pack)
-      tar czf "$OUT/logs.tgz" -C /tmp/r --exclude='*/.hydra' $(cd /tmp/r && ls -d *.log *.json profile lora */summary.json */metrics.jsonl */train.log 2>/dev/null)
+      tar czf "$OUT/logs.tgz" -C /tmp/r --exclude='*/.hydra' $(cd /tmp/r && ls -d *.log *.json profile lora */summary.json */metrics.jsonl */train.log */profile/top_ops_rank0.json 2>/dev/null)
       ls -la "$OUT"
       ;;
   esac
