@@ -95,7 +95,7 @@ for phase in "$@"; do
       cat "$OUT/results.md"
       ;;
     pack)
-      tar czf "$OUT/logs.tgz" -C /tmp/r --exclude='*/.hydra' $(cd /tmp/r && ls -d *.log *.json profile lora */summary.json */metrics.jsonl */train.log */profile/top_ops_rank0.json 2>/dev/null)
+      tar czf "$OUT/logs.tgz" -C /tmp/r --exclude='*/.hydra' $(cd /tmp/r && ls -d *.log *.json profile lora */summary.json */metrics.jsonl */train.log */profile/top_ops_rank0.json */profile/trace_rank0.json 2>/dev/null)
       ls -la "$OUT"
       ;;
   esac
