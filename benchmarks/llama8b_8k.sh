@@ -20,6 +20,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDUCTOR_CACHE_DIR=/tmp/ind PY
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.py sets it itself
 STEPS=${STEPS:-12}
 ATTN=${ATTN:-auto}
+BUDGET=${BUDGET:-0.85}  # sharding.activation_memory_budget of the budget variants
 DOCS=/tmp/docs/docs.jsonl
 WHL=${WHL:-.whl}  # the carried wheels and BPE (a copy of the tree elsewhere: WHL=PATH)
 BPE=$WHL/bpe128k.json
@@ -35,7 +36,8 @@ variant() {  # NAME -> its overrides
     bf16_full_nomask) echo sharding.activation_checkpointing=full ;;
     bf16_none_nomask) echo sharding.activation_checkpointing=none model.attention=$ATTN ;;
     bf16_none_mask) echo sharding.activation_checkpointing=none data.document_mask=true ;;
-    bf16_budget_mask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=0.5 data.document_mask=true ;;
+    bf16_budget_mask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=$BUDGET data.document_mask=true ;;
+    bf16_budget_nomask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=$BUDGET model.attention=$ATTN ;;
     fp8_full_mask) echo sharding.activation_checkpointing=full data.document_mask=true "${f8[@]}" ;;
     fp8_none_nomask) echo sharding.activation_checkpointing=none model.attention=$ATTN "${f8[@]}" ;;
     fp8_none_mask) echo sharding.activation_checkpointing=none data.document_mask=true "${f8[@]}" ;;
@@ -78,7 +80,7 @@ for phase in "$@"; do
       ;;
     hand)
       timeout "${HAND_TIMEOUT:-300}" python3 benchmarks/llama8b_8k.py hand --docs $DOCS \
-        --bpe $BPE --out /tmp/r/hand.json --attention "$ATTN" --steps "$STEPS" \
+        --bpe $BPE --out /tmp/r/hand.json --attention "$ATTN" --steps "$STEPS" --budget "$BUDGET" \
         --variants "${HAND_VARIANTS:-bf16:nomask,bf16:mask,float8:nomask,float8:mask}" \
         --profile-dir /tmp/r/profile --profile "${HAND_PROFILE:-bf16:nomask,float8:mask}" > /tmp/r/hand.log 2>&1
       echo "rc $?"; grep '^{' /tmp/r/hand.log; tail -3 /tmp/r/hand.log
