@@ -284,6 +284,18 @@ def autocast_bf16(cfg: Config) -> bool:
     return cfg.mesh.hardware.name != "cpu"
 
 
+def offloaded_activation_bytes(cfg: Config) -> int:
+    """What ``sharding.activation_offload`` keeps in host memory for one rank: the blocks' saved
+    activations of one micro batch (the head's logits stay on the device), for the configured AC
+    mode (``auto``: as ``none``, the most it can pick), TP degree ``sharding.tp``, no CP."""
+    mode = cfg.sharding.activation_checkpointing
+    if mode is ActivationCheckpointing.auto:
+        mode = ActivationCheckpointing.none
+    if mode is ActivationCheckpointing.budget and cfg.executor.mode is ExecutorMode.eager:
+        mode = ActivationCheckpointing.none  # refused by plan; counted as none here
+    return _activation_bytes(cfg, max(1, cfg.sharding.tp), mode, head=False)
+
+
 def _activation_bytes(
     cfg: Config,
     tp: int,
