@@ -421,6 +421,11 @@ def _memory(
     if cfg.executor.mode == ExecutorMode.eager:
         del by_mode[ActivationCheckpointing.budget.value]  # compiled executors only
     acts = by_mode[cfg.sharding.activation_checkpointing.value]
+    if cfg.sharding.activation_offload:
+        # framework.parallel.activation.apply_offload: the blocks' saved tensors live in host memory;
+        # the device holds the block being computed (or recomputed) and the head's logits.
+        mode = cfg.sharding.activation_checkpointing
+        acts = min(acts, _activation_bytes(cfg, tp, mode, 1, 1.0, head, cp))
     total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)
     return MemoryEstimate(params, grads, optimizer, comm_buffers, acts, by_mode, total, device)
