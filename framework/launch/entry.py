@@ -52,6 +52,7 @@ from framework.launch.ranks import (
     adopt_submitit_environment,
     apply_allocator_environment,
     check_local_resources,
+    check_offload_memory,
     check_torch,
     isolated_environ,
     joined_torchrun,
@@ -182,6 +183,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
     device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
     check_local_resources(cfg, device)
+    check_offload_memory(cfg)
     check_checkpoint_dir(cfg)
     check_verify_files(cfg)
     if cfg.executor.cache_dir:

@@ -151,6 +151,36 @@ def check_local_resources(cfg: Config, device: torch.device) -> None:
         )
 
 
+def host_available_bytes() -> int:
+    """Memory this host can still give: /proc/meminfo's MemAvailable (Linux), else the free pages."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_offload_memory(cfg: Config, available: int | None = None) -> None:
+    """``sharding.activation_offload``: the ranks on this host keep their saved activations in host
+    memory; refuse a launch whose ranks need more than the host has available (``available``
+    bytes, default MemAvailable). A dry run plans for other hosts: not checked."""
+    if not cfg.sharding.activation_offload or cfg.run.dry_run:
+        return
+    from framework.planner.plan import offloaded_activation_bytes
+
+    ranks = cfg.mesh.procs_per_node
+    need = ranks * offloaded_activation_bytes(cfg)
+    have = host_available_bytes() if available is None else available
+    if need > have:
+        raise ValueError(
+            f"sharding.activation_offload=true keeps the saved activations of {ranks} rank(s) on this "
+            f"host in host memory: {need:,} bytes ({need / 2**30:.1f} GiB) needed, {have:,} bytes "
+            f"({have / 2**30:.1f} GiB) available; use a smaller train.micro_batch_size or "
+            "train.seq_len, fewer ranks per host, sharding.activation_checkpointing=full, or "
+            "sharding.activation_offload=false"
+        )
+
+
 def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None:
     """Start ``world_size`` ranks on this host through torch's elastic launcher; raise if any failed.
 

@@ -707,6 +707,8 @@ RULES: dict[str, Rule] = {
         bad=(-0.1, 1.5, math.nan),
         context=(("sharding.activation_checkpointing", "budget"), ("executor.mode", "compile")),
     ),
+    # the host memory the saved activations need: framework.launch.ranks.check_offload_memory
+    "sharding.activation_offload": TYPED,
     # bucketing
     "bucketing.bucket_cap_mb": number(0, lo_open=True),
     "bucketing.gradient_as_bucket_view": TYPED,

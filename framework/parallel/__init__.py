@@ -22,7 +22,7 @@ from framework.config.schema import (
     ShardingConfig,
 )
 from framework.models import Decoder, WeightLoader, materialize
-from framework.parallel.activation import apply_ac
+from framework.parallel.activation import apply_ac, apply_offload
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.float8 import apply_float8
@@ -189,6 +189,7 @@ def _parallelize_stage(
     else:
         apply_ac(model, sharding.activation_checkpointing)
         apply_compile(model, executor, device, budget)
+    apply_offload(model, sharding.activation_offload)
     if layout.fsdp:
         shard_mesh = fsdp_mesh(mesh, plan)
         assert shard_mesh is not None

@@ -51,3 +51,25 @@ def apply_ac(model: Decoder, mode: ActivationCheckpointing) -> int:
     if count == 0:
         raise RuntimeError(f"activation_checkpointing={mode.value} checkpointed no block")
     return count
+
+
+def _offloaded(forward: Callable[..., torch.Tensor], pin: bool, *args: Any) -> torch.Tensor:
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        return forward(*args)
+
+
+def is_offloaded(block: nn.Module) -> bool:
+    fwd = block.__dict__.get("forward")
+    return isinstance(fwd, functools.partial) and fwd.func is _offloaded
+
+
+def apply_offload(model: Decoder, on: bool) -> int:
+    """``sharding.activation_offload``: each block's saved tensors to host memory (pinned on CUDA);
+    returns how many blocks. Call after ``apply_ac`` and ``apply_compile`` (it wraps what they made)."""
+    if not on:
+        return 0
+    units = blocks(model)
+    pin = torch.cuda.is_available()
+    for block in units:
+        block.forward = functools.partial(_offloaded, block.forward, pin)
+    return len(units)

@@ -284,6 +284,18 @@ def autocast_bf16(cfg: Config) -> bool:
     return cfg.mesh.hardware.name != "cpu"
 
 
+def offloaded_activation_bytes(cfg: Config) -> int:
+    """What ``sharding.activation_offload`` keeps in host memory for one rank: the blocks' saved
+    activations of one micro batch (the head's logits stay on the device), for the configured AC
+    mode (``auto``: as ``none``, the most it can pick), TP degree ``sharding.tp``, no CP."""
+    mode = cfg.sharding.activation_checkpointing
+    if mode is ActivationCheckpointing.auto:
+        mode = ActivationCheckpointing.none
+    if mode is ActivationCheckpointing.budget and cfg.executor.mode is ExecutorMode.eager:
+        mode = ActivationCheckpointing.none  # refused by plan; counted as none here
+    return _activation_bytes(cfg, max(1, cfg.sharding.tp), mode, head=False)
+
+
 def _activation_bytes(
     cfg: Config,
     tp: int,
@@ -409,6 +421,11 @@ def _memory(
     if cfg.executor.mode == ExecutorMode.eager:
         del by_mode[ActivationCheckpointing.budget.value]  # compiled executors only
     acts = by_mode[cfg.sharding.activation_checkpointing.value]
+    if cfg.sharding.activation_offload:
+        # framework.parallel.activation.apply_offload: the blocks' saved tensors live in host memory;
+        # the device holds the block being computed (or recomputed) and the head's logits.
+        mode = cfg.sharding.activation_checkpointing
+        acts = min(acts, _activation_bytes(cfg, tp, mode, 1, 1.0, head, cp))
     total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)
     return MemoryEstimate(params, grads, optimizer, comm_buffers, acts, by_mode, total, device)

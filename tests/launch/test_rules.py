@@ -97,8 +97,15 @@ def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: P
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
         elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
-            weights, names = [getattr(e, "weight", None) for e in bad], [getattr(e, "name", None) for e in bad]
-            shown = [f"weight={w}" for w in weights] + [f"[{w}]" for w in weights] + [f"name={n!r}" for n in names]
+            weights, names = (
+                [getattr(e, "weight", None) for e in bad],
+                [getattr(e, "name", None) for e in bad],
+            )
+            shown = (
+                [f"weight={w}" for w in weights]
+                + [f"[{w}]" for w in weights]
+                + [f"name={n!r}" for n in names]
+            )
             assert key in msg and any(s in msg for s in shown), msg
         else:
             assert key in msg, msg
@@ -312,7 +319,10 @@ def test_unbounded_counts_are_refused_before_launch(
 ) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.launch.recipes", "validate", RECIPE]):
+    for argv in (
+        ["train.py", f"hydra.run.dir={run}"],
+        ["-m", "framework.launch.recipes", "validate", RECIPE],
+    ):
         proc = subprocess.run(
             [sys.executable, *argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
         )
@@ -328,3 +338,25 @@ def test_layout_divisors_match_counting_one_by_one() -> None:
     for n in range(200):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
     assert divisors(2**20)[-3:] == [2**18, 2**19, 2**20]
+
+
+def test_activation_offload_beyond_the_hosts_memory_is_refused_with_the_bytes(
+    base: DictConfig, tmp_path: Path
+) -> None:
+    """sharding.activation_offload keeps the saved activations in host memory: a micro batch whose
+    activations are twice what this host has available (MemAvailable) is refused before launch with
+    the bytes needed and available; one that fits passes the check (the bytes are the planner's)."""
+    from framework.launch.ranks import check_offload_memory, host_available_bytes
+    from framework.planner.plan import offloaded_activation_bytes
+
+    on = {"sharding.activation_offload": True}
+    one = offloaded_activation_bytes(config.to_config(with_values(base, {**on, "train.micro_batch_size": 1})))
+    micro = 2 * host_available_bytes() // one + 1
+    values = {**on, "train.micro_batch_size": micro, "train.global_batch_size": micro}
+    need = offloaded_activation_bytes(config.to_config(with_values(base, values)))
+    msg = refusal(base, values, tmp_path)
+    assert "sharding.activation_offload=true" in msg and f"{need:,} bytes" in msg and "available" in msg, msg
+    cfg = config.to_config(with_values(base, on))
+    check_offload_memory(cfg, available=offloaded_activation_bytes(cfg))  # exactly enough: passes
+    with pytest.raises(ValueError, match="needed"):
+        check_offload_memory(cfg, available=offloaded_activation_bytes(cfg) - 1)

@@ -30,7 +30,7 @@ from framework.config.schema import (
 )
 from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
-from framework.parallel.activation import apply_ac, is_checkpointed
+from framework.parallel.activation import apply_ac, apply_offload, is_checkpointed, is_offloaded
 from framework.parallel.compile import apply_compile, inductor_mode
 from framework.planner.plan import Plan
 from framework.planner.resolve import make_plan
@@ -276,6 +276,29 @@ def test_ac_modes_count_blocks() -> None:
     assert [is_checkpointed(b) for b in model.layers.values()] == [True, False, True, False]
     names = [n for n, _ in model.named_parameters()]
     assert "layers.0.attention.wq.weight" in names  # names unchanged by checkpointing
+
+
+@pytest.mark.parametrize("mode", [ActivationCheckpointing.none, ActivationCheckpointing.full])
+def test_activation_offload_keeps_loss_and_gradients(mode: ActivationCheckpointing) -> None:
+    """sharding.activation_offload: the blocks' saved tensors go to host memory and back; the loss
+    and every gradient are those of the same model without it, bitwise (alone and around AC)."""
+    cfg = Config()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for offload in (False, True):
+        model = build_model(cfg.model, SEQ)
+        materialize(model, torch.device("cpu"), seed=0)
+        apply_ac(model, mode)
+        assert apply_offload(model, offload) == (cfg.model.n_layers if offload else 0)
+        assert [is_offloaded(b) for b in model.layers.values()] == [offload] * cfg.model.n_layers
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_off, g_off), (loss_on, g_on) = grads
+    assert torch.equal(loss_off, loss_on)
+    assert all(torch.equal(g_off[n], g_on[n]) for n in g_off), [
+        n for n in g_off if not torch.equal(g_off[n], g_on[n])
+    ]
 
 
 def test_eager_compiles_nothing() -> None:

@@ -418,3 +418,17 @@ def test_held_units_that_do_not_fit_are_refused_with_their_memory() -> None:
         ValueError, match=r"FSDP units held unsharded for the step \d+\.\d.*reshard_after_forward=true"
     ):
         make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))
+
+
+def test_activation_offload_leaves_one_block_and_the_logits_on_the_device() -> None:
+    """sharding.activation_offload: the estimate keeps one block's saved activations and the head's
+    logits on the device (the rest are in host memory, framework.launch.ranks checks how much)."""
+    cfg = cfg_for("ddp", [1])
+    on_device = make_plan(cfg).memory
+    cfg.sharding.activation_offload = True
+    offloaded = make_plan(cfg).memory
+    n = cfg.model.n_layers
+    logits = on_device.activations - n * (on_device.activations - offloaded.activations) / (n - 1)
+    assert offloaded.activations < on_device.activations
+    assert offloaded.total - offloaded.activations == on_device.total - on_device.activations
+    assert logits > 0  # what is left beyond one block is the head's

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Llama-3-8B at 8K context on one H200 (issue 28): `python train.py` on real packed text (jsonl, a
+# 118K-token byte-level BPE, the 8B's 128,256-row head) beside the hand-written loop of
+# benchmarks/llama8b_8k.py, bf16 and float8, document mask on and off, per memory variant.
+#
+#   bash benchmarks/llama8b_8k.sh PHASE...      (from the repo root on the GPU machine; tables in $OUT)
+#
+# Phases: setup (the wheels in .whl, the documents), attn (the attention kernels at the shape),
+# fw:NAME (one train.py run, NAME from the list below), hand (the hand loop's variants, HAND_VARIANTS),
+# lora (benchmarks/lora_gpu.sh, issue 27), table (the table of every run so far, into $OUT/results.md),
+# pack (logs, profiles and JSON into $OUT/logs.tgz: a device call brings back at most 8 files).
+# The BPE is trained on this machine first (it is carried in .whl/bpe128k.json):
+#   python benchmarks/gpu_bench.py's write_documents, then
+#   python -m framework.data tokenizer train .whl/bpe128k.json DOCS.jsonl --vocab-size 128000
+# Environment: STEPS (12), ATTN (model.attention for the unmasked runs: auto), FW_EXTRA (more overrides).
+set -u
+OUT=${OUT:-outputs/llama8b_8k}
+mkdir -p "$OUT" /tmp/r /tmp/site
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDUCTOR_CACHE_DIR=/tmp/ind PYTHONPATH=/tmp/site:$PWD
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.py sets it itself
+STEPS=${STEPS:-12}
+ATTN=${ATTN:-auto}
+BUDGET=${BUDGET:-0.85}  # sharding.activation_memory_budget of the budget variants
+DOCS=/tmp/docs/docs.jsonl
+WHL=${WHL:-.whl}  # the carried wheels and BPE (a copy of the tree elsewhere: WHL=PATH)
+BPE=$WHL/bpe128k.json
+common=(recipe=llama3_8b run.device=cuda mesh/hardware=h200 executor=compile data=jsonl "data.path=$DOCS"
+  tokenizer=hf "tokenizer.path=$BPE" model.vocab_size=128256 train.seq_len=8192 train.global_batch_size=1
+  train.micro_batch_size=1 train.optimizer_in_backward=true train.grad_clip=0 "train.steps=$STEPS"
+  "train.log_every=$STEPS" train.eval_every=0 checkpoint=none logger.progress_bar=false freeze=none
+  logger.plot=false)
+f8=(model.float8=tensorwise model.float8_size_filter=false)
+
+variant() {  # NAME -> its overrides
+  case $1 in
+    bf16_full_nomask) echo sharding.activation_checkpointing=full ;;
+    bf16_none_nomask) echo sharding.activation_checkpointing=none model.attention=$ATTN ;;
+    bf16_none_mask) echo sharding.activation_checkpointing=none data.document_mask=true ;;
+    bf16_budget_mask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=$BUDGET data.document_mask=true ;;
+    bf16_budget_nomask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=$BUDGET model.attention=$ATTN ;;
+    fp8_full_mask) echo sharding.activation_checkpointing=full data.document_mask=true "${f8[@]}" ;;
+    fp8_none_nomask) echo sharding.activation_checkpointing=none model.attention=$ATTN "${f8[@]}" ;;
+    fp8_none_mask) echo sharding.activation_checkpointing=none data.document_mask=true "${f8[@]}" ;;
+    fp8_budget_mask) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=0.5 data.document_mask=true "${f8[@]}" ;;
+    bf16_none_nomask_liger) echo sharding.activation_checkpointing=none model.attention=$ATTN model.fused_cross_entropy=liger ;;
+    bf16_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger ;;
+    bf16_selective_nomask) echo sharding.activation_checkpointing=selective model.attention=$ATTN ;;
+    bf16_selective_mask) echo sharding.activation_checkpointing=selective data.document_mask=true ;;
+    fp8_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger "${f8[@]}" ;;
+    *) echo "unknown variant $1" >&2; return 1 ;;
+  esac
+}
+
+for phase in "$@"; do
+  echo "=== $phase $(date +%T)"
+  case $phase in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
+      python3 benchmarks/llama8b_8k.py docs /tmp/docs --mb 64
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+      free -g | head -2
+      ;;
+    attn)
+      timeout 100 python3 benchmarks/llama8b_8k.py attn --docs $DOCS --bpe $BPE \
+        --out /tmp/r/attn.json > /tmp/r/attn.log 2>&1
+      echo "rc $?"; grep '^{\|documents' /tmp/r/attn.log
+      ;;
+    fw:*)
+      name=${phase#fw:}
+      ov=$(variant "$name") || continue
+      # PROFILE=1: one step under torch.profiler (the 8th: the median of 12 steps stays a plain one);
+      # the top kernels go to the run's profile/top_ops_rank0.json and its log.
+      [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=6 run.profile_warmup=1 run.profile_active=1"
+      # shellcheck disable=SC2086  # the overrides are words
+      timeout "${FW_TIMEOUT:-150}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \
+        "hydra.run.dir=/tmp/r/$name" > "/tmp/r/$name.log" 2>&1
+      echo "rc $?"; grep -E "tokens/s|tok/s|error|Error|refused" "/tmp/r/$name.log" | tail -3
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('tokens_per_s','step_p50_s','mfu','peak_mem_gib','time_to_first_step_s','final_loss','data_wait_share')})" \
+        "/tmp/r/$name/summary.json" 2>/dev/null
+      ;;
+    hand)
+      timeout "${HAND_TIMEOUT:-300}" python3 benchmarks/llama8b_8k.py hand --docs $DOCS \
+        --bpe $BPE --out /tmp/r/hand.json --attention "$ATTN" --steps "$STEPS" --budget "$BUDGET" \
+        --variants "${HAND_VARIANTS:-bf16:nomask,bf16:mask,float8:nomask,float8:mask}" \
+        --profile-dir /tmp/r/profile --profile "${HAND_PROFILE:-bf16:nomask,float8:mask}" > /tmp/r/hand.log 2>&1
+      echo "rc $?"; grep '^{' /tmp/r/hand.log; tail -3 /tmp/r/hand.log
+      ;;
+    lora)
+      OUT=/tmp/r/lora STEPS=${LORA_STEPS:-10} timeout 330 bash benchmarks/lora_gpu.sh
+      cp /tmp/r/lora/table.txt "$OUT/lora_table.txt"
+      ;;
+    table)
+      runs=$(ls -d /tmp/r/*/ 2>/dev/null | grep -v "/profile/\|/lora/")
+      # shellcheck disable=SC2086
+      python3 benchmarks/llama8b_8k.py table --hand /tmp/r/hand.json --runs $runs > "$OUT/results.md"
+      { echo; echo '```'; cat /tmp/r/attn.json 2>/dev/null; echo '```'; } >> "$OUT/results.md"
+      cat "$OUT/results.md"
+      ;;
+    pack)
+      tar czf "$OUT/logs.tgz" -C /tmp/r --exclude='*/.hydra' $(cd /tmp/r && ls -d *.log *.json profile lora */summary.json */metrics.jsonl */train.log */profile/top_ops_rank0.json */profile/trace_rank0.json 2>/dev/null)
+      ls -la "$OUT"
+      ;;
+  esac
+done
