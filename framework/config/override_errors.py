@@ -39,7 +39,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from framework.config.schema import GROUPS
+from framework.config.schema import GROUPS, family_of, owners
 
 # Keys listed in full up to this many; beyond, the closest ones and where to see them all.
 LIST_AT_MOST = 30
@@ -236,6 +236,14 @@ def _unknown_key(cause: OmegaConfBaseException, key: str, o: Override) -> str:
     if not section:
         keys = sorted(set(keys) | set(GROUPS))
         return f"no key or config group '{name}'; {_list_keys(keys, name)}"
+    if section == "model" and owners(name) and isinstance(parent, DictConfig):
+        # A family's own key under another family (model.sliding_window on a Llama recipe).
+        mine = family_of(parent).value
+        select = "|".join(owners(name))
+        return (
+            f"a key of model={select} only, not of model={mine} (this recipe's "
+            f"family); select the family with model={select}, or drop the override"
+        )
     return f"no key '{name}' in {section}; {_list_keys(keys, name)}"
 
 
