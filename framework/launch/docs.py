@@ -183,7 +183,8 @@ def render_families() -> list[str]:
         if not own:
             lines += ["", f"{head} No keys of its own."]
             continue
-        lines += ["", head, "", *render_fields(cls, "model", own)]
+        table = render_fields(cls, "model", own)
+        lines += ["", head, *([""] if table[:1] != [""] else []), *table]
     return lines
 
 

@@ -195,7 +195,7 @@ def test_train_py_a_family_key_under_another_family_is_one_line(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """``model.sliding_window`` on the default (Llama) recipe: refused at compose time, exit 2, one
-    line naming the family that has the key; with that family selected the same value composes."""
+    line naming the family that has the key."""
     run = tmp_path / "run"
     assert train_main(f"hydra.run.dir={run}", "model.sliding_window=4096") == 2
     assert capfd.readouterr().err.splitlines() == [
