@@ -137,13 +137,16 @@ def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None
 
 
 def command_line_keys(overrides: list[str]) -> dict[str, str]:
-    """``model.X`` keys set on the command line (``model.dim=64``, ``+model.dim=64``) -> their text."""
+    """``model.X`` keys set on the command line (``model.dim=64``, ``+model.dim=64``) -> their text.
+    The model group's choice ``model=NAME`` (what ``model.family=NAME`` becomes) sets the family."""
     out = {}
     for o in overrides:
         key, sep, value = o.partition("=")
         key = key.lstrip("+~")
         if sep and key.startswith("model."):
             out[key.removeprefix("model.")] = value
+        elif sep and key == "model":
+            out["family"] = value
     return out
 
 
