@@ -399,6 +399,7 @@ MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
 }
 
 
+@functools.cache
 def own_keys(cls: type[ModelConfig]) -> tuple[str, ...]:
     """The keys a family's schema adds to the shared ``ModelConfig`` (``sliding_window`` for Mistral)."""
     shared = {f.name for f in dataclasses.fields(ModelConfig)}
