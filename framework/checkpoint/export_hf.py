@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from framework.config.schema import ModelConfig
+from framework.config.schema import ModelConfig, replace_model
 from framework.data.tokenizer import Tokenizer
 from framework.models import family, lora, model_spec
 from framework.record.run_dir import check_creatable
@@ -267,7 +267,6 @@ def export_checkpoint(
     path is not a checkpoint or its shape cannot be found, or OUT holds what export-hf did not
     write (unless ``force``).
     """
-    import dataclasses
 
     from omegaconf import OmegaConf
 
@@ -297,7 +296,7 @@ def export_checkpoint(
             "pass --config RUN_DIR/config.yaml of the run that saved it"
         )
     model_cfg = cfg.model if cfg is not None else ModelConfig()
-    model_cfg = dataclasses.replace(model_cfg, **(shape or {}), init_from=None)
+    model_cfg = replace_model(model_cfg, **(shape or {}), init_from=None)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg is not None else None
     seq_len = cfg.train.seq_len if cfg is not None else 2048
     state = checkpoint_model_state(step_dir)

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.checkpoint import import_hf
-from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily
+from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily, replace_model
 from framework.models import SHAPE_KEYS, family, model_spec
 
 KEY = "model.init_from"
@@ -121,10 +121,10 @@ def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None
     saved = saved_shape(step_dir)
     if not saved:
         return  # a checkpoint from before shapes were recorded: the load itself checks
-    theirs = dataclasses.replace(model_cfg, **saved)
+    theirs = replace_model(model_cfg, **saved)
 
     def value(m: ModelConfig, k: str) -> Any:
-        v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k)
+        v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k, None)  # another family's key: none
         return str(v).lower() if isinstance(v, bool) else getattr(v, "value", v)
 
     differ = [k for k in SHAPE_KEYS if k in saved and value(theirs, k) != value(model_cfg, k)]
@@ -137,13 +137,16 @@ def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None
 
 
 def command_line_keys(overrides: list[str]) -> dict[str, str]:
-    """``model.X`` keys set on the command line (``model.dim=64``, ``+model.dim=64``) -> their text."""
+    """``model.X`` keys set on the command line (``model.dim=64``, ``+model.dim=64``) -> their text.
+    The model group's choice ``model=NAME`` (what ``model.family=NAME`` becomes) sets the family."""
     out = {}
     for o in overrides:
         key, sep, value = o.partition("=")
         key = key.lstrip("+~")
         if sep and key.startswith("model."):
             out[key.removeprefix("model.")] = value
+        elif sep and key == "model":
+            out["family"] = value
     return out
 
 
@@ -180,7 +183,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         shape = saved_shape(step_dir) or {}
     set_on_cli = command_line_keys(overrides)
     for k, v in shape.items():
-        if k in set_on_cli and getattr(cfg.model, k) != v:
+        if k in set_on_cli and getattr(cfg.model, k, None) != v:
             v = getattr(v, "value", v)  # the family: its name
             theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
             raise ValueError(
@@ -191,7 +194,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         name = path.name if hf is not None else saved_name(step_dir)  # type: ignore[arg-type]
         if name is not None:
             shape["name"] = name
-    model_cfg = dataclasses.replace(cfg.model, **shape, init_from=str(step_dir or path))
+    model_cfg = replace_model(cfg.model, **shape, init_from=str(step_dir or path))
     try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
         # rules, passed in: this layer sits below them)
         check_shape(dataclasses.replace(cfg, model=model_cfg))

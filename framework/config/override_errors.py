@@ -39,7 +39,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from framework.config.schema import GROUPS
+from framework.config.schema import GROUPS, family_of, owners
 
 # Keys listed in full up to this many; beyond, the closest ones and where to see them all.
 LIST_AT_MOST = 30
@@ -135,9 +135,11 @@ def explain(error: BaseException, overrides: Sequence[str]) -> str | None:
     cause = error.__cause__
     if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
         o = _culprit(parsed, str(error))
-        return None if o is None else f"{o.input_line}: {_rejected_value(cause, o)}"
+        if o is None:
+            return _other_family(str(error), parsed)
+        return f"{o.input_line}: {_rejected_value(cause, o)}"
     if isinstance(error, ConfigCompositionException):
-        return _composition(str(error), parsed)
+        return _other_family(str(error), parsed) or _composition(str(error), parsed)
     if isinstance(error, ValueError) and "Config group override must be a string" in str(error):
         for o in (
             parsed
@@ -184,6 +186,21 @@ def _culprit(parsed: list[Override], message: str) -> Override | None:
         if message.startswith(f"Could not override '{o.key_or_group}'."):
             return o
     return None
+
+
+def _other_family(message: str, parsed: list[Override]) -> str | None:
+    """A recipe's family key (``model.sliding_window`` in mistral_tiny) under the family the command
+    line chose (``model=llama``, or ``model.family=llama``): the choice caused it, so one line."""
+    found = re.search(r"Key '(\w+)' not in '\w+'\s+full_key: model\.(\w+)", message)
+    chosen = [o for o in parsed if o.key_or_group == "model" and not o.is_sweep_override()]
+    if found is None or found.group(1) != found.group(2) or not owners(found.group(1)) or not chosen:
+        return None
+    name, line = found.group(1), chosen[-1].input_line
+    select = "|".join(owners(name))
+    return (
+        f"{line}: the recipe sets model.{name}, a key of model={select} only; keep the recipe's "
+        f"family (drop {line}) or pick a recipe of model={chosen[-1].value()}"
+    )
 
 
 def _rejected_value(cause: OmegaConfBaseException, o: Override) -> str:
@@ -236,6 +253,14 @@ def _unknown_key(cause: OmegaConfBaseException, key: str, o: Override) -> str:
     if not section:
         keys = sorted(set(keys) | set(GROUPS))
         return f"no key or config group '{name}'; {_list_keys(keys, name)}"
+    if section == "model" and owners(name) and isinstance(parent, DictConfig):
+        # A family's own key under another family (model.sliding_window on a Llama recipe).
+        mine = family_of(parent).value
+        select = "|".join(owners(name))
+        return (
+            f"a key of model={select} only, not of model={mine} (this recipe's "
+            f"family); select the family with model={select}, or drop the override"
+        )
     return f"no key '{name}' in {section}; {_list_keys(keys, name)}"
 
 

@@ -286,6 +286,9 @@ def option_fields(cls: type = None, prefix: str = "") -> dict[str, tuple[str, tu
             tp = nested
         if tp is not None and dataclasses.is_dataclass(tp):
             out.update(option_fields(tp, f"{key}."))
+        if tp is ModelConfig:  # the model group: every family's own fields too
+            for fam in MODEL_SCHEMAS.values():
+                out.update({k: v for k, v in option_fields(fam, f"{key}.").items() if k not in out})
     return out
 
 
@@ -299,11 +302,9 @@ class ModelConfig:
     """Decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
 
     name: str = "llama_tiny"
-    # The architecture (framework.models): llama, or qwen3 (an RMSNorm over each q/k head before RoPE).
+    # The architecture (framework.models), chosen with the model group: model=llama|qwen3|mistral
+    # (model.family=NAME on the command line selects the same option).
     family: ModelFamily = ModelFamily.llama
-    # Mistral's sliding-window attention: each position sees itself and the window - 1 before it
-    # (transformers' ``sliding_window``); 0 = off (full causal attention, every other family).
-    sliding_window: int = 0
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -351,6 +352,122 @@ class ModelConfig:
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
     # shape fields above are taken from it (framework.checkpoint.init_from); a contradicting override is an error.
     init_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_family_schema(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model group (conf/model/NAME.yaml): one schema per family, the shared keys above plus the
+# family's own, so a family's key exists only under it (model.sliding_window on a Llama fails at
+# compose time). A new family: its subclass here (its own keys only, a nested block in one line:
+# ``moe: MoEConfig = field(default_factory=MoEConfig)``), its line in MODEL_SCHEMAS, its
+# conf/model/NAME.yaml, and its record's ``config`` (framework.models) pointing at the class.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    """Llama 2/3 (framework.models.llama), the default family."""
+
+    family: ModelFamily = ModelFamily.llama
+
+
+@dataclass
+class Qwen3Config(ModelConfig):
+    """Qwen3 dense (framework.models.qwen3): Llama's layout plus an RMSNorm over each query and key
+    head before RoPE (``head_dim`` sets the head apart from the width)."""
+
+    family: ModelFamily = ModelFamily.qwen3
+
+
+@dataclass
+class MistralConfig(ModelConfig):
+    """Mistral (framework.models.mistral): Llama's layout with sliding-window attention."""
+
+    family: ModelFamily = ModelFamily.mistral
+    # Each position sees itself and the window - 1 before it (transformers' ``sliding_window``);
+    # 0 = off (full causal attention).
+    sliding_window: int = 0
+
+
+# family -> its schema (the option ``model=NAME``, conf/model/NAME.yaml).
+MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
+    ModelFamily.llama: LlamaConfig,
+    ModelFamily.qwen3: Qwen3Config,
+    ModelFamily.mistral: MistralConfig,
+}
+
+
+@functools.cache
+def own_keys(cls: type[ModelConfig]) -> tuple[str, ...]:
+    """The keys a family's schema adds to the shared ``ModelConfig`` (``sliding_window`` for Mistral)."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in shared)
+
+
+def owners(key: str) -> list[str]:
+    """The families whose schema has ``key`` (a ``model`` key; every family for a shared one)."""
+    return [fam.value for fam, cls in MODEL_SCHEMAS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+
+
+def model_schema(m: ModelConfig | ModelFamily) -> type[ModelConfig]:
+    """The schema of a family (or of a config's ``family``)."""
+    return MODEL_SCHEMAS[m if isinstance(m, ModelFamily) else m.family]
+
+
+def check_family_schema(m: ModelConfig) -> None:
+    """A config's ``family`` and its schema agree: one line (value, how to select it) otherwise.
+
+    A bare ``ModelConfig`` stands for a family that has no keys of its own (Llama, Qwen3 in code
+    and tests); a family with its own keys needs its schema (``MistralConfig(sliding_window=...)``).
+    """
+    family = m.family if isinstance(m.family, ModelFamily) else None
+    if family is None or family not in MODEL_SCHEMAS:
+        return  # a bad family value: OmegaConf (compose) or the Enum refuses it
+    schema = MODEL_SCHEMAS[family]
+    if isinstance(m, schema) or (type(m) is ModelConfig and not own_keys(schema)):
+        return
+    chosen = next((f.value for f, c in MODEL_SCHEMAS.items() if type(m) is c), None)
+    if chosen is None:  # code built the wrong class
+        raise ValueError(
+            f"model.family={family.value} needs its schema {schema.__name__} (its keys: "
+            f"{', '.join(own_keys(schema))}), not {type(m).__name__}; on the command line: model={family.value}"
+        )
+    raise ValueError(
+        f"model.family={family.value} but the model group's option is {chosen}; select the family "
+        f"with model={family.value} alone (a recipe: defaults: [override /model: {family.value}])"
+    )
+
+
+def replace_model(m: ModelConfig, **changes: Any) -> ModelConfig:
+    """``dataclasses.replace`` across families: with a new ``family`` the result is that family's
+    schema, the shared keys kept, the old family's own keys dropped (a checkpoint's or an HF
+    config.json's shape may be of another family than the recipe's)."""
+    family = changes.get("family", m.family)
+    schema = MODEL_SCHEMAS.get(family, type(m)) if isinstance(family, ModelFamily) else type(m)
+    if isinstance(m, schema) or (type(m) is ModelConfig and not own_keys(schema)):
+        return dataclasses.replace(m, **changes)
+    names = {f.name for f in dataclasses.fields(schema) if f.init}
+    kept = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name in names}
+    return schema(**{**kept, **{k: v for k, v in changes.items() if k in names or k not in kept}})
+
+
+def family_of(node: Any) -> ModelFamily:
+    """The family a composed or loaded ``model`` node is: its schema's when typed, else its
+    ``family`` value (a run's config.yaml); Llama when it names none or an unknown one (the
+    schema then refuses the value with OmegaConf's line)."""
+    if isinstance(node, DictConfig):
+        typed = OmegaConf.get_type(node)
+        for fam, cls in MODEL_SCHEMAS.items():
+            if typed is cls:
+                return fam
+    value = node.get("family") if isinstance(node, (dict, DictConfig)) else None
+    value = getattr(value, "value", value)
+    try:
+        return ModelFamily(value) if value is not None else ModelFamily.llama
+    except ValueError:
+        return ModelFamily.llama
 
 
 @dataclass
@@ -896,19 +1013,34 @@ class Config:
 
 
 def register() -> None:
-    """Store the root schema; every group's YAML is merged into (and validated by) its field type."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    """Store the root schema; every group's YAML is merged into (and validated by) its field type.
+
+    The ``model`` group's options bring their family's schema: conf/model/NAME.yaml lists
+    ``/NAME_model_schema@_here_`` (stored here, at the root so that ``--help`` lists only the
+    options), which turns the shared ``ModelConfig`` node into the family's subclass.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for fam, cls in MODEL_SCHEMAS.items():
+        cs.store(name=f"{fam.value}_model_schema", node=cls)
 
 
 @functools.cache
-def _schema() -> DictConfig:
-    """The structured root schema, built once (30 ms per build; the launcher converts several configs)."""
-    return OmegaConf.structured(Config)
+def _schema(family: ModelFamily = ModelFamily.llama) -> DictConfig:
+    """The structured root schema with ``family``'s model schema, built once per family (30 ms per
+    build; the launcher converts several configs)."""
+    return OmegaConf.structured(Config(model=MODEL_SCHEMAS[family]()))
 
 
 def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
-    """Convert a composed (possibly untyped) config into the typed ``Config``, validating it."""
-    merged = OmegaConf.merge(_schema(), cfg)  # merge copies its first argument: the cache stays clean
+    """Convert a composed (possibly untyped) config into the typed ``Config``, validating it.
+
+    The ``model`` node is checked against its family's schema (``family_of``): a run's untyped
+    config.yaml with ``family: mistral`` gets ``MistralConfig``, a Llama's ``sliding_window`` is refused.
+    """
+    model = cfg.get("model") if isinstance(cfg, (dict, DictConfig)) else None
+    schema = _schema(family_of(model) if model is not None else ModelFamily.llama)
+    merged = OmegaConf.merge(schema, cfg)  # merge copies its first argument: the cache stays clean
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     return obj
@@ -931,6 +1063,7 @@ def to_yaml(cfg: Config) -> str:
 
 GROUPS = (
     "recipe",
+    "model",
     "tokenizer",
     "data",
     "optimizer",
@@ -975,16 +1108,27 @@ def mesh_shape_overrides(args: list[str], shipped: set[str] | None = None) -> li
     return out
 
 
+def family_choice_overrides(args: list[str]) -> list[str]:
+    """``model.family=qwen3`` (the surface before the model group) selects the group's option:
+    ``model=qwen3``; a sweep ``model.family=llama,qwen3`` is ``model=llama,qwen3``. Left as written
+    beside an explicit ``model=NAME`` (the two then disagree or repeat: ``check_family_schema``
+    refuses a disagreement in one line)."""
+    if any(a.partition("=")[0] == "model" for a in args):
+        return list(args)
+    return [f"model={a.partition('=')[2]}" if a.partition("=")[0] == "model.family" else a for a in args]
+
+
 def quote_numeric_choices(args: list[str]) -> list[str]:
     """Quote numeric group choices on the command line: ``mesh=4`` -> ``mesh='4'``, after
     ``mesh_shape_overrides`` has turned shapes without a file into ``mesh.shape`` lists.
 
     Hydra's override parser reads ``4`` as an int and then refuses it as a group choice ("Config group
     override must be a string or a list. Got int"); our mesh options are named by their shape
-    (``1``, ``4``, ``2x4``). Sweeps (``mesh=2,4``) are quoted choice by choice.
+    (``1``, ``4``, ``2x4``). Sweeps (``mesh=2,4``) are quoted choice by choice. ``model.family=NAME``
+    becomes the group choice ``model=NAME`` first (``family_choice_overrides``).
     """
     out = []
-    for arg in mesh_shape_overrides(args):
+    for arg in mesh_shape_overrides(family_choice_overrides(args)):
         key, sep, value = arg.partition("=")
         if sep and key.lstrip("+~") in GROUPS and value:
             parts = value.split(",")

@@ -32,6 +32,7 @@ END = "<!-- config-reference:end -->"
 # One line per config group, for --help and the reference. A group missing here fails the check.
 GROUP_DESCRIPTIONS: dict[str, str] = {
     "recipe": "model shape, data, optimizer, schedule (recipes/ and FRAMEWORK_RECIPE_PATH roots)",
+    "model": "the model family and its schema (a recipe picks it; model.family=NAME selects the same)",
     "tokenizer": "text -> token ids: bytes (default, vocab 256), hf (tokenizer.json), sentencepiece",
     "data": "training data: stdlib (default), text, jsonl, parquet, hf, tokens, synthetic; data.mix",
     "optimizer": "adamw (default, fused on CUDA), adam, sgd, muon (Muon on the block matrices + AdamW); _target_: your own class",
@@ -110,11 +111,14 @@ def _first_doc_line(cls: type) -> str:
     return doc.split("\n\n")[0].replace("\n", " ") if own else ""
 
 
-def render_fields(cls: type, prefix: str) -> list[str]:
+def render_fields(cls: type, prefix: str, only: tuple[str, ...] | None = None) -> list[str]:
+    """The table of ``cls``'s keys (``only``: just these fields), then one per nested block."""
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             nested.append((tp, f"{prefix}.{f.name}"))
@@ -125,7 +129,7 @@ def render_fields(cls: type, prefix: str) -> list[str]:
             wanted = "\\|".join(str(o).lower() if isinstance(o, bool) else o.value for o in options)
             desc = f"Only with `{selector}={wanted}`. {desc}".rstrip()
         rows.append(f"| `{prefix}.{f.name}` | {type_name(tp)} | {default_text(f)} | {desc} |")
-    lines = ["| key | type | default | what it is |", "|---|---|---|---|", *rows]
+    lines = ["| key | type | default | what it is |", "|---|---|---|---|", *rows] if rows or not nested else []
     for tp, sub in nested:
         lines += [
             "",
@@ -159,7 +163,29 @@ def render_reference() -> str:
         if doc:
             lines += [doc, ""]
         lines += render_fields(cls, f.name)
+        if cls is config_mod.ModelConfig:
+            lines += render_families()
     return "\n".join(lines) + "\n"
+
+
+def render_families() -> list[str]:
+    """The ``model`` group's options: each family's schema and the keys it adds to the shared ones
+    above (a family's own key exists only under its option)."""
+    lines = [
+        "",
+        "The keys above are every family's. Each option of the `model` group (`model=NAME`, or",
+        "`model.family=NAME`; a recipe: `defaults: [override /model: NAME]`) is its family's schema,",
+        "which may add keys of its own; those exist only under that option.",
+    ]
+    for fam, cls in config_mod.MODEL_SCHEMAS.items():
+        own = config_mod.own_keys(cls)
+        head = f"`model={fam.value}` ({cls.__name__}): {_first_doc_line(cls)}"
+        if not own:
+            lines += ["", f"{head} No keys of its own."]
+            continue
+        table = render_fields(cls, "model", own)
+        lines += ["", head, *([""] if table[:1] != [""] else []), *table]
+    return lines
 
 
 def render_callbacks() -> list[str]:

@@ -173,8 +173,22 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
         else:
             REFUSED.pop(r.name, None)
             content = recipe_check.localized(content, r.path.parent)  # data next to it, made absolute
+            content = family_default(content)
         cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
     return recipes
+
+
+def family_default(content: dict[str, Any]) -> dict[str, Any]:
+    """A recipe that names its family as a value (``model: {family: qwen3}``, the form before the
+    ``model`` group) selects the group's option as well (``override /model: qwen3``), unless its
+    defaults list picks one: the family's own keys (``model.sliding_window``) exist only under it."""
+    model = content.get("model")
+    family = model.get("family") if isinstance(model, dict) else None
+    defaults = content.get("defaults") or []
+    picks = [str(k).strip() for d in defaults if isinstance(d, dict) for k in d]
+    if not isinstance(family, str) or "override /model" in picks:
+        return content
+    return {**content, "defaults": [{"override /model": family}, *defaults]}
 
 
 def git_commit(path: Path = SHIPPED_ROOT.parent) -> str | None:

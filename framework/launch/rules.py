@@ -35,8 +35,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.schema import Config, EvalSet, ExecutorMode, MixEntry, OptimizerName, option_fields
-from framework.models import FAMILIES, own_fields
+from framework.config.schema import (
+    MODEL_SCHEMAS,
+    Config,
+    EvalSet,
+    ExecutorMode,
+    MixEntry,
+    ModelConfig,
+    OptimizerName,
+    family_of,
+    model_schema,
+    option_fields,
+    own_keys,
+    owners,
+)
 from framework.planner.layout import Degrees
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
@@ -57,17 +69,6 @@ class Rule:
 
 
 TYPED = Rule(typed=True)
-
-
-def family_field(name: str) -> Rule:
-    """A family's own integer field (framework.models: its record's ``hf_fields``): 0 (off) under
-    every family, > 0 only under the families that compute it (elsewhere it would do nothing)."""
-    owners = [fam.name for fam in FAMILIES.values() if name in fam.hf_fields]
-    return Rule(
-        f"0 (off), or an integer >= 1 with model.family={'|'.join(owners)}",
-        lambda v, c: _is_int(v) and 0 <= v <= INT64_MAX and (v == 0 or c.model.family.value in owners),
-        (-1, 10**1000),
-    )
 
 
 def _is_int(v: Any) -> bool:
@@ -479,8 +480,9 @@ RULES: dict[str, Rule] = {
         (0, 3, 8),
     ),
     "model.ffn_dim": integer(1),
-    # A family's own fields (a window only where the family computes one: Mistral's record).
-    **{f"model.{f}": family_field(f) for f in own_fields()},
+    # The families' own keys (framework.config.schema.MODEL_SCHEMAS): each exists only under its
+    # family's option (model=mistral), so a rule here reads it only there.
+    "model.sliding_window": integer(0, what="0 = off, full causal attention; >= 1: the window"),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, lo_open=True),
     "model.rope_theta": number(0, lo_open=True),
@@ -856,21 +858,43 @@ RULES: dict[str, Rule] = {
 }
 
 
-def schema_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every leaf key of the schema as (dotted key, type); nested dataclasses are groups."""
+def schema_keys(cls: type = Config, prefix: str = "", model: type | None = None) -> Iterator[tuple[str, Any]]:
+    """Every leaf key of the schema as (dotted key, type); nested dataclasses are groups. The
+    ``model`` group's keys are the shared ones, then every family's own (``model.sliding_window``),
+    or only ``model``'s (one family's schema) when given."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if tp is ModelConfig:
+            yield from schema_keys(model or ModelConfig, f"{prefix}{f.name}.")
+            if model is None:
+                for fam in MODEL_SCHEMAS.values():
+                    yield from _own_schema_keys(fam, f"{prefix}{f.name}.")
+        elif dataclasses.is_dataclass(tp):
             yield from schema_keys(tp, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", tp
 
 
+def _own_schema_keys(fam: type, prefix: str) -> Iterator[tuple[str, Any]]:
+    """The leaf keys of a family's own fields (a nested block's leaves too)."""
+    own = own_keys(fam)
+    for key, tp in schema_keys(fam, prefix):
+        if key[len(prefix) :].split(".")[0] in own:
+            yield key, tp
+
+
+_ABSENT = object()
+
+
 def value_at(cfg: Config, key: str) -> Any:
+    """The value at a dotted key; ``_ABSENT`` for another family's key (``model.sliding_window``
+    under Llama: the key does not exist there, so no rule of it applies)."""
     obj: Any = cfg
     for part in key.split("."):
-        obj = getattr(obj, part)
+        obj = getattr(obj, part, _ABSENT)
+        if obj is _ABSENT:
+            return _ABSENT
     return obj
 
 
@@ -889,7 +913,7 @@ def check_group(cfg: Config, group: str) -> None:
         if rule.ok is None or not key.startswith(f"{group}."):
             continue
         value = value_at(cfg, key)
-        if not rule.ok(value, cfg):
+        if value is not _ABSENT and not rule.ok(value, cfg):
             valid = rule.valid(cfg) if callable(rule.valid) else rule.valid
             raise ValueError(f"{key}={show(value)} is not valid; valid: {valid}")
 
@@ -904,7 +928,7 @@ def check(cfg: Config) -> None:
         if rule.ok is None:
             continue
         value = value_at(cfg, key)
-        if not rule.ok(value, cfg):
+        if value is not _ABSENT and not rule.ok(value, cfg):
             valid = rule.valid(cfg) if callable(rule.valid) else rule.valid
             raise ValueError(f"{key}={show(value)} is not valid; valid: {valid}")
     check_option_fields(cfg)
@@ -925,7 +949,7 @@ def check_option_fields(cfg: Config) -> None:
     nothing. A field left at its default passes, so a group's other options need not mention it."""
     for key, (selector, options, default) in option_fields().items():
         value, chosen = value_at(cfg, key), value_at(cfg, selector)
-        if value == default or chosen in options:
+        if value is _ABSENT or value == default or chosen in options:
             continue
         wanted = "|".join(_choice(o) for o in options)
         raise ValueError(
@@ -934,10 +958,11 @@ def check_option_fields(cfg: Config) -> None:
         )
 
 
-def _schema_tree() -> dict[str, Any]:
-    """Nested dict of the schema's group keys; a leaf is None (its value's own keys are free)."""
+def _schema_tree(model: type | None = None) -> dict[str, Any]:
+    """Nested dict of the schema's group keys (``model``'s: that family's); a leaf is None (its
+    value's own keys are free)."""
     tree: dict[str, Any] = {}
-    for key, _tp in schema_keys():
+    for key, _tp in schema_keys(model=model):
         node = tree
         *groups, leaf = key.split(".")
         for g in groups:
@@ -952,12 +977,21 @@ def check_known_keys(dcfg: DictConfig) -> None:
     OmegaConf's conversion to the typed ``Config`` drops such a key silently, so the user's setting
     would do nothing. ``hydra`` is Hydra's own; dict-valued fields (``nccl.env``) take any key.
     """
-    tree = _schema_tree()
-    flat = list(dict(schema_keys()))
+    model = dcfg.get("model") if isinstance(dcfg, DictConfig) else None
+    schema = model_schema(family_of(model)) if model is not None else None
+    tree = _schema_tree(schema)
+    flat = list(dict(schema_keys(model=schema)))
+    mine = family_of(model).value if model is not None else "llama"
 
     def walk(node: Any, schema: dict[str, Any], prefix: str) -> None:
         for k in node:
             key = f"{prefix}{k}"
+            if k not in schema and prefix == "model." and owners(k):
+                select = "|".join(owners(k))
+                raise ValueError(
+                    f"{key} is a key of model={select} only, not of model={mine}; select the family "
+                    f"with model={select}, or drop {key}"
+                )
             if k not in schema:
                 near = difflib.get_close_matches(key, flat, n=1, cutoff=0.5)
                 hint = f"; did you mean {near[0]}?" if near else ""

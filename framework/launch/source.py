@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import import_hf, init_from
-from framework.config.schema import GROUPS, Config, TokenizerConfig, TokenizerKind
+from framework.config.schema import GROUPS, Config, ModelFamily, TokenizerConfig, TokenizerKind, family_of
 from framework.data.tokenizer import Tokenizer, load_tokenizer
 from framework.models import Decoder, build_model, materialize
 
@@ -75,9 +75,9 @@ def override_keys(overrides: list[str]) -> list[str]:
 def merged(base: DictConfig, overrides: list[str]) -> DictConfig:
     """``base`` (a run's config.yaml) with what ``overrides`` name taken from their composition: a
     group option (``data=sft``) replaces the whole group, then each ``a.b=v`` its key."""
-    composed = compose(overrides)
-    out = base.copy()
     keys = override_keys(overrides)
+    composed = compose([*family_choice(family_of(base.get("model")).value, keys), *overrides])
+    out = base.copy()
     for key in keys:
         if key in GROUPS and "." not in key:
             target = key.replace("/", ".")
@@ -86,6 +86,13 @@ def merged(base: DictConfig, overrides: list[str]) -> DictConfig:
         if "." in key or key not in GROUPS:
             OmegaConf.update(out, key, OmegaConf.select(composed, key), merge=False)
     return out
+
+
+def family_choice(family: str | None, keys: list[str]) -> list[str]:
+    """``model=FAMILY`` for composing the overrides under the source's family (``model.sliding_window=8``
+    exists only under Mistral's schema); none when the command line picks the family itself."""
+    picks = any(k in ("model", "model.family") for k in keys)
+    return [] if picks or family not in {f.value for f in ModelFamily} else [f"model={family}"]
 
 
 def own_tokenizer(folder: Path, overrides: list[str]) -> TokenizerConfig | None:
@@ -139,7 +146,8 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
         if tokenizer is not None:
             check_own_vocab(path, tokenizer)
             own = [f"tokenizer={tokenizer.kind.value}", f"tokenizer.path={tokenizer.path}"]
-        dcfg = compose([*own, *overrides])
+        family = import_hf.read_hf_checkpoint(path, "PATH").config.get("model_type")
+        dcfg = compose([*own, *family_choice(family, override_keys(overrides)), *overrides])
         OmegaConf.update(dcfg, "model.init_from", str(path))
     else:
         run_config = find_run_config(path)

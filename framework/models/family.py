@@ -28,6 +28,9 @@ class Family:
     (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
     ``activation_values``: the values one block saves for backward per token (the planner's memory
     term, ``framework.planner.plan``), from the shape.
+    ``config``: its schema, the option ``model=NAME`` (``framework.config.schema.MODEL_SCHEMAS``):
+    the shared ``ModelConfig`` keys plus the family's own (Mistral's ``sliding_window``). The config
+    layer sits below the models, so the class is declared there and the record points at it.
     """
 
     name: str
@@ -36,3 +39,4 @@ class Family:
     hf_architecture: str
     activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
+    config: type[ModelConfig] = ModelConfig

@@ -7,11 +7,12 @@ describes. A new family is its folder and one line in ``FAMILIES``.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Any
 
 from torch import nn
 
-from framework.config.schema import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily, model_schema, own_keys
 from framework.models.family import Family
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
@@ -31,27 +32,15 @@ def family(m: ModelConfig) -> Family:
     return FAMILIES[m.family]
 
 
-@functools.lru_cache(maxsize=256)
-def _spec(key: tuple) -> ModelSpec:
-    m = ModelConfig(**dict(key))
-    return FAMILIES[m.family].spec(m)
-
-
-def model_spec(m: ModelConfig) -> ModelSpec:
-    """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
-    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
-    return _spec(key)
-
-
 def own_fields() -> tuple[str, ...]:
-    """The ModelConfig fields some family has as its own (its record's ``hf_fields``: integers, 0 =
-    off), in registry order: the launcher rules them (a window only where the family computes one)
-    and the spec cache keys on them, with no per-field line outside the family's folder."""
-    return tuple(dict.fromkeys(f for fam in FAMILIES.values() for f in fam.hf_fields))
+    """The ModelConfig keys some family's schema has as its own (``Family.config``: Mistral's
+    ``sliding_window``), in registry order: the launcher's rule table and the config reference list
+    them, and the spec cache keys on the family's, with no per-field line outside its schema."""
+    return tuple(dict.fromkeys(f for fam in FAMILIES.values() for f in own_keys(fam.config)))
 
 
-# The ModelConfig fields a spec depends on (the cache key): the shared shape, then the families' own.
-SHAPE_KEYS = (
+# The ModelConfig fields every family's spec depends on (the cache key), then the families' own.
+SHARED_SHAPE_KEYS = (
     "family",
     "head_dim",
     "dim",
@@ -61,8 +50,39 @@ SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
-    *own_fields(),
 )
+SHAPE_KEYS = (*SHARED_SHAPE_KEYS, *own_fields())
+
+
+def shape_keys(m: ModelConfig) -> tuple[str, ...]:
+    """The keys ``m``'s spec depends on: the shared ones and its family's own."""
+    return (*SHARED_SHAPE_KEYS, *own_keys(model_schema(m)))
+
+
+def _frozen(v: Any) -> Any:
+    """A hashable stand-in for a key's value (a family's nested block, a list)."""
+    if dataclasses.is_dataclass(v):
+        return (type(v).__name__, *(_frozen(getattr(v, f.name)) for f in dataclasses.fields(v)))
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+_SPECS: dict[tuple, ModelSpec] = {}
+_MAX_SPECS = 256
+
+
+def model_spec(m: ModelConfig) -> ModelSpec:
+    """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times).
+    Built from the shape keys alone (the family's schema, every other key at its default), so a
+    spec cannot depend on a key the cache does not see."""
+    keys = shape_keys(m)
+    key = tuple((k, _frozen(getattr(m, k))) for k in keys)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        shape = model_schema(m)(**{k: getattr(m, k) for k in keys})
+        spec = _SPECS[key] = FAMILIES[m.family].spec(shape)
+    return spec
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

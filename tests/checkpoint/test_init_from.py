@@ -105,6 +105,8 @@ def test_resolve_takes_the_shape_and_refuses_a_contradicting_override(hf_dirs: d
             qwen3_cfg := Config(model=ModelConfig(init_from=qwen3.model.init_from)), ["model.family=llama"]
         )
     assert qwen3_cfg.model.family is ModelFamily.llama
+    with pytest.raises(ValueError, match=r"model\.family=llama on the command line contradicts"):
+        resolve(qwen3_cfg, ["model=llama"])  # the group's choice, which model.family=llama becomes
     contradicting = Config(model=ModelConfig(init_from=src, n_heads=8))
     with pytest.raises(
         ValueError,

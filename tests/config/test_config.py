@@ -118,3 +118,41 @@ def test_quote_numeric_choices() -> None:
         "mesh=2x4",
         "train.steps=4",
     ]
+
+
+def test_the_model_group_gives_each_family_its_schema() -> None:
+    """Each option of the model group is its family's schema: the shared keys plus its own, chosen by
+    ``model=NAME``, by ``model.family=NAME`` (the command line before the group) or by a recipe."""
+    from framework.config.schema import LlamaConfig, MistralConfig, ModelFamily, Qwen3Config
+
+    assert type(compose_config().model) is LlamaConfig
+    assert not hasattr(compose_config().model, "sliding_window")
+    assert type(compose_config("model=qwen3").model) is Qwen3Config
+    qwen3 = compose_config("model.family=qwen3").model
+    assert (type(qwen3), qwen3.family, qwen3.name) == (Qwen3Config, ModelFamily.qwen3, "llama_tiny")
+    mistral = compose_config("recipe=mistral_tiny").model
+    assert (type(mistral), mistral.family, mistral.sliding_window) == (MistralConfig, ModelFamily.mistral, 64)
+    assert compose_config("model=mistral", "model.sliding_window=8").model.sliding_window == 8
+    assert type(compose_config("recipe=qwen3_0_6b").model) is Qwen3Config
+
+
+def test_a_family_key_under_another_family_fails_at_compose_time() -> None:
+    with pytest.raises(ConfigCompositionException, match="Could not override 'model.sliding_window'") as e:
+        compose_config("model.sliding_window=4096")
+    assert "Key 'sliding_window' not in 'LlamaConfig'" in str(e.value.__cause__)
+    with pytest.raises(ValueError, match=r"^model.family=qwen3 but the model group's option is mistral; "
+                       r"select the family with model=qwen3 alone"):  # fmt: skip
+        compose_config("model=mistral", "model.family=qwen3")
+
+
+def test_a_run_config_yaml_converts_into_its_familys_schema() -> None:
+    """A run's untyped config.yaml (evaluate, generate, resume read it back) gets the schema its
+    ``family`` names; another family's key in it is refused."""
+    from framework.config.schema import MistralConfig
+
+    saved = OmegaConf.create(config.to_yaml(compose_config("recipe=mistral_tiny")))
+    back = to_config(saved)
+    assert (type(back.model), back.model.sliding_window) == (MistralConfig, 64)
+    saved.model.family = "llama"
+    with pytest.raises(ConfigKeyError, match="Key 'sliding_window' not in 'LlamaConfig'"):
+        to_config(saved)

@@ -76,6 +76,11 @@ def explained(error: Exception, overrides: list[str]) -> str:
             "data.mix=[{nosuch: 1}]: no key 'nosuch' in data.mix; valid keys: source, path",
         ),
         ("+train.steps=3", "+train.steps=3: train.steps already has a value; set it with train.steps=3"),
+        (  # a family's own key under another family (the default recipe is a Llama)
+            "model.sliding_window=4096",
+            "model.sliding_window=4096: a key of model=mistral only, not of model=llama (this recipe's "
+            "family); select the family with model=mistral, or drop the override",
+        ),
     ],
 )
 def test_rejected_value_is_one_line_naming_it_and_what_is_valid(
@@ -116,10 +121,17 @@ def test_rejected_value_is_one_line_naming_it_and_what_is_valid(
         ("train.steps", "train.steps: not an override (no '='); an override is KEY=VALUE"),
         ("train.steps=[1,", "train.steps=[1,: cannot be parsed (no viable alternative at input '[1,')"),
         ("=3", "=3: no key before '='"),
+        ("model=gemma", "model=gemma: no such option in group 'model'; available: llama, mistral, qwen3"),
+        ("model.family=gemma", "model=gemma: no such option in group 'model'; available: llama, mistral, qwen3"),
+        (  # the command line's family under a recipe that sets another family's key
+            "recipe=mistral_tiny model.family=llama",
+            "model=llama: the recipe sets model.sliding_window, a key of model=mistral only; keep the "
+            "recipe's family (drop model=llama) or pick a recipe of model=llama",
+        ),
     ],
 )
 def test_rejected_choice_or_syntax_is_one_line_naming_it_and_what_is_valid(override: str, line: str) -> None:
-    overrides = quote_numeric_choices([override])  # as train.py passes them (mesh=0 -> mesh='0')
+    overrides = quote_numeric_choices(override.split())  # as train.py passes them (mesh=0 -> mesh='0')
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         with pytest.raises(Exception) as e:  # noqa: B017 - whatever Hydra raises is what train.py sees
             compose("config", overrides=overrides)
@@ -177,3 +189,17 @@ def test_python_train_py_bad_option_is_one_line_exit_2_and_no_outputs(tmp_path: 
         "error: executor=bogus: no such option in group 'executor'; available: compile, cudagraphs, eager"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_py_a_family_key_under_another_family_is_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``model.sliding_window`` on the default (Llama) recipe: refused at compose time, exit 2, one
+    line naming the family that has the key."""
+    run = tmp_path / "run"
+    assert train_main(f"hydra.run.dir={run}", "model.sliding_window=4096") == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "error: model.sliding_window=4096: a key of model=mistral only, not of model=llama (this recipe's "
+        "family); select the family with model=mistral, or drop the override"
+    ]
+    assert not run.exists()

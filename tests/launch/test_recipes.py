@@ -307,3 +307,24 @@ def test_validate_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str])
     out = " ".join(capsys.readouterr().out.split())
     assert "exit status: 0 valid (the plan is printed); 2 a bad input" in out
     assert "1 the validator itself failed (a bug)" in out
+
+
+def test_a_recipe_naming_its_family_as_a_value_selects_the_model_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A team's recipe written before the model group (``model: {family: mistral, sliding_window: 32}``)
+    composes as it did: its family value selects the group's option, so the family's own key exists."""
+    from framework.config.schema import MistralConfig, Qwen3Config
+
+    root = tmp_path / "team"
+    root.mkdir()
+    (root / "old_mistral.yaml").write_text("model:\n  family: mistral\n  sliding_window: 32\ntrain:\n  steps: 2\n")
+    (root / "new_qwen3.yaml").write_text("defaults:\n  - override /model: qwen3\ntrain:\n  steps: 2\n")
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
+    try:
+        old = recipes.compose_recipe("old_mistral")
+        assert (type(old.model), old.model.sliding_window, old.train.steps) == (MistralConfig, 32, 2)
+        assert type(recipes.compose_recipe("new_qwen3").model) is Qwen3Config
+    finally:
+        monkeypatch.delenv("FRAMEWORK_RECIPE_PATH")
+        recipes.register()

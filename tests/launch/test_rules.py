@@ -47,6 +47,25 @@ def base() -> DictConfig:
         return compose("config")
 
 
+@pytest.fixture(scope="module")
+def family_base(base: DictConfig) -> dict[str, DictConfig]:
+    """The default config under each family that has keys of its own (``model=mistral``): a family's
+    own key (``model.sliding_window``) exists only there, so its bad values are set there."""
+    out = {}
+    for fam, cls in config.MODEL_SCHEMAS.items():
+        if config.own_keys(cls):
+            with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+                out[fam.value] = compose("config", overrides=[f"model={fam.value}"])
+    return out
+
+
+def base_for(key: str, base: DictConfig, family_base: dict[str, DictConfig]) -> DictConfig:
+    """The default config where ``key`` exists: a family's own key under its (first) family."""
+    group, _, rest = key.partition(".")
+    own = group == "model" and rest.split(".")[0] not in {f.name for f in dataclasses.fields(config.ModelConfig)}
+    return family_base[config.owners(rest.split(".")[0])[0]] if own else base
+
+
 def with_values(base: DictConfig, values: dict[str, Any]) -> DictConfig:
     """The composed config with ``values`` set as command-line overrides would set them (typed merge)."""
     d = copy.deepcopy(base)
@@ -90,10 +109,13 @@ def test_the_default_config_and_every_recipe_pass(base: DictConfig, tmp_path: Pa
 
 
 @pytest.mark.parametrize("key", [k for k, r in RULES.items() if r.bad])
-def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: Path, key: str) -> None:
+def test_every_key_refuses_its_out_of_range_values(
+    base: DictConfig, family_base: dict[str, DictConfig], tmp_path: Path, key: str
+) -> None:
     rule = RULES[key]
+    where = base_for(key, base, family_base)
     for i, bad in enumerate(rule.bad):
-        msg = refusal(base, {**dict(rule.context), key: bad}, tmp_path / str(i))
+        msg = refusal(where, {**dict(rule.context), key: bad}, tmp_path / str(i))
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
         elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
@@ -113,13 +135,16 @@ def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: P
             assert any(s in msg for s in shown), (msg, shown)
 
 
-def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(base: DictConfig) -> None:
+def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(
+    base: DictConfig, family_base: dict[str, DictConfig]
+) -> None:
     """The class, not the example: every float key refuses nan and inf, every int key a 1000-digit value."""
     hints = dict(schema_keys())
-    default = config.to_config(base)
+    typed = {id(b): config.to_config(b) for b in (base, *family_base.values())}
     for key, rule in RULES.items():
         if rule.ok is None:
             continue
+        default = typed[id(base_for(key, base, family_base))]
         bads = [math.nan, math.inf] if hints[key] is float else [10**1000] if hints[key] is int else []
         for bad in bads:
             cfg = copy.deepcopy(default)

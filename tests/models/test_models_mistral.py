@@ -5,7 +5,6 @@ it -> its logits; plus the KV-cache decode against the full forward."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ pytest.importorskip("transformers")
 
 from framework.checkpoint import export_hf, import_hf, init_from  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
-from framework.config.schema import ModelConfig, ModelFamily  # noqa: E402
+from framework.config.schema import MistralConfig, ModelConfig, ModelFamily, replace_model  # noqa: E402
 from framework.models import FAMILIES, KVCache, build_model, forward_cached, materialize, model_spec  # noqa: E402
 
 SEQ, WINDOW, TOL = 16, 4, 1e-5
@@ -65,7 +64,7 @@ def hf_logits(path: Path) -> torch.Tensor:
 
 def imported(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
     shape = import_hf.model_shape(import_hf.read_hf_checkpoint(path))
-    cfg = dataclasses.replace(ModelConfig(), **shape, init_from=str(path))
+    cfg = replace_model(ModelConfig(), **shape, init_from=str(path))  # a Llama default -> Mistral's schema
     model = build_model(cfg, SEQ)
     materialize(model, "cpu", seed=0, load_weights=init_from.load)  # model.init_from: the HF weights
     return cfg, model.eval()
@@ -73,7 +72,8 @@ def imported(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
 
 def test_record_and_spec() -> None:
     rec = FAMILIES[ModelFamily.mistral]
-    spec = model_spec(ModelConfig(family=ModelFamily.mistral, sliding_window=WINDOW))
+    spec = model_spec(MistralConfig(sliding_window=WINDOW))
+    assert rec.config is MistralConfig
     assert (rec.hf_architecture, spec.hf_model_type, spec.sliding_window) == (
         "MistralForCausalLM",
         "mistral",
@@ -85,7 +85,7 @@ def test_record_and_spec() -> None:
 def test_logits_equal_transformers_both_ways(tmp_path: Path) -> None:
     expected = make_hf(tmp_path / "hf", WINDOW)
     cfg, model = imported(tmp_path / "hf")
-    assert (cfg.family, cfg.sliding_window) == (ModelFamily.mistral, WINDOW)
+    assert (type(cfg), cfg.family, cfg.sliding_window) == (MistralConfig, ModelFamily.mistral, WINDOW)
     with torch.no_grad():
         ours = model(tokens())
     there = (ours - expected).abs().max().item()
@@ -97,6 +97,18 @@ def test_logits_equal_transformers_both_ways(tmp_path: Path) -> None:
     model.sliding_window = None
     with torch.no_grad():
         assert (model(tokens()) - expected).abs().max().item() > 1e-3
+
+
+def test_init_from_a_mistral_folder_gives_mistrals_schema(tmp_path: Path) -> None:
+    """``model.init_from`` on a Llama recipe (the default) with a Mistral folder: the family, its
+    schema and its window come from config.json, as the shape does."""
+    from framework.checkpoint import init_from
+    from framework.config.schema import Config
+    from framework.launch.rules import check_model_shape
+
+    make_hf(tmp_path / "hf", WINDOW)
+    cfg = init_from.resolve(Config(model=ModelConfig(init_from=str(tmp_path / "hf"))), [], check_shape=check_model_shape)
+    assert (type(cfg.model), cfg.model.sliding_window, cfg.model.dim) == (MistralConfig, WINDOW, 64)
 
 
 def test_no_window_is_llama_attention(tmp_path: Path) -> None:
@@ -111,7 +123,7 @@ def test_no_window_is_llama_attention(tmp_path: Path) -> None:
 
 def test_cached_decode_keeps_the_window() -> None:
     """Token by token through the KV cache, the last position's logits equal the full forward's."""
-    cfg = ModelConfig(family=ModelFamily.mistral, sliding_window=WINDOW, vocab_size=256)
+    cfg = MistralConfig(sliding_window=WINDOW, vocab_size=256)
     model = build_model(cfg, SEQ)
     materialize(model, "cpu", seed=0)
     x = tokens()
@@ -123,13 +135,16 @@ def test_cached_decode_keeps_the_window() -> None:
         torch.testing.assert_close(last, model(x)[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_window_only_with_the_mistral_family() -> None:
-    """A window on a family that computes none is one line naming the key (rules, before launch)."""
+def test_the_window_is_a_key_of_the_mistral_schema_only() -> None:
+    """The window exists only in Mistral's schema: a Llama config has no such key, and a Mistral
+    one built as the shared ``ModelConfig`` is refused in one line naming the schema."""
     from framework.config.schema import Config
     from framework.launch import rules
 
-    cfg = Config(model=ModelConfig(sliding_window=4))
-    with pytest.raises(ValueError, match=r"model.sliding_window=4 is not valid; valid: 0 \(off\)"):
-        rules.check(cfg)
-    cfg.model.family = ModelFamily.mistral
-    rules.check(cfg)  # accepted where it applies
+    assert not hasattr(ModelConfig(), "sliding_window")
+    with pytest.raises(ValueError, match=r"^model.family=mistral needs its schema MistralConfig \(its keys: sliding_window\)"):
+        ModelConfig(family=ModelFamily.mistral)
+    with pytest.raises(ValueError, match=r"^model.sliding_window=-1 is not valid; valid: an integer >= 0"):
+        rules.check(Config(model=MistralConfig(sliding_window=-1)))
+    rules.check(Config(model=MistralConfig(sliding_window=4)))  # accepted where it applies
+    rules.check(Config())  # a Llama: the window's rule does not apply (no such key)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from framework.config.schema import LlamaConfig
 from framework.models.family import Family
 from framework.models.llama.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.llama.model import llama_block
 from framework.models.llama.spec import activation_values, llama_spec
 
-LLAMA = Family("llama", llama_spec, llama_block, HF_ARCHITECTURE, activation_values, HF_FIELDS)
+LLAMA = Family(
+    "llama", llama_spec, llama_block, HF_ARCHITECTURE, activation_values, HF_FIELDS, config=LlamaConfig
+)
