@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # LoRA vs full fine-tuning of the Llama-3-8B shape on one H200 (issue 27, point 5): peak memory and
-# tokens/s from each run's summary.json. Not run yet (no GPU in the session that wrote it).
+# tokens/s from each run's summary.json. Measured in session 10: benchmarks/PERF.md.
 # Usage: bash benchmarks/lora_gpu.sh   (STEPS=20, SEQ=2048 by default; run dirs in /tmp, table in $OUT)
 # Random weights are enough for memory and speed (model.init_from=HF_DIR for a real 8B); the base
 # of the bf16 rows is held in bf16 (peft.base_dtype=bfloat16), the rest autocasts to bf16 on CUDA.
@@ -12,7 +12,7 @@ OUT=${OUT:-outputs/lora_gpu}
 mkdir -p "$OUT"
 STEPS=${STEPS:-20}
 SEQ=${SEQ:-2048}
-common=(recipe=llama3_8b run.device=cuda mesh=1 data=synthetic train.steps=$STEPS train.seq_len=$SEQ
+common=(recipe=llama3_8b run.device=cuda mesh=1 mesh/hardware=h200 data=synthetic train.steps=$STEPS train.seq_len=$SEQ
   train.global_batch_size=1 train.micro_batch_size=1 train.eval_every=0 freeze=none logger.plot=false
   sharding.activation_checkpointing=full checkpoint=none logger.progress_bar=false
   run.allow_over_memory=true)  # the planner's memory estimate does not count LoRA's savings yet
