@@ -1040,6 +1040,10 @@ def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
     """
     model = cfg.get("model") if isinstance(cfg, (dict, DictConfig)) else None
     schema = _schema(family_of(model) if model is not None else ModelFamily.llama)
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg, "model") is ModelConfig:
+        # a structured Config() (the base model schema): its node cannot merge into the family's
+        # subclass, its values can
+        cfg = OmegaConf.to_container(cfg, resolve=False)
     merged = OmegaConf.merge(schema, cfg)  # merge copies its first argument: the cache stays clean
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)

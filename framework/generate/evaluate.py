@@ -126,12 +126,13 @@ def place_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, int
 
     On a process group: placed as training places it (the plan of ``cfg``'s mesh, each rank reading
     only its own shards). Without one: the whole model in this process, whatever layout saved it."""
+    from framework.checkpoint.init_from import load
     from framework.data.pipeline import document_eos
     from framework.models import build_model, materialize
 
     meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
     if not dist.is_initialized():
-        materialize(meta, device, cfg.train.seed)
+        materialize(meta, device, cfg.train.seed, load)
         return meta, 0, 1, 1
     from framework.parallel import build_mesh, parallelize
     from framework.parallel.mesh import dp_mesh_info
@@ -140,7 +141,7 @@ def place_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, int
     plan = make_plan(cfg)
     mesh = build_mesh(plan, device.type)
     args = (cfg.sharding, cfg.bucketing, cfg.executor, device, cfg.train.seed)
-    model = parallelize(meta, mesh, plan, *args)
+    model = parallelize(meta, mesh, plan, *args, load_weights=load)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     return model, dp_rank, dp_size, dist.get_world_size() // dp_size
 
