@@ -672,6 +672,12 @@ RULES: dict[str, Rule] = {
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
+    "parallel.ep": Rule(
+        "0 (unset: 1, or the planner's choice under sharding=auto) or a degree >= 1 that divides "
+        "parallel.dp_shard x parallel.cp and model.moe.num_experts (an MoE family only)",
+        checked_by="framework.planner.layout.check_ep (via the planner)",
+        bad=(-1, 3),
+    ),
     # the pipeline (framework.planner.stages): bad values are refused under a 2-stage pipeline; any of the
     # three set where no pipeline runs (a layout with pp=1, one process) by check_without_pipeline
     "parallel.pp_schedule": TYPED,

@@ -8,7 +8,7 @@ and the decoder interface (``Decoder``), never a family's module.
 
 from __future__ import annotations
 
-from framework.models.build import build_model, decoder, flops_per_token, num_params
+from framework.models.build import active_params, build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
 from framework.models.parts.decoder import Decoder, compute_dtype, forward_cached, materialize, tie
@@ -24,6 +24,7 @@ __all__ = [
     "ModelSpec",
     "TPStyle",
     "Weight",
+    "active_params",
     "blocks",
     "build_model",
     "compute_dtype",

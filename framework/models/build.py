@@ -29,13 +29,23 @@ def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 
+def active_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameters one token's forward multiplies by: ``num_params`` for a dense model; for a sparse
+    one each routed expert stack counts top-k of its E experts (``ModelSpec.active_numel``)."""
+    spec = model_spec(cfg)
+    n = sum(spec.active_numel(w) for _, w, _ in spec.params())
+    return n if include_embedding else n - cfg.vocab_size * cfg.dim
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training flops per token: 6N + 12·L·H·Q·T (PaLM appendix B; N excludes the input embedding).
 
     6N covers the matmuls of forward (2N) and backward (4N); 12·L·H·Q·T is attention's score and
-    value products (L layers, H heads, Q head dim, T sequence length), which N does not see.
+    value products (L layers, H heads, Q head dim, T sequence length), which N does not see. On a
+    sparse model N is the active parameters (top-k of each layer's experts: ``active_params``), as
+    MoE MFU is reported (DeepSeek-V3, Qwen3-MoE, torchtitan).
     """
-    n = num_params(cfg, include_embedding=False)
+    n = active_params(cfg, include_embedding=False)
     if cfg.tie_embeddings:
         # The tied output projection is a matmul of vocab x dim even though its weight is shared.
         n += cfg.vocab_size * cfg.dim

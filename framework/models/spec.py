@@ -9,6 +9,7 @@ checks that the spec and the built ``nn.Module`` agree, name for name and shape 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -44,6 +45,10 @@ class Weight:
     # The embedding's tensor (tied output head): its module is laid out, but it is no parameter of
     # its own (``named_parameters()`` lists the embedding only) and has no HF name.
     tied: bool = False
+    # > 0: dim 0 stacks this many routed experts of an MoE layer (``gate_up_proj (E, 2I, D)``,
+    # ``down_proj (E, D, I)``); expert parallelism shards that dim over the ep ranks, and a token
+    # runs through ``ModelSpec.experts_per_token`` of them (the planner's active parameters).
+    experts: int = 0
 
     @property
     def name(self) -> str:
@@ -76,6 +81,13 @@ class ModelSpec:
     sublayers: dict[str, int] = field(default_factory=dict)
     sliding_window: int = 0  # > 0: each position attends to itself and the window - 1 before it (Mistral)
     blocks: str = "layers"
+    experts_per_token: int = 0  # an MoE family's top-k (0: dense)
+
+    def active_numel(self, w: Weight) -> int:
+        """Elements of ``w`` one token's forward multiplies by: all of a dense weight, top-k of E
+        experts of a routed expert stack (what 6N counts on a sparse model: its active parameters)."""
+        n = math.prod(w.shape)
+        return n * self.experts_per_token // w.experts if w.experts else n
 
     def units(self) -> list[str]:
         """The repeated units (FSDP, activation checkpointing, per-block compile), in order."""

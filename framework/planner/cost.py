@@ -78,11 +78,13 @@ _EAGER_POINTWISE = 4.0
 # A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
 # checkpointing recomputes every other block.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
-# Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
-# all-gathers K and V before the attention that needs them).
-_BLOCKING_AXES = ("tp", "cp")
-# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp).
-_FSDP_AXES = ("dp_shard", "dp_shard_cp")
+# Collectives on the critical path: TP's, CP's K/V passes (torch's default rotation
+# all-gathers K and V before the attention that needs them), and expert parallelism's all-to-alls
+# (the experts wait for their rows; framework.parallel.expert runs them on the compute stream).
+_BLOCKING_AXES = ("tp", "cp", "ep")
+# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp,
+# and the group an expert stack is sharded over under ep dp_shard_mod_ep).
+_FSDP_AXES = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
 # Each TP collective costs this much beyond its alpha-beta time: DTensor's redistribution, the
 # sequence-parallel layout changes around it and the stream sync of a blocking collective. Fitted to
 # the one TP run measured (benchmarks/PERF.md, multi-GPU session 2: llama1b tp=2 on 2 H200s, micro 4,
@@ -197,6 +199,7 @@ def predict_step(
     accum: int,
     unit_bytes: list[int],
     pipeline: tuple[float, float] | None = None,
+    local_params: int | None = None,
 ) -> StepPrediction:
     """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode).
 
@@ -204,6 +207,9 @@ def predict_step(
     fraction of that rank's compute; framework.planner.stages). The rank computes its share of the model's
     work and then idles for the bubble; ``unit_bytes`` and ``comm`` are that rank's already. The
     point-to-point sends between stages are on the critical path (like TP's collectives).
+    ``local_params``: the elements of this rank's parameter shards (the optimizer's and the gradient
+    accumulation's work); by default the unsharded units over dp_shard x cp, which under ep misses
+    that the experts are sharded over fewer ranks.
     """
     hw, m = cfg.mesh.hardware, cfg.model
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
@@ -226,7 +232,7 @@ def predict_step(
         pointwise *= _EAGER_POINTWISE
         logits *= _EAGER_POINTWISE
     unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
-    local = unsharded / d.fsdp_shard
+    local = unsharded / d.fsdp_shard if local_params is None else local_params
     casts = accum * unsharded * _CAST_BYTES
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate) / hbm

@@ -16,11 +16,13 @@ span; the planner prints it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
 
 from framework.config.schema import Config, MeshConfig, ModelConfig, Strategy
+from framework.models import model_spec
 
 
 class MeshAxis(Enum):
@@ -46,6 +48,9 @@ class Degrees:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    # Expert parallel: borrowed from dp_shard x cp (no mesh axis of its own, not in the world size):
+    # each MoE layer's experts are split over ep consecutive ranks of that group (check_ep).
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -69,6 +74,11 @@ class Degrees:
     def fsdp_shard(self) -> int:
         """Ranks one FSDP2 group shards parameters over: dp_shard x cp (the flattened mesh axes)."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP2 shards each expert's weights over: dp_shard x cp / ep (the rest of the group)."""
+        return max(1, self.fsdp_shard // self.ep)
 
     @property
     def ddp(self) -> bool:
@@ -105,7 +115,9 @@ class Degrees:
         """``r2 s2 t2`` style, for tables."""
         return " ".join(
             f"{k}{getattr(self, n)}" for k, n in (("r", "dp_replicate"), ("s", "dp_shard"), ("t", "tp"))
-        ) + "".join(f" {k}{getattr(self, n)}" for k, n in (("c", "cp"), ("p", "pp")) if getattr(self, n) > 1)
+        ) + "".join(
+            f" {k}{getattr(self, n)}" for k, n in (("c", "cp"), ("p", "pp"), ("e", "ep")) if getattr(self, n) > 1
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -151,7 +163,7 @@ def from_parallel(cfg: Config) -> Degrees:
                 f"rest; use degrees whose product divides {world} (divisors: {divisors(world)})"
             )
         fixed[rest[0]] = world // prod
-    d = Degrees(**fixed)
+    d = Degrees(**fixed, ep=_ep(cfg))
     if d.world_size != world:
         raise ValueError(
             f"{shown or 'parallel degrees all 1'} multiply to {d.world_size}, not the world size {world} "
@@ -219,15 +231,54 @@ def fixed_degrees(cfg: Config) -> Degrees | None:
         return d
     if cfg.sharding.strategy == Strategy.auto:
         return None
-    d = from_preset(cfg)
+    d = dataclasses.replace(from_preset(cfg), ep=_ep(cfg))
     check_degrees(d, cfg.model, cfg.mesh.world_size, "sharding.tp")
     return d
 
 
+def _ep(cfg: Config) -> int:
+    """``parallel.ep`` as a degree: 0 (unset) is 1; anything below is kept for check_ep to refuse."""
+    return 1 if cfg.parallel.ep == 0 else cfg.parallel.ep
+
+
+def num_experts(model: ModelConfig) -> int:
+    """Routed experts per MoE layer of ``model``'s spec (0: a dense family)."""
+    return max((w.experts for w in model_spec(model).block), default=0)
+
+
+def check_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse an expert-parallel degree that cannot run: below 1, on a dense family, one that does not
+    divide the experts of each layer, or one that does not divide dp_shard x cp (the group it is
+    borrowed from)."""
+    if d.ep == 1:
+        return
+    experts = num_experts(model)
+    if d.ep < 1:
+        raise ValueError(f"parallel.ep={d.ep} is not valid: use 0 (unset) or a degree >= 1")
+    if experts == 0:
+        raise ValueError(
+            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense family (no experts): "
+            f"expert parallelism needs an MoE family (model.moe.num_experts > 0); valid: parallel.ep=1"
+        )
+    if experts % d.ep:
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide the {experts} experts of each MoE layer "
+            f"(model.moe.num_experts): valid ep degrees divide it, e.g. {divisors(experts)}"
+        )
+    if d.fsdp_shard % d.ep:
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide parallel.dp_shard x parallel.cp = {d.fsdp_shard} "
+            f"({d.short()}): ep ranks are borrowed from that group; valid here: "
+            f"{[e for e in divisors(d.fsdp_shard) if experts % e == 0]}"
+        )
+
+
 def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "parallel.tp") -> None:
     """Refuse what the model or this version cannot run: pp above the number of blocks, a TP degree
-    that does not split the heads, the KV heads and the FFN evenly (the rest of the pipeline's
+    that does not split the heads, the KV heads and the FFN evenly, an ep degree that does not
+    split the experts or dp_shard x cp (``check_ep``; the rest of the pipeline's
     rules: framework.planner.stages.check_pipeline; CP's: check_cp)."""
+    check_ep(d, model)
     if d.pp > model.n_layers:
         raise ValueError(
             f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "

@@ -68,6 +68,9 @@ class ParamSpec:
     unit: str  # FSDP unit that owns it: "layers.N", "root" (or _HEAD_ROOT: a second root, zbv's V)
     # False for a pipeline's copy of a tied weight: stepped through the embedding it copies.
     optimizer: bool = True
+    # A routed expert stack under expert parallelism: ``shape`` is this rank's slice (E / ep experts
+    # on dim 0) and FSDP2 shards it over dp_shard x cp / ep ranks (Degrees.expert_shard). 0: dense.
+    ep: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,22 +238,37 @@ def _check_batch(cfg: Config, dp: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def param_specs(m: ModelConfig) -> list[ParamSpec]:
+def param_specs(m: ModelConfig, ep: int = 1) -> list[ParamSpec]:
     """Parameters of the model ``m`` describes, in ``named_parameters()`` order (tied output omitted),
-    from its spec (framework.models): the planner needs no model; the dry run checks they agree."""
-    return [ParamSpec(name, w.shape, w.tp_dim, unit) for name, w, unit in model_spec(m).params()]
+    from its spec (framework.models): the planner needs no model; the dry run checks they agree.
+    A routed expert stack is this rank's ``E / ep`` experts (framework.parallel.expert)."""
+    out = []
+    for name, w, unit in model_spec(m).params():
+        if w.experts:
+            shape = (w.experts // ep, *w.shape[1:])
+            out.append(ParamSpec(name, shape, w.tp_dim, unit, ep=ep))
+        else:
+            out.append(ParamSpec(name, w.shape, w.tp_dim, unit))
+    return out
+
+
+def total_numel(spec: ParamSpec) -> int:
+    """Elements of the whole parameter (all ep ranks' experts of an expert stack)."""
+    return math.prod(spec.shape) * max(spec.ep, 1)
 
 
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
-    """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left.
+    """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left
+    (an expert stack's ``E / ep`` experts over the dp_shard x cp / ep ranks outside its ep group).
 
     torch.chunk gives the first ranks ceil(size / n) rows, so rank 0 holds the largest shard.
     """
     shape = list(spec.shape)
     if tp > 1 and spec.tp_dim is not None:
         shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
-    if dp_shard > 1:
-        shape[0] = math.ceil(shape[0] / dp_shard)
+    shard = max(1, dp_shard // spec.ep) if spec.ep else dp_shard
+    if shard > 1:
+        shape[0] = math.ceil(shape[0] / shard)
     return math.prod(shape)
 
 
@@ -355,6 +373,27 @@ def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
     return 2 * 2 * kv * elem
 
 
+def _moe_tokens(cfg: Config, tp: int, cp: int) -> tuple[int, int]:
+    """(top-k, rows one rank dispatches per MoE layer and micro batch: its tokens x top-k); (0, 0)
+    for a dense model. A rank's tokens are its micro batch's sequence shard (1/cp) and, with
+    sequence parallelism, its 1/tp of those (each TP rank dispatches its own tokens)."""
+    k = model_spec(cfg.model).experts_per_token
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp // tp
+    return k, tokens * k
+
+
+def _dispatch_bytes(cfg: Config, specs: list[ParamSpec], tp: int, cp: int) -> int:
+    """Expert parallelism's transient buffers, one MoE layer at a time: ExpertParallel.forward
+    (framework.parallel.expert) holds the received rows, their expert-major copy, the experts'
+    output and its source-order copy, each (rows x dim) in the activation dtype (an estimate from
+    the code, not a fit). 0 without ep."""
+    if not any(s.ep > 1 for s in specs):
+        return 0
+    _, rows = _moe_tokens(cfg, tp, cp)
+    elem = 2 if autocast_bf16(cfg) else 4
+    return 4 * rows * cfg.model.dim * elem
+
+
 def _memory(
     cfg: Config,
     specs: list[ParamSpec],
@@ -395,7 +434,8 @@ def _memory(
         comm_buffers = biggest * (2 * p_el + r_el)
         if held:
             comm_buffers = sum(local_numel(s, tp, 1) for s in specs) * p_el + biggest * r_el
-    elif ddp:
+    comm_buffers += _dispatch_bytes(cfg, specs, tp, cp)
+    if ddp:
         # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
         # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
         # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
@@ -526,20 +566,26 @@ def _comm(
         intra[MeshAxis.dp_shard] = _group_is_intra_node(sizes, axes, (MeshAxis.dp_shard, MeshAxis.cp), ppn)
     p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
     full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
-    if shard > 1:
-        ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
-        avg_unit = full_local // len(units)
+    # Expert stacks under ep are gathered over their own group, dp_shard x cp / ep ranks.
+    expert_local = sum(local_numel(s, tp, 1) for s in specs if s.ep > 1)
+    ep = max((s.ep for s in specs), default=1)
+    groups = [(shard_axis, shard, full_local - expert_local)]
+    if expert_local:
+        groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
+    ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
+    for axis, n, numel in groups:
+        if n <= 1:
+            continue
+        avg_unit = numel // len(units)
         out.append(
-            _collective(
-                cfg, shard_axis, "all_gather", shard, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el
-            )
+            _collective(cfg, axis, "all_gather", n, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el)
         )
         out.append(
             _collective(
                 cfg,
-                shard_axis,
+                axis,
                 "reduce_scatter",
-                shard,
+                n,
                 intra[MeshAxis.dp_shard],
                 len(units),  # once per step: the loop skips it on all but the last micro batch
                 avg_unit * r_el,
@@ -555,7 +601,7 @@ def _comm(
                 )
             )
         else:  # HSDP: each unit's reduce-scattered gradient shard is all-reduced across replicas
-            per = full_local // len(units) // shard * r_el
+            per = sum(local_numel(s, tp, shard) for s in specs) // len(units) * r_el
             out.append(
                 _collective(
                     cfg,
@@ -584,7 +630,32 @@ def _comm(
         out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
     if cp > 1:
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
+    if ep > 1:
+        out += _ep_comm(cfg, ep, tp, cp, accum, layers)
     return out
+
+
+def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | None) -> list[CommEstimate]:
+    """Expert parallelism's all-to-alls (framework.parallel.expert): in every MoE layer's forward the
+    rank's routed rows go out to their experts' ranks (dispatch) and come back (combine), and the
+    backward runs both in reverse; a recomputed forward (activation checkpointing) runs them again.
+    Each carries the rank's rows x top-k x dim in the activation dtype, (ep - 1) / ep of it off the
+    rank (a perfectly balanced router; the per-expert counts exchanged first are E integers, in the
+    latency term). The ep group is ep consecutive ranks of dp_shard x cp, tp apart (layout.check_ep)."""
+    n = cfg.model.n_layers if layers is None else layers
+    _, rows = _moe_tokens(cfg, tp, cp)
+    elem = 2 if autocast_bf16(cfg) else 4
+    payload = rows * cfg.model.dim * elem
+    span, ppn = ep * tp, cfg.mesh.procs_per_node
+    intra = span <= ppn and ppn % span == 0
+    mode = cfg.sharding.activation_checkpointing
+    recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+    forward = 2 * (n + recomputed.get(mode, 0)) * accum
+    backward = 2 * n * accum
+    return [
+        _collective(cfg, "ep", "all_to_all", ep, intra, forward, payload),
+        _collective(cfg, "ep", "all_to_all_backward", ep, intra, backward, payload),
+    ]
 
 
 def _cp_comm(
@@ -667,8 +738,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     warnings += _layout_warnings(cfg, d, sizes, axes)
     # Fields of another option (activation_memory_budget without budget, executor.autotune or
     # cache_dir on eager) are refused before launch: framework.launch.rules.check_option_fields.
-    specs = param_specs(cfg.model)
-    num_params = sum(math.prod(s.shape) for s in specs)
+    specs = param_specs(cfg.model, d.ep)
+    num_params = sum(total_numel(s) for s in specs)
     pipe = _pipeline(cfg, d, specs, tp, shard, accum) if d.pp > 1 else None
     if pipe is not None:  # the busiest pp rank's parameters, blocks and activations
         specs, memory = pipe.specs, pipe.memory
@@ -685,7 +756,13 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
         comm += _pp_tied(cfg, d, sizes, axes, pipe.ranks)
     prediction = predict_step(
-        cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
+        cfg,
+        d,
+        comm,
+        accum,
+        units,
+        pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
+        local_params=sum(local_numel(s, tp, shard) for s in specs),
     )
     _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
@@ -886,9 +963,9 @@ def _rank_specs(
 def pp_rank_specs(cfg: Config, plan: Plan, pp_rank: int) -> list[ParamSpec]:
     """The parameters pipeline rank ``pp_rank`` holds (its stages'); every one without a pipeline."""
     if plan.layout.pp == 1:
-        return param_specs(cfg.model)
+        return param_specs(cfg.model, plan.layout.ep)
     return _rank_specs(
-        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
+        param_specs(cfg.model, plan.layout.ep), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
     )
 
 

@@ -1,7 +1,8 @@
 """``sharding=auto``: the planner chooses the layout against the declared topology, and says why.
 
 Every feasible (dp_replicate, dp_shard, tp, pp schedule with its virtual stages and micro batches,
-activation checkpointing, micro batch, FSDP reshard policy) for the model and the mesh is planned
+activation checkpointing, micro batch, FSDP reshard policy, and for an MoE family the expert-parallel
+degree) for the model and the mesh is planned
 with ``plan_for`` (memory per rank, communication) and costed with
 ``framework.planner.cost`` (step time, MFU). The fastest layout that fits the device wins; ties go to the
 smaller memory. ``format_search`` prints the top 10 with the reason each loses against the choice:
@@ -9,7 +10,8 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
-node; ``sharding.tp`` other than 1 pins it), activation checkpointing under
+node; ``sharding.tp`` other than 1 pins it), ep over the divisors of dp_shard x cp that split the
+experts (``parallel.ep`` pins it), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
@@ -33,7 +35,7 @@ from framework.config.schema import (
     PPSchedule,
 )
 from framework.planner import stages as pipeline_stages
-from framework.planner.layout import Degrees, divisors, fixed_degrees
+from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
 from framework.planner.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
 
 # Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
@@ -95,6 +97,22 @@ def _degree_options(cfg: Config) -> list[Degrees]:
     fixed = fixed_degrees(cfg)
     if fixed is not None:
         return [fixed]
+    return [e for d in _dense_degree_options(cfg) for e in _ep_options(cfg, d)]
+
+
+def _ep_options(cfg: Config, d: Degrees) -> list[Degrees]:
+    """``d`` at each expert-parallel degree worth weighing: for an MoE family every divisor of
+    dp_shard x cp that divides the experts (framework.planner.layout.check_ep), or the user's
+    ``parallel.ep``; ``d`` as it is for a dense one."""
+    experts = num_experts(cfg.model)
+    if cfg.parallel.ep:
+        return [dataclasses.replace(d, ep=cfg.parallel.ep)] if d.fsdp_shard % cfg.parallel.ep == 0 else []
+    if not experts:
+        return [d]
+    return [dataclasses.replace(d, ep=e) for e in divisors(d.fsdp_shard) if experts % e == 0]
+
+
+def _dense_degree_options(cfg: Config) -> list[Degrees]:
     m, world, ppn = cfg.model, cfg.mesh.world_size, cfg.mesh.procs_per_node
     tps = [
         t

@@ -184,4 +184,5 @@ def test_wrappers_follow_the_degrees() -> None:
         "cp": 1,
         "tp": 2,
         "pp": 1,
+        "ep": 1,
     }
