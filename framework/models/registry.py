@@ -7,11 +7,12 @@ describes. A new family is its folder and one line in ``FAMILIES``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from torch import nn
 
-from framework.config.schema import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily, MoEConfig
 from framework.models.family import Family
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
@@ -33,13 +34,27 @@ def family(m: ModelConfig) -> Family:
 
 @functools.lru_cache(maxsize=256)
 def _spec(key: tuple) -> ModelSpec:
-    m = ModelConfig(**dict(key))
+    values = dict(key)
+    if "moe" in values:  # the MoE keys, hashed as a tuple of items (a list as a tuple)
+        values["moe"] = MoEConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in values["moe"]})
+    m = ModelConfig(**values)
     return FAMILIES[m.family].spec(m)
+
+
+def _key_value(m: ModelConfig, k: str) -> object:
+    v = getattr(m, k)
+    if k == "moe":
+        return tuple((f.name, _hashable(getattr(v, f.name))) for f in dataclasses.fields(v))
+    return v
+
+
+def _hashable(v: object) -> object:
+    return tuple(v) if isinstance(v, list) else v
 
 
 def model_spec(m: ModelConfig) -> ModelSpec:
     """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
-    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
+    key = tuple((k, _key_value(m, k)) for k in SHAPE_KEYS)
     return _spec(key)
 
 
@@ -61,6 +76,7 @@ SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
+    "moe",
     *own_fields(),
 )
 
