@@ -343,10 +343,6 @@ class MoEConfig:
     num_shared_experts: int = 0
     # One shared expert's width; 0 = the routed experts' width.
     shared_intermediate_size: int = 0
-    # Qwen3-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
-    # mlp_only_layers; the others have a dense model.ffn_dim MLP.
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
     expert_kernel: ExpertKernel = ExpertKernel.auto
 
 

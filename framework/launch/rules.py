@@ -509,15 +509,6 @@ def moe_key(
 _SPARSE = {"family": "qwen3_moe", "num_experts": 4}
 
 
-def _sparse_step_ok(v: Any, c: Config) -> bool:
-    return _is_int(v) and 1 <= v <= c.model.n_layers
-
-
-def _mlp_only_ok(v: Any, c: Config) -> bool:
-    n = c.model.n_layers
-    return all(_is_int(i) and 0 <= i < n for i in v) and len(set(v)) == len(v)
-
-
 MOE_RULES: dict[str, Rule] = {
     f"model.moe.{k}": r
     for k, r in {
@@ -589,24 +580,6 @@ MOE_RULES: dict[str, Rule] = {
             "0 (= the routed experts' width) or an integer >= 1",
             lambda v, _c: _is_int(v) and 0 <= v <= INT64_MAX,
             (-1,),
-            **_SPARSE,
-        ),
-        "decoder_sparse_step": moe_key(
-            "decoder_sparse_step",
-            lambda c: (
-                f"an integer in 1..model.n_layers={c.model.n_layers} (layer i is sparse when (i+1) % step == 0)"
-            ),
-            _sparse_step_ok,
-            (0, 5),
-            **_SPARSE,
-        ),
-        "mlp_only_layers": moe_key(
-            "mlp_only_layers",
-            lambda c: (
-                f"distinct layer indices in 0..{c.model.n_layers - 1} (model.n_layers={c.model.n_layers})"
-            ),
-            _mlp_only_ok,
-            ([4], [-1], [1, 1]),
             **_SPARSE,
         ),
         "expert_kernel": moe_key("expert_kernel", "auto, grouped or loop", lambda v, _c: True, ("loop",)),

@@ -30,6 +30,9 @@ class Family:
     term, ``framework.planner.plan``), from the shape.
     ``moe_keys``: the ``model.moe`` keys the family reads (``framework.config.schema.MoEConfig``); empty
     for a dense family. The launcher refuses any other MoE key changed from its default.
+    ``hf_moe_fields``: ``model.moe`` key -> its config.json key (both ways); ``hf_fixed``: config.json
+    keys that must hold these values (what the family's block computes), written by the export and
+    checked by the import.
     """
 
     name: str
@@ -39,3 +42,5 @@ class Family:
     activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
     moe_keys: tuple[str, ...] = ()
+    hf_moe_fields: dict[str, str] = field(default_factory=dict)
+    hf_fixed: dict[str, object] = field(default_factory=dict)
