@@ -31,9 +31,12 @@ def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
 
 def active_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     """Parameters one token's forward multiplies by: ``num_params`` for a dense model; for a sparse
-    one each routed expert stack counts top-k of its E experts (``ModelSpec.active_numel``)."""
-    spec = model_spec(cfg)
-    n = sum(spec.active_numel(w) for _, w, _ in spec.params())
+    one each routed expert stack counts top-k of its E experts (``model.moe.num_experts_per_tok``)."""
+    k = cfg.moe.num_experts_per_tok
+    n = sum(
+        math.prod(w.shape) * k // w.experts if w.experts else math.prod(w.shape)
+        for _, w, _ in model_spec(cfg).params()
+    )
     return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 

@@ -80,7 +80,9 @@ def check_moe(cfg: MoEConfig, ep: int = 1, prefix: str = "model.moe") -> None:
     if not 1 <= k <= e:
         raise ValueError(f"{prefix}.num_experts_per_tok={k} must be in 1..{e} (num_experts={e})")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:  # also refuses nan
-        raise ValueError(f"{prefix}.capacity_factor={cfg.capacity_factor} must be > 0 (or null: no token dropped)")
+        raise ValueError(
+            f"{prefix}.capacity_factor={cfg.capacity_factor} must be > 0 (or null: no token dropped)"
+        )
     if not cfg.router_aux_loss_coef >= 0:
         raise ValueError(f"{prefix}.router_aux_loss_coef={cfg.router_aux_loss_coef} must be >= 0")
     if not cfg.bias_update_rate >= 0:
@@ -142,7 +144,9 @@ def update_expert_bias(router: Router, tokens_per_expert: torch.Tensor) -> None:
     the step's count summed over micro-batches (and, under data parallel, all-reduced first, so that
     every rank keeps the same bias)."""
     if router.expert_bias is None:
-        raise ValueError(f"update_expert_bias needs the sigmoid router; this one scores by {router.cfg.score.value}")
+        raise ValueError(
+            f"update_expert_bias needs the sigmoid router; this one scores by {router.cfg.score.value}"
+        )
     load = tokens_per_expert.float()
     router.expert_bias.add_(router.cfg.bias_update_rate * torch.sign(load.mean() - load))
 
@@ -315,7 +319,9 @@ class MoE(nn.Module):
         check_moe(cfg)
         self.cfg = cfg
         self.gate = Router(cfg)
-        self.experts: nn.Module = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_intermediate_size, cfg.kernel)
+        self.experts: nn.Module = GroupedExperts(
+            cfg.num_experts, cfg.dim, cfg.moe_intermediate_size, cfg.kernel
+        )
         shared = cfg.num_shared_experts * (cfg.shared_intermediate_size or cfg.moe_intermediate_size)
         self.shared_experts = SharedExperts(cfg.dim, shared) if shared else None
         self.stats: MoEStats | None = None

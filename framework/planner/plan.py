@@ -41,6 +41,7 @@ from framework.planner.layout import (
     check_degrees,
     divisors,
     fixed_degrees,
+    num_experts,
 )
 
 GIB = 1024**3
@@ -377,7 +378,7 @@ def _moe_tokens(cfg: Config, tp: int, cp: int) -> tuple[int, int]:
     """(top-k, rows one rank dispatches per MoE layer and micro batch: its tokens x top-k); (0, 0)
     for a dense model. A rank's tokens are its micro batch's sequence shard (1/cp) and, with
     sequence parallelism, its 1/tp of those (each TP rank dispatches its own tokens)."""
-    k = model_spec(cfg.model).experts_per_token
+    k = cfg.model.moe.num_experts_per_tok if num_experts(cfg.model) else 0
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp // tp
     return k, tokens * k
 

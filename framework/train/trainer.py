@@ -342,7 +342,19 @@ def setup(
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
-        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ladder, ckpt, callbacks, watch,
+        cfg,
+        env,
+        run_dir,
+        digest,
+        plan,
+        runner,
+        data,
+        metrics,
+        verifier,
+        ladder,
+        ckpt,
+        callbacks,
+        watch,
         peak_flops,
     )
 
