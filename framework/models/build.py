@@ -3,8 +3,6 @@ training flops per token."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from framework.config.schema import ModelConfig
@@ -25,18 +23,15 @@ def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = N
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     """Parameter count from the shape alone (its spec; tied embeddings counted once)."""
-    n = sum(math.prod(w.shape) for _, w, _ in model_spec(cfg).params())
+    n = model_spec(cfg).numel[0]
     return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 
 def active_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     """Parameters one token's forward multiplies by: ``num_params`` for a dense model; for a sparse
     one each routed expert stack counts top-k of its E experts (``model.moe.num_experts_per_tok``)."""
-    k = cfg.moe.num_experts_per_tok
-    n = sum(
-        math.prod(w.shape) * k // w.experts if w.experts else math.prod(w.shape)
-        for _, w, _ in model_spec(cfg).params()
-    )
+    total, expert, experts = model_spec(cfg).numel
+    n = total - expert + (expert * cfg.moe.num_experts_per_tok // experts if experts else 0)
     return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 

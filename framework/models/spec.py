@@ -9,6 +9,8 @@ checks that the spec and the built ``nn.Module`` agree, name for name and shape 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -89,6 +91,18 @@ class ModelSpec:
     sublayers: dict[str, int] = field(default_factory=dict)
     sliding_window: int = 0  # > 0: each position attends to itself and the window - 1 before it (Mistral)
     blocks: str = "layers"
+
+    @functools.cached_property
+    def numel(self) -> tuple[int, int, int]:
+        """(elements of all parameters, of them in routed expert stacks, experts per stack: 0 when
+        dense), counted once per spec (the planner asks for every layout it weighs)."""
+        total = expert = experts = 0
+        for _, w, _ in self.params():
+            n = math.prod(w.shape)
+            total += n
+            if w.experts:
+                expert, experts = expert + n, w.experts
+        return total, expert, experts
 
     def units(self) -> list[str]:
         """The repeated units (FSDP, activation checkpointing, per-block compile), in order."""

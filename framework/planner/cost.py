@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode
-from framework.models import flops_per_token, model_spec, num_params
+from framework.models import active_params, flops_per_token, model_spec
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -124,7 +124,7 @@ class StepPrediction:
 def _recompute_flops_per_token(cfg: Config) -> float:
     """Forward flops of the blocks (what a checkpointed block runs again): 2 N_blocks + 4·L·H·Q·T."""
     m = cfg.model
-    blocks = num_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    blocks = active_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
     head_dim = model_spec(m).head_dim
     return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
 

@@ -243,7 +243,7 @@ def _ep(cfg: Config) -> int:
 
 def num_experts(model: ModelConfig) -> int:
     """Routed experts per MoE layer of ``model``'s spec (0: a dense family)."""
-    return max((w.experts for w in model_spec(model).block), default=0)
+    return model_spec(model).numel[2]
 
 
 def check_ep(d: Degrees, model: ModelConfig) -> None:

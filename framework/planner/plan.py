@@ -239,12 +239,43 @@ def _check_batch(cfg: Config, dp: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+class _Memo:
+    """Results keyed by the identity of an object the planner reuses (a cached spec, a cached list of
+    parameters) and some hashable arguments. The object is held with its result, so its id cannot be
+    reused by another while the entry lives. Why: the search plans a layout thousands of times over
+    the same parameter lists (an MoE model has ~1,200 of them); summing them each time took minutes."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._entries: dict[tuple[int, Any], tuple[object, Any]] = {}
+
+    def get(self, obj: object, args: Any, compute: Any) -> Any:
+        key = (id(obj), args)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        if len(self._entries) >= self._size:
+            self._entries.clear()
+        value = compute()
+        self._entries[key] = (obj, value)
+        return value
+
+
+_MEMO = _Memo()
+
+
 def param_specs(m: ModelConfig, ep: int = 1) -> list[ParamSpec]:
     """Parameters of the model ``m`` describes, in ``named_parameters()`` order (tied output omitted),
     from its spec (framework.models): the planner needs no model; the dry run checks they agree.
-    A routed expert stack is this rank's ``E / ep`` experts (framework.parallel.expert)."""
+    A routed expert stack is this rank's ``E / ep`` experts (framework.parallel.expert). The list is
+    shared between calls (memoized): callers do not change it."""
+    spec = model_spec(m)
+    return _MEMO.get(spec, ("specs", ep), lambda: _param_specs(spec, ep))
+
+
+def _param_specs(spec: Any, ep: int) -> list[ParamSpec]:
     out = []
-    for name, w, unit in model_spec(m).params():
+    for name, w, unit in spec.params():
         if w.experts:
             shape = (w.experts // ep, *w.shape[1:])
             out.append(ParamSpec(name, shape, w.tp_dim, unit, ep=ep))
@@ -253,24 +284,55 @@ def param_specs(m: ModelConfig, ep: int = 1) -> list[ParamSpec]:
     return out
 
 
-def total_numel(spec: ParamSpec) -> int:
-    """Elements of the whole parameter (all ep ranks' experts of an expert stack)."""
-    return math.prod(spec.shape) * max(spec.ep, 1)
-
-
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
     """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left
     (an expert stack's ``E / ep`` experts over the dp_shard x cp / ep ranks outside its ep group).
 
     torch.chunk gives the first ranks ceil(size / n) rows, so rank 0 holds the largest shard.
     """
-    shape = list(spec.shape)
-    if tp > 1 and spec.tp_dim is not None:
-        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
-    shard = max(1, dp_shard // spec.ep) if spec.ep else dp_shard
+    return _local(spec.shape, spec.tp_dim, spec.ep, tp, dp_shard)
+
+
+def _local(shape_: tuple[int, ...], tp_dim: int | None, ep: int, tp: int, dp_shard: int) -> int:
+    shape = list(shape_)
+    if tp > 1 and tp_dim is not None:
+        shape[tp_dim] = math.ceil(shape[tp_dim] / tp)
+    shard = max(1, dp_shard // ep) if ep else dp_shard
     if shard > 1:
         shape[0] = math.ceil(shape[0] / shard)
     return math.prod(shape)
+
+
+def _kinds(specs: list[ParamSpec]) -> dict[tuple[Any, ...], int]:
+    """The parameters grouped by what their shard size depends on, with their counts (memoized)."""
+
+    def count() -> dict[tuple[Any, ...], int]:
+        out: dict[tuple[Any, ...], int] = {}
+        for s in specs:
+            k = (s.shape, s.tp_dim, s.ep, s.optimizer)
+            out[k] = out.get(k, 0) + 1
+        return out
+
+    return _MEMO.get(specs, "kinds", count)
+
+
+def sum_local(specs: list[ParamSpec], tp: int, dp_shard: int, which: str = "all") -> int:
+    """``sum(local_numel(s, tp, dp_shard) for s in specs)`` over all of them, those with optimizer
+    state (``which="optimizer"``) or the expert stacks under ep (``"experts"``); ``"max"``: the
+    largest one. Memoized per list (see ``_Memo``)."""
+
+    def compute() -> int:
+        kinds = _kinds(specs)
+        if which == "max":
+            return max(_local(sh, td, ep, tp, dp_shard) for sh, td, ep, _ in kinds)
+        keep = {
+            "all": lambda ep, opt: True,
+            "optimizer": lambda ep, opt: opt,
+            "experts": lambda ep, opt: ep > 1,
+        }[which]
+        return sum(n * _local(sh, td, ep, tp, dp_shard) for (sh, td, ep, opt), n in kinds.items() if keep(ep, opt))
+
+    return _MEMO.get(specs, ("sum", tp, dp_shard, which), compute)
 
 
 # Saved-activation factors, fitted to peak memory measured on one H200 (bf16 autocast, seq 2048,
@@ -388,7 +450,7 @@ def _dispatch_bytes(cfg: Config, specs: list[ParamSpec], tp: int, cp: int) -> in
     (framework.parallel.expert) holds the received rows, their expert-major copy, the experts'
     output and its source-order copy, each (rows x dim) in the activation dtype (an estimate from
     the code, not a fit). 0 without ep."""
-    if not any(s.ep > 1 for s in specs):
+    if not any(ep > 1 for _, _, ep, _ in _kinds(specs)):
         return 0
     _, rows = _moe_tokens(cfg, tp, cp)
     elem = 2 if autocast_bf16(cfg) else 4
@@ -410,21 +472,21 @@ def _memory(
     """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
     zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
     parameters replace the two units in flight."""
-    local = sum(local_numel(s, tp, dp_shard) for s in specs)
+    local = sum_local(specs, tp, dp_shard)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
     if dp_shard > 1 and accum > 1:
         # The loop skips the reduce-scatter on all but the last micro batch
         # (FSDPModule.set_requires_gradient_sync(False)), so FSDP2 accumulates each unit's
         # unsharded gradient, in param_dtype, until then: this TP rank's whole gradient.
-        full = sum(local_numel(s, tp, 1) for s in specs)
+        full = sum_local(specs, tp, 1)
         grads += full * _DTYPE_BYTES[cfg.sharding.param_dtype]
     if cfg.train.optimizer_in_backward and not _whole_model_backward(cfg):
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
-        grads = 2 * max(local_numel(s, tp, dp_shard) for s in specs) * _MASTER_BYTES
+        grads = 2 * sum_local(specs, tp, dp_shard, "max") * _MASTER_BYTES
     optimizer = (
-        sum(local_numel(s, tp, dp_shard) for s in specs if s.optimizer) * _MASTER_BYTES * _ADAMW_STATES
+        sum_local(specs, tp, dp_shard, "optimizer") * _MASTER_BYTES * _ADAMW_STATES
     )
     comm_buffers = 0
     if dp_shard > 1:
@@ -434,7 +496,7 @@ def _memory(
         p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
         comm_buffers = biggest * (2 * p_el + r_el)
         if held:
-            comm_buffers = sum(local_numel(s, tp, 1) for s in specs) * p_el + biggest * r_el
+            comm_buffers = sum_local(specs, tp, 1) * p_el + biggest * r_el
     comm_buffers += _dispatch_bytes(cfg, specs, tp, cp)
     if ddp:
         # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
@@ -506,6 +568,10 @@ def _ddp_buckets(specs: list[ParamSpec], cap_bytes: int, tp: int) -> list[int]:
 def _fsdp_units(specs: list[ParamSpec], tp: int) -> list[int]:
     """Unsharded fp32 bytes of each FSDP unit: one per block, then the root (embeddings, norm, output;
     a pipeline rank holding both the first and the last stage has two roots, ``_rank_specs``)."""
+    return list(_MEMO.get(specs, ("units", tp), lambda: tuple(_unit_bytes(specs, tp))))
+
+
+def _unit_bytes(specs: list[ParamSpec], tp: int) -> list[int]:
     units: dict[str, int] = {}
     for s in specs:
         units[s.unit] = units.get(s.unit, 0) + local_numel(s, tp, 1) * _MASTER_BYTES
@@ -566,10 +632,10 @@ def _comm(
     if cp > 1:
         intra[MeshAxis.dp_shard] = _group_is_intra_node(sizes, axes, (MeshAxis.dp_shard, MeshAxis.cp), ppn)
     p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
-    full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
+    full_local = sum_local(specs, tp, 1)  # one TP rank's unsharded parameters
     # Expert stacks under ep are gathered over their own group, dp_shard x cp / ep ranks.
-    expert_local = sum(local_numel(s, tp, 1) for s in specs if s.ep > 1)
-    ep = max((s.ep for s in specs), default=1)
+    expert_local = sum_local(specs, tp, 1, "experts")
+    ep = max((k[2] for k in _kinds(specs)), default=1) or 1
     groups = [(shard_axis, shard, full_local - expert_local)]
     if expert_local:
         groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
@@ -602,7 +668,7 @@ def _comm(
                 )
             )
         else:  # HSDP: each unit's reduce-scattered gradient shard is all-reduced across replicas
-            per = sum(local_numel(s, tp, shard) for s in specs) // len(units) * r_el
+            per = sum_local(specs, tp, shard) // len(units) * r_el
             out.append(
                 _collective(
                     cfg,
@@ -740,7 +806,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     # Fields of another option (activation_memory_budget without budget, executor.autotune or
     # cache_dir on eager) are refused before launch: framework.launch.rules.check_option_fields.
     specs = param_specs(cfg.model, d.ep)
-    num_params = sum(total_numel(s) for s in specs)
+    num_params = model_spec(cfg.model).numel[0]
     pipe = _pipeline(cfg, d, specs, tp, shard, accum) if d.pp > 1 else None
     if pipe is not None:  # the busiest pp rank's parameters, blocks and activations
         specs, memory = pipe.specs, pipe.memory
@@ -763,7 +829,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         accum,
         units,
         pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
-        local_params=sum(local_numel(s, tp, shard) for s in specs),
+        local_params=sum_local(specs, tp, shard),
     )
     _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
@@ -782,7 +848,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         grad_accum_steps=accum,
         seq_len=cfg.train.seq_len,
         num_params=num_params,
-        params_per_rank=sum(local_numel(s, tp, shard) for s in specs),  # the busiest pp rank's
+        params_per_rank=sum_local(specs, tp, shard),  # the busiest pp rank's
         activation_checkpointing=cfg.sharding.activation_checkpointing.value,
         memory=memory,
         comm=tuple(comm),
@@ -837,7 +903,7 @@ def _buckets(
     """(bucket_cap_mb, why, bucket sizes): DDP's buckets by the cap (``bucketing.auto`` picks it from
     the alpha-beta model), or FSDP2's units, which communicate one by one."""
     tp, shard = d.tp, d.fsdp_shard
-    full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
+    full_local_bytes = sum_local(specs, tp, 1) * _MASTER_BYTES
     rep = size.get(MeshAxis.dp_replicate, 1)
     if not d.fsdp:
         if cfg.bucketing.auto:
@@ -936,7 +1002,14 @@ def _rank_specs(
     specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int], tied: ParamSpec | None
 ) -> list[ParamSpec]:
     """The parameters of the stages ``ids``: their blocks, the embedding with stage 0, the final norm
-    and output projection with the last stage (``tied``: its copy of a tied embedding)."""
+    and output projection with the last stage (``tied``: its copy of a tied embedding). Memoized per
+    parameter list (the search plans the same split many times): callers do not change the result."""
+    return _MEMO.get(specs, ("rank", split, tuple(ids), tied), lambda: _stage_specs(specs, split, ids, tied))
+
+
+def _stage_specs(
+    specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int], tied: ParamSpec | None
+) -> list[ParamSpec]:
     blocks = {i for s in ids for i in range(*split[s])}
     last = len(split) - 1
     out = []
@@ -975,7 +1048,7 @@ def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
     mine = pp_rank_specs(cfg, plan, pp_rank)
     shard = plan.degrees["dp_shard"] * plan.degrees["cp"]  # FSDP2 shards over dp_shard x cp
-    return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
+    return sum_local(mine, plan.tp_degree, shard) * _MASTER_BYTES
 
 
 def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: int, accum: int) -> _Pipeline:
