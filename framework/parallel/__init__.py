@@ -25,7 +25,7 @@ from framework.models import Decoder, materialize
 from framework.parallel.activation import apply_ac
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
-from framework.parallel.expert import apply_ep
+from framework.parallel.expert import apply_ep, moe_layers
 from framework.parallel.float8 import apply_float8
 from framework.parallel.lora import after_materialize, apply_lora
 from framework.parallel.mesh import build_mesh, dp_mesh_info, expert_meshes, fsdp_mesh, sub_mesh
@@ -106,8 +106,12 @@ def parallelize(
     Every step reads the plan's degrees (``plan.layout``), never a strategy name.
 
     Each step is a no-op when its setting is off. Raises RuntimeError when a wrapper that should have
-    sharded something sharded nothing.
+    sharded something sharded nothing (and under ``parallel.ep`` when the model has no MoE layer).
     """
+    if plan.layout.ep > 1 and not moe_layers(model):
+        raise RuntimeError(
+            f"parallel.ep={plan.layout.ep}, but the model has no MoE layer whose experts it could shard"
+        )
     if plan.layout.pp > 1:
         return _pipeline(model, mesh, plan, sharding, executor, device, seed, init_weights, peft)
     return _parallelize_stage(

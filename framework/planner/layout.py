@@ -270,7 +270,9 @@ def check_ep(d: Degrees, model: ModelConfig) -> None:
     dp_shard (torchtitan's choice: every ep rank is also a data-parallel rank, reading its own batch,
     so ep costs no extra ranks and the dense part stays sharded over all of dp_shard), hence ep
     divides dp_shard. CP is not combined with ep here (torchtitan folds cp into ep; this version
-    does not). ep must also divide the model's number of experts, and a dense model has none."""
+    does not). ep must also divide the model's number of experts (a dense model, which has none, is
+    refused before launch: ``check_dense_ep``; a test may run ep on a decoder it built with MoE
+    blocks from a dense config)."""
     if d.ep <= 1:
         return
     if d.dp_shard % d.ep:
@@ -286,19 +288,27 @@ def check_ep(d: Degrees, model: ModelConfig) -> None:
             f"parallel.ep={d.ep} with parallel.cp={d.cp}: expert parallelism does not compose with "
             f"context parallelism in this version; valid: parallel.ep=1 or parallel.cp=1"
         )
-    moe = getattr(model, "moe", None)  # model.moe: the MoE keys (framework.config.schema.MoEConfig)
-    experts = getattr(moe, "num_experts", None)
-    if experts is None:  # a model config without MoE keys: the layer's own check (apply_ep) decides
-        return
-    if experts == 0:
-        raise ValueError(
-            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense model "
-            f"(model.moe.num_experts=0): valid: parallel.ep=1, or a sparse family (qwen3_moe, mixtral)"
-        )
-    if experts % d.ep:
+    experts = num_experts(model)
+    if experts and experts % d.ep:
         valid = [e for e in divisors(experts) if d.dp_shard % e == 0]
         raise ValueError(
             f"parallel.ep={d.ep} does not divide model.moe.num_experts={experts}: valid ep here are {valid}"
+        )
+
+
+def num_experts(model: ModelConfig) -> int:
+    """The routed experts per MoE layer (``model.moe.num_experts``); 0: a dense model, as every
+    model config without the MoE keys is."""
+    return int(getattr(getattr(model, "moe", None), "num_experts", 0) or 0)
+
+
+def check_dense_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse ``parallel.ep`` on a dense model before launch: it has no experts to shard."""
+    if d.ep > 1 and num_experts(model) == 0:
+        raise ValueError(
+            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense model "
+            f"(model.moe.num_experts=0): it has no experts to shard; valid: parallel.ep=1 (or 0), or a "
+            f"sparse family (model.moe.num_experts > 0)"
         )
 
 
