@@ -679,10 +679,10 @@ class ParallelConfig:
     cp: int = 0  # context parallel: ring attention over sequence shards (CUDA; 2 x cp divides seq_len)
     tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
     pp: int = 0  # pipeline stages (torch.distributed.pipelining), the outermost axis
-    # Expert parallel (an MoE family): each MoE layer's experts sharded over ep ranks of dp_shard x cp
-    # (borrowed from them, as torchtitan does: not a factor of the world size), tokens moved by
-    # all-to-all; FSDP shards the experts over the remaining dp_shard x cp / ep. 0 = unset (1; under
-    # sharding=auto the planner's choice), else a degree that divides dp_shard x cp and the experts.
+    # Expert parallelism: each MoE layer's experts split over this many ranks, tokens moved by
+    # all-to-all (framework.parallel.expert). Not a factor of the world size: the ep ranks are
+    # borrowed from dp_shard (dp_shard = dp_shard_mod_ep x ep, as torchtitan's ParallelDims), so ep
+    # divides dp_shard and model.moe.num_experts. 0 or 1 = off.
     ep: int = 0
     # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need
     # pp_stages_per_rank >= 2 (zbv: exactly 2).

@@ -45,7 +45,7 @@ from framework.config.schema import (
     option_fields,
 )
 from framework.models import FAMILIES, own_fields
-from framework.planner.layout import Degrees
+from framework.planner.layout import Degrees, check_dense_ep
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -295,7 +295,10 @@ def check_layout(cfg: Config, declared: Degrees | None) -> None:
     framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
     these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
-    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``."""
+    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``. Expert parallelism needs
+    experts (``check_dense_ep``)."""
+    if declared is not None:
+        check_dense_ep(declared, cfg.model)
     if cfg.optimizer.name is OptimizerName.muon and declared is not None:
         if declared.dp_shard != 1 or declared.tp != 1:
             raise ValueError(
@@ -804,10 +807,11 @@ RULES: dict[str, Rule] = {
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
     "parallel.ep": Rule(
-        "0 (unset: 1, or the planner's choice under sharding=auto) or a degree >= 1 that divides "
-        "parallel.dp_shard x parallel.cp and model.moe.num_experts (an MoE family only)",
-        checked_by="framework.planner.layout.check_ep (via the planner)",
+        "0 or 1 (off), or an expert-parallel degree >= 2 that divides parallel.dp_shard (the ep ranks "
+        "are borrowed from it) and model.moe.num_experts, with a sparse family and parallel.cp=1",
+        checked_by="framework.planner.layout.from_parallel / check_ep (via the planner), check_dense_ep (check_layout)",
         bad=(-1, 3),
+        context=(("mesh.shape", [2]),),
     ),
     # the pipeline (framework.planner.stages): bad values are refused under a 2-stage pipeline; any of the
     # three set where no pipeline runs (a layout with pp=1, one process) by check_without_pipeline

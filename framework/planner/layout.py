@@ -16,13 +16,11 @@ span; the planner prints it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
 
 from framework.config.schema import Config, MeshConfig, ModelConfig, Strategy
-from framework.models import model_spec
 
 
 class MeshAxis(Enum):
@@ -48,8 +46,9 @@ class Degrees:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    # Expert parallel: borrowed from dp_shard x cp (no mesh axis of its own, not in the world size):
-    # each MoE layer's experts are split over ep consecutive ranks of that group (check_ep).
+    # Expert parallelism: not a factor of the world size but a split of dp_shard (its inner ``ep``
+    # ranks hold different experts; ``dp_shard_mod_ep`` = dp_shard / ep replicas of each), as
+    # torchtitan's ParallelDims borrows ep from dp_shard. framework.parallel.mesh.expert_meshes.
     ep: int = 1
 
     @property
@@ -77,7 +76,7 @@ class Degrees:
 
     @property
     def expert_shard(self) -> int:
-        """Ranks FSDP2 shards each expert's weights over: dp_shard x cp / ep (the rest of the group)."""
+        """Ranks FSDP2 shards each expert's weights over: dp_shard x cp / ep (dp_shard_mod_ep)."""
         return max(1, self.fsdp_shard // self.ep)
 
     @property
@@ -109,6 +108,7 @@ class Degrees:
         )
         parts = [p for p in (data, "tp" if self.tp > 1 else "", "cp" if self.cp > 1 else "") if p]
         parts += ["pp"] if self.pp > 1 else []
+        parts += ["ep"] if self.ep > 1 else []
         return "_".join(parts) or "single"
 
     def short(self) -> str:
@@ -116,7 +116,9 @@ class Degrees:
         return " ".join(
             f"{k}{getattr(self, n)}" for k, n in (("r", "dp_replicate"), ("s", "dp_shard"), ("t", "tp"))
         ) + "".join(
-            f" {k}{getattr(self, n)}" for k, n in (("c", "cp"), ("p", "pp"), ("e", "ep")) if getattr(self, n) > 1
+            f" {k}{getattr(self, n)}"
+            for k, n in (("c", "cp"), ("p", "pp"), ("e", "ep"))
+            if getattr(self, n) > 1
         )
 
 
@@ -130,7 +132,7 @@ def divisors(n: int) -> list[int]:
 def explicit(cfg: Config) -> bool:
     """True when the user set any ``parallel.*`` degree (they then are the layout)."""
     p = cfg.parallel
-    return any(getattr(p, n) != 0 for n in DEGREE_NAMES)
+    return any(getattr(p, n) != 0 for n in (*DEGREE_NAMES, "ep"))
 
 
 def from_parallel(cfg: Config) -> Degrees:
@@ -163,7 +165,11 @@ def from_parallel(cfg: Config) -> Degrees:
                 f"rest; use degrees whose product divides {world} (divisors: {divisors(world)})"
             )
         fixed[rest[0]] = world // prod
-    d = Degrees(**fixed, ep=_ep(cfg))
+    if p.ep < 0:
+        raise ValueError(
+            f"parallel.ep={p.ep} is not valid: use 0 or 1 (off) or a degree >= 2 that divides parallel.dp_shard"
+        )
+    d = Degrees(**fixed, ep=max(p.ep, 1))
     if d.world_size != world:
         raise ValueError(
             f"{shown or 'parallel degrees all 1'} multiply to {d.world_size}, not the world size {world} "
@@ -231,59 +237,21 @@ def fixed_degrees(cfg: Config) -> Degrees | None:
         return d
     if cfg.sharding.strategy == Strategy.auto:
         return None
-    d = dataclasses.replace(from_preset(cfg), ep=_ep(cfg))
+    d = from_preset(cfg)
     check_degrees(d, cfg.model, cfg.mesh.world_size, "sharding.tp")
     return d
 
 
-def _ep(cfg: Config) -> int:
-    """``parallel.ep`` as a degree: 0 (unset) is 1; anything below is kept for check_ep to refuse."""
-    return 1 if cfg.parallel.ep == 0 else cfg.parallel.ep
-
-
-def num_experts(model: ModelConfig) -> int:
-    """Routed experts per MoE layer of ``model``'s spec (0: a dense family)."""
-    return model_spec(model).numel[2]
-
-
-def check_ep(d: Degrees, model: ModelConfig) -> None:
-    """Refuse an expert-parallel degree that cannot run: below 1, on a dense family, one that does not
-    divide the experts of each layer, or one that does not divide dp_shard x cp (the group it is
-    borrowed from)."""
-    if d.ep == 1:
-        return
-    experts = num_experts(model)
-    if d.ep < 1:
-        raise ValueError(f"parallel.ep={d.ep} is not valid: use 0 (unset) or a degree >= 1")
-    if experts == 0:
-        raise ValueError(
-            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense family (no experts): "
-            f"expert parallelism needs an MoE family (model.moe.num_experts > 0); valid: parallel.ep=1"
-        )
-    if experts % d.ep:
-        raise ValueError(
-            f"parallel.ep={d.ep} does not divide the {experts} experts of each MoE layer "
-            f"(model.moe.num_experts): valid ep degrees divide it, e.g. {divisors(experts)}"
-        )
-    if d.fsdp_shard % d.ep:
-        raise ValueError(
-            f"parallel.ep={d.ep} does not divide parallel.dp_shard x parallel.cp = {d.fsdp_shard} "
-            f"({d.short()}): ep ranks are borrowed from that group; valid here: "
-            f"{[e for e in divisors(d.fsdp_shard) if experts % e == 0]}"
-        )
-
-
 def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "parallel.tp") -> None:
     """Refuse what the model or this version cannot run: pp above the number of blocks, a TP degree
-    that does not split the heads, the KV heads and the FFN evenly, an ep degree that does not
-    split the experts or dp_shard x cp (``check_ep``; the rest of the pipeline's
+    that does not split the heads, the KV heads and the FFN evenly (the rest of the pipeline's
     rules: framework.planner.stages.check_pipeline; CP's: check_cp)."""
-    check_ep(d, model)
     if d.pp > model.n_layers:
         raise ValueError(
             f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "
             f"needs at least one block; valid: parallel.pp <= {model.n_layers}"
         )
+    check_ep(d, model)
     tp = d.tp
     for field_name, value in (
         ("n_heads", model.n_heads),
@@ -300,6 +268,53 @@ def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "par
                 f"{tp_key}={tp} does not divide model.{field_name}={value}: each TP rank needs whole "
                 f"heads and an equal FFN slice; valid TP degrees here are {valid}"
             )
+
+
+def check_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse an expert-parallel degree this layout cannot run. The ep ranks are borrowed from
+    dp_shard (torchtitan's choice: every ep rank is also a data-parallel rank, reading its own batch,
+    so ep costs no extra ranks and the dense part stays sharded over all of dp_shard), hence ep
+    divides dp_shard. CP is not combined with ep here (torchtitan folds cp into ep; this version
+    does not). ep must also divide the model's number of experts (a dense model, which has none, is
+    refused before launch: ``check_dense_ep``; a test may run ep on a decoder it built with MoE
+    blocks from a dense config)."""
+    if d.ep <= 1:
+        return
+    if d.dp_shard % d.ep:
+        valid = [
+            e for e in divisors(d.dp_shard) if e > 1
+        ] or "none (parallel.dp_shard=1: set it to a multiple of ep)"
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide parallel.dp_shard={d.dp_shard}: the ep ranks are "
+            f"borrowed from dp_shard (dp_shard = dp_shard_mod_ep x ep); valid ep here: {valid}"
+        )
+    if d.cp > 1:
+        raise ValueError(
+            f"parallel.ep={d.ep} with parallel.cp={d.cp}: expert parallelism does not compose with "
+            f"context parallelism in this version; valid: parallel.ep=1 or parallel.cp=1"
+        )
+    experts = num_experts(model)
+    if experts and experts % d.ep:
+        valid = [e for e in divisors(experts) if d.dp_shard % e == 0]
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide model.moe.num_experts={experts}: valid ep here are {valid}"
+        )
+
+
+def num_experts(model: ModelConfig) -> int:
+    """The routed experts per MoE layer (``model.moe.num_experts``); 0: a dense model, as every
+    model config without the MoE keys is."""
+    return int(getattr(getattr(model, "moe", None), "num_experts", 0) or 0)
+
+
+def check_dense_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse ``parallel.ep`` on a dense model before launch: it has no experts to shard."""
+    if d.ep > 1 and num_experts(model) == 0:
+        raise ValueError(
+            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense model "
+            f"(model.moe.num_experts=0): it has no experts to shard; valid: parallel.ep=1 (or 0), or a "
+            f"sparse family (model.moe.num_experts > 0)"
+        )
 
 
 # torch's context_parallel dispatches SDPA's flash / efficient / cuDNN kernels to ring attention;

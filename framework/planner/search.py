@@ -10,8 +10,7 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
-node; ``sharding.tp`` other than 1 pins it), ep over the divisors of dp_shard x cp that split the
-experts (``parallel.ep`` pins it), activation checkpointing under
+node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``_ep_options``), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
@@ -101,22 +100,19 @@ def _degree_options(cfg: Config) -> list[Degrees]:
 
 
 def _ep_options(cfg: Config, d: Degrees) -> list[Degrees]:
-    """``d`` at each expert-parallel degree worth weighing (or at the user's ``parallel.ep``; ``d`` as
-    it is for a dense model). Of the degrees that split both dp_shard x cp and the experts
+    """``d`` at each expert-parallel degree worth weighing (``d`` as it is for a dense model; a
+    ``parallel.ep`` the user set fixes the layout). Of the degrees that split both dp_shard and the experts
     (framework.planner.layout.check_ep), three: 1 (experts sharded by FSDP like any weight, no
     all-to-all), the largest whose group stays in a node (ep x tp ranks), and the largest. Why only
-    these: a rank's expert bytes are the same at every ep (E / ep experts over dp_shard x cp / ep
-    ranks), and the all-to-all's bytes are (ep - 1) / ep of the rows, nearly flat in ep; what a
+    these: a rank's expert bytes are the same at every ep (E / ep experts over dp_shard / ep ranks), and the all-to-all's bytes are (ep - 1) / ep of the rows, nearly flat in ep; what a
     larger ep buys is less FSDP traffic on the experts (fewer of them gathered), so within one
     link (intra- or inter-node) the largest ep is the fastest, and the search weighs the largest
     of each link. Each degree in between multiplied the search (a 235B MoE on 128 ranks: 4,677
     layouts, 45 s)."""
     experts = num_experts(cfg.model)
-    if cfg.parallel.ep:
-        return [dataclasses.replace(d, ep=cfg.parallel.ep)] if d.fsdp_shard % cfg.parallel.ep == 0 else []
-    if not experts:
+    if not experts or d.cp > 1:  # ep is borrowed from dp_shard, and not combined with cp (check_ep)
         return [d]
-    valid = [e for e in divisors(d.fsdp_shard) if experts % e == 0]
+    valid = [e for e in divisors(d.dp_shard) if experts % e == 0]
     ppn = cfg.mesh.procs_per_node
     intra = [e for e in valid if e * d.tp <= ppn and ppn % (e * d.tp) == 0]
     keep = sorted({1, max(intra, default=1), max(valid)})
