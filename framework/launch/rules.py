@@ -870,7 +870,14 @@ RULES: dict[str, Rule] = {
         bad=(-1, 4),
     ),  # fmt: skip
     # freeze
-    "freeze.mode": TYPED,
+    # An MoE family's routing is data-dependent (per-expert counts decide the shapes): no fixed graph.
+    "freeze.mode": Rule(
+        lambda c: f"none with model.family={c.model.family.value} (an MoE family: its routing has no fixed graph "
+        "to freeze); export, script or trace with a dense family",
+        lambda v, c: getattr(v, "value", v) == "none" or not _moe_keys(c),
+        ("export",),
+        context=(("model.family", "qwen3_moe"), ("model.moe.num_experts", 4)),
+    ),
     "freeze.strict": TYPED,
     "freeze.check_graph_breaks": TYPED,
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),
