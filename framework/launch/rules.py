@@ -872,8 +872,10 @@ RULES: dict[str, Rule] = {
     # freeze
     # An MoE family's routing is data-dependent (per-expert counts decide the shapes): no fixed graph.
     "freeze.mode": Rule(
-        lambda c: f"none with model.family={c.model.family.value} (an MoE family: its routing has no fixed graph "
-        "to freeze); export, script or trace with a dense family",
+        lambda c: (
+            f"none with model.family={c.model.family.value} (an MoE family: its routing has no fixed graph "
+            "to freeze); export, script or trace with a dense family"
+        ),
         lambda v, c: getattr(v, "value", v) == "none" or not _moe_keys(c),
         ("export",),
         context=(("model.family", "qwen3_moe"), ("model.moe.num_experts", 4)),
