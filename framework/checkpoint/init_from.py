@@ -179,7 +179,17 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     else:
         shape = saved_shape(step_dir) or {}
     set_on_cli = command_line_keys(overrides)
+    if "moe" in shape:  # an MoE family's keys (config.json's), over the recipe's others
+        for k, v in shape["moe"].items():
+            if f"moe.{k}" in set_on_cli and getattr(cfg.model.moe, k) != v:
+                raise ValueError(
+                    f"model.moe.{k}={set_on_cli[f'moe.{k}']} on the command line contradicts {KEY}={str(path)!r}, "
+                    f"whose config.json has {v}; drop the override (init_from sets the shape)"
+                )
+        shape["moe"] = dataclasses.replace(cfg.model.moe, **shape["moe"])
     for k, v in shape.items():
+        if k == "moe":
+            continue
         if k in set_on_cli and getattr(cfg.model, k) != v:
             v = getattr(v, "value", v)  # the family: its name
             theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
@@ -199,7 +209,8 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
     expected = expected_shapes(model_cfg)
     if hf is not None:
-        import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
+        spec = model_spec(model_cfg)
+        import_hf.check_against(hf, expected, spec.hf_names(), KEY, experts=spec.hf_experts())
         check_float_weights(hf)
     else:
         assert step_dir is not None

@@ -85,12 +85,15 @@ class ResidualDtype(Enum):
 
 
 class ModelFamily(Enum):
-    """The architecture (framework.models): ``llama`` (Llama 2/3), or ``qwen3`` (Qwen3 dense: Llama's
-    layout plus an RMSNorm over each query and key head before RoPE)."""
+    """The architecture (framework.models): ``llama`` (Llama 2/3), ``qwen3`` (Qwen3 dense: Llama's
+    layout plus an RMSNorm over each query and key head before RoPE), ``mistral`` (a sliding window),
+    and the sparse ones (``model.moe``): ``qwen3_moe`` (Qwen3-MoE), ``mixtral`` (Mixtral)."""
 
     llama = "llama"
     qwen3 = "qwen3"
     mistral = "mistral"
+    qwen3_moe = "qwen3_moe"
+    mixtral = "mixtral"
 
 
 class AttentionBackend(Enum):
@@ -294,6 +297,55 @@ def option_fields(cls: type = None, prefix: str = "") -> dict[str, tuple[str, tu
 # ----------------------------------------------------------------------------------------------
 
 
+class RouterScore(Enum):
+    """How the MoE router scores experts (framework.models.moe): ``softmax`` (Qwen3-MoE, Mixtral), or
+    ``sigmoid`` plus a per-expert selection bias for aux-loss-free balancing (DeepSeek-V3's)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class ExpertKernel(Enum):
+    """What runs the experts: ``auto`` (the grouped GEMM where the device's kernel takes the operands,
+    else the loop), ``grouped`` (torch's grouped_mm, refused where it cannot run), ``loop`` (per expert)."""
+
+    auto = "auto"
+    grouped = "grouped"
+    loop = "loop"
+
+
+@dataclass
+class MoEConfig:
+    """The Mixture-of-Experts keys (``model.moe``), for the sparse families (qwen3_moe, mixtral).
+    Names are transformers' (Qwen3MoeConfig / MixtralConfig) where one exists. ``num_experts=0`` is a
+    dense model (every other family); the launcher refuses any other key changed there."""
+
+    # Routed experts per MoE layer (HF Qwen3-MoE num_experts, Mixtral num_local_experts); 0 = dense.
+    num_experts: int = 0
+    # Top-k: experts each token goes to.
+    num_experts_per_tok: int = 2
+    # One expert's SwiGLU width; 0 = model.ffn_dim (Mixtral's experts are intermediate_size wide, and
+    # Qwen3-MoE's dense layers, mlp_only_layers, are model.ffn_dim wide).
+    moe_intermediate_size: int = 0
+    # Renormalise the top-k weights to sum 1 (Mixtral always does; Qwen3-MoE's published configs do).
+    norm_topk_prob: bool = True
+    router_score: RouterScore = RouterScore.softmax
+    # DeepSeek-V3's multiplier of the routed weights (1 = off).
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's gamma: the sigmoid router's selection bias moves this much per optimizer step,
+    # up for experts under the mean load, down above it (0 = a fixed zero bias).
+    bias_update_rate: float = only_with("model.moe.router_score", RouterScore.sigmoid, default=0.0)
+    # Slots per expert = ceil(capacity_factor * tokens * top_k / num_experts); 0 = no token dropped.
+    capacity_factor: float = 0.0
+    # The load-balancing loss (transformers' load_balancing_loss_func) is added times this; 0 = off.
+    router_aux_loss_coef: float = 0.001
+    # Experts every token goes through (DeepSeek-style; neither HF family here has them).
+    num_shared_experts: int = 0
+    # One shared expert's width; 0 = the routed experts' width.
+    shared_intermediate_size: int = 0
+    expert_kernel: ExpertKernel = ExpertKernel.auto
+
+
 @dataclass
 class ModelConfig:
     """Decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
@@ -351,6 +403,7 @@ class ModelConfig:
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
     # shape fields above are taken from it (framework.checkpoint.init_from); a contradicting override is an error.
     init_from: Optional[str] = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

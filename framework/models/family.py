@@ -28,6 +28,11 @@ class Family:
     (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
     ``activation_values``: the values one block saves for backward per token (the planner's memory
     term, ``framework.planner.plan``), from the shape.
+    ``moe_keys``: the ``model.moe`` keys the family reads (``framework.config.schema.MoEConfig``); empty
+    for a dense family. The launcher refuses any other MoE key changed from its default.
+    ``hf_moe_fields``: ``model.moe`` key -> its config.json key (both ways); ``hf_fixed``: config.json
+    keys that must hold these values (what the family's block computes), written by the export and
+    checked by the import.
     """
 
     name: str
@@ -36,3 +41,6 @@ class Family:
     hf_architecture: str
     activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
+    moe_keys: tuple[str, ...] = ()
+    hf_moe_fields: dict[str, str] = field(default_factory=dict)
+    hf_fixed: dict[str, object] = field(default_factory=dict)

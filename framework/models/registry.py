@@ -7,15 +7,18 @@ describes. A new family is its folder and one line in ``FAMILIES``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from torch import nn
 
-from framework.config.schema import ModelConfig, ModelFamily
+from framework.config.schema import ModelConfig, ModelFamily, MoEConfig
 from framework.models.family import Family
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
+from framework.models.mixtral import MIXTRAL
 from framework.models.qwen3 import QWEN3
+from framework.models.qwen3_moe import QWEN3_MOE
 from framework.models.spec import ModelSpec
 
 # The registry: one line per family.
@@ -23,6 +26,8 @@ FAMILIES: dict[ModelFamily, Family] = {
     ModelFamily.llama: LLAMA,
     ModelFamily.qwen3: QWEN3,
     ModelFamily.mistral: MISTRAL,
+    ModelFamily.qwen3_moe: QWEN3_MOE,
+    ModelFamily.mixtral: MIXTRAL,
 }
 
 
@@ -33,13 +38,27 @@ def family(m: ModelConfig) -> Family:
 
 @functools.lru_cache(maxsize=256)
 def _spec(key: tuple) -> ModelSpec:
-    m = ModelConfig(**dict(key))
+    values = dict(key)
+    if "moe" in values:  # the MoE keys, hashed as a tuple of items (a list as a tuple)
+        values["moe"] = MoEConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in values["moe"]})
+    m = ModelConfig(**values)
     return FAMILIES[m.family].spec(m)
+
+
+def _key_value(m: ModelConfig, k: str) -> object:
+    v = getattr(m, k)
+    if k == "moe":
+        return tuple((f.name, _hashable(getattr(v, f.name))) for f in dataclasses.fields(v))
+    return v
+
+
+def _hashable(v: object) -> object:
+    return tuple(v) if isinstance(v, list) else v
 
 
 def model_spec(m: ModelConfig) -> ModelSpec:
     """The spec of ``m``'s shape; cached (the layout search plans the same model hundreds of times)."""
-    key = tuple((k, getattr(m, k)) for k in SHAPE_KEYS)
+    key = tuple((k, _key_value(m, k)) for k in SHAPE_KEYS)
     return _spec(key)
 
 
@@ -61,6 +80,7 @@ SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
+    "moe",
     *own_fields(),
 )
 

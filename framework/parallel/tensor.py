@@ -85,6 +85,11 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
     if tp_mesh is None or tp_mesh.size() == 1:
         return
     spec = model_spec(model.cfg)
+    if any(w.tp is TPStyle.moe for w in spec.block):
+        raise ValueError(
+            f"sharding.tp={tp_mesh.size()} with model.family={model.cfg.family.value}: tensor parallelism of an "
+            "MoE block is not built yet; valid: sharding.tp=1 (FSDP/DDP shard or replicate its experts)"
+        )
     # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
     # and output are then the residual stream's local sequence shard, as between two blocks.
     root = {

@@ -1,0 +1,52 @@
+"""Hugging Face MoE checkpoints (``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, tiny and random, made
+here) read shard-wise on 2 gloo ranks: FSDP shards the stacked experts on the expert dim, so each rank
+reads only its own experts' per-expert tensors from the files; the logits must equal transformers'
+within 1e-5 (fp32, CPU). The 1-rank parity, both ways, is tests/models/test_models_moe_families.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from framework.config.schema import Config, Strategy  # noqa: E402
+from framework.models import build_model  # noqa: E402
+from framework.parallel import build_mesh, parallelize  # noqa: E402
+from framework.planner.resolve import make_plan  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+from tests.models.test_models_moe_families import SEQ, TOL, hf_model, imported_cfg, tokens  # noqa: E402
+
+
+def _fsdp_logits(rank: int, world: int, models: dict) -> dict:
+    out = {}
+    for family, (path, expected) in models.items():
+        cfg = imported_cfg(path)
+        full = Config(model=cfg)
+        full.mesh.shape = [world]
+        full.sharding.strategy = Strategy.fsdp
+        full.train.seq_len, full.train.global_batch_size, full.train.micro_batch_size = SEQ, world, 1
+        plan = make_plan(full)
+        model = parallelize(
+            build_model(cfg, SEQ), build_mesh(plan, "cpu"), plan, full.sharding, full.bucketing, full.executor,
+            torch.device("cpu"), 0,
+        )  # fmt: skip
+        experts = model.get_parameter("layers.0.feed_forward.experts.gate_up_proj")
+        assert experts.to_local().shape[0] == cfg.moe.num_experts // world  # this rank's experts only
+        with torch.no_grad():
+            out[family] = (model(tokens()) - expected).abs().max().item()
+    return out
+
+
+def test_two_gloo_ranks_fsdp_read_their_experts_and_equal_transformers(tmp_path) -> None:
+    models = {}
+    for family in ("qwen3_moe", "mixtral"):
+        hf = hf_model(family)
+        hf.save_pretrained(tmp_path / family, max_shard_size="60KB")
+        with torch.no_grad():
+            models[family] = (tmp_path / family, hf(tokens()).logits)
+    out = run_ranks(_fsdp_logits, 2, models, timeout_s=300)
+    print("HF MoE -> framework, 2 gloo ranks (FSDP), max |logits diff|:", out)
+    for diffs in out:
+        assert len(diffs) == 2 and max(diffs.values()) <= TOL, diffs
