@@ -201,6 +201,16 @@ def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_cannot_run() -> None:
     plan = make_plan(cfg_for([4], ep=2))
     assert plan.layout == Degrees(dp_shard=4, ep=2) and plan.mesh_axes == ("dp_shard",)
     assert plan.strategy == "fsdp_ep" and plan.layout.short() == "r1 s4 t1 e2"
+    # the token exchange: dispatch + combine, forward and backward, per layer and micro batch
+    (a2a,) = [c for c in plan.comm if c.axis == "ep"]
+    cfg = cfg_for([4], ep=2)
+    assert a2a.collective == "all_to_all" and a2a.group_size == 2
+    assert a2a.calls == 4 * cfg.model.n_layers * plan.grad_accum_steps
+    rows = plan.micro_batch_size * cfg.train.seq_len * cfg.model.moe.num_experts_per_tok
+    assert (
+        a2a.bytes_per_call == rows * cfg.model.dim * 4
+        and a2a.volume_bytes == a2a.bytes_per_call * a2a.calls // 2
+    )
     assert make_plan(cfg_for([4], tp=2, ep=2)).layout == Degrees(dp_shard=2, tp=2, ep=2)
     for degrees, msg in (
         ({"tp": 2, "ep": 4}, "parallel.ep=4 does not divide parallel.dp_shard=2: the ep ranks are borrowed"),
