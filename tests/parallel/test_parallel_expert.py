@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from framework.checkpoint import Checkpointer
-from framework.config.schema import Config, ModelFamily
+from framework.config.schema import ActivationCheckpointing, Config, ModelFamily
 from framework.data.sampler import BatchSampler
 from framework.models import build_model, materialize
 from framework.models.moe import ExpertKernel, MoE, MoEConfig
@@ -179,8 +179,10 @@ def parallel_model(cfg: Config) -> tuple[torch.nn.Module, object, object]:
 
 def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[dict]:
     out = []
-    for parallel in layouts:
+    for layout in layouts:
+        parallel = {k: v for k, v in layout.items() if k != "ac"}
         cfg = make_cfg(world, **parallel)
+        cfg.sharding.activation_checkpointing = ActivationCheckpointing(layout.get("ac", "none"))
         model, mesh, plan = parallel_model(cfg)
         experts = {n: p for n, p in model.named_parameters() if "experts." in n}
         assert experts, "no expert weights"
@@ -206,8 +208,9 @@ def _check(results: list[list[dict]], reference: list[tuple]) -> None:
 
 
 def test_decoder_ep2_matches_one_process() -> None:
+    """ep=2 on 2 ranks, and with full activation checkpointing (backward reruns the all-to-alls)."""
     ref = reference_steps()
-    _check(run_ranks(_layouts_worker, 2, [{"ep": 2}]), ref)
+    _check(run_ranks(_layouts_worker, 2, [{"ep": 2}, {"ep": 2, "ac": "full"}]), ref)
 
 
 def test_decoder_ep_composed_on_4_ranks_matches_one_process() -> None:
