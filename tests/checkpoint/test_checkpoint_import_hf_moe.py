@@ -1,7 +1,13 @@
 """Hugging Face MoE checkpoints (``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, tiny and random, made
-here) read shard-wise on 2 gloo ranks: FSDP shards the stacked experts on the expert dim, so each rank
-reads only its own experts' per-expert tensors from the files; the logits must equal transformers'
-within 1e-5 (fp32, CPU). The 1-rank parity, both ways, is tests/models/test_models_moe_families.py's.
+here) on 2 gloo ranks, the logits equal to transformers' within 1e-5 (fp32, CPU) in two layouts:
+
+* FSDP shards the stacked experts on the expert dim, so each rank reads only its own experts'
+  per-expert tensors from the files;
+* expert parallelism (``framework.parallel.expert.apply_ep`` on every MoE layer of the imported model,
+  ep=2): each rank keeps half the experts and feeds its own rows, which all-to-all dispatches to the
+  rank holding their experts and back. (The trainer does not build this layout yet: ``parallel.ep``.)
+
+The 1-rank parity, both ways, is tests/models/test_models_moe_families.py's.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import torch
 pytest.importorskip("transformers")
 
 from framework.config.schema import Config, Strategy  # noqa: E402
-from framework.models import build_model  # noqa: E402
+from framework.models import build_model, materialize  # noqa: E402
+from framework.models.parts.sparse import sparse_layers  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
+from framework.parallel.expert import apply_ep  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.models.test_models_moe_families import SEQ, TOL, hf_model, imported_cfg, tokens  # noqa: E402
@@ -35,11 +43,20 @@ def _fsdp_logits(rank: int, world: int, models: dict) -> dict:
         experts = model.get_parameter("layers.0.feed_forward.experts.gate_up_proj")
         assert experts.to_local().shape[0] == cfg.moe.num_experts // world  # this rank's experts only
         with torch.no_grad():
-            out[family] = (model(tokens()) - expected).abs().max().item()
+            out[f"{family}/fsdp"] = (model(tokens()) - expected).abs().max().item()
+        # ep=2: the whole model imported on each rank, then each MoE layer keeps its half of the experts.
+        model = build_model(cfg, SEQ)
+        materialize(model, "cpu", seed=0)
+        for _, layer in sparse_layers(model):
+            apply_ep(layer, torch.distributed.group.WORLD)
+        assert model.get_parameter("layers.0.feed_forward.experts.local.gate_up_proj").shape[0] == 2
+        with torch.no_grad():  # this rank's row of the batch
+            mine = model(tokens()[rank : rank + 1])
+        out[f"{family}/ep2"] = (mine - expected[rank : rank + 1]).abs().max().item()
     return out
 
 
-def test_two_gloo_ranks_fsdp_read_their_experts_and_equal_transformers(tmp_path) -> None:
+def test_two_gloo_ranks_fsdp_and_ep_equal_transformers(tmp_path) -> None:
     models = {}
     for family in ("qwen3_moe", "mixtral"):
         hf = hf_model(family)
@@ -47,6 +64,6 @@ def test_two_gloo_ranks_fsdp_read_their_experts_and_equal_transformers(tmp_path)
         with torch.no_grad():
             models[family] = (tmp_path / family, hf(tokens()).logits)
     out = run_ranks(_fsdp_logits, 2, models, timeout_s=300)
-    print("HF MoE -> framework, 2 gloo ranks (FSDP), max |logits diff|:", out)
+    print("HF MoE -> framework, 2 gloo ranks, max |logits diff|:", out)
     for diffs in out:
-        assert len(diffs) == 2 and max(diffs.values()) <= TOL, diffs
+        assert len(diffs) == 4 and max(diffs.values()) <= TOL, diffs
