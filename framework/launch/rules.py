@@ -295,12 +295,18 @@ def check_layout(cfg: Config, declared: Degrees | None) -> None:
     framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
     these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
-    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``."""
+    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``. An MoE block has no
+    tensor-parallel plan yet: no ``tp`` with an MoE family."""
     if cfg.optimizer.name is OptimizerName.muon and declared is not None:
         if declared.dp_shard != 1 or declared.tp != 1:
             raise ValueError(
                 f"optimizer.name={show(cfg.optimizer.name)} is not valid; valid: {_muon_valid(cfg)}"
             )
+    if declared is not None and declared.tp != 1 and _moe_keys(cfg):
+        raise ValueError(
+            f"sharding.tp={declared.tp} with model.family={_family(cfg)}: tensor parallelism of an MoE block "
+            "is not built yet; valid: sharding.tp=1 (FSDP/DDP shard or replicate its experts)"
+        )
 
 
 def _muon_valid(c: Config) -> str:

@@ -125,6 +125,8 @@ def _degree_options(cfg: Config) -> list[Degrees]:
         cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
     ):  # the whole head: framework.kernels.fused_ce
         out = [d for d in out if d.tp == 1]
+    if cfg.model.moe.num_experts:  # an MoE block has no TP plan yet (framework.parallel.tensor refuses it)
+        out = [d for d in out if d.tp == 1]
     return out
 
 
