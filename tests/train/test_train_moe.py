@@ -15,7 +15,7 @@ from framework.checkpoint.export_hf import checkpoint_model_state
 from framework.config.schema import to_config
 from framework.models import build_model, materialize
 from framework.record.metrics import read_metrics
-from tests.entry import train_forked
+from tests.entry import train_forked, train_main
 
 TINY = ["recipe=qwen3_moe_tiny", "train.seq_len=32", "train.global_batch_size=4", "train.eval_every=0"]
 TINY += ["train.warmup_steps=1"]
@@ -70,7 +70,9 @@ def test_balance_is_logged_and_the_export_after_training_equals_ours(tmp_path: P
     assert diff <= 1e-5
 
 
-def test_sigmoid_router_bias_moves_each_step(tmp_path: Path) -> None:
+def test_sigmoid_router_bias_moves_each_step_and_another_expert_count_cannot_resume(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     rate = 0.01
     train(run, "train.steps=3", "model.moe.router_score=sigmoid", f"model.moe.bias_update_rate={rate}")
@@ -79,3 +81,10 @@ def test_sigmoid_router_bias_moves_each_step(tmp_path: Path) -> None:
     steps = bias / rate  # each step moves each entry by -rate, 0 or +rate (the sign of mean - load)
     assert bias.abs().max() > 0 and torch.allclose(steps, steps.round(), atol=1e-4), bias
     assert steps.abs().max() <= 3 and abs(bias.sum().item()) < 3 * rate * bias.numel()
+    # Resuming that checkpoint with another expert count (and router): one line, exit 2, nothing written.
+    again = tmp_path / "again"
+    step = run / "checkpoints" / "step_000003"
+    code = train_main(f"hydra.run.dir={again}", *TINY, f"checkpoint.resume={step}", "model.moe.num_experts=4")
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and not again.exists(), errors
+    assert "model.moe.num_experts=8 there, 4 here" in errors[0] and "router_score=sigmoid there" in errors[0]
