@@ -286,11 +286,10 @@ def export_checkpoint(
     path is not a checkpoint or its shape cannot be found, or OUT holds what export-hf did not
     write (unless ``force``).
     """
-    import dataclasses
 
     from omegaconf import OmegaConf
 
-    from framework.checkpoint.init_from import framework_checkpoint, saved_shape
+    from framework.checkpoint.init_from import framework_checkpoint, saved_shape, with_shape
     from framework.config.schema import to_config
     from framework.data.tokenizer import load_tokenizer
 
@@ -316,7 +315,7 @@ def export_checkpoint(
             "pass --config RUN_DIR/config.yaml of the run that saved it"
         )
     model_cfg = cfg.model if cfg is not None else ModelConfig()
-    model_cfg = dataclasses.replace(model_cfg, **(shape or {}), init_from=None)
+    model_cfg = with_shape(model_cfg, shape, init_from=None)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg is not None else None
     seq_len = cfg.train.seq_len if cfg is not None else 2048
     state = checkpoint_model_state(step_dir)

@@ -477,8 +477,12 @@ MAX_EXPERTS = 2**16  # routed experts per layer; the largest published models ha
 _MOE_DEFAULT = MoEConfig()
 
 
+def _family(c: Config) -> str:
+    return getattr(c.model.family, "value", c.model.family)
+
+
 def _moe_keys(c: Config) -> tuple[str, ...]:
-    fam = FAMILIES.get(c.model.family)
+    fam = next((f for f in FAMILIES.values() if f.name == _family(c)), None)
     return fam.moe_keys if fam is not None else ()
 
 
@@ -497,7 +501,7 @@ def moe_key(
         if leaf not in _moe_keys(c):
             owners = "|".join(f.name for f in FAMILIES.values() if leaf in f.moe_keys) or "none"
             return (
-                f"{show(default)} (the default) with model.family={c.model.family.value}, which does not read it; "
+                f"{show(default)} (the default) with model.family={_family(c)}, which does not read it; "
                 f"model.moe.{leaf} is for model.family={owners}"
             )
         return valid(c) if callable(valid) else valid
@@ -880,7 +884,16 @@ RULES: dict[str, Rule] = {
         bad=(-1, 4),
     ),  # fmt: skip
     # freeze
-    "freeze.mode": TYPED,
+    # An MoE family's routing is data-dependent (per-expert counts decide the shapes): no fixed graph.
+    "freeze.mode": Rule(
+        lambda c: (
+            f"none with model.family={_family(c)} (an MoE family: its routing has no fixed graph "
+            "to freeze); export, script or trace with a dense family"
+        ),
+        lambda v, c: getattr(v, "value", v) == "none" or not _moe_keys(c),
+        ("export",),
+        context=(("model.family", "qwen3_moe"), ("model.moe.num_experts", 4)),
+    ),
     "freeze.strict": TYPED,
     "freeze.check_graph_breaks": TYPED,
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),

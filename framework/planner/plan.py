@@ -819,6 +819,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     cap, reason, buckets = _buckets(cfg, d, specs, units, sizes, size, warnings)
     held = pipeline_stages.held_for_step(cfg, d.pp)
     comm = _comm(cfg, specs, sizes, axes, accum, len(buckets), units, d.ddp, pipe and pipe.layers, held)
+    if d.ep > 1:
+        comm.append(_ep_all_to_all(cfg, d, sizes, axes, accum, pipe and pipe.layers))
     if pipe is not None:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
         comm += _pp_tied(cfg, d, sizes, axes, pipe.ranks)
@@ -1090,6 +1092,45 @@ def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: i
         memory=memory,
         fraction=fraction,
         bubble=pipeline_stages.bubble_fraction(sched, d.pp, spr, m),
+    )
+
+
+def _ep_all_to_all(
+    cfg: Config,
+    d: Degrees,
+    sizes: tuple[int, ...],
+    axes: tuple[MeshAxis, ...],
+    accum: int,
+    layers: int | None,
+) -> CommEstimate:
+    """Expert parallelism's token exchange (framework.parallel.expert): in each MoE layer's forward
+    a dispatch and a combine all-to-all of every top-k assignment's row (micro batch x seq x k rows
+    of dim: under TP the MoE sublayer runs on the gathered sequence), and two more in backward; a fully checkpointed forward exchanges again (selective: every other
+    block). Balanced routing is assumed: each rank keeps 1/ep of its rows and sends the rest, the
+    volume of an all-gather's (ep - 1)/ep. The ep group is ep consecutive dp_shard ranks."""
+    m = cfg.model
+    n = m.n_layers if layers is None else layers
+    k = m.moe.num_experts_per_tok
+    elem = 2 if autocast_bf16(cfg) else 4
+    payload = cfg.train.micro_batch_size * cfg.train.seq_len * k * m.dim * elem
+    recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+    calls = (4 * n + 2 * recomputed.get(cfg.sharding.activation_checkpointing, 0)) * accum
+    i = axes.index(MeshAxis.dp_shard)
+    span = d.ep * math.prod(sizes[i + 1 :])
+    ppn = cfg.mesh.procs_per_node
+    intra = span <= ppn and ppn % span == 0
+    alpha, beta = _link(cfg, intra)
+    factor = (d.ep - 1) / d.ep
+    per_call = (d.ep - 1) * alpha + factor * payload / beta
+    return CommEstimate(
+        "ep",
+        "all_to_all",
+        d.ep,
+        "intra" if intra else "inter",
+        calls,
+        payload,
+        int(factor * payload * calls),
+        per_call * calls,
     )
 
 

@@ -150,6 +150,10 @@ def _dense_degree_options(cfg: Config) -> list[Degrees]:
         cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
     ):  # the whole head: framework.kernels.fused_ce
         out = [d for d in out if d.tp == 1]
+    # An MoE block under TP runs its MoE sublayer whole on every TP rank (framework.parallel.tensor),
+    # work the cost model does not count: the search keeps tp=1 there (a declared tp runs).
+    if cfg.model.moe.num_experts:
+        out = [d for d in out if d.tp == 1]
     return out
 
 

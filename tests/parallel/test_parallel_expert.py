@@ -20,13 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from framework.checkpoint import Checkpointer
-from framework.config.schema import Config
+from framework.config.schema import ActivationCheckpointing, Config, ModelFamily
 from framework.data.sampler import BatchSampler
-from framework.models import materialize
+from framework.models import build_model, materialize
 from framework.models.moe import ExpertKernel, MoE, MoEConfig
-from framework.models.parts.attention import Attention
-from framework.models.parts.decoder import Decoder, TransformerBlock
-from framework.models.registry import model_spec
+from framework.models.parts.decoder import Decoder
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.expert import ExpertParallel, expert_major_order, shard_experts
 from framework.planner.resolve import make_plan
@@ -123,13 +121,16 @@ def test_expert_major_order() -> None:
 
 
 def make_cfg(world: int, **parallel: int) -> Config:
+    """Tiny Qwen3-MoE (8 experts, top 2, untied for the pipeline). The load-balancing loss is off:
+    each rank computes it from its own tokens (as transformers and torchtitan do), a product of
+    per-batch means, so no data-parallel layout reproduces one process's over the whole batch."""
     cfg = Config()
     cfg.mesh.shape = [world]
     m = cfg.model
-    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.tie_embeddings = 32, 2, 4, 2, 64, False
-    moe = getattr(m, "moe", None)  # the model.moe keys, where the schema has them
-    if moe is not None:
-        moe.num_experts = NUM_EXPERTS
+    m.family, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = ModelFamily.qwen3_moe, 32, 2, 4, 2, 64
+    m.tie_embeddings = False
+    m.moe.num_experts, m.moe.num_experts_per_tok, m.moe.moe_intermediate_size = NUM_EXPERTS, 2, 16
+    m.moe.router_aux_loss_coef = 0.0
     cfg.train.seq_len = SEQ
     cfg.train.global_batch_size = GLOBAL_BATCH
     cfg.train.grad_clip = 0.3
@@ -140,15 +141,8 @@ def make_cfg(world: int, **parallel: int) -> Config:
 
 
 def moe_decoder(cfg: Config) -> Decoder:
-    """The trunk with MoE feed-forward layers (8 experts, top 2), on meta, as a family's builder."""
-    m = cfg.model
-    layer = MoEConfig(dim=m.dim, moe_intermediate_size=16, num_experts=NUM_EXPERTS, num_experts_per_tok=2)
-
-    def block(c: object, spec: object) -> TransformerBlock:
-        return TransformerBlock(m, Attention(m, spec.head_dim), MoE(layer))
-
-    with torch.device("meta"):
-        return Decoder(m, model_spec(m), block, SEQ)
+    """The family's decoder on meta, as the trainer builds it."""
+    return build_model(cfg.model, SEQ)
 
 
 def batches() -> list[torch.Tensor]:
@@ -185,8 +179,10 @@ def parallel_model(cfg: Config) -> tuple[torch.nn.Module, object, object]:
 
 def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[dict]:
     out = []
-    for parallel in layouts:
+    for layout in layouts:
+        parallel = {k: v for k, v in layout.items() if k != "ac"}
         cfg = make_cfg(world, **parallel)
+        cfg.sharding.activation_checkpointing = ActivationCheckpointing(layout.get("ac", "none"))
         model, mesh, plan = parallel_model(cfg)
         experts = {n: p for n, p in model.named_parameters() if "experts." in n}
         assert experts, "no expert weights"
@@ -212,18 +208,21 @@ def _check(results: list[list[dict]], reference: list[tuple]) -> None:
 
 
 def test_decoder_ep2_matches_one_process() -> None:
+    """ep=2 on 2 ranks, and with full activation checkpointing (backward reruns the all-to-alls)."""
     ref = reference_steps()
-    _check(run_ranks(_layouts_worker, 2, [{"ep": 2}]), ref)
+    _check(run_ranks(_layouts_worker, 2, [{"ep": 2}, {"ep": 2, "ac": "full"}]), ref)
 
 
 def test_decoder_ep_composed_on_4_ranks_matches_one_process() -> None:
     """ep=2 x dp_shard=2 (dp_shard 4 = 2 replicas of each expert shard x ep 2), ep=4 (every dp_shard
-    rank its own experts), HSDP with ep (dp_replicate 2 x dp_shard 2, ep 2) and ep=2 x pp=2."""
+    rank its own experts), HSDP with ep (dp_replicate 2 x dp_shard 2, ep 2), ep=2 x tp=2 (TP on
+    attention, the MoE layer whole on each TP rank) and ep=2 x pp=2."""
     ref = reference_steps()
     layouts = [
         {"dp_shard": 4, "ep": 2},
         {"dp_shard": 4, "ep": 4},
         {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        {"dp_shard": 2, "tp": 2, "ep": 2},
         {"pp": 2, "dp_shard": 2, "ep": 2},
     ]
     _check(run_ranks(_layouts_worker, 4, layouts), ref)

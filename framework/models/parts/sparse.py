@@ -170,3 +170,30 @@ def update_expert_biases(model: nn.Module, group: object = None) -> None:
                 dist.all_reduce(load, group=group)  # type: ignore[arg-type]
             moe.update_expert_bias(layer.gate, load)
         layer.step_load.zero_()
+
+
+def balance_row(model: nn.Module) -> dict[str, object]:
+    """The experts' balance for a metrics row, from the tokens this rank routed since the last row
+    (``take_load``; resets it): per sparse block the max / mean tokens per expert (``moe_load``, 1.0 is
+    a perfectly balanced router, ``num_experts / top_k`` one expert taking every token), the worst
+    block's (``moe_load_max``), the assignments dropped over capacity and their share (with a
+    ``model.moe.capacity_factor``), and the last forward's load-balancing loss before its coefficient
+    (``moe_aux_loss``). Empty for a dense model."""
+    loads = take_load(model)
+    if not loads:
+        return {}
+    ratios = []
+    routed = dropped = 0.0
+    for _, load, drop in loads:
+        figures = moe.expert_load(load)
+        ratios.append(round(figures["max_over_mean"], 4))
+        routed += float(load.sum())
+        dropped += float(drop)
+    row: dict[str, object] = {"moe_load_max": max(ratios), "moe_load": ratios}
+    stats = [layer.stats for _, layer in sparse_layers(model) if layer.stats is not None]
+    if stats:
+        row["moe_aux_loss"] = float(moe.load_balancing_loss(stats).detach())
+    if any(layer.cfg.capacity_factor is not None for _, layer in sparse_layers(model)):
+        row["moe_dropped"] = int(dropped)
+        row["moe_dropped_frac"] = dropped / routed if routed else 0.0
+    return row
