@@ -97,8 +97,15 @@ def test_every_key_refuses_its_out_of_range_values(base: DictConfig, tmp_path: P
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
         elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
-            weights, names = [getattr(e, "weight", None) for e in bad], [getattr(e, "name", None) for e in bad]
-            shown = [f"weight={w}" for w in weights] + [f"[{w}]" for w in weights] + [f"name={n!r}" for n in names]
+            weights, names = (
+                [getattr(e, "weight", None) for e in bad],
+                [getattr(e, "name", None) for e in bad],
+            )
+            shown = (
+                [f"weight={w}" for w in weights]
+                + [f"[{w}]" for w in weights]
+                + [f"name={n!r}" for n in names]
+            )
             assert key in msg and any(s in msg for s in shown), msg
         else:
             assert key in msg, msg
@@ -312,7 +319,10 @@ def test_unbounded_counts_are_refused_before_launch(
 ) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (["train.py", f"hydra.run.dir={run}"], ["-m", "framework.launch.recipes", "validate", RECIPE]):
+    for argv in (
+        ["train.py", f"hydra.run.dir={run}"],
+        ["-m", "framework.launch.recipes", "validate", RECIPE],
+    ):
         proc = subprocess.run(
             [sys.executable, *argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
         )
@@ -328,3 +338,24 @@ def test_layout_divisors_match_counting_one_by_one() -> None:
     for n in range(200):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
     assert divisors(2**20)[-3:] == [2**18, 2**19, 2**20]
+
+
+def test_moe_keys_belong_to_the_sparse_families(base: DictConfig, tmp_path: Path) -> None:
+    """model.moe: a key changed on a family that does not read it, the expert count of a sparse family,
+    top-k over the experts, and tp with an MoE block (no TP plan for it yet): one line each."""
+    sparse = {"model.family": "qwen3_moe", "model.moe.num_experts": 4, "freeze.mode": "none"}
+    cases = [
+        ({"model.moe.num_experts": 8}, "model.moe.num_experts=8 is not valid; valid: 0 (the default) with "
+         "model.family=llama, which does not read it; model.moe.num_experts is for model.family=qwen3_moe|mixtral"),
+        ({**sparse, "model.family": "mixtral", "model.moe.moe_intermediate_size": 64},
+         "model.moe.moe_intermediate_size=64 is not valid; valid: 0 (the default) with model.family=mixtral"),
+        ({**sparse, "model.moe.num_experts_per_tok": 6},
+         "model.moe.num_experts_per_tok=6 is not valid; valid: an integer in 1..model.moe.num_experts=4"),
+        ({**sparse, "freeze.mode": "export"}, "freeze.mode='export' is not valid; valid: none with model.family=qwen3_moe"),
+        ({**sparse, "mesh.shape": [2], "parallel.tp": 2, "run.device": "cpu"},
+         "sharding.tp=2 with model.family=qwen3_moe: tensor parallelism of an MoE block is not built yet"),
+    ]  # fmt: skip
+    for i, (values, line) in enumerate(cases):
+        msg = refusal(base, values, tmp_path / str(i))
+        assert msg.startswith(line), (msg, line)
+    prelaunch(with_values(base, sparse), tmp_path / "ok", RECIPE)  # the sparse family itself launches
