@@ -35,10 +35,12 @@ from framework.parallel.step import (
     StepResult,
     StepTimer,
     autocast,
+    clip_grads,
     ratio_over_ranks,
     step_result,
     targets_counted,
     to_device,
+    total_grad_norm,
     update,
 )
 
@@ -323,9 +325,10 @@ def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMan
 def global_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` (inf: measure only) and return the total norm as a plain tensor."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2 / TP
-    return full() if full is not None else norm
+    norm = total_grad_norm(params)
+    if max_norm > 0:
+        clip_grads(params, max_norm, norm)
+    return norm
 
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

@@ -385,3 +385,24 @@ def test_activation_offload_beyond_the_hosts_memory_is_refused_with_the_bytes(
     check_offload_memory(cfg, available=offloaded_activation_bytes(cfg))  # exactly enough: passes
     with pytest.raises(ValueError, match="needed"):
         check_offload_memory(cfg, available=offloaded_activation_bytes(cfg) - 1)
+
+
+def test_moe_keys_belong_to_the_sparse_families(base: DictConfig, tmp_path: Path) -> None:
+    """model.moe: a key changed on a family that does not read it, the expert count of a sparse family,
+    top-k over the experts, and tp with an MoE block (no TP plan for it yet): one line each."""
+    sparse = {"model.family": "qwen3_moe", "model.moe.num_experts": 4, "freeze.mode": "none"}
+    cases = [
+        ({"model.moe.num_experts": 8}, "model.moe.num_experts=8 is not valid; valid: 0 (the default) with "
+         "model.family=llama, which does not read it; model.moe.num_experts is for model.family=qwen3_moe|mixtral"),
+        ({**sparse, "model.family": "mixtral", "model.moe.moe_intermediate_size": 64},
+         "model.moe.moe_intermediate_size=64 is not valid; valid: 0 (the default) with model.family=mixtral"),
+        ({**sparse, "model.moe.num_experts_per_tok": 6},
+         "model.moe.num_experts_per_tok=6 is not valid; valid: an integer in 1..model.moe.num_experts=4"),
+        ({**sparse, "freeze.mode": "export"}, "freeze.mode='export' is not valid; valid: none with model.family=qwen3_moe"),
+        ({**sparse, "mesh.shape": [2], "parallel.tp": 2, "run.device": "cpu"},
+         "sharding.tp=2 with model.family=qwen3_moe: tensor parallelism of an MoE block is not built yet"),
+    ]  # fmt: skip
+    for i, (values, line) in enumerate(cases):
+        msg = refusal(base, values, tmp_path / str(i))
+        assert msg.startswith(line), (msg, line)
+    prelaunch(with_values(base, sparse), tmp_path / "ok", RECIPE)  # the sparse family itself launches

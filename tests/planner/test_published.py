@@ -68,7 +68,7 @@ def test_forced_layout_is_the_published_one(rows: dict[str, dict[str, object]]) 
     for row in published.ROWS:
         plan = rows[row.label]["plan"]
         assert plan.degrees == {
-            "dp_replicate": 1, "dp_shard": row.dp_shard, "cp": row.cp, "tp": row.tp, "pp": row.pp
+            "dp_replicate": 1, "dp_shard": row.dp_shard, "cp": row.cp, "tp": row.tp, "pp": row.pp, "ep": 1
         }  # fmt: skip
         assert plan.micro_batch_size == row.micro_batch
         if row.pp > 1 and row.pp_stages_per_rank:
