@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.checkpoint.init_from import load
+from framework.config.schema import replace_model
+
 pytest.importorskip("transformers")
 
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
@@ -85,13 +88,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tor
 def imported_cfg(path: Path) -> ModelConfig:
     shape = import_hf.model_shape(import_hf.read_hf_checkpoint(path))
     shape["moe"] = MoEConfig(**shape["moe"])
-    return dataclasses.replace(ModelConfig(), **shape, init_from=str(path))
+    return replace_model(ModelConfig(), **shape, init_from=str(path))
 
 
 def ours(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
     cfg = imported_cfg(path)
     model = build_model(cfg, SEQ)
-    materialize(model, "cpu", seed=0)
+    materialize(model, "cpu", seed=0, load_weights=load)
     return cfg, model.eval()
 
 
