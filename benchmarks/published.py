@@ -38,9 +38,11 @@ TITAN_2506 = (
     "torchtitan 820504e, torch 38410cf9, 2025-06); the 'Vanilla TP' bfloat16 column"
 )
 # torchtitan's H100s: 96 GB HBM2e, 2.4 TB/s, 500 W power limit; "the actual peak TFLOPs number is between
-# SXM and NVL, and we don't know its exact value" (the 2024-12 file's footnote 2). Predicted with the
-# SXM figures of conf/mesh/hardware/h100_sxm.yaml all the same: that gap is part of the error shown.
+# SXM and NVL, and we don't know its exact value" (the 2024-12 file's footnote 2). Predicted with
+# conf/mesh/hardware/h100_96gb_500w.yaml (that memory and bandwidth, the midpoint of the two peaks);
+# until 2026-12 with the 700 W SXM figures, which put the 8-GPU rows 21% and 34% high.
 TITAN_HW = "H100 96GB HBM2e at 500 W (Grand Teton), 400 Gb/s RDMA per GPU"
+TITAN_PROFILE = "h100_96gb_500w"
 META_HW = "H100 SXM 80GB at 700 W (Grand Teton), 400 Gb/s RoCE per GPU"
 _HELD = "FSDP units held unsharded for the step (reshard_after_forward=false)"
 # Every row gathers bf16 parameters and reduces fp32 gradients: torchtitan's mixed_precision_param /
@@ -78,6 +80,11 @@ class Published:
     tflops_per_gpu: float = 0.0  # as published, where the source gives model TFLOP/s instead
     flop_formula: str = ""
     assumed: tuple[str, ...] = field(default_factory=tuple)  # what the source does not state
+    profile: str = "h100_sxm"  # conf/mesh/hardware/<profile>.yaml
+
+    def __post_init__(self) -> None:
+        if self.hardware == TITAN_HW:  # every torchtitan row ran on its 500 W H100s
+            object.__setattr__(self, "profile", TITAN_PROFILE)
 
     @property
     def nodes(self) -> int:
@@ -155,7 +162,7 @@ def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
     """The command line that forces the row's layout (what ``python train.py recipe=...`` would take)."""
     out = [
         f"mesh={row.nodes}x8",
-        "mesh/hardware=h100_sxm",
+        f"mesh/hardware={row.profile}",
         "run.device=cuda",
         "run.dry_run=true",
         f"executor={row.executor}",

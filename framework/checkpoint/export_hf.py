@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from framework.config.schema import ModelConfig, replace_model
+from framework.config.schema import ModelConfig
 from framework.data.tokenizer import Tokenizer
 from framework.models import family, lora, model_spec
 from framework.record.run_dir import check_creatable
@@ -64,9 +64,17 @@ def to_hf_state_dict(model_state: dict[str, torch.Tensor], model_cfg: ModelConfi
     unknown = sorted(set(model_state) - allowed)
     if missing or unknown:
         raise ValueError(f"model state does not match {model_cfg.name}: missing {missing}, unknown {unknown}")
+    experts = spec.hf_experts()
     out = {}
     for ours, theirs in names.items():
         w = model_state[ours]
+        if ours in experts:  # stacked (E, rows, cols): one tensor per expert and part, as the Hub keeps them
+            parts = experts[ours]
+            for e, stacked in enumerate(w):
+                out |= {
+                    t.format(e=e): chunk for t, chunk in zip(parts, stacked.chunk(len(parts)), strict=True)
+                }
+            continue
         out[theirs] = permute_rope_rows(w, rope[ours]) if ours in rope else w
     # safetensors refuses tensors that share storage (tied weights, views): save independent copies.
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
@@ -92,7 +100,10 @@ def hf_config(
             "original_max_position_embeddings": model_cfg.rope_original_max_position,
         }
     # The family's own fields (its record): our 0 (off) is HF's null.
-    own = {theirs: getattr(model_cfg, ours) or None for ours, theirs in family(model_cfg).hf_fields.items()}
+    fam = family(model_cfg)
+    own = {theirs: getattr(model_cfg, ours) or None for ours, theirs in fam.hf_fields.items()}
+    if fam.hf_moe_fields:
+        own |= moe_config(model_cfg)
     return own | {
         "architectures": [spec.hf_architecture],
         "model_type": spec.hf_model_type,
@@ -119,6 +130,32 @@ def hf_config(
         "pad_token_id": pad_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def moe_config(model_cfg: ModelConfig) -> dict[str, object]:
+    """An MoE family's config.json fields (its record's ``hf_moe_fields`` and ``hf_fixed``). ValueError
+    for what its ``transformers`` class cannot compute: a sigmoid router, a routed scaling factor,
+    shared experts (its logits would differ)."""
+    fam, moe = family(model_cfg), model_cfg.moe
+    unsupported = {
+        "router_score": (moe.router_score.value, "softmax"),
+        "routed_scaling_factor": (moe.routed_scaling_factor, 1.0),
+        "num_shared_experts": (moe.num_shared_experts, 0),
+    }
+    for key, (value, want) in unsupported.items():
+        if value != want:
+            raise ValueError(
+                f"export-hf: model.moe.{key}={value} has no {fam.hf_architecture} counterpart; valid for an HF "
+                f"export: {want}"
+            )
+    values = {ours: getattr(moe, ours) for ours in fam.hf_moe_fields}
+    if "moe_intermediate_size" in values:
+        values["moe_intermediate_size"] = moe.moe_intermediate_size or model_cfg.ffn_dim
+    return (
+        {fam.hf_moe_fields[k]: v for k, v in values.items()}
+        | dict(fam.hf_fixed)
+        | {"output_router_logits": False}
+    )
 
 
 def generation_config(
@@ -270,7 +307,7 @@ def export_checkpoint(
 
     from omegaconf import OmegaConf
 
-    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape
+    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
     from framework.config.schema import to_config
     from framework.data.tokenizer import load_tokenizer
 
@@ -296,7 +333,7 @@ def export_checkpoint(
             "pass --config RUN_DIR/config.yaml of the run that saved it"
         )
     model_cfg = cfg.model if cfg is not None else ModelConfig()
-    model_cfg = replace_model(model_cfg, **(shape or {}), init_from=None)
+    model_cfg = with_shape(model_cfg, shape, init_from=None)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg is not None else None
     seq_len = cfg.train.seq_len if cfg is not None else 2048
     state = checkpoint_model_state(step_dir)

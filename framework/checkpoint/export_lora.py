@@ -13,7 +13,6 @@ built it, from ``model.init_from`` or the seeded init (``framework.models.lora.w
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def export_adapter_checkpoint(
     Raises ValueError (one line) before writing anything."""
     from omegaconf import OmegaConf
 
-    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape
+    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
     from framework.config.schema import to_config
 
     checkpoint = Path(checkpoint).expanduser().resolve()
@@ -114,7 +113,7 @@ def export_adapter_checkpoint(
         raise ValueError(
             f"--adapter: {run_config} has peft.method={cfg.peft.method.value}; valid: a LoRA run's"
         )
-    model_cfg = dataclasses.replace(cfg.model, **(saved_shape(step_dir) or {}), init_from=None)
+    model_cfg = with_shape(cfg.model, saved_shape(step_dir), init_from=None)
     state = lora.with_base(
         checkpoint_model_state(step_dir), cfg.peft, model_cfg, cfg.model.init_from, cfg.train, load
     )

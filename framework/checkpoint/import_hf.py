@@ -1,4 +1,5 @@
-"""Import a Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` checkpoint (a safetensors folder) into our model.
+"""Import a Hugging Face checkpoint (a safetensors folder) of a registered family (``LlamaForCausalLM``,
+``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``) into our model.
 
 The inverse of ``export_hf.py``: names map one to one, and HF's rotate-half rows of ``q_proj`` /
 ``k_proj`` are permuted back to our interleaved-pair RoPE order inside each head.
@@ -11,10 +12,14 @@ each rank asks its parameters' local chunk (``DTensor.__create_chunk_list__``, w
 and reads only those rows and columns, widened for q/k to the whole heads the chunk touches (at
 most two heads more than the chunk). No rank reads, let alone holds, the full model unless its
 layout holds the full model (DDP, one rank).
+
+An MoE family's stacked experts ``(E, 2I, D)`` are read from the Hub's per-expert tensors (the spec's
+``hf_experts``), each rank only the experts and rows of its own chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -224,11 +229,56 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
             if k != "family":
                 out[k] = _typed_field(k, v, ints, where)
         # The family's own integer fields (its record), 0 where HF's is null or absent (off).
-        for ours, theirs in FAMILIES[ModelFamily(out["family"])].hf_fields.items():
+        fam = FAMILIES[ModelFamily(out["family"])]
+        for ours, theirs in fam.hf_fields.items():
             out[ours] = int(c.get(theirs) or 0)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
+    if fam.hf_moe_fields:
+        out["moe"] = moe_fields(c, fam.hf_moe_fields, fam.hf_fixed, where)
     out["family"] = ModelFamily(out["family"])
+    return out
+
+
+# transformers' attribute_map of Qwen3MoeConfig and MixtralConfig: either name is read (transformers
+# 5 saves Qwen3-MoE's expert count as num_local_experts; the published config.json has num_experts).
+HF_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
+def moe_fields(
+    c: dict[str, Any], fields: dict[str, str], fixed: dict[str, object], where: str
+) -> dict[str, Any]:
+    """An MoE family's ``model.moe`` values from config.json (its record's ``hf_moe_fields``), each of
+    the schema's type; ValueError for a missing or mistyped one, or a ``hf_fixed`` field holding
+    another value (``mlp_only_layers``: a layer our block would compute as sparse)."""
+    from framework.config.schema import MoEConfig
+
+    defaults = MoEConfig()
+    out: dict[str, Any] = {}
+    for ours, theirs in fields.items():
+        if theirs not in c and HF_ALIASES.get(theirs) in c:
+            theirs = HF_ALIASES[theirs]
+        if theirs not in c:
+            raise ValueError(f"{where}: config.json lacks {theirs} (model.moe.{ours})")
+        v, kind = c[theirs], type(getattr(defaults, ours))
+        if kind is bool:
+            ok = isinstance(v, bool)
+        elif kind is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            raise ValueError(
+                f"{where}: config.json has {theirs}={v!r}; valid: a JSON {kind.__name__} (model.moe.{ours})"
+            )
+        out[ours] = kind(v)
+    for theirs, want in fixed.items():
+        got = c.get(theirs, want)
+        if (got or want) and got != want:  # null and [] are the same here
+            raise ValueError(
+                f"{where}: config.json has {theirs}={got!r}; valid: {json.dumps(want)} (every layer sparse: "
+                "the only layout this family computes)"
+            )
     return out
 
 
@@ -254,15 +304,18 @@ def check_against(
     expected: dict[str, tuple[int, ...]],
     names: dict[str, str],
     key: str = "model.init_from",
+    experts: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
-    """``expected``: our parameter name -> shape; ``names``: ours -> HF's (the spec's ``hf_names``).
+    """``expected``: our parameter name -> shape; ``names``: ours -> HF's (the spec's ``hf_names``);
+    ``experts``: stacked expert weights -> their per-expert Hub names (the spec's ``hf_experts``): a
+    checkpoint with another number of experts misses or has unknown ``experts.{e}`` tensors.
     ValueError naming the first tensor whose shape differs (both shapes), or the tensors missing
     from the checkpoint / unknown to our model.
 
     A tied model ignores a stored ``lm_head.weight`` (transformers ties it to the embedding too).
     """
     where = f"{key}={str(ckpt.path)!r}"
-    want = {names[n]: s for n, s in expected.items()}
+    want = hf_shapes(expected, names, experts or {})
     for name, shape in want.items():
         got = ckpt.shapes.get(name)
         if got is not None and tuple(got) != tuple(shape):
@@ -277,6 +330,51 @@ def check_against(
         raise ValueError(
             f"{where}: tensor names do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
         )
+
+
+def hf_shapes(
+    expected: dict[str, tuple[int, ...]], names: dict[str, str], experts: dict[str, tuple[str, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """The Hub tensors a model of ``expected`` shapes reads: one per parameter, or for stacked experts
+    ``(E, rows, cols)`` one ``(rows / parts, cols)`` tensor per expert and part."""
+    out = {}
+    for n, shape in expected.items():
+        if n not in experts:
+            out[names[n]] = shape
+            continue
+        e, rows, *rest = shape
+        parts = experts[n]
+        for i in range(e):
+            out |= {t.format(e=i): (rows // len(parts), *rest) for t in parts}
+    return out
+
+
+def _read_experts(
+    open_file: Any,
+    files: dict[str, str],
+    parts: tuple[str, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """The local chunk ``offsets``/``sizes`` of a stacked ``(E, rows, cols)`` expert weight from the
+    per-expert Hub tensors (parts stacked along the rows): each rank reads only its experts' rows."""
+    (e0, r0, *c0), (ne, nr, *nc) = offsets, sizes
+    if 0 in sizes:
+        return torch.empty(sizes)
+    cols = tuple(slice(o, o + m) for o, m in zip(c0, nc, strict=True))
+    experts = []
+    for e in range(e0, e0 + ne):
+        names = [t.format(e=e) for t in parts]
+        per = open_file(files[names[0]]).get_slice(names[0]).get_shape()[0]
+        rows = []
+        for j, name in enumerate(names):
+            lo, hi = max(r0, j * per), min(r0 + nr, (j + 1) * per)
+            if lo < hi:
+                rows.append(
+                    open_file(files[name]).get_slice(name)[(slice(lo - j * per, hi - j * per), *cols)]
+                )
+        experts.append(torch.cat(rows))
+    return torch.stack(experts)
 
 
 def _local_chunk(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -324,17 +422,32 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
     from safetensors import safe_open
 
     spec = model_spec(model.cfg)
-    names, rope = spec.hf_names(), spec.rope_heads()
-    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.params()}, names)
+    names, rope, experts = spec.hf_names(), spec.rope_heads(), spec.hf_experts()
+    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.params()}, names, experts=experts)
     if model.cfg.tie_embeddings:
         names["output.weight"] = names["tok_embeddings.weight"]
     params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}  # adapters: not in HF
-    assert set(params) <= set(names), (
-        f"parameters the spec does not name: {sorted(set(params) - set(names))[:5]}"
+    assert set(params) <= set(names) | set(experts), (
+        f"parameters the spec does not name: {sorted(set(params) - set(names) - set(experts))[:5]}"
     )
+    stacked = [n for n in params if n in experts]
+    if stacked:
+        with contextlib.ExitStack() as stack:
+            handles: dict[str, Any] = {}
+
+            def open_file(name: str) -> Any:
+                if name not in handles:
+                    handles[name] = stack.enter_context(safe_open(str(ckpt.path / name), framework="pt"))
+                return handles[name]
+
+            for n in stacked:
+                local, offsets, sizes = _local_chunk(params[n])
+                value = _read_experts(open_file, ckpt.files, experts[n], offsets, sizes)
+                local.copy_(value.to(device=local.device, dtype=local.dtype))
     by_file: dict[str, list[str]] = {}
     for n in params:
-        by_file.setdefault(ckpt.files[names[n]], []).append(n)
+        if n not in experts:
+            by_file.setdefault(ckpt.files[names[n]], []).append(n)
     for file, in_file in sorted(by_file.items()):
         with safe_open(str(ckpt.path / file), framework="pt") as f:
             for n in in_file:

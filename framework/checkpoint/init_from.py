@@ -30,17 +30,31 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.checkpoint import import_hf
-from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily, replace_model
+from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily, RouterScore, replace_model
 from framework.models import SHAPE_KEYS, family, model_spec
 
 KEY = "model.init_from"
 RUN_CONFIG = "config.yaml"
 
 
+# The model.moe keys that decide the tensors (the others, top-k or capacity, may change at a resume).
+MOE_SHAPE = (
+    "num_experts",
+    "moe_intermediate_size",
+    "num_shared_experts",
+    "shared_intermediate_size",
+    "router_score",
+)
+
+
 def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
     """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
     fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields]
     shape = {k: getattr(model_cfg, k) for k in fields}
+    if model_cfg.moe.num_experts:  # an MoE family: the keys that decide its tensors
+        shape["moe"] = {
+            k: getattr(getattr(model_cfg.moe, k), "value", getattr(model_cfg.moe, k)) for k in MOE_SHAPE
+        }
     # The name is not a shape (saved_shape leaves it out): a run started from this one logs it.
     return shape | {"family": model_cfg.family.value, "name": model_cfg.name}
 
@@ -50,6 +64,16 @@ def _typed(shape: dict[str, Any]) -> dict[str, Any] | None:
     if "family" in shape:
         shape["family"] = ModelFamily(shape["family"])
     return shape or None
+
+
+def with_shape(model_cfg: ModelConfig, shape: dict[str, Any] | None, **more: Any) -> ModelConfig:
+    """``model_cfg`` with a recorded or read ``shape`` (and ``more``) put in; its ``moe`` entry (a dict
+    of ``model.moe`` keys) over ``model_cfg.moe``'s others."""
+    shape = dict(shape or {})
+    if isinstance(shape.get("moe"), dict):
+        moe = {k: RouterScore(v) if k == "router_score" else v for k, v in shape["moe"].items()}
+        shape["moe"] = dataclasses.replace(model_cfg.moe, **moe)
+    return replace_model(model_cfg, **shape, **more)  # across families: that family's schema
 
 
 def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
@@ -81,14 +105,17 @@ def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     except ValueError:  # a malformed one: the load refuses it (auto resume then tries an older one)
         extra = {}
     if isinstance(extra.get("model"), dict):
-        return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS})
+        return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS or k == "moe"})
     run_config = step_dir.parent.parent / RUN_CONFIG
     if run_config.is_file():
         try:
             model = OmegaConf.to_container(OmegaConf.load(run_config)).get("model", {})
         except Exception:  # noqa: BLE001 - an unreadable config.yaml just gives no shape
             return None
-        return _typed({k: model[k] for k in import_hf.SHAPE_FIELDS if k in model})
+        shape = {k: model[k] for k in import_hf.SHAPE_FIELDS if k in model}
+        if isinstance(model.get("moe"), dict) and model["moe"].get("num_experts"):
+            shape["moe"] = {k: model["moe"][k] for k in MOE_SHAPE if k in model["moe"]}
+        return _typed(shape)
     return None
 
 
@@ -121,13 +148,18 @@ def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None
     saved = saved_shape(step_dir)
     if not saved:
         return  # a checkpoint from before shapes were recorded: the load itself checks
-    theirs = replace_model(model_cfg, **saved)
+    theirs = with_shape(model_cfg, saved)
 
     def value(m: ModelConfig, k: str) -> Any:
-        v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k, None)  # another family's key: none
+        if k.startswith("moe."):
+            v = getattr(m.moe, k.removeprefix("moe."))
+        else:
+            v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k, None)  # another family's key: none
         return str(v).lower() if isinstance(v, bool) else getattr(v, "value", v)
 
-    differ = [k for k in SHAPE_KEYS if k in saved and value(theirs, k) != value(model_cfg, k)]
+    keys = [k for k in SHAPE_KEYS if k != "moe"] + [f"moe.{k}" for k in MOE_SHAPE]
+    recorded = set(saved) | {f"moe.{k}" for k in saved.get("moe") or {}}
+    differ = [k for k in keys if k in recorded and value(theirs, k) != value(model_cfg, k)]
     if differ:
         diffs = ", ".join(f"model.{k}={value(theirs, k)} there, {value(model_cfg, k)} here" for k in differ)
         raise ValueError(
@@ -182,7 +214,17 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     else:
         shape = saved_shape(step_dir) or {}
     set_on_cli = command_line_keys(overrides)
+    if "moe" in shape:  # an MoE family's keys (config.json's), over the recipe's others
+        for k, v in shape["moe"].items():
+            here = getattr(cfg.model.moe, k)
+            if f"moe.{k}" in set_on_cli and getattr(here, "value", here) != v:
+                raise ValueError(
+                    f"model.moe.{k}={set_on_cli[f'moe.{k}']} on the command line contradicts {KEY}={str(path)!r}, "
+                    f"whose {'config.json' if hf else 'checkpoint'} has {v}; drop the override (init_from sets the shape)"
+                )
     for k, v in shape.items():
+        if k == "moe":
+            continue
         if k in set_on_cli and getattr(cfg.model, k, None) != v:
             v = getattr(v, "value", v)  # the family: its name
             theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
@@ -194,7 +236,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         name = path.name if hf is not None else saved_name(step_dir)  # type: ignore[arg-type]
         if name is not None:
             shape["name"] = name
-    model_cfg = replace_model(cfg.model, **shape, init_from=str(step_dir or path))
+    model_cfg = with_shape(cfg.model, shape, init_from=str(step_dir or path))
     try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
         # rules, passed in: this layer sits below them)
         check_shape(dataclasses.replace(cfg, model=model_cfg))
@@ -202,7 +244,8 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
     expected = expected_shapes(model_cfg)
     if hf is not None:
-        import_hf.check_against(hf, expected, model_spec(model_cfg).hf_names(), KEY)
+        spec = model_spec(model_cfg)
+        import_hf.check_against(hf, expected, spec.hf_names(), KEY, experts=spec.hf_experts())
         check_float_weights(hf)
         import_hf.read_generation_config(
             path, KEY

@@ -85,12 +85,15 @@ class ResidualDtype(Enum):
 
 
 class ModelFamily(Enum):
-    """The architecture (framework.models): ``llama`` (Llama 2/3), or ``qwen3`` (Qwen3 dense: Llama's
-    layout plus an RMSNorm over each query and key head before RoPE)."""
+    """The architecture (framework.models): ``llama`` (Llama 2/3), ``qwen3`` (Qwen3 dense: Llama's
+    layout plus an RMSNorm over each query and key head before RoPE), ``mistral`` (a sliding window),
+    and the sparse ones (``model.moe``): ``qwen3_moe`` (Qwen3-MoE), ``mixtral`` (Mixtral)."""
 
     llama = "llama"
     qwen3 = "qwen3"
     mistral = "mistral"
+    qwen3_moe = "qwen3_moe"
+    mixtral = "mixtral"
 
 
 class AttentionBackend(Enum):
@@ -297,6 +300,55 @@ def option_fields(cls: type = None, prefix: str = "") -> dict[str, tuple[str, tu
 # ----------------------------------------------------------------------------------------------
 
 
+class RouterScore(Enum):
+    """How the MoE router scores experts (framework.models.moe): ``softmax`` (Qwen3-MoE, Mixtral), or
+    ``sigmoid`` plus a per-expert selection bias for aux-loss-free balancing (DeepSeek-V3's)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class ExpertKernel(Enum):
+    """What runs the experts: ``auto`` (the grouped GEMM where the device's kernel takes the operands,
+    else the loop), ``grouped`` (torch's grouped_mm, refused where it cannot run), ``loop`` (per expert)."""
+
+    auto = "auto"
+    grouped = "grouped"
+    loop = "loop"
+
+
+@dataclass
+class MoEConfig:
+    """The Mixture-of-Experts keys (``model.moe``), for the sparse families (qwen3_moe, mixtral).
+    Names are transformers' (Qwen3MoeConfig / MixtralConfig) where one exists. ``num_experts=0`` is a
+    dense model (every other family); the launcher refuses any other key changed there."""
+
+    # Routed experts per MoE layer (HF Qwen3-MoE num_experts, Mixtral num_local_experts); 0 = dense.
+    num_experts: int = 0
+    # Top-k: experts each token goes to.
+    num_experts_per_tok: int = 2
+    # One expert's SwiGLU width; 0 = model.ffn_dim (Mixtral's experts are intermediate_size wide, and
+    # Qwen3-MoE's dense layers, mlp_only_layers, are model.ffn_dim wide).
+    moe_intermediate_size: int = 0
+    # Renormalise the top-k weights to sum 1 (Mixtral always does; Qwen3-MoE's published configs do).
+    norm_topk_prob: bool = True
+    router_score: RouterScore = RouterScore.softmax
+    # DeepSeek-V3's multiplier of the routed weights (1 = off).
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's gamma: the sigmoid router's selection bias moves this much per optimizer step,
+    # up for experts under the mean load, down above it (0 = a fixed zero bias).
+    bias_update_rate: float = only_with("model.moe.router_score", RouterScore.sigmoid, default=0.0)
+    # Slots per expert = ceil(capacity_factor * tokens * top_k / num_experts); 0 = no token dropped.
+    capacity_factor: float = 0.0
+    # The load-balancing loss (transformers' load_balancing_loss_func) is added times this; 0 = off.
+    router_aux_loss_coef: float = 0.001
+    # Experts every token goes through (DeepSeek-style; neither HF family here has them).
+    num_shared_experts: int = 0
+    # One shared expert's width; 0 = the routed experts' width.
+    shared_intermediate_size: int = 0
+    expert_kernel: ExpertKernel = ExpertKernel.auto
+
+
 @dataclass
 class ModelConfig:
     """Decoder shape. Field names follow Meta's params.json / HF LlamaConfig."""
@@ -352,6 +404,7 @@ class ModelConfig:
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The
     # shape fields above are taken from it (framework.checkpoint.init_from); a contradicting override is an error.
     init_from: Optional[str] = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         check_family_schema(self)
@@ -391,10 +444,27 @@ class MistralConfig(ModelConfig):
     sliding_window: int = 0
 
 
+@dataclass
+class Qwen3MoeConfig(ModelConfig):
+    """Qwen3-MoE (framework.models.qwen3_moe): Qwen3's attention, every MLP a ``model.moe`` block."""
+
+    family: ModelFamily = ModelFamily.qwen3_moe
+
+
+@dataclass
+class MixtralConfig(ModelConfig):
+    """Mixtral (framework.models.mixtral): Mistral's layout, every MLP a ``model.moe`` block."""
+
+    family: ModelFamily = ModelFamily.mixtral
+    sliding_window: int = 0  # as Mistral's (transformers' ``sliding_window``; 0 = off)
+
+
 # family -> its schema (the option ``model=NAME``, conf/model/NAME.yaml).
 MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
     ModelFamily.llama: LlamaConfig,
     ModelFamily.qwen3: Qwen3Config,
+    ModelFamily.qwen3_moe: Qwen3MoeConfig,
+    ModelFamily.mixtral: MixtralConfig,
     ModelFamily.mistral: MistralConfig,
 }
 
@@ -408,7 +478,9 @@ def own_keys(cls: type[ModelConfig]) -> tuple[str, ...]:
 
 def owners(key: str) -> list[str]:
     """The families whose schema has ``key`` (a ``model`` key; every family for a shared one)."""
-    return [fam.value for fam, cls in MODEL_SCHEMAS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    return [
+        fam.value for fam, cls in MODEL_SCHEMAS.items() if key in {f.name for f in dataclasses.fields(cls)}
+    ]
 
 
 def model_schema(m: ModelConfig | ModelFamily) -> type[ModelConfig]:
@@ -580,6 +652,11 @@ class TrainConfig:
     # parameter) for activations. One device only, no gradient accumulation, and train.grad_clip=0
     # (a global norm needs every gradient first); the planner refuses the rest.
     optimizer_in_backward: bool = False
+    # With optimizer_in_backward: each gradient's norm (the logged grad_norm) and the skip of a
+    # non-finite gradient's update. false: neither, and only a non-finite loss skips the step; the
+    # norm is one more read of every gradient (5.7% of the step at Qwen3-30B-A3B's MoE shape on one
+    # H200, benchmarks/PERF.md "MoE on one H200").
+    in_backward_grad_checks: bool = only_with("train.optimizer_in_backward", True, default=True)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
@@ -743,6 +820,11 @@ class ParallelConfig:
     cp: int = 0  # context parallel: ring attention over sequence shards (CUDA; 2 x cp divides seq_len)
     tp: int = 0  # tensor parallel (Megatron-style with sequence parallelism), inside a node
     pp: int = 0  # pipeline stages (torch.distributed.pipelining), the outermost axis
+    # Expert parallelism: each MoE layer's experts split over this many ranks, tokens moved by
+    # all-to-all (framework.parallel.expert). Not a factor of the world size: the ep ranks are
+    # borrowed from dp_shard (dp_shard = dp_shard_mod_ep x ep, as torchtitan's ParallelDims), so ep
+    # divides dp_shard and model.moe.num_experts. 0 or 1 = off.
+    ep: int = 0
     # The pipeline schedule (PPSchedule); interleaved_1f1b, interleaved_zb and zbv need
     # pp_stages_per_rank >= 2 (zbv: exactly 2).
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
@@ -1040,9 +1122,14 @@ def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
     """
     model = cfg.get("model") if isinstance(cfg, (dict, DictConfig)) else None
     schema = _schema(family_of(model) if model is not None else ModelFamily.llama)
-    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg, "model") is ModelConfig:
-        # a structured Config() (the base model schema): its node cannot merge into the family's
-        # subclass, its values can
+    family = family_of(model) if model is not None else ModelFamily.llama
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg, "model") not in (
+        None,
+        dict,
+        MODEL_SCHEMAS[family],
+    ):
+        # a node typed as another schema (Config()'s base one, or a family changed in place): it
+        # cannot merge into the family's class, its values can
         cfg = OmegaConf.to_container(cfg, resolve=False)
     merged = OmegaConf.merge(schema, cfg)  # merge copies its first argument: the cache stays clean
     obj = OmegaConf.to_object(merged)

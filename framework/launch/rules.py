@@ -42,6 +42,7 @@ from framework.config.schema import (
     ExecutorMode,
     MixEntry,
     ModelConfig,
+    MoEConfig,
     OptimizerName,
     family_of,
     model_schema,
@@ -49,7 +50,8 @@ from framework.config.schema import (
     own_keys,
     owners,
 )
-from framework.planner.layout import Degrees
+from framework.models import FAMILIES
+from framework.planner.layout import Degrees, check_dense_ep
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
 
@@ -288,7 +290,10 @@ def check_layout(cfg: Config, declared: Degrees | None) -> None:
     framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
     these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
-    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``."""
+    Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``. Expert parallelism needs
+    experts (``check_dense_ep``)."""
+    if declared is not None:
+        check_dense_ep(declared, cfg.model)
     if cfg.optimizer.name is OptimizerName.muon and declared is not None:
         if declared.dp_shard != 1 or declared.tp != 1:
             raise ValueError(
@@ -458,6 +463,132 @@ RESERVED_KWARGS = (
 )
 
 
+# ----------------------------------------------------------------------------------------------
+# model.moe: each key means something only on a family that reads it (its record's ``moe_keys``);
+# elsewhere it must stay at its default. On such a family, its range (and its relation to the others).
+# ----------------------------------------------------------------------------------------------
+
+MAX_EXPERTS = 2**16  # routed experts per layer; the largest published models have a few hundred
+_MOE_DEFAULT = MoEConfig()
+
+
+def _family(c: Config) -> str:
+    return getattr(c.model.family, "value", c.model.family)
+
+
+def _moe_keys(c: Config) -> tuple[str, ...]:
+    fam = next((f for f in FAMILIES.values() if f.name == _family(c)), None)
+    return fam.moe_keys if fam is not None else ()
+
+
+def moe_key(
+    leaf: str, valid: Valid, ok: Callable[[Any, Config], bool], bad: tuple[Any, ...], **ctx: Any
+) -> Rule:
+    """``model.moe.<leaf>``: its default on a family whose record does not list it, else ``ok``."""
+    default = getattr(_MOE_DEFAULT, leaf)
+
+    def check_value(v: Any, c: Config) -> bool:
+        if leaf not in _moe_keys(c):
+            return v == default
+        return ok(v, c)
+
+    def text(c: Config) -> str:
+        if leaf not in _moe_keys(c):
+            owners = "|".join(f.name for f in FAMILIES.values() if leaf in f.moe_keys) or "none"
+            return (
+                f"{show(default)} (the default) with model.family={_family(c)}, which does not read it; "
+                f"model.moe.{leaf} is for model.family={owners}"
+            )
+        return valid(c) if callable(valid) else valid
+
+    context = tuple(
+        (f"model.{k}" if "." in k or k == "family" else f"model.moe.{k}", v) for k, v in ctx.items()
+    )
+    return Rule(text, check_value, bad, context=context)
+
+
+# The context the range of a key is tested in: a sparse family with 4 experts.
+_SPARSE = {"family": "qwen3_moe", "num_experts": 4}
+
+
+MOE_RULES: dict[str, Rule] = {
+    f"model.moe.{k}": r
+    for k, r in {
+        "num_experts": moe_key(
+            "num_experts",
+            f"an integer in 1..{MAX_EXPERTS} (a sparse family has experts)",
+            lambda v, _c: _is_int(v) and 1 <= v <= MAX_EXPERTS,
+            (0, -1, MAX_EXPERTS + 1),
+            family="qwen3_moe",
+        ),
+        "num_experts_per_tok": moe_key(
+            "num_experts_per_tok",
+            lambda c: (
+                f"an integer in 1..model.moe.num_experts={c.model.moe.num_experts} (top-k of the experts)"
+            ),
+            lambda v, c: _is_int(v) and 1 <= v <= c.model.moe.num_experts,
+            (0, 5),
+            **_SPARSE,
+        ),
+        "moe_intermediate_size": moe_key(
+            "moe_intermediate_size",
+            "0 (= model.ffn_dim) or an integer >= 1",
+            lambda v, _c: _is_int(v) and 0 <= v <= INT64_MAX,
+            (-1,),
+            **_SPARSE,
+        ),
+        "norm_topk_prob": moe_key(
+            "norm_topk_prob", "true or false", lambda v, _c: isinstance(v, bool), (False,)
+        ),
+        "router_score": moe_key("router_score", "softmax or sigmoid", lambda v, _c: True, ("sigmoid",)),
+        "routed_scaling_factor": moe_key(
+            "routed_scaling_factor",
+            "a finite number > 0 (1 = off)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and v > 0,
+            (0.0, -1.0, math.nan),
+            **_SPARSE,
+        ),
+        "bias_update_rate": moe_key(
+            "bias_update_rate",
+            "a finite number >= 0 (0 = a fixed zero selection bias)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
+            (-0.001, math.nan),
+            **_SPARSE,
+            router_score="sigmoid",
+        ),
+        "capacity_factor": moe_key(
+            "capacity_factor",
+            "0 (no token dropped) or a finite number > 0",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
+            (-1.0, math.nan, math.inf),
+            **_SPARSE,
+        ),
+        "router_aux_loss_coef": moe_key(
+            "router_aux_loss_coef",
+            "a finite number >= 0 (0 = no load-balancing loss)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
+            (-0.1, math.nan),
+            **_SPARSE,
+        ),
+        "num_shared_experts": moe_key(
+            "num_shared_experts",
+            "an integer >= 0",
+            lambda v, _c: _is_int(v) and 0 <= v <= MAX_EXPERTS,
+            (-1,),
+            **_SPARSE,
+        ),
+        "shared_intermediate_size": moe_key(
+            "shared_intermediate_size",
+            "0 (= the routed experts' width) or an integer >= 1",
+            lambda v, _c: _is_int(v) and 0 <= v <= INT64_MAX,
+            (-1,),
+            **_SPARSE,
+        ),
+        "expert_kernel": moe_key("expert_kernel", "auto, grouped or loop", lambda v, _c: True, ("loop",)),
+    }.items()
+}
+
+
 RULES: dict[str, Rule] = {
     # model: the shape is checked here so a bad one never reaches the model code (model.dim=0 was a
     # 253-line traceback from inside a rank).
@@ -520,6 +651,7 @@ RULES: dict[str, Rule] = {
     "model.init_from": optional_path(
         "framework.checkpoint.init_from reads the checkpoint and checks every tensor"
     ),
+    **MOE_RULES,
     "tokenizer.kind": TYPED,
     "tokenizer.path": optional_path("framework.data.tokenizer reads the file"),
     "tokenizer.bos_token": optional_name("unset (null: the tokenizer's own) or a token of its vocabulary"),
@@ -562,6 +694,7 @@ RULES: dict[str, Rule] = {
     "train.grad_clip": number(0, what="0 = no clipping, the norm is still logged"),
     # One device, one micro-batch, no clip: framework.planner.plan._check_in_backward (the loop asserts it).
     "train.optimizer_in_backward": TYPED,
+    "train.in_backward_grad_checks": TYPED,
     "train.seed": integer(0, 2**32 - 1),
     "train.log_every": integer(1),
     "train.eval_every": integer(0, what="0 = no evaluation"),
@@ -674,6 +807,13 @@ RULES: dict[str, Rule] = {
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
+    "parallel.ep": Rule(
+        "0 or 1 (off), or an expert-parallel degree >= 2 that divides parallel.dp_shard (the ep ranks "
+        "are borrowed from it) and model.moe.num_experts, with a sparse family and parallel.cp=1",
+        checked_by="framework.planner.layout.from_parallel / check_ep (via the planner), check_dense_ep (check_layout)",
+        bad=(-1, 3),
+        context=(("mesh.shape", [2]),),
+    ),
     # the pipeline (framework.planner.stages): bad values are refused under a 2-stage pipeline; any of the
     # three set where no pipeline runs (a layout with pp=1, one process) by check_without_pipeline
     "parallel.pp_schedule": TYPED,
@@ -743,7 +883,16 @@ RULES: dict[str, Rule] = {
         bad=(-1, 4),
     ),  # fmt: skip
     # freeze
-    "freeze.mode": TYPED,
+    # An MoE family's routing is data-dependent (per-expert counts decide the shapes): no fixed graph.
+    "freeze.mode": Rule(
+        lambda c: (
+            f"none with model.family={_family(c)} (an MoE family: its routing has no fixed graph "
+            "to freeze); export, script or trace with a dense family"
+        ),
+        lambda v, c: getattr(v, "value", v) == "none" or not _moe_keys(c),
+        ("export",),
+        context=(("model.family", "qwen3_moe"), ("model.moe.num_experts", 4)),
+    ),
     "freeze.strict": TYPED,
     "freeze.check_graph_breaks": TYPED,
     "freeze.ignore": names_list("submodule or method paths (non-empty strings)"),

@@ -1,6 +1,7 @@
 """Model families: one folder each (``llama/``, ``qwen3/``, ``mistral/``: spec, block, HF fields,
 the planner's activation term, brought together in a ``Family`` record), on shared pieces
-(``parts/``: norm, RoPE, attention and its masks, MLP, the decoder trunk, the KV-cache decode).
+(``parts/``: norm, RoPE, attention and its masks, MLP, the decoder trunk, the KV-cache decode, the
+sparse block on ``moe.py``'s MoE layer for ``qwen3_moe/`` and ``mixtral/``).
 
 The rest of the framework reads the family record (``family(cfg)``), the spec (``model_spec(cfg)``)
 and the decoder interface (``Decoder``), never a family's module.
@@ -8,7 +9,7 @@ and the decoder interface (``Decoder``), never a family's module.
 
 from __future__ import annotations
 
-from framework.models.build import build_model, decoder, flops_per_token, num_params
+from framework.models.build import active_params, build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
 from framework.models.parts.decoder import (
@@ -19,11 +20,14 @@ from framework.models.parts.decoder import (
     materialize,
     tie,
 )
+from framework.models.parts.sparse import balance_row, update_expert_biases
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 __all__ = [
     "FAMILIES",
+    "balance_row",
+    "update_expert_biases",
     "SHAPE_KEYS",
     "Decoder",
     "Family",
@@ -32,6 +36,7 @@ __all__ = [
     "TPStyle",
     "Weight",
     "WeightLoader",
+    "active_params",
     "blocks",
     "build_model",
     "compute_dtype",

@@ -3,8 +3,6 @@ training flops per token."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from framework.config.schema import ModelConfig
@@ -25,7 +23,15 @@ def build_model(cfg: ModelConfig, max_seq_len: int, document_eos: int | None = N
 
 def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     """Parameter count from the shape alone (its spec; tied embeddings counted once)."""
-    n = sum(math.prod(w.shape) for _, w, _ in model_spec(cfg).params())
+    n = model_spec(cfg).numel[0]
+    return n if include_embedding else n - cfg.vocab_size * cfg.dim
+
+
+def active_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameters one token's forward multiplies by: ``num_params`` for a dense model; for a sparse
+    one each routed expert stack counts top-k of its E experts (``model.moe.num_experts_per_tok``)."""
+    total, expert, experts = model_spec(cfg).numel
+    n = total - expert + (expert * cfg.moe.num_experts_per_tok // experts if experts else 0)
     return n if include_embedding else n - cfg.vocab_size * cfg.dim
 
 
@@ -33,9 +39,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training flops per token: 6N + 12·L·H·Q·T (PaLM appendix B; N excludes the input embedding).
 
     6N covers the matmuls of forward (2N) and backward (4N); 12·L·H·Q·T is attention's score and
-    value products (L layers, H heads, Q head dim, T sequence length), which N does not see.
+    value products (L layers, H heads, Q head dim, T sequence length), which N does not see. On a
+    sparse model N is the active parameters (top-k of each layer's experts: ``active_params``), as
+    MoE MFU is reported (DeepSeek-V3, Qwen3-MoE, torchtitan).
     """
-    n = num_params(cfg, include_embedding=False)
+    n = active_params(cfg, include_embedding=False)
     if cfg.tie_embeddings:
         # The tied output projection is a matmul of vocab x dim even though its weight is shared.
         n += cfg.vocab_size * cfg.dim

@@ -31,6 +31,11 @@ class Family:
     ``config``: its schema, the option ``model=NAME`` (``framework.config.schema.MODEL_SCHEMAS``):
     the shared ``ModelConfig`` keys plus the family's own (Mistral's ``sliding_window``). The config
     layer sits below the models, so the class is declared there and the record points at it.
+    ``moe_keys``: the ``model.moe`` keys the family reads (``framework.config.schema.MoEConfig``); empty
+    for a dense family. The launcher refuses any other MoE key changed from its default.
+    ``hf_moe_fields``: ``model.moe`` key -> its config.json key (both ways); ``hf_fixed``: config.json
+    keys that must hold these values (what the family's block computes), written by the export and
+    checked by the import.
     """
 
     name: str
@@ -40,3 +45,6 @@ class Family:
     activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
     config: type[ModelConfig] = ModelConfig
+    moe_keys: tuple[str, ...] = ()
+    hf_moe_fields: dict[str, str] = field(default_factory=dict)
+    hf_fixed: dict[str, object] = field(default_factory=dict)

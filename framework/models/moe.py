@@ -80,7 +80,9 @@ def check_moe(cfg: MoEConfig, ep: int = 1, prefix: str = "model.moe") -> None:
     if not 1 <= k <= e:
         raise ValueError(f"{prefix}.num_experts_per_tok={k} must be in 1..{e} (num_experts={e})")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:  # also refuses nan
-        raise ValueError(f"{prefix}.capacity_factor={cfg.capacity_factor} must be > 0 (or null: no token dropped)")
+        raise ValueError(
+            f"{prefix}.capacity_factor={cfg.capacity_factor} must be > 0 (or null: no token dropped)"
+        )
     if not cfg.router_aux_loss_coef >= 0:
         raise ValueError(f"{prefix}.router_aux_loss_coef={cfg.router_aux_loss_coef} must be >= 0")
     if not cfg.bias_update_rate >= 0:
@@ -142,7 +144,9 @@ def update_expert_bias(router: Router, tokens_per_expert: torch.Tensor) -> None:
     the step's count summed over micro-batches (and, under data parallel, all-reduced first, so that
     every rank keeps the same bias)."""
     if router.expert_bias is None:
-        raise ValueError(f"update_expert_bias needs the sigmoid router; this one scores by {router.cfg.score.value}")
+        raise ValueError(
+            f"update_expert_bias needs the sigmoid router; this one scores by {router.cfg.score.value}"
+        )
     load = tokens_per_expert.float()
     router.expert_bias.add_(router.cfg.bias_update_rate * torch.sign(load.mean() - load))
 
@@ -171,7 +175,11 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, capacity: int | None
     with a capacity drop those past it, the later tokens first, as Switch Transformer does."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    routed = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: its (E,) shape is static, so torch.compile traces it with no graph
+    # break (bincount's length depends on the data); integer adds are exact in any order
+    routed = torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     if capacity is not None:
         starts = torch.cumsum(routed, 0) - routed
         expert = flat[order]
@@ -199,6 +207,8 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # traced, its meta function takes bf16 only (torch 2.11 to 2.13)
     if any((n * x.element_size()) % 16 for n in (x.shape[-1], w.shape[-1], w.shape[-2])):
         return False
     if w.device.type == "cuda":
@@ -226,36 +236,64 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
-        if self.kernel is ExpertKernel.LOOP:
-            return False
-        ok = grouped_mm_supported(x, self.gate_up_proj) and grouped_mm_supported(x, self.down_proj)
-        if self.kernel is ExpertKernel.GROUPED and not ok:
-            raise ValueError(
-                f"expert kernel 'grouped' cannot run dtype={x.dtype} dim={x.shape[-1]} on {x.device}: "
-                "use 'auto' or 'loop' (grouped_mm needs fp32/bf16/fp16, 16-byte rows, CUDA sm80+)"
-            )
-        return ok
+        return use_grouped(self.kernel, x, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``(N, D)``: rows sorted by expert, ``counts[e]`` rows for expert ``e``; returns ``(N, D)``."""
-        if self.use_grouped(x):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            gate, up = _grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
-            y = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
-            if y.requires_grad:
-                # grouped_mm's backward refuses a broadcast gradient ("Invalid strides/sizes, got [0, 0]"),
-                # which y.sum().backward() hands it; a dense one passes through unchanged.
-                y.register_hook(torch.Tensor.contiguous)
-            return y
-        return self.loop_forward(x, counts)
+        return run_experts(x, counts, self.gate_up_proj, self.down_proj, self.kernel)
 
     def loop_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The per-expert loop: the reference for the grouped path and the fallback (one host sync)."""
-        outs = []
-        for e, part in enumerate(x.split(counts.tolist())):
-            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        return loop_experts(x, counts, self.gate_up_proj, self.down_proj)
+
+
+def use_grouped(kernel: ExpertKernel, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``kernel`` runs these operands by the grouped GEMM; raises ValueError for ``grouped``
+    where the kernel cannot take them."""
+    if kernel is ExpertKernel.LOOP:
+        return False
+    ok = grouped_mm_supported(x, gate_up) and grouped_mm_supported(x, down)
+    if kernel is ExpertKernel.GROUPED and not ok:
+        raise ValueError(
+            f"expert kernel 'grouped' cannot run dtype={x.dtype} dim={x.shape[-1]} on {x.device}: "
+            "use 'auto' or 'loop' (grouped_mm needs fp32/bf16/fp16, 16-byte rows, CUDA sm80+)"
+        )
+    return ok
+
+
+def run_experts(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, kernel: ExpertKernel
+) -> torch.Tensor:
+    """The experts ``gate_up (G, 2I, D)``, ``down (G, D, I)`` on ``x`` ``(N, D)``, rows sorted by
+    expert (``counts (G,)``): ``GroupedExperts``' forward, and expert parallelism's on its local
+    experts (framework.parallel.expert). Under autocast the operands are cast to its dtype first, as
+    ``F.linear`` would be: ``grouped_mm`` is not on autocast's list, and traced (``torch.compile``) it
+    takes bf16 only."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    if use_grouped(kernel, x, gate_up, down):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = _grouped_mm(x, gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+        y = _grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs)
+        if y.requires_grad:
+            # grouped_mm's backward refuses a broadcast gradient ("Invalid strides/sizes, got [0, 0]"),
+            # which y.sum().backward() hands it; a dense one passes through unchanged.
+            y.register_hook(torch.Tensor.contiguous)
+        return y
+    return loop_experts(x, counts, gate_up, down)
+
+
+def loop_experts(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The per-expert loop (one host sync for the split sizes)."""
+    outs = []
+    for e, part in enumerate(x.split(counts.tolist())):
+        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 
 class SharedExperts(nn.Module):
@@ -315,7 +353,9 @@ class MoE(nn.Module):
         check_moe(cfg)
         self.cfg = cfg
         self.gate = Router(cfg)
-        self.experts: nn.Module = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_intermediate_size, cfg.kernel)
+        self.experts: nn.Module = GroupedExperts(
+            cfg.num_experts, cfg.dim, cfg.moe_intermediate_size, cfg.kernel
+        )
         shared = cfg.num_shared_experts * (cfg.shared_intermediate_size or cfg.moe_intermediate_size)
         self.shared_experts = SharedExperts(cfg.dim, shared) if shared else None
         self.stats: MoEStats | None = None

@@ -16,7 +16,9 @@ from framework.config.schema import ModelConfig, ModelFamily, model_schema, own_
 from framework.models.family import Family
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
+from framework.models.mixtral import MIXTRAL
 from framework.models.qwen3 import QWEN3
+from framework.models.qwen3_moe import QWEN3_MOE
 from framework.models.spec import ModelSpec
 
 # The registry: one line per family.
@@ -24,6 +26,8 @@ FAMILIES: dict[ModelFamily, Family] = {
     ModelFamily.llama: LLAMA,
     ModelFamily.qwen3: QWEN3,
     ModelFamily.mistral: MISTRAL,
+    ModelFamily.qwen3_moe: QWEN3_MOE,
+    ModelFamily.mixtral: MIXTRAL,
 }
 
 
@@ -50,6 +54,7 @@ SHARED_SHAPE_KEYS = (
     "ffn_dim",
     "vocab_size",
     "tie_embeddings",
+    "moe",  # the sparse families' block (num_experts 0: dense)
 )
 SHAPE_KEYS = (*SHARED_SHAPE_KEYS, *own_fields())
 

@@ -9,6 +9,8 @@ checks that the spec and the built ``nn.Module`` agree, name for name and shape 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,6 +26,7 @@ class TPStyle(Enum):
     output = "output"  # column-wise over the vocabulary; the logits are gathered to every rank
     sequence = "sequence"  # a norm over the model dim, run sequence-parallel (weight replicated)
     heads = "heads"  # a norm over head_dim, run on the rank's own heads (weight replicated)
+    moe = "moe"  # an MoE layer's router or stacked experts (framework.models.moe): not sharded by TP
 
 
 # The weight dim each style shards (None: replicated over the TP axis).
@@ -44,10 +47,22 @@ class Weight:
     # The embedding's tensor (tied output head): its module is laid out, but it is no parameter of
     # its own (``named_parameters()`` lists the embedding only) and has no HF name.
     tied: bool = False
+    # The parameter's own name in its module (``weight``; an MoE layer's stacked experts name theirs).
+    param: str = "weight"
+    # Stacked experts (dim 0: one per expert): the Hub files keep one tensor per expert and part, named
+    # by these templates (``{e}``: the expert), whose rows are stacked in this order along dim 1 (gate
+    # then up for ``gate_up_proj``). Empty: the tensor is stored whole under ``hf``.
+    hf_experts: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return f"{self.module}.weight"
+        return f"{self.module}.{self.param}"
+
+    @property
+    def experts(self) -> int:
+        """Routed experts stacked on dim 0 (``hf_experts`` set), which expert parallelism shards over
+        the ep ranks and of which a token runs top-k; 0 for every other weight."""
+        return self.shape[0] if self.hf_experts else 0
 
     @property
     def tp_dim(self) -> int | None:
@@ -77,6 +92,18 @@ class ModelSpec:
     sliding_window: int = 0  # > 0: each position attends to itself and the window - 1 before it (Mistral)
     blocks: str = "layers"
 
+    @functools.cached_property
+    def numel(self) -> tuple[int, int, int]:
+        """(elements of all parameters, of them in routed expert stacks, experts per stack: 0 when
+        dense), counted once per spec (the planner asks for every layout it weighs)."""
+        total = expert = experts = 0
+        for _, w, _ in self.params():
+            n = math.prod(w.shape)
+            total += n
+            if w.experts:
+                expert, experts = expert + n, w.experts
+        return total, expert, experts
+
     def units(self) -> list[str]:
         """The repeated units (FSDP, activation checkpointing, per-block compile), in order."""
         return [f"{self.blocks}.{i}" for i in range(self.n_layers)]
@@ -98,6 +125,18 @@ class ModelSpec:
         out = {w.name: w.hf for w in (*self.first, *self.last)}
         for unit in self.units():
             out |= {f"{unit}.{w.name}": f"model.{unit}.{w.hf}" for w in self.block}
+        return out
+
+    def hf_experts(self) -> dict[str, tuple[str, ...]]:
+        """Parameter name -> the Hub names of its per-expert parts (``{e}`` left to fill), for the
+        stacked expert weights of an MoE block (``Weight.hf_experts``)."""
+        out = {}
+        for unit in self.units():
+            out |= {
+                f"{unit}.{w.name}": tuple(f"model.{unit}.{t}" for t in w.hf_experts)
+                for w in self.block
+                if w.hf_experts
+            }
         return out
 
     def rope_heads(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Parallelize a meta-device decoder (``framework.models.Decoder``) per the plan, each concern in order.
 
 One module per concern: pipeline.py (pipeline stages and schedule), float8.py (float8 Linear layers),
-tensor.py (TP), activation.py (AC), compile.py, data_parallel.py (FSDP2 / HSDP, DDP), mesh.py (the
+tensor.py (TP), expert.py (EP), activation.py (AC), compile.py, data_parallel.py (FSDP2 / HSDP, DDP), mesh.py (the
 named device mesh).
 """
 
@@ -25,9 +25,10 @@ from framework.models import Decoder, WeightLoader, materialize
 from framework.parallel.activation import apply_ac, apply_offload
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
+from framework.parallel.expert import apply_ep, moe_layers
 from framework.parallel.float8 import apply_float8
 from framework.parallel.lora import after_materialize, apply_lora
-from framework.parallel.mesh import build_mesh, dp_mesh_info, fsdp_mesh, sub_mesh
+from framework.parallel.mesh import build_mesh, dp_mesh_info, expert_meshes, fsdp_mesh, sub_mesh
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
 from framework.planner.plan import DP_AXES, MeshAxis, Plan
@@ -72,6 +73,12 @@ def parallelize(
       1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
          wrap a forward that already contains the TP collectives.
+     1b. EP (``apply_ep``, ``parallel.ep``): each MoE layer's stacked experts become DTensors
+         ``Shard(0)`` on the ep mesh (the inner ep ranks of dp_shard, ``expert_meshes``) and its
+         expert call an all-to-all dispatch and combine. After TP, whose plan leaves the experts
+         alone, and before AC and compile (which wrap and trace the all-to-all with the block) and
+         FSDP (step 4 shards the experts over the replicas of each ep shard, the rest over
+         dp_shard as without ep).
       2. Activation checkpointing (``apply_ac``): wraps each block's forward (``budget`` leaves
          it to the compiler's partitioner, step 3); before compile so Dynamo traces the
          checkpoint region as one higher-order op and Inductor plans the recompute. Exception:
@@ -101,8 +108,12 @@ def parallelize(
     Every step reads the plan's degrees (``plan.layout``), never a strategy name.
 
     Each step is a no-op when its setting is off. Raises RuntimeError when a wrapper that should have
-    sharded something sharded nothing.
+    sharded something sharded nothing (and under ``parallel.ep`` when the model has no MoE layer).
     """
+    if plan.layout.ep > 1 and not moe_layers(model):
+        raise RuntimeError(
+            f"parallel.ep={plan.layout.ep}, but the model has no MoE layer whose experts it could shard"
+        )
     if plan.layout.pp > 1:
         return _pipeline(
             model, mesh, plan, sharding, executor, device, seed, init_weights, peft, load_weights
@@ -178,6 +189,8 @@ def _parallelize_stage(
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
     apply_lora(model, peft, layout.tp, layout.fsdp)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
+    experts = expert_meshes(mesh, plan)
+    apply_ep(model, experts[0] if experts else None)
     budget = (
         sharding.activation_memory_budget
         if sharding.activation_checkpointing == ActivationCheckpointing.budget
@@ -193,7 +206,7 @@ def _parallelize_stage(
     if layout.fsdp:
         shard_mesh = fsdp_mesh(mesh, plan)
         assert shard_mesh is not None
-        apply_fsdp(model, shard_mesh, sharding)
+        apply_fsdp(model, shard_mesh, sharding, experts[1] if experts else None, layout.dp)
     if init_weights:
         materialize(model, device, seed, load_weights)
         after_materialize(model, peft, seed)

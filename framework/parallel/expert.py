@@ -16,9 +16,13 @@ would. Measured on gloo (torch 2.13, CPU): ``all_to_all_single`` with uneven spl
 form ``dist.all_to_all`` refuses uneven sizes ("ProcessGroupGloo::alltoall: invalid tensor size"), and
 ``torch.distributed.nn.functional.all_to_all_single`` works but is deprecated for the functional one.
 
-Left for the families' integration: the weights here are plain local slices; for DCP resharding across
-ep degrees they become DTensors ``Shard(0)`` on the ep mesh axis (the router and shared experts stay
-replicated over ep and are reduced by data parallel like any other parameter).
+The weights are DTensors ``Shard(0)`` on the ep mesh (``framework.parallel.mesh.expert_meshes``) under
+the single-process names (``...experts.gate_up_proj``): a checkpoint holds the global stacked tensor,
+so DCP reshards it across ep degrees, and ``init_weights`` slices each rank's experts from the one
+full draw. The router and shared experts stay plain parameters, replicated over ep and reduced by
+data parallelism like any other. ``apply_fsdp`` shards the experts a second time over the replicas of
+each expert shard (``dp_shard_mod_ep``, and dp_replicate), with the gradient divided by the whole
+data-parallel degree (``expert_grad_divide``).
 """
 
 from __future__ import annotations
@@ -27,19 +31,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from framework.models.moe import GroupedExperts, MoE, check_moe
+from framework.models.moe import GroupedExperts, MoE, check_moe, run_experts
 
 
 class ExpertParallel(nn.Module):
-    """This rank's ``E / ep`` experts, reached from every ep rank by all-to-all."""
+    """This rank's ``E / ep`` experts, reached from every ep rank by all-to-all. ``gate_up_proj`` and
+    ``down_proj`` are the global ``(E, ...)`` stacks as DTensors ``Shard(0)`` on the ep mesh."""
 
-    def __init__(self, local: GroupedExperts, group: dist.ProcessGroup, num_experts: int) -> None:
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
         super().__init__()
-        self.local = local
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.num_local = num_experts // self.ep
+        self.kernel = experts.kernel
+        self.ep_mesh = ep_mesh
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.num_local = experts.gate_up_proj.shape[0] // self.ep
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            # src_data_rank=None: every rank holds the same full tensor (one seed, or meta): slice locally
+            dt = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(self, name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, nl = self.ep, self.num_local
@@ -50,10 +63,16 @@ class ExpertParallel(nn.Module):
         recv_splits = recv.sum(1).tolist()
         routed = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         order = expert_major_order(recv)
-        y = self.local(routed[order], recv.sum(0))
+        y = run_experts(
+            routed[order], recv.sum(0), _local(self.gate_up_proj), _local(self.down_proj), self.kernel
+        )
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(y[back], send_splits, recv_splits, self.group)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
@@ -65,22 +84,35 @@ def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
     return torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
 
 
-def apply_ep(moe: MoE, group: dist.ProcessGroup) -> MoE:
-    """Shard ``moe``'s experts over ``group``: keep this rank's contiguous slice of the stacked weights
-    and route through ``ExpertParallel``. Every rank must call it (same config, same full weights: the
-    model is built from one seed, or loaded, before). A no-op at ep=1, as every ``apply_*`` is.
-    Raises ValueError when ep does not divide the number of experts."""
-    ep = dist.get_world_size(group)
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> MoE:
+    """Shard ``moe``'s experts over ``ep_mesh`` (every ep rank calls it, with the same full weights,
+    or on meta). Raises ValueError when ep does not divide the number of experts."""
+    ep = ep_mesh.size()
     check_moe(moe.cfg, ep)
-    if ep == 1:
-        return moe
     full = moe.experts
-    assert isinstance(full, GroupedExperts), "apply_ep runs once, on the layer as built"
-    nl = moe.cfg.num_experts // ep
-    lo = dist.get_rank(group) * nl
-    local = GroupedExperts(nl, moe.cfg.dim, moe.cfg.moe_intermediate_size, full.kernel)
-    with torch.no_grad():
-        local.gate_up_proj.copy_(full.gate_up_proj[lo : lo + nl])
-        local.down_proj.copy_(full.down_proj[lo : lo + nl])
-    moe.experts = ExpertParallel(local, group, moe.cfg.num_experts)
+    assert isinstance(full, GroupedExperts), "shard_experts runs once, on the layer as built"
+    moe.experts = ExpertParallel(full, ep_mesh)
     return moe
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
+    """Expert parallelism on every MoE layer of ``model`` (a decoder or a pipeline stage): step 1b of
+    ``framework.parallel.parallelize``, after TP (whose plan leaves the experts alone) and before AC,
+    compile and FSDP (which wrap and shard the ``ExpertParallel`` modules). A no-op without an ep
+    axis (or of size 1). Raises ValueError for an ep that does not divide a layer's experts. A
+    stage may hold no MoE layer (dense layers only), so finding none is no error here: a dense
+    model under ``parallel.ep`` is refused before launch (framework.planner.layout.check_ep)."""
+    if ep_mesh is None or ep_mesh.size() == 1:
+        return
+    for moe in moe_layers(model):
+        shard_experts(moe, ep_mesh)
+
+
+def expert_modules(model: nn.Module) -> list[ExpertParallel]:
+    """The expert-parallel runners of ``model`` (FSDP2 wraps each as its own unit)."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallel)]

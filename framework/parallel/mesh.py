@@ -7,6 +7,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from framework.planner.plan import DP_AXES, MeshAxis, Plan
 
 DP_SHARD_CP = "dp_shard_cp"  # the flattened dp_shard x cp axis FSDP2 shards over
+EP = "ep"  # expert parallelism: the inner ep ranks of dp_shard (framework.parallel.expert)
+DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # the outer dp_shard / ep ranks: replicas of each expert shard
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
@@ -43,6 +45,31 @@ def fsdp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh | None:
     # and unflatten them into (dp_replicate, dp_shard_cp), a mesh of its own.
     flat = mesh[(MeshAxis.dp_replicate.value, *shard_cp)]._flatten("dp_cp")
     return flat._unflatten(0, (d.dp_replicate, d.fsdp_shard), (MeshAxis.dp_replicate.value, DP_SHARD_CP))
+
+
+def expert_meshes(mesh: DeviceMesh, plan: Plan) -> tuple[DeviceMesh, DeviceMesh] | None:
+    """(the ep mesh the experts are sharded over, the mesh FSDP2 shards the experts over), or None
+    without expert parallelism.
+
+    The ep ranks are borrowed from dp_shard, as torchtitan's ParallelDims does: dp_shard is split
+    into (``dp_shard_mod_ep``, ``ep``), ep inner, so an ep group is consecutive dp_shard ranks (the
+    all-to-all stays as close as dp_shard's own collectives). The experts' FSDP mesh is
+    (dp_replicate, dp_shard_mod_ep): each expert shard is sharded over its replicas and all-reduced
+    across dp_replicate (HSDP), never reduced over ep, whose ranks hold different experts. Both are
+    views of the one root mesh (``_unflatten``), so a parameter's DTensor placements on them compose
+    with FSDP2's and DCP reads the global tensor."""
+    d = plan.layout
+    if d.ep <= 1:
+        return None
+    shard = MeshAxis.dp_shard.value
+    if d.dp_replicate == 1:
+        split = mesh[shard]._unflatten(0, (d.dp_shard // d.ep, d.ep), (DP_SHARD_MOD_EP, EP))
+        return split[EP], split[DP_SHARD_MOD_EP]
+    flat = mesh[(MeshAxis.dp_replicate.value, shard)]._flatten("dp_ep")
+    split = flat._unflatten(
+        0, (d.dp_replicate, d.dp_shard // d.ep, d.ep), (MeshAxis.dp_replicate.value, DP_SHARD_MOD_EP, EP)
+    )
+    return split[EP], split[(MeshAxis.dp_replicate.value, DP_SHARD_MOD_EP)]
 
 
 def dp_mesh_info(mesh: DeviceMesh, plan: Plan) -> tuple[int, int]:

@@ -62,9 +62,11 @@ from framework.parallel.step import (
     StepResult,
     StepTimer,
     autocast,
+    clip_grads,
     step_result,
     targets_counted,
     to_device,
+    total_grad_norm,
     update,
 )
 
@@ -321,12 +323,10 @@ def pipeline_norm(model: PipelineModel, max_norm: float) -> torch.Tensor:
     the same factor ``clip_grad_norm_`` would use on one process.
     """
     params = [p for p in model.parameters() if p.grad is not None]  # a tied copy's is dropped by now
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    full = getattr(norm, "full_tensor", None)
-    norm = full() if full is not None else norm
+    norm = total_grad_norm(params)
     norm = _pp_sum(norm.float().square(), model).sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        clip_grads(params, max_norm, norm)
     return norm
 
 

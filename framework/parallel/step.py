@@ -221,3 +221,33 @@ def ratio_over_ranks(total: torch.Tensor, count: torch.Tensor) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(both)
     return float(both[0] / both[1]) if float(both[1]) > 0 else float("nan")
+
+
+def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the parameters' gradients as a plain tensor (a DTensor norm made whole over its
+    mesh). Grouped by device mesh: torch's ``get_total_norm`` stacks the per-tensor norms, which
+    DTensors of different meshes refuse, and expert parallelism puts the experts on a mesh of their
+    own (framework.parallel.expert); with one mesh it is ``get_total_norm`` itself, bit for bit."""
+    norms = []
+    for group in _by_mesh(params).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2 / TP / EP
+        norms.append(full() if full is not None else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.float() for n in norms]).square().sum().sqrt()
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients by ``max_norm / norm`` where above 1 (``clip_grads_with_norm_``), one
+    call per device mesh: its foreach multiply refuses DTensors of two meshes in one list."""
+    for group in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+
+
+def _by_mesh(params: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """The parameters grouped by their gradient's DTensor mesh (None: plain tensors), in order."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -62,15 +63,39 @@ def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelS
 
 def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[str, ParallelStyle]:
     """One block's plan from the spec: each sublayer's input gathered from the sequence shards
-    (the other inputs, such as the RoPE table, pass through), then each weight's module."""
+    (the other inputs, such as the RoPE table, pass through), then each weight's module.
+
+    An MoE sublayer (all its weights ``TPStyle.moe``: router and experts) is not split by TP: it
+    takes the gathered sequence as a plain tensor, every TP rank runs it whole on the same tokens
+    (expert parallelism, ``parallel.ep``, splits its experts instead, over dp_shard), and its output
+    is cut back to this rank's sequence shard (a local slice; in backward an all-gather of the
+    output's gradient, which every rank then holds whole, as it ran the layer whole). Its weights'
+    gradients are the same on every TP rank, so they are plain tensors, never summed over tp."""
     plan: dict[str, ParallelStyle] = {}
+    replicated = {
+        module
+        for module in spec.sublayers
+        if (mine := [w for w in spec.block if w.module.startswith(f"{module}.")])
+        and all(w.tp is TPStyle.moe for w in mine)
+    }
     for module, n_inputs in spec.sublayers.items():
         rest = (None,) * (n_inputs - 1)
+        if module in replicated:
+            plan[module] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1), *rest),
+                desired_input_layouts=(Replicate(), *rest),
+                use_local_input=True,
+                output_layouts=Replicate(),
+                desired_output_layouts=Shard(1),
+                use_local_output=True,
+            )
+            continue
         plan[module] = PrepareModuleInput(
             input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
         )
     for w in spec.block:
-        plan[w.module] = _block_style(block, w, recipe)
+        if w.tp is not TPStyle.moe:
+            plan[w.module] = _block_style(block, w, recipe)
     return plan
 
 

@@ -15,6 +15,8 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   pass over the logits (``_LOGIT_BYTES`` per logit), the bf16 weight casts once per micro batch, the
   gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
   Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
+- **float8** (``model.float8``): the converted Linear layers' GEMMs run ``_FLOAT8_GEMM_SPEEDUP``
+  times faster, and their per-GEMM casts (amax, scale, cast of every operand) are memory-bound work.
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
   TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes and a pipeline's
   tied-embedding transfers (between backward and the optimizer step, and after it) sit on the
@@ -33,8 +35,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode
-from framework.models import flops_per_token, model_spec, num_params
+from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, Float8Recipe
+from framework.models import active_params, flops_per_token, model_spec
+from framework.models.linears import converted
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -78,11 +81,13 @@ _EAGER_POINTWISE = 4.0
 # A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
 # checkpointing recomputes every other block.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
-# Collectives on the critical path: TP's, and CP's K/V passes (torch's default rotation
-# all-gathers K and V before the attention that needs them).
-_BLOCKING_AXES = ("tp", "cp")
-# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp).
-_FSDP_AXES = ("dp_shard", "dp_shard_cp")
+# Collectives on the critical path: TP's, CP's K/V passes (torch's default rotation
+# all-gathers K and V before the attention that needs them), and expert parallelism's all-to-alls
+# (the experts wait for their rows; framework.parallel.expert runs them on the compute stream).
+_BLOCKING_AXES = ("tp", "cp", "ep")
+# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp,
+# and the group an expert stack is sharded over under ep dp_shard_mod_ep).
+_FSDP_AXES = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
 # Each TP collective costs this much beyond its alpha-beta time: DTensor's redistribution, the
 # sequence-parallel layout changes around it and the stream sync of a blocking collective. Fitted to
 # the one TP run measured (benchmarks/PERF.md, multi-GPU session 2: llama1b tp=2 on 2 H200s, micro 4,
@@ -95,6 +100,24 @@ _TP_DISPATCH_S = 0.26e-3
 _TILE_M, _TILE_N = 128, 256
 _SMS = 132
 _CALIBRATION_SHAPE = (16 * 2048, 2048, 8192, 16, 32, 8, 128256)  # tokens, dim, ffn, layers, heads, kv, vocab
+# model.float8: the converted Linear layers' GEMMs (forward, input gradient, weight gradient) run on
+# the float8 tensor cores at this multiple of the bf16 rate. Hopper's dense float8 peak is twice its
+# bf16 peak (H100 / H200 datasheets: 1979 vs 989 TFLOP/s); the factor below is fitted to the one
+# float8 pair measured here, llama3_8b at seq 8192, micro 1, full AC, optimizer in backward on one
+# H200 (issue 28): bf16 8,670 tok/s, float8 tensorwise (size filter off) 10,814 tok/s, 1.247x, with
+# the casts below costed: 1.74x, i.e. float8 GEMMs at 0.87 of the bf16 GEMMs' fraction of peak.
+# Rowwise (not measured here) takes the same factor; its heavier casts are not costed apart.
+_FLOAT8_GEMM_SPEEDUP = {Float8Recipe.tensorwise: 1.74, Float8Recipe.rowwise: 1.74}
+# Tensorwise dynamic scaling casts every operand of a converted Linear per GEMM (torchao's
+# Float8Linear): its amax (read bf16, 2 bytes) then the scaled cast (read 2, write 1): 5 bytes per
+# element of the input in each forward (recomputed ones included) and of the output gradient in
+# backward, plus 3 (read 2, write 1) per element of each for the transposed copies the weight
+# gradient's GEMM takes. The weight: amax and cast from its fp32 master (4 + 4 + 1 = 9 bytes) per
+# forward, and a transposed copy (3) in backward. Counted from the code, not fitted.
+_FLOAT8_ACT_FORWARD_BYTES = 5.0
+_FLOAT8_ACT_BACKWARD_BYTES = 5.0 + 3.0
+_FLOAT8_WEIGHT_BYTES = 9.0
+_FLOAT8_WEIGHT_BACKWARD_BYTES = 3.0
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
 # the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied).
 _BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
@@ -122,9 +145,27 @@ class StepPrediction:
 def _recompute_flops_per_token(cfg: Config) -> float:
     """Forward flops of the blocks (what a checkpointed block runs again): 2 N_blocks + 4·L·H·Q·T."""
     m = cfg.model
-    blocks = num_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    blocks = active_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
     head_dim = model_spec(m).head_dim
     return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
+
+
+def _float8_terms(cfg: Config, recompute: float) -> tuple[float, float, float]:
+    """(flops per token of the Linear GEMMs ``model.float8`` converts, recompute included; the bytes
+    per token of their activation casts; the bytes of their weight casts per micro batch), all 0
+    without float8. The output head, when converted, is never recomputed."""
+    m = cfg.model
+    if m.float8 is Float8Recipe.none:
+        return 0.0, 0.0, 0.0
+    flops = act = weight = 0.0
+    for s in converted(m):
+        again = recompute if s.fqn.startswith(f"{model_spec(m).blocks}.") else 0.0
+        w = float(s.out_features * s.in_features)
+        flops += (6.0 + 2.0 * again) * w
+        act += _FLOAT8_ACT_FORWARD_BYTES * s.in_features * (1.0 + again)
+        act += _FLOAT8_ACT_BACKWARD_BYTES * s.out_features + 3.0 * s.in_features
+        weight += w * (_FLOAT8_WEIGHT_BYTES * (1.0 + again) + _FLOAT8_WEIGHT_BACKWARD_BYTES)
+    return flops, act, weight
 
 
 def _wave(m: int, n: int) -> float:
@@ -197,6 +238,7 @@ def predict_step(
     accum: int,
     unit_bytes: list[int],
     pipeline: tuple[float, float] | None = None,
+    local_params: int | None = None,
 ) -> StepPrediction:
     """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode).
 
@@ -204,6 +246,9 @@ def predict_step(
     fraction of that rank's compute; framework.planner.stages). The rank computes its share of the model's
     work and then idles for the bubble; ``unit_bytes`` and ``comm`` are that rank's already. The
     point-to-point sends between stages are on the critical path (like TP's collectives).
+    ``local_params``: the elements of this rank's parameter shards (the optimizer's and the gradient
+    accumulation's work); by default the unsharded units over dp_shard x cp, which under ep misses
+    that the experts are sharded over fewer ranks.
     """
     hw, m = cfg.mesh.hardware, cfg.model
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
@@ -217,7 +262,9 @@ def predict_step(
     else:
         recompute = _RECOMPUTE.get(mode, 0.0)
     flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
-    compute_s = flops * tokens / d.tp / peak
+    f8_flops, f8_bytes, f8_weight_bytes = _float8_terms(cfg, recompute)
+    speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
+    compute_s = (flops - f8_flops + f8_flops / speedup) * tokens / d.tp / peak
 
     width = m.n_layers * (2 * m.dim + m.ffn_dim)
     pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + recompute / 3.0)
@@ -226,17 +273,21 @@ def predict_step(
         pointwise *= _EAGER_POINTWISE
         logits *= _EAGER_POINTWISE
     unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
-    local = unsharded / d.fsdp_shard
+    local = unsharded / d.fsdp_shard if local_params is None else local_params
     casts = accum * unsharded * _CAST_BYTES
+    # float8's casts: the activations' per token (TP: each rank casts its shard), the weights' per
+    # micro batch (this TP rank's whole weights, as the bf16 casts above)
+    # (a pipeline rank: its share of both, below)
+    f8_casts = (tokens * f8_bytes + accum * f8_weight_bytes) / d.tp
     accumulate = (accum - 1) * local * _ACCUM_BYTES
-    memory_s = (pointwise + logits + casts + accumulate) / hbm
+    memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
     optimizer_s = local * _ADAMW_BYTES / hbm
     bubble_s = 0.0
     if pipeline is not None:
         fraction, bubble = pipeline
         # casts and accumulation above already count only this rank's parameters (unit_bytes)
         compute_s *= fraction
-        memory_s = ((pointwise + logits) * fraction + casts + accumulate) / hbm
+        memory_s = ((pointwise + logits + f8_casts) * fraction + casts + accumulate) / hbm
         bubble_s = (compute_s + memory_s) * bubble
 
     window = compute_s + memory_s

@@ -46,6 +46,10 @@ class Degrees:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    # Expert parallelism: not a factor of the world size but a split of dp_shard (its inner ``ep``
+    # ranks hold different experts; ``dp_shard_mod_ep`` = dp_shard / ep replicas of each), as
+    # torchtitan's ParallelDims borrows ep from dp_shard. framework.parallel.mesh.expert_meshes.
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -69,6 +73,11 @@ class Degrees:
     def fsdp_shard(self) -> int:
         """Ranks one FSDP2 group shards parameters over: dp_shard x cp (the flattened mesh axes)."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP2 shards each expert's weights over: dp_shard x cp / ep (dp_shard_mod_ep)."""
+        return max(1, self.fsdp_shard // self.ep)
 
     @property
     def ddp(self) -> bool:
@@ -99,13 +108,18 @@ class Degrees:
         )
         parts = [p for p in (data, "tp" if self.tp > 1 else "", "cp" if self.cp > 1 else "") if p]
         parts += ["pp"] if self.pp > 1 else []
+        parts += ["ep"] if self.ep > 1 else []
         return "_".join(parts) or "single"
 
     def short(self) -> str:
         """``r2 s2 t2`` style, for tables."""
         return " ".join(
             f"{k}{getattr(self, n)}" for k, n in (("r", "dp_replicate"), ("s", "dp_shard"), ("t", "tp"))
-        ) + "".join(f" {k}{getattr(self, n)}" for k, n in (("c", "cp"), ("p", "pp")) if getattr(self, n) > 1)
+        ) + "".join(
+            f" {k}{getattr(self, n)}"
+            for k, n in (("c", "cp"), ("p", "pp"), ("e", "ep"))
+            if getattr(self, n) > 1
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -118,7 +132,7 @@ def divisors(n: int) -> list[int]:
 def explicit(cfg: Config) -> bool:
     """True when the user set any ``parallel.*`` degree (they then are the layout)."""
     p = cfg.parallel
-    return any(getattr(p, n) != 0 for n in DEGREE_NAMES)
+    return any(getattr(p, n) != 0 for n in (*DEGREE_NAMES, "ep"))
 
 
 def from_parallel(cfg: Config) -> Degrees:
@@ -151,7 +165,11 @@ def from_parallel(cfg: Config) -> Degrees:
                 f"rest; use degrees whose product divides {world} (divisors: {divisors(world)})"
             )
         fixed[rest[0]] = world // prod
-    d = Degrees(**fixed)
+    if p.ep < 0:
+        raise ValueError(
+            f"parallel.ep={p.ep} is not valid: use 0 or 1 (off) or a degree >= 2 that divides parallel.dp_shard"
+        )
+    d = Degrees(**fixed, ep=max(p.ep, 1))
     if d.world_size != world:
         raise ValueError(
             f"{shown or 'parallel degrees all 1'} multiply to {d.world_size}, not the world size {world} "
@@ -233,6 +251,7 @@ def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "par
             f"parallel.pp={d.pp} is greater than model.n_layers={model.n_layers}: each pipeline stage "
             f"needs at least one block; valid: parallel.pp <= {model.n_layers}"
         )
+    check_ep(d, model)
     tp = d.tp
     for field_name, value in (
         ("n_heads", model.n_heads),
@@ -249,6 +268,53 @@ def check_degrees(d: Degrees, model: ModelConfig, world: int, tp_key: str = "par
                 f"{tp_key}={tp} does not divide model.{field_name}={value}: each TP rank needs whole "
                 f"heads and an equal FFN slice; valid TP degrees here are {valid}"
             )
+
+
+def check_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse an expert-parallel degree this layout cannot run. The ep ranks are borrowed from
+    dp_shard (torchtitan's choice: every ep rank is also a data-parallel rank, reading its own batch,
+    so ep costs no extra ranks and the dense part stays sharded over all of dp_shard), hence ep
+    divides dp_shard. CP is not combined with ep here (torchtitan folds cp into ep; this version
+    does not). ep must also divide the model's number of experts (a dense model, which has none, is
+    refused before launch: ``check_dense_ep``; a test may run ep on a decoder it built with MoE
+    blocks from a dense config)."""
+    if d.ep <= 1:
+        return
+    if d.dp_shard % d.ep:
+        valid = [
+            e for e in divisors(d.dp_shard) if e > 1
+        ] or "none (parallel.dp_shard=1: set it to a multiple of ep)"
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide parallel.dp_shard={d.dp_shard}: the ep ranks are "
+            f"borrowed from dp_shard (dp_shard = dp_shard_mod_ep x ep); valid ep here: {valid}"
+        )
+    if d.cp > 1:
+        raise ValueError(
+            f"parallel.ep={d.ep} with parallel.cp={d.cp}: expert parallelism does not compose with "
+            f"context parallelism in this version; valid: parallel.ep=1 or parallel.cp=1"
+        )
+    experts = num_experts(model)
+    if experts and experts % d.ep:
+        valid = [e for e in divisors(experts) if d.dp_shard % e == 0]
+        raise ValueError(
+            f"parallel.ep={d.ep} does not divide model.moe.num_experts={experts}: valid ep here are {valid}"
+        )
+
+
+def num_experts(model: ModelConfig) -> int:
+    """The routed experts per MoE layer (``model.moe.num_experts``); 0: a dense model, as every
+    model config without the MoE keys is."""
+    return int(getattr(getattr(model, "moe", None), "num_experts", 0) or 0)
+
+
+def check_dense_ep(d: Degrees, model: ModelConfig) -> None:
+    """Refuse ``parallel.ep`` on a dense model before launch: it has no experts to shard."""
+    if d.ep > 1 and num_experts(model) == 0:
+        raise ValueError(
+            f"parallel.ep={d.ep} with model.family={model.family.value}, a dense model "
+            f"(model.moe.num_experts=0): it has no experts to shard; valid: parallel.ep=1 (or 0), or a "
+            f"sparse family (model.moe.num_experts > 0)"
+        )
 
 
 # torch's context_parallel dispatches SDPA's flash / efficient / cuDNN kernels to ring attention;

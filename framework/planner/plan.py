@@ -41,6 +41,7 @@ from framework.planner.layout import (
     check_degrees,
     divisors,
     fixed_degrees,
+    num_experts,
 )
 
 GIB = 1024**3
@@ -68,6 +69,9 @@ class ParamSpec:
     unit: str  # FSDP unit that owns it: "layers.N", "root" (or _HEAD_ROOT: a second root, zbv's V)
     # False for a pipeline's copy of a tied weight: stepped through the embedding it copies.
     optimizer: bool = True
+    # A routed expert stack under expert parallelism: ``shape`` is this rank's slice (E / ep experts
+    # on dim 0) and FSDP2 shards it over dp_shard x cp / ep ranks (Degrees.expert_shard). 0: dense.
+    ep: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,23 +239,100 @@ def _check_batch(cfg: Config, dp: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def param_specs(m: ModelConfig) -> list[ParamSpec]:
+class _Memo:
+    """Results keyed by the identity of an object the planner reuses (a cached spec, a cached list of
+    parameters) and some hashable arguments. The object is held with its result, so its id cannot be
+    reused by another while the entry lives. Why: the search plans a layout thousands of times over
+    the same parameter lists (an MoE model has ~1,200 of them); summing them each time took minutes."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self._size = size
+        self._entries: dict[tuple[int, Any], tuple[object, Any]] = {}
+
+    def get(self, obj: object, args: Any, compute: Any) -> Any:
+        key = (id(obj), args)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        if len(self._entries) >= self._size:
+            self._entries.clear()
+        value = compute()
+        self._entries[key] = (obj, value)
+        return value
+
+
+_MEMO = _Memo()
+
+
+def param_specs(m: ModelConfig, ep: int = 1) -> list[ParamSpec]:
     """Parameters of the model ``m`` describes, in ``named_parameters()`` order (tied output omitted),
-    from its spec (framework.models): the planner needs no model; the dry run checks they agree."""
-    return [ParamSpec(name, w.shape, w.tp_dim, unit) for name, w, unit in model_spec(m).params()]
+    from its spec (framework.models): the planner needs no model; the dry run checks they agree.
+    A routed expert stack is this rank's ``E / ep`` experts (framework.parallel.expert). The list is
+    shared between calls (memoized): callers do not change it."""
+    spec = model_spec(m)
+    return _MEMO.get(spec, ("specs", ep), lambda: _param_specs(spec, ep))
+
+
+def _param_specs(spec: Any, ep: int) -> list[ParamSpec]:
+    out = []
+    for name, w, unit in spec.params():
+        if w.experts:
+            shape = (w.experts // ep, *w.shape[1:])
+            out.append(ParamSpec(name, shape, w.tp_dim, unit, ep=ep))
+        else:
+            out.append(ParamSpec(name, w.shape, w.tp_dim, unit))
+    return out
 
 
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> int:
-    """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left.
+    """Elements of rank 0's shard: TP chunks ``tp_dim``, then FSDP2 chunks dim 0 of what is left
+    (an expert stack's ``E / ep`` experts over the dp_shard x cp / ep ranks outside its ep group).
 
     torch.chunk gives the first ranks ceil(size / n) rows, so rank 0 holds the largest shard.
     """
-    shape = list(spec.shape)
-    if tp > 1 and spec.tp_dim is not None:
-        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
-    if dp_shard > 1:
-        shape[0] = math.ceil(shape[0] / dp_shard)
+    return _local(spec.shape, spec.tp_dim, spec.ep, tp, dp_shard)
+
+
+def _local(shape_: tuple[int, ...], tp_dim: int | None, ep: int, tp: int, dp_shard: int) -> int:
+    shape = list(shape_)
+    if tp > 1 and tp_dim is not None:
+        shape[tp_dim] = math.ceil(shape[tp_dim] / tp)
+    shard = max(1, dp_shard // ep) if ep else dp_shard
+    if shard > 1:
+        shape[0] = math.ceil(shape[0] / shard)
     return math.prod(shape)
+
+
+def _kinds(specs: list[ParamSpec]) -> dict[tuple[Any, ...], int]:
+    """The parameters grouped by what their shard size depends on, with their counts (memoized)."""
+
+    def count() -> dict[tuple[Any, ...], int]:
+        out: dict[tuple[Any, ...], int] = {}
+        for s in specs:
+            k = (s.shape, s.tp_dim, s.ep, s.optimizer)
+            out[k] = out.get(k, 0) + 1
+        return out
+
+    return _MEMO.get(specs, "kinds", count)
+
+
+def sum_local(specs: list[ParamSpec], tp: int, dp_shard: int, which: str = "all") -> int:
+    """``sum(local_numel(s, tp, dp_shard) for s in specs)`` over all of them, those with optimizer
+    state (``which="optimizer"``) or the expert stacks under ep (``"experts"``); ``"max"``: the
+    largest one. Memoized per list (see ``_Memo``)."""
+
+    def compute() -> int:
+        kinds = _kinds(specs)
+        if which == "max":
+            return max(_local(sh, td, ep, tp, dp_shard) for sh, td, ep, _ in kinds)
+        keep = {
+            "all": lambda ep, opt: True,
+            "optimizer": lambda ep, opt: opt,
+            "experts": lambda ep, opt: ep > 1,
+        }[which]
+        return sum(n * _local(sh, td, ep, tp, dp_shard) for (sh, td, ep, opt), n in kinds.items() if keep(ep, opt))
+
+    return _MEMO.get(specs, ("sum", tp, dp_shard, which), compute)
 
 
 # Saved-activation factors, fitted to peak memory measured on one H200 (bf16 autocast, seq 2048,
@@ -367,6 +448,27 @@ def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
     return 2 * 2 * kv * elem
 
 
+def _moe_tokens(cfg: Config, tp: int, cp: int) -> tuple[int, int]:
+    """(top-k, rows one rank dispatches per MoE layer and micro batch: its tokens x top-k); (0, 0)
+    for a dense model. A rank's tokens are its micro batch's sequence shard (1/cp) and, with
+    sequence parallelism, its 1/tp of those (each TP rank dispatches its own tokens)."""
+    k = cfg.model.moe.num_experts_per_tok if num_experts(cfg.model) else 0
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp // tp
+    return k, tokens * k
+
+
+def _dispatch_bytes(cfg: Config, specs: list[ParamSpec], tp: int, cp: int) -> int:
+    """Expert parallelism's transient buffers, one MoE layer at a time: ExpertParallel.forward
+    (framework.parallel.expert) holds the received rows, their expert-major copy, the experts'
+    output and its source-order copy, each (rows x dim) in the activation dtype (an estimate from
+    the code, not a fit). 0 without ep."""
+    if not any(ep > 1 for _, _, ep, _ in _kinds(specs)):
+        return 0
+    _, rows = _moe_tokens(cfg, tp, cp)
+    elem = 2 if autocast_bf16(cfg) else 4
+    return 4 * rows * cfg.model.dim * elem
+
+
 def _memory(
     cfg: Config,
     specs: list[ParamSpec],
@@ -382,21 +484,21 @@ def _memory(
     """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
     zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
     parameters replace the two units in flight."""
-    local = sum(local_numel(s, tp, dp_shard) for s in specs)
+    local = sum_local(specs, tp, dp_shard)
     params = local * _MASTER_BYTES
     grads = local * _MASTER_BYTES
     if dp_shard > 1 and accum > 1:
         # The loop skips the reduce-scatter on all but the last micro batch
         # (FSDPModule.set_requires_gradient_sync(False)), so FSDP2 accumulates each unit's
         # unsharded gradient, in param_dtype, until then: this TP rank's whole gradient.
-        full = sum(local_numel(s, tp, 1) for s in specs)
+        full = sum_local(specs, tp, 1)
         grads += full * _DTYPE_BYTES[cfg.sharding.param_dtype]
     if cfg.train.optimizer_in_backward and not _whole_model_backward(cfg):
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
-        grads = 2 * max(local_numel(s, tp, dp_shard) for s in specs) * _MASTER_BYTES
+        grads = 2 * sum_local(specs, tp, dp_shard, "max") * _MASTER_BYTES
     optimizer = (
-        sum(local_numel(s, tp, dp_shard) for s in specs if s.optimizer) * _MASTER_BYTES * _ADAMW_STATES
+        sum_local(specs, tp, dp_shard, "optimizer") * _MASTER_BYTES * _ADAMW_STATES
     )
     comm_buffers = 0
     if dp_shard > 1:
@@ -406,8 +508,9 @@ def _memory(
         p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
         comm_buffers = biggest * (2 * p_el + r_el)
         if held:
-            comm_buffers = sum(local_numel(s, tp, 1) for s in specs) * p_el + biggest * r_el
-    elif ddp:
+            comm_buffers = sum_local(specs, tp, 1) * p_el + biggest * r_el
+    comm_buffers += _dispatch_bytes(cfg, specs, tp, cp)
+    if ddp:
         # DDP's gradient buckets stay allocated between steps (grads are views into them), so they
         # coexist with the activations: llama1b with DDP on 2 H200s peaked 7.6 GiB above the same
         # micro-batch on one GPU without DDP (benchmarks/PERF.md); the buckets are 4.6 GiB of it.
@@ -482,6 +585,10 @@ def _ddp_buckets(specs: list[ParamSpec], cap_bytes: int, tp: int) -> list[int]:
 def _fsdp_units(specs: list[ParamSpec], tp: int) -> list[int]:
     """Unsharded fp32 bytes of each FSDP unit: one per block, then the root (embeddings, norm, output;
     a pipeline rank holding both the first and the last stage has two roots, ``_rank_specs``)."""
+    return list(_MEMO.get(specs, ("units", tp), lambda: tuple(_unit_bytes(specs, tp))))
+
+
+def _unit_bytes(specs: list[ParamSpec], tp: int) -> list[int]:
     units: dict[str, int] = {}
     for s in specs:
         units[s.unit] = units.get(s.unit, 0) + local_numel(s, tp, 1) * _MASTER_BYTES
@@ -542,21 +649,27 @@ def _comm(
     if cp > 1:
         intra[MeshAxis.dp_shard] = _group_is_intra_node(sizes, axes, (MeshAxis.dp_shard, MeshAxis.cp), ppn)
     p_el, r_el = _DTYPE_BYTES[cfg.sharding.param_dtype], _DTYPE_BYTES[cfg.sharding.reduce_dtype]
-    full_local = sum(local_numel(s, tp, 1) for s in specs)  # one TP rank's unsharded parameters
-    if shard > 1:
-        ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
-        avg_unit = full_local // len(units)
+    full_local = sum_local(specs, tp, 1)  # one TP rank's unsharded parameters
+    # Expert stacks under ep are gathered over their own group, dp_shard x cp / ep ranks.
+    expert_local = sum_local(specs, tp, 1, "experts")
+    ep = max((k[2] for k in _kinds(specs)), default=1) or 1
+    groups = [(shard_axis, shard, full_local - expert_local)]
+    if expert_local:
+        groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
+    ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
+    for axis, n, numel in groups:
+        if n <= 1:
+            continue
+        avg_unit = numel // len(units)
         out.append(
-            _collective(
-                cfg, shard_axis, "all_gather", shard, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el
-            )
+            _collective(cfg, axis, "all_gather", n, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el)
         )
         out.append(
             _collective(
                 cfg,
-                shard_axis,
+                axis,
                 "reduce_scatter",
-                shard,
+                n,
                 intra[MeshAxis.dp_shard],
                 len(units),  # once per step: the loop skips it on all but the last micro batch
                 avg_unit * r_el,
@@ -572,7 +685,7 @@ def _comm(
                 )
             )
         else:  # HSDP: each unit's reduce-scattered gradient shard is all-reduced across replicas
-            per = full_local // len(units) // shard * r_el
+            per = sum_local(specs, tp, shard) // len(units) * r_el
             out.append(
                 _collective(
                     cfg,
@@ -601,7 +714,32 @@ def _comm(
         out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
     if cp > 1:
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
+    if ep > 1:
+        out += _ep_comm(cfg, ep, tp, cp, accum, layers)
     return out
+
+
+def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | None) -> list[CommEstimate]:
+    """Expert parallelism's all-to-alls (framework.parallel.expert): in every MoE layer's forward the
+    rank's routed rows go out to their experts' ranks (dispatch) and come back (combine), and the
+    backward runs both in reverse; a recomputed forward (activation checkpointing) runs them again.
+    Each carries the rank's rows x top-k x dim in the activation dtype, (ep - 1) / ep of it off the
+    rank (a perfectly balanced router; the per-expert counts exchanged first are E integers, in the
+    latency term). The ep group is ep consecutive ranks of dp_shard x cp, tp apart (layout.check_ep)."""
+    n = cfg.model.n_layers if layers is None else layers
+    _, rows = _moe_tokens(cfg, tp, cp)
+    elem = 2 if autocast_bf16(cfg) else 4
+    payload = rows * cfg.model.dim * elem
+    span, ppn = ep * tp, cfg.mesh.procs_per_node
+    intra = span <= ppn and ppn % span == 0
+    mode = cfg.sharding.activation_checkpointing
+    recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+    forward = 2 * (n + recomputed.get(mode, 0)) * accum
+    backward = 2 * n * accum
+    return [
+        _collective(cfg, "ep", "all_to_all", ep, intra, forward, payload),
+        _collective(cfg, "ep", "all_to_all_backward", ep, intra, backward, payload),
+    ]
 
 
 def _cp_comm(
@@ -684,8 +822,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     warnings += _layout_warnings(cfg, d, sizes, axes)
     # Fields of another option (activation_memory_budget without budget, executor.autotune or
     # cache_dir on eager) are refused before launch: framework.launch.rules.check_option_fields.
-    specs = param_specs(cfg.model)
-    num_params = sum(math.prod(s.shape) for s in specs)
+    specs = param_specs(cfg.model, d.ep)
+    num_params = model_spec(cfg.model).numel[0]
     pipe = _pipeline(cfg, d, specs, tp, shard, accum) if d.pp > 1 else None
     if pipe is not None:  # the busiest pp rank's parameters, blocks and activations
         specs, memory = pipe.specs, pipe.memory
@@ -702,7 +840,13 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         comm.append(_pp_send_recv(cfg, d, sizes, axes, accum))
         comm += _pp_tied(cfg, d, sizes, axes, pipe.ranks)
     prediction = predict_step(
-        cfg, d, comm, accum, units, pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None
+        cfg,
+        d,
+        comm,
+        accum,
+        units,
+        pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
+        local_params=sum_local(specs, tp, shard),
     )
     _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
@@ -721,7 +865,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         grad_accum_steps=accum,
         seq_len=cfg.train.seq_len,
         num_params=num_params,
-        params_per_rank=sum(local_numel(s, tp, shard) for s in specs),  # the busiest pp rank's
+        params_per_rank=sum_local(specs, tp, shard),  # the busiest pp rank's
         activation_checkpointing=cfg.sharding.activation_checkpointing.value,
         memory=memory,
         comm=tuple(comm),
@@ -776,7 +920,7 @@ def _buckets(
     """(bucket_cap_mb, why, bucket sizes): DDP's buckets by the cap (``bucketing.auto`` picks it from
     the alpha-beta model), or FSDP2's units, which communicate one by one."""
     tp, shard = d.tp, d.fsdp_shard
-    full_local_bytes = sum(local_numel(s, tp, 1) for s in specs) * _MASTER_BYTES
+    full_local_bytes = sum_local(specs, tp, 1) * _MASTER_BYTES
     rep = size.get(MeshAxis.dp_replicate, 1)
     if not d.fsdp:
         if cfg.bucketing.auto:
@@ -875,7 +1019,14 @@ def _rank_specs(
     specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int], tied: ParamSpec | None
 ) -> list[ParamSpec]:
     """The parameters of the stages ``ids``: their blocks, the embedding with stage 0, the final norm
-    and output projection with the last stage (``tied``: its copy of a tied embedding)."""
+    and output projection with the last stage (``tied``: its copy of a tied embedding). Memoized per
+    parameter list (the search plans the same split many times): callers do not change the result."""
+    return _MEMO.get(specs, ("rank", split, tuple(ids), tied), lambda: _stage_specs(specs, split, ids, tied))
+
+
+def _stage_specs(
+    specs: list[ParamSpec], split: tuple[tuple[int, int], ...], ids: list[int], tied: ParamSpec | None
+) -> list[ParamSpec]:
     blocks = {i for s in ids for i in range(*split[s])}
     last = len(split) - 1
     out = []
@@ -903,9 +1054,9 @@ def _rank_specs(
 def pp_rank_specs(cfg: Config, plan: Plan, pp_rank: int) -> list[ParamSpec]:
     """The parameters pipeline rank ``pp_rank`` holds (its stages'); every one without a pipeline."""
     if plan.layout.pp == 1:
-        return param_specs(cfg.model)
+        return param_specs(cfg.model, plan.layout.ep)
     return _rank_specs(
-        param_specs(cfg.model), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
+        param_specs(cfg.model, plan.layout.ep), plan.pp_split, list(plan.pp_ranks[pp_rank]), tied_copy(cfg.model)
     )
 
 
@@ -914,7 +1065,7 @@ def pp_rank_param_bytes(cfg: Config, plan: Plan, pp_rank: int) -> int:
     ``MemoryEstimate.params`` counts them; the dry run measures pp rank 0 against it."""
     mine = pp_rank_specs(cfg, plan, pp_rank)
     shard = plan.degrees["dp_shard"] * plan.degrees["cp"]  # FSDP2 shards over dp_shard x cp
-    return sum(local_numel(s, plan.tp_degree, shard) for s in mine) * _MASTER_BYTES
+    return sum_local(mine, plan.tp_degree, shard) * _MASTER_BYTES
 
 
 def _pipeline(cfg: Config, d: Degrees, specs: list[ParamSpec], tp: int, shard: int, accum: int) -> _Pipeline:

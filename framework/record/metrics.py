@@ -129,6 +129,9 @@ def format_row(row: dict[str, Any]) -> str:
         ("data_wait_share", "data wait {:.1%}"),
         ("mfu", "mfu {:.1%}"),
         ("peak_mem_gib", "mem {:.2f} GiB"),
+        ("moe_load_max", "experts max/mean {:.2f}"),  # the worst MoE layer's; 1.0 = balanced
+        ("moe_aux_loss", "aux {:.4f}"),
+        ("moe_dropped_frac", "dropped {:.2%}"),
     ):
         if row.get(key) is not None:
             parts.append(fmt.format(row[key]))

@@ -35,10 +35,12 @@ from framework.parallel.step import (
     StepResult,
     StepTimer,
     autocast,
+    clip_grads,
     ratio_over_ranks,
     step_result,
     targets_counted,
     to_device,
+    total_grad_norm,
     update,
 )
 
@@ -202,15 +204,20 @@ class InBackward:
     norm_sq: torch.Tensor  # sum of the squared gradient norms seen this step
     handles: list[RemovableHandle]
     stream: torch.cuda.Stream | None = None  # CUDA: the updates' own stream (see _step)
+    # train.in_backward_grad_checks: each gradient's norm and finiteness; off, only the loss's (poison)
+    check_grads: bool = True
 
     def _update(self, p: torch.Tensor) -> None:
         opt, group = self.per_param[p]
         opt.state = self.main.state  # the main optimiser's load_state_dict replaces its dict
         opt.param_groups[0]["lr"] = group["lr"]  # moved by the scheduler
         assert p.grad is not None
-        g_norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-        self.norm_sq += g_norm.square()
-        ok = torch.isfinite(g_norm + self.poison)  # this gradient and the loss are finite
+        if self.check_grads:
+            g_norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            self.norm_sq += g_norm.square()
+            ok = torch.isfinite(g_norm + self.poison)  # this gradient and the loss are finite
+        else:
+            ok = torch.isfinite(self.poison)  # the loss is finite
         if group.get("fused"):
             opt.found_inf = (~ok).float()  # type: ignore[attr-defined]  # no host sync
             opt.step()
@@ -244,7 +251,7 @@ class InBackward:
             h.remove()
 
 
-def attach_in_backward(optimizer: torch.optim.Optimizer) -> InBackward:
+def attach_in_backward(optimizer: torch.optim.Optimizer, check_grads: bool = True) -> InBackward:
     """Hook a per-parameter copy of ``optimizer`` onto each of its parameters (see :class:`InBackward`)."""
     device = optimizer.param_groups[0]["params"][0].device
     ib = InBackward(
@@ -253,6 +260,7 @@ def attach_in_backward(optimizer: torch.optim.Optimizer) -> InBackward:
         poison=torch.zeros((), device=device),
         norm_sq=torch.zeros((), device=device),
         handles=[],
+        check_grads=check_grads,
     )
     if device.type == "cuda" and OPTIMIZER_SIDE_STREAM:
         ib.stream = torch.cuda.Stream(device)
@@ -323,9 +331,10 @@ def _no_grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextMan
 def global_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` (inf: measure only) and return the total norm as a plain tensor."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2 / TP
-    return full() if full is not None else norm
+    norm = total_grad_norm(params)
+    if max_norm > 0:
+        clip_grads(params, max_norm, norm)
+    return norm
 
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

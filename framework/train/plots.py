@@ -1,4 +1,4 @@
-"""PNG plots of a run (loss, tokens/s, MFU over steps) and of a sweep (one bar group per job).
+"""PNG plots of a run (loss, tokens/s, MFU, an MoE model's expert balance over steps) and of a sweep (one bar group per job).
 
 matplotlib with the Agg backend: no display needed, works on every rank-0 host and in CI. The data
 is read back from the run dir's ``metrics.jsonl``, so a plot can be (re)made after the fact:
@@ -23,7 +23,8 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Write ``run_dir/metrics.png``: loss (train and validation), tokens/s, and MFU when present.
+    """Write ``run_dir/metrics.png``: loss (train and validation), tokens/s, and MFU and the worst MoE
+    layer's max/mean tokens per expert (1.0 = balanced) when present.
 
     Raises ValueError when the run dir has no metrics rows (nothing to plot).
     """
@@ -40,6 +41,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     panels = [("loss", ["loss", "val_loss", *sets]), ("tokens/s", ["tokens_per_s"])]
     if any(r.get("mfu") is not None for r in rows):
         panels.append(("MFU", ["mfu"]))
+    if any(r.get("moe_load_max") is not None for r in rows):  # an MoE family: its experts' balance
+        panels.append(("experts max/mean", ["moe_load_max"]))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True, squeeze=False)
     for ax, (title, keys) in zip(axes[:, 0], panels, strict=True):
         for key in keys:

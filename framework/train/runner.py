@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.models import Decoder, WeightLoader
+from framework.models import Decoder, WeightLoader, update_expert_biases
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
@@ -83,7 +84,9 @@ class StepRunner:
         self.device = device
         self.lag = lag
         self.rank = rank
-        self.load_weights = load_weights  # model.init_from's loader (the trainer's: checkpoint.init_from.load)
+        self.load_weights = (
+            load_weights  # model.init_from's loader (the trainer's: checkpoint.init_from.load)
+        )
         self.model: nn.Module = None  # type: ignore[assignment]  # made by build()
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.scheduler: torch.optim.lr_scheduler.LambdaLR = None  # type: ignore[assignment]
@@ -145,9 +148,15 @@ class StepRunner:
         if self.float8 is not Float8Recipe.none:
             attach_scale_precompute(self.model, self.optimizer)  # FSDP2's float8 all-gather only
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.lr_scheduler)
+        if cfg.model.moe.bias_update_rate > 0:  # DeepSeek-V3's aux-loss-free balancing, per optimizer step
+            self.optimizer.register_step_post_hook(functools.partial(_update_biases, self.model))
         if self.in_backward is not None:
             self.in_backward.remove()  # hooks of the model being replaced
-        self.in_backward = attach_in_backward(self.optimizer) if cfg.train.optimizer_in_backward else None
+        self.in_backward = (
+            attach_in_backward(self.optimizer, cfg.train.in_backward_grad_checks)
+            if cfg.train.optimizer_in_backward
+            else None
+        )
         settle_ddp_buckets(self.model, cfg.train.micro_batch_size, cfg.train.seq_len, self.device)
         if carry:
             carry_state(old[0], old[1], self.model, self.optimizer)
@@ -235,6 +244,22 @@ class StepRunner:
         its batch back): it no longer counts toward its build's warm-up."""
         if s.build == self._builds:
             self._since_build -= 1
+
+
+def _update_biases(
+    model: nn.Module, _optimizer: torch.optim.Optimizer, _args: object, _kwargs: object
+) -> None:
+    """The sigmoid routers' selection biases after each optimizer step, from the step's loads summed
+    over every rank (the same bias everywhere; a pipeline stage holds only its layers, so there the
+    stage's own loads decide)."""
+    from framework.parallel.pipeline import is_pipeline
+
+    group = (
+        None
+        if is_pipeline(model) or not torch.distributed.is_initialized()
+        else torch.distributed.group.WORLD
+    )
+    update_expert_biases(model, group)
 
 
 def settle_ddp_buckets(model: nn.Module, micro_batch_size: int, seq_len: int, device: torch.device) -> None:

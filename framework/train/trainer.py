@@ -41,7 +41,7 @@ from framework.checkpoint.session import RunCheckpoints
 from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
-from framework.models import build_model, flops_per_token, lora, num_params
+from framework.models import balance_row, build_model, flops_per_token, lora, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
@@ -259,15 +259,17 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             "step": s.step,
             "loss": r.loss,
             "lr": r.lr,
-            "grad_norm": r.grad_norm,
             "tokens_per_s": tps,
             "step_ms": r.seconds * 1e3,
             **window,  # data_wait_ms and data_wait_share, when a timed step ran
         }
+        if not (train_cfg.optimizer_in_backward and not train_cfg.in_backward_grad_checks):
+            row["grad_norm"] = r.grad_norm  # not measured without the in-backward checks
         if p.peak_flops is not None and tps is not None:
             row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
+        row |= balance_row(p.runner.model)  # an MoE family's expert balance since the last row
         p.watch.check(s.step)
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.
@@ -357,7 +359,19 @@ def setup(
     state.train_started = time.perf_counter()
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
-        cfg, env, run_dir, digest, plan, runner, data, metrics, verifier, ladder, ckpt, callbacks, watch,
+        cfg,
+        env,
+        run_dir,
+        digest,
+        plan,
+        runner,
+        data,
+        metrics,
+        verifier,
+        ladder,
+        ckpt,
+        callbacks,
+        watch,
         peak_flops,
     )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from framework.config.schema import Config, ModelConfig, Strategy
+from framework.config.schema import Config, ModelConfig, ModelFamily, MoEConfig, Strategy
 from framework.launch.dry_run import DryRunReport, dry_run, format_dry_run
 from framework.planner.resolve import resolve
 from tests.config.test_config import compose_config
@@ -20,6 +20,7 @@ def resolved_dry_run(cfg: Config) -> DryRunReport:
     """The dry run of ``cfg`` as the launcher runs it: resolved and planned once, then sharded."""
     resolved = resolve(cfg)
     return dry_run(resolved.cfg, resolved.plan)
+
 
 # A shape whose dims do not divide evenly by large shard counts, so FSDP2's padding shows.
 ODD = ModelConfig(
@@ -160,3 +161,50 @@ def test_train_py_plans_float8_for_a_gpu_profile_on_this_cpu(
     found = re.search(r"params per rank     estimated ([\d,]+) B .*measured ([\d,]+) B", log)
     assert found is not None and found[1] == found[2], log[-2000:]
     assert re.search(r"float8 layers       planned (\d+), swapped \1 ", log), log[-2000:]
+
+
+# A tiny Qwen3-MoE whose experts do not split evenly over FSDP's ranks (6 experts of width 40),
+# untied (a pipeline refuses tied embeddings).
+MOE = ModelConfig(
+    family=ModelFamily.qwen3_moe,
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    vocab_size=200,
+    tie_embeddings=False,
+    moe=MoEConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40),
+)
+MOE_CASES = [  # (shape, dp_replicate, dp_shard, tp, pp, ep)
+    ([6], 1, 6, 1, 1, 2),
+    ([6], 1, 6, 1, 1, 6),
+    ([2, 6], 2, 6, 1, 1, 3),
+    ([2, 4], 1, 4, 1, 2, 2),
+    ([8, 8], 1, 64, 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "rep", "shard", "tp", "pp", "ep"),
+    MOE_CASES,
+    ids=[f"r{c[1]}s{c[2]}t{c[3]}p{c[4]}e{c[5]}" for c in MOE_CASES],
+)
+def test_moe_experts_sharded_over_ep_as_planned(
+    shape: list[int], rep: int, shard: int, tp: int, pp: int, ep: int
+) -> None:
+    """Issue 25: the planner's parameter bytes per rank of an MoE model under expert parallelism
+    (each rank's E / ep experts, FSDP over dp_shard / ep of them) are what the real parallelize
+    leaves on rank 0; at ep=2 of 64 FSDP ranks the experts are sharded 32 ways, so a wrong model of
+    it would be far off."""
+    cfg = Config(model=MOE)
+    cfg.mesh.shape = shape
+    p = cfg.parallel
+    p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep = rep, shard, tp, pp, ep
+    cfg.train.seq_len = 32
+    cfg.train.global_batch_size = rep * shard * pp
+    cfg.train.micro_batch_size = 1
+    report = resolved_dry_run(cfg)
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+    assert report.plan.degrees["ep"] == ep

@@ -49,20 +49,22 @@ def base() -> DictConfig:
 
 @pytest.fixture(scope="module")
 def family_base(base: DictConfig) -> dict[str, DictConfig]:
-    """The default config under each family that has keys of its own (``model=mistral``): a family's
-    own key (``model.sliding_window``) exists only there, so its bad values are set there."""
+    """The default config under each family (``model=mistral``): a family's own key
+    (``model.sliding_window``) exists only there, so its bad values are set there; a rule whose context
+    names ``model.family`` is tested under that family's option (the group selects the family)."""
     out = {}
-    for fam, cls in config.MODEL_SCHEMAS.items():
-        if config.own_keys(cls):
-            with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
-                out[fam.value] = compose("config", overrides=[f"model={fam.value}"])
+    for fam in config.MODEL_SCHEMAS:
+        with initialize_config_dir(config_dir=str(recipes.CONF_DIR), version_base="1.3"):
+            out[fam.value] = compose("config", overrides=[f"model={fam.value}"])
     return out
 
 
 def base_for(key: str, base: DictConfig, family_base: dict[str, DictConfig]) -> DictConfig:
     """The default config where ``key`` exists: a family's own key under its (first) family."""
     group, _, rest = key.partition(".")
-    own = group == "model" and rest.split(".")[0] not in {f.name for f in dataclasses.fields(config.ModelConfig)}
+    own = group == "model" and rest.split(".")[0] not in {
+        f.name for f in dataclasses.fields(config.ModelConfig)
+    }
     return family_base[config.owners(rest.split(".")[0])[0]] if own else base
 
 
@@ -113,9 +115,11 @@ def test_every_key_refuses_its_out_of_range_values(
     base: DictConfig, family_base: dict[str, DictConfig], tmp_path: Path, key: str
 ) -> None:
     rule = RULES[key]
-    where = base_for(key, base, family_base)
+    context = dict(rule.context)
+    family = context.pop("model.family", None)
+    where = family_base[family] if family else base_for(key, base, family_base)
     for i, bad in enumerate(rule.bad):
-        msg = refusal(where, {**dict(rule.context), key: bad}, tmp_path / str(i))
+        msg = refusal(where, {**context, key: bad}, tmp_path / str(i))
         if isinstance(bad, dict):  # nccl.env and the like: the variable is named
             assert all(name in msg for name in bad), msg
         elif isinstance(bad, list) and bad and dataclasses.is_dataclass(bad[0]):  # data.mix: the entry
@@ -385,3 +389,28 @@ def test_activation_offload_beyond_the_hosts_memory_is_refused_with_the_bytes(
     check_offload_memory(cfg, available=offloaded_activation_bytes(cfg))  # exactly enough: passes
     with pytest.raises(ValueError, match="needed"):
         check_offload_memory(cfg, available=offloaded_activation_bytes(cfg) - 1)
+
+
+def test_moe_keys_belong_to_the_sparse_families(
+    base: DictConfig, family_base: dict[str, DictConfig], tmp_path: Path
+) -> None:
+    """model.moe: a key changed on a family that does not read it, the expert count of a sparse family,
+    top-k over the experts, freezing a routed model, and ep with a dense family: one line each."""
+    sparse = {"model.moe.num_experts": 4, "freeze.mode": "none"}
+    qwen, mixtral = family_base["qwen3_moe"], family_base["mixtral"]
+    cases = [
+        (base, {"model.moe.num_experts": 8}, "model.moe.num_experts=8 is not valid; valid: 0 (the default) "
+         "with model.family=llama, which does not read it; model.moe.num_experts is for model.family=qwen3_moe|mixtral"),
+        (mixtral, {**sparse, "model.moe.moe_intermediate_size": 64},
+         "model.moe.moe_intermediate_size=64 is not valid; valid: 0 (the default) with model.family=mixtral"),
+        (qwen, {**sparse, "model.moe.num_experts_per_tok": 6},
+         "model.moe.num_experts_per_tok=6 is not valid; valid: an integer in 1..model.moe.num_experts=4"),
+        (qwen, {**sparse, "freeze.mode": "export"},
+         "freeze.mode='export' is not valid; valid: none with model.family=qwen3_moe"),
+        (qwen, {"freeze.mode": "none"}, "model.moe.num_experts=0 is not valid; valid: an integer in 1..65536"),
+        (base, {"mesh.shape": [2], "parallel.ep": 2, "run.device": "cpu"}, "parallel.ep=2"),
+    ]  # fmt: skip
+    for i, (where, values, line) in enumerate(cases):
+        msg = refusal(where, values, tmp_path / str(i))
+        assert msg.startswith(line), (msg, line)
+    prelaunch(with_values(qwen, sparse), tmp_path / "ok", RECIPE)  # the sparse family itself launches

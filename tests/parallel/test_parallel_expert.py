@@ -1,22 +1,54 @@
-"""Expert parallelism (framework/parallel/expert.py) on real gloo ranks: the ep=2 layer, and ep=2 x dp=2 on
-4 ranks (ep on subgroups), equal one process on outputs and on every gradient (rtol 1e-5)."""
+"""Expert parallelism (framework.parallel.expert) on real gloo ranks, against one process.
+
+Two levels: the MoE layer alone (``shard_experts`` on a 2-rank ep mesh: outputs and every gradient
+equal, rtol 1e-5), and a decoder whose blocks are MoE blocks, built by ``parallelize`` from the plan
+of ``parallel.ep`` with the other degrees, trained 2 steps by the framework's ``train_step`` (AdamW,
+clipping that clips) on the same global batch: loss and gradient norm of every step within rtol 1e-5
+of one process. All the 4-rank layouts run in one process group (one fork of 4 ranks), as they are
+the expensive part on a 2-core machine.
+"""
 
 from __future__ import annotations
 
-import pytest
+import hashlib
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
+from framework.checkpoint import Checkpointer
+from framework.config.schema import ActivationCheckpointing, Config, ModelFamily
+from framework.data.sampler import BatchSampler
+from framework.models import build_model, materialize
 from framework.models.moe import ExpertKernel, MoE, MoEConfig
-from framework.parallel.expert import apply_ep, expert_major_order
+from framework.models.parts.decoder import Decoder
+from framework.parallel import build_mesh, dp_mesh_info, parallelize
+from framework.parallel.expert import ExpertParallel, expert_major_order, shard_experts
+from framework.planner.resolve import make_plan
+from framework.train.loop import build_optimizer, build_scheduler, train_step
 from tests.dist import run_ranks
 
-TOKENS = 24  # per rank
+TOKENS = 24  # per rank, layer tests
+SEQ, GLOBAL_BATCH, STEPS, RTOL = 16, 8, 2, 1e-5
+CPU = torch.device("cpu")
+NUM_EXPERTS = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer alone
+# ------------------------------------------------------------------------------------------------
 
 
 def _cfg(kernel: ExpertKernel, shared: int) -> MoEConfig:
     return MoEConfig(
-        dim=16, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, num_shared_experts=shared,
+        dim=16,
+        moe_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_shared_experts=shared,
         kernel=kernel,
     )
 
@@ -42,66 +74,39 @@ def _ep_rank(rank: int, world: int, kernel: ExpertKernel, shared: int) -> dict[s
     """This rank's tokens, this rank's experts; the replicated parameters' gradients all-reduced, as the
     data-parallel wrapper over the ep axis does."""
     torch.manual_seed(0)
-    moe = apply_ep(MoE(_cfg(kernel, shared)), dist.group.WORLD)
+    moe = shard_experts(MoE(_cfg(kernel, shared)), init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    assert isinstance(moe.experts, ExpertParallel)
+    assert moe.experts.down_proj.placements == (Shard(0),) and moe.experts.down_proj.shape[0] == 8
     x, g = (t[rank * TOKENS : (rank + 1) * TOKENS] for t in _inputs(world))
     x.requires_grad_()
     out = moe(x)
     (out * g).sum().backward()
     grads = {}
     for n, p in moe.named_parameters():
-        if not n.startswith("experts."):
-            dist.all_reduce(p.grad)
-        grads[n] = p.grad
-    # numpy, pickled by value: a torch tensor crosses the queue as a shared-memory handle that the parent
-    # fetches from this process, which may already have exited ("Connection reset by peer")
-    return {k: v.numpy() for k, v in {"out": out.detach(), "x.grad": x.grad, **grads}.items()}
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()  # this rank's experts' gradients
+        else:
+            dist.all_reduce(grad)
+        grads[n] = grad
+    return {"out": out.detach(), "x.grad": x.grad, **grads}
 
 
-@pytest.mark.parametrize("kernel,shared", [(ExpertKernel.AUTO, 0), (ExpertKernel.LOOP, 1)])
-def test_ep2_equals_one_process(kernel: ExpertKernel, shared: int) -> None:
+def test_ep2_layer_equals_one_process() -> None:
     world = 2
-    ref = _reference(world, kernel, shared)
-    ranks = [{k: torch.from_numpy(v) for k, v in r.items()} for r in run_ranks(_ep_rank, world, kernel, shared)]
     nl = 8 // world
-    for r, got in enumerate(ranks):
-        rows = slice(r * TOKENS, (r + 1) * TOKENS)
-        torch.testing.assert_close(got["out"], ref["out"][rows], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["x.grad"], ref["x.grad"][rows], rtol=1e-5, atol=1e-6)
-        for name in ("experts.gate_up_proj", "experts.down_proj"):
-            local = got[name.replace("experts.", "experts.local.")]
-            torch.testing.assert_close(local, ref[name][r * nl : (r + 1) * nl], rtol=1e-5, atol=1e-6)
-        for name in ref:
-            if name.startswith(("gate.", "shared_experts.")):
-                torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
-    assert ref["experts.down_proj"].abs().sum() > 0
-
-
-def _ep_dp_rank(rank: int, world: int) -> dict:
-    """ep=2 x dp=2 on 4 ranks: ep groups {0, 1} and {2, 3}; an expert's replicas ({0, 2} or {1, 3})
-    all-reduce its gradient over dp, the router's over every rank."""
-    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    torch.manual_seed(0)
-    moe = apply_ep(MoE(_cfg(ExpertKernel.AUTO, 0)), ep_groups[rank // 2])
-    x, g = (t[rank * TOKENS : (rank + 1) * TOKENS] for t in _inputs(world))
-    out = moe(x)
-    (out * g).sum().backward()
-    for n, p in moe.named_parameters():
-        dist.all_reduce(p.grad, group=dp_groups[rank % 2] if n.startswith("experts.") else None)
-    return {k: v.numpy() for k, v in {"out": out.detach(), **{n: p.grad for n, p in moe.named_parameters()}}.items()}
-
-
-def test_ep2_by_dp2_equals_one_process() -> None:
-    world = 4
-    ref = _reference(world, ExpertKernel.AUTO, 0)
-    for r, got in enumerate(run_ranks(_ep_dp_rank, world)):
-        ep_rank = r % 2
-        torch.testing.assert_close(
-            torch.from_numpy(got["out"]), ref["out"][r * TOKENS : (r + 1) * TOKENS], rtol=1e-5, atol=1e-6
-        )
-        torch.testing.assert_close(torch.from_numpy(got["gate.weight"]), ref["gate.weight"], rtol=1e-5, atol=1e-6)
-        local = torch.from_numpy(got["experts.local.down_proj"])
-        torch.testing.assert_close(local, ref["experts.down_proj"][ep_rank * 4 : ep_rank * 4 + 4], rtol=1e-5, atol=1e-6)
+    for kernel, shared in ((ExpertKernel.AUTO, 0), (ExpertKernel.LOOP, 1)):
+        ref = _reference(world, kernel, shared)
+        for r, got in enumerate(run_ranks(_ep_rank, world, kernel, shared)):
+            rows = slice(r * TOKENS, (r + 1) * TOKENS)
+            torch.testing.assert_close(got["out"], ref["out"][rows], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["x.grad"], ref["x.grad"][rows], rtol=1e-5, atol=1e-6)
+            for name in ("experts.gate_up_proj", "experts.down_proj"):
+                torch.testing.assert_close(got[name], ref[name][r * nl : (r + 1) * nl], rtol=1e-5, atol=1e-6)
+            for name in ref:
+                if name.startswith(("gate.", "shared_experts.")):
+                    torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
+        assert ref["experts.down_proj"].abs().sum() > 0
 
 
 def test_expert_major_order() -> None:
@@ -110,15 +115,214 @@ def test_expert_major_order() -> None:
     assert expert_major_order(recv).tolist() == [0, 1, 3, 2, 4, 5, 6]
 
 
-def _bad_ep(rank: int, world: int) -> str:
-    cfg = MoEConfig(dim=16, moe_intermediate_size=24, num_experts=3, num_experts_per_tok=2)
-    try:
-        apply_ep(MoE(cfg), dist.group.WORLD)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+# ------------------------------------------------------------------------------------------------
+# A decoder with MoE blocks, through parallelize
+# ------------------------------------------------------------------------------------------------
 
 
-def test_ep_not_dividing_experts_is_one_line() -> None:
-    lines = run_ranks(_bad_ep, 2)
-    assert lines == ["parallel.ep=2 does not divide model.moe.num_experts=3: valid ep are 1, 3"] * 2
+def make_cfg(world: int, **parallel: int) -> Config:
+    """Tiny Qwen3-MoE (8 experts, top 2, untied for the pipeline). The load-balancing loss is off:
+    each rank computes it from its own tokens (as transformers and torchtitan do), a product of
+    per-batch means, so no data-parallel layout reproduces one process's over the whole batch."""
+    cfg = Config()
+    cfg.mesh.shape = [world]
+    m = cfg.model
+    m.family, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = ModelFamily.qwen3_moe, 32, 2, 4, 2, 64
+    m.tie_embeddings = False
+    m.moe.num_experts, m.moe.num_experts_per_tok, m.moe.moe_intermediate_size = NUM_EXPERTS, 2, 16
+    m.moe.router_aux_loss_coef = 0.0
+    cfg.train.seq_len = SEQ
+    cfg.train.global_batch_size = GLOBAL_BATCH
+    cfg.train.grad_clip = 0.3
+    cfg.train.warmup_steps = 0
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def moe_decoder(cfg: Config) -> Decoder:
+    """The family's decoder on meta, as the trainer builds it."""
+    return build_model(cfg.model, SEQ)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def run_steps(model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, micro: int) -> list[tuple]:
+    opt = build_optimizer(model, cfg.train, CPU)
+    sched = build_scheduler(opt, cfg.train)
+    out = []
+    n = GLOBAL_BATCH // dp_size
+    for b in batches():
+        mine = b[dp_rank * n : (dp_rank + 1) * n]
+        mbs = [(mine[i : i + micro, :-1], mine[i : i + micro, 1:]) for i in range(0, n, micro)]
+        r = train_step(model, opt, sched, mbs, cfg.train.grad_clip, CPU)
+        out.append((r.loss, r.grad_norm))
+    return out
+
+
+def reference_steps() -> list[tuple]:
+    cfg = make_cfg(1)
+    model = moe_decoder(cfg)
+    materialize(model, CPU, 0)
+    return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
+
+
+def parallel_model(cfg: Config) -> tuple[torch.nn.Module, object, object]:
+    plan = make_plan(cfg)
+    mesh = build_mesh(plan, "cpu")
+    model = parallelize(moe_decoder(cfg), mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, CPU, 0)
+    return model, mesh, plan
+
+
+def _layouts_worker(rank: int, world: int, layouts: list[dict]) -> list[dict]:
+    out = []
+    for layout in layouts:
+        parallel = {k: v for k, v in layout.items() if k != "ac"}
+        cfg = make_cfg(world, **parallel)
+        cfg.sharding.activation_checkpointing = ActivationCheckpointing(layout.get("ac", "none"))
+        model, mesh, plan = parallel_model(cfg)
+        experts = {n: p for n, p in model.named_parameters() if "experts." in n}
+        assert experts, "no expert weights"
+        for n, p in experts.items():  # global shape, this rank's E / ep experts (then FSDP's share)
+            assert isinstance(p, DTensor) and p.shape[0] == NUM_EXPERTS, (n, p)
+            assert "ep" in p.device_mesh.mesh_dim_names, (n, p.device_mesh)
+        dp_rank, dp_size = dp_mesh_info(mesh, plan)
+        out.append(
+            {
+                "layout": plan.layout.short(),
+                "steps": run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size),
+            }
+        )
+    return out
+
+
+def _check(results: list[list[dict]], reference: list[tuple]) -> None:
+    for rank_results in results:
+        for r in rank_results:
+            for (loss, norm), (ref_loss, ref_norm) in zip(r["steps"], reference, strict=True):
+                assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (r["layout"], loss, ref_loss)
+                assert abs(norm - ref_norm) <= RTOL * abs(ref_norm), (r["layout"], norm, ref_norm)
+
+
+def test_decoder_ep2_matches_one_process() -> None:
+    """ep=2 on 2 ranks, and with full activation checkpointing (backward reruns the all-to-alls)."""
+    ref = reference_steps()
+    _check(run_ranks(_layouts_worker, 2, [{"ep": 2}, {"ep": 2, "ac": "full"}]), ref)
+
+
+def test_decoder_ep_composed_on_4_ranks_matches_one_process() -> None:
+    """ep=2 x dp_shard=2 (dp_shard 4 = 2 replicas of each expert shard x ep 2), ep=4 (every dp_shard
+    rank its own experts), HSDP with ep (dp_replicate 2 x dp_shard 2, ep 2), ep=2 x tp=2 (TP on
+    attention, the MoE layer whole on each TP rank) and ep=2 x pp=2."""
+    ref = reference_steps()
+    layouts = [
+        {"dp_shard": 4, "ep": 2},
+        {"dp_shard": 4, "ep": 4},
+        {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        {"dp_shard": 2, "tp": 2, "ep": 2},
+        {"pp": 2, "dp_shard": 2, "ep": 2},
+    ]
+    _check(run_ranks(_layouts_worker, 4, layouts), ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# DCP: resume bitwise at the same layout, reshard across ep degrees 2 -> 1 -> 4
+# ------------------------------------------------------------------------------------------------
+
+
+def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """Hashes of the full model and optimizer state (collective; every rank gets the whole)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": _h(v) for k, v in msd.items()}
+    out |= {f"optim.{fqn}.{k}": _h(v) for fqn, st in osd.get("state", {}).items() for k, v in st.items()}
+    return out
+
+
+def _h(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(
+        t.view(-1).view(torch.uint8).numpy().tobytes() + str((t.dtype, t.shape)).encode()
+    ).hexdigest()
+
+
+def _ckpt_worker(rank: int, world: int, root: str, ep: int, load: int | None, steps: int, save: bool) -> dict:
+    """Build the MoE decoder at ``ep`` (dp_shard = world), load step ``load`` (with the sampler's
+    state), train ``steps`` steps on the sampler's batches, save; at world 2 also load the saved
+    step again into a fresh model and train the same steps: the resumed run's state must be the
+    unbroken run's, bit for bit."""
+    cfg = make_cfg(world, dp_shard=world, ep=ep)
+    checkpointer = Checkpointer(cfg.checkpoint, Path(root))
+
+    def build(at: int | None) -> tuple:
+        model, mesh, plan = parallel_model(cfg)
+        dp_rank, dp_size = dp_mesh_info(mesh, plan)
+        opt, sched = build_optimizer(model, cfg.train, CPU), None
+        sched = build_scheduler(opt, cfg.train)
+        sampler = BatchSampler(None, 256, SEQ, GLOBAL_BATCH, plan.micro_batch_size, dp_rank, dp_size, seed=5)
+        if at is not None:
+            extra = checkpointer.load(checkpointer.root / f"step_{at:06d}", model, opt, sched)
+            sampler.load_state_dict(extra["data"])
+        return model, opt, sched, sampler
+
+    def train(
+        model: torch.nn.Module, opt: object, sched: object, sampler: BatchSampler, n: int
+    ) -> list[float]:
+        return [
+            train_step(model, opt, sched, sampler.next_batch(), cfg.train.grad_clip, CPU).loss
+            for _ in range(n)
+        ]
+
+    model, opt, sched, sampler = build(load)
+    start = sampler.consumed_batches
+    # get_state_dict fills an empty optimizer state by a step of zero gradients (AdamW's step count
+    # then starts at 1): digest only a loaded one
+    out = {"loaded": _digest(model, opt) if load is not None else None, "start": start}
+    out["losses"] = train(model, opt, sched, sampler, steps)
+    out["final"] = _digest(model, opt)
+    if save:
+        checkpointer.save(start + steps, model, opt, sched, {"data": sampler.state_dict()})
+        assert checkpointer.last_error is None, checkpointer.last_error
+    if load is None and world == 2:  # same layout: save mid-way, resume, compare bitwise
+        model, opt, sched, sampler = build(None)
+        train(model, opt, sched, sampler, 1)
+        checkpointer.save(1, model, opt, sched, {"data": sampler.state_dict()})
+        del model, opt, sched, sampler
+        model, opt, sched, sampler = build(1)
+        resumed = train(model, opt, sched, sampler, steps - 1)
+        out["resumed"] = resumed
+        out["resumed_final"] = _digest(model, opt)
+    checkpointer.close()
+    return out
+
+
+def test_checkpoint_resumes_bitwise_and_reshards_across_ep_degrees(tmp_path: Path) -> None:
+    """ep=2 saves at step 2 (and, resumed from its step 1, ends bitwise where the unbroken run
+    ends); one process without ep loads step 2 with the same bits, trains step 3 on the same global
+    batch (the sampler's position is the global one) and saves; ep=4 on 4 ranks loads step 3 with the
+    same bits and trains step 4. Losses follow one unbroken process within rtol 1e-5."""
+    root = str(tmp_path)
+    ref_cfg = make_cfg(1)
+    ref = moe_decoder(ref_cfg)
+    materialize(ref, CPU, 0)
+    ref_opt = build_optimizer(ref, ref_cfg.train, CPU)
+    ref_sched = build_scheduler(ref_opt, ref_cfg.train)
+    ref_sampler = BatchSampler(None, 256, SEQ, GLOBAL_BATCH, GLOBAL_BATCH, 0, 1, seed=5)
+    ref_losses = [
+        train_step(ref, ref_opt, ref_sched, ref_sampler.next_batch(), 0.3, CPU).loss for _ in range(4)
+    ]
+
+    ep2 = run_ranks(_ckpt_worker, 2, root, 2, None, 2, True)
+    for r in ep2:
+        assert r["resumed"] == r["losses"][1:], "resumed losses differ from the unbroken run's"
+        assert r["resumed_final"] == r["final"], "resumed state differs from the unbroken run's"
+    one = run_ranks(_ckpt_worker, 1, root, 1, 2, 1, True)[0]
+    assert one["start"] == 2 and one["loaded"] == ep2[0]["final"], "ep=2 -> 1: state changed on load"
+    four = run_ranks(_ckpt_worker, 4, root, 4, 3, 1, False)
+    for r in four:
+        assert r["start"] == 3 and r["loaded"] == one["final"], "1 -> ep=4: state changed on load"
+    losses = [*ep2[0]["losses"], *one["losses"], *four[0]["losses"]]
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert abs(got - want) <= RTOL * abs(want), (losses, ref_losses)

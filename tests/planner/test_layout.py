@@ -6,7 +6,14 @@ import pytest
 
 from framework.config.schema import Config, Device, HardwareConfig, ModelConfig, ParallelConfig, Strategy
 from framework.planner.cost import gemm_shape_efficiency
-from framework.planner.layout import Degrees, MeshAxis, axis_placement, fixed_degrees, from_parallel
+from framework.planner.layout import (
+    Degrees,
+    MeshAxis,
+    axis_placement,
+    check_dense_ep,
+    fixed_degrees,
+    from_parallel,
+)
 from framework.planner.resolve import make_plan
 
 
@@ -184,4 +191,27 @@ def test_wrappers_follow_the_degrees() -> None:
         "cp": 1,
         "tp": 2,
         "pp": 1,
+        "ep": 1,
     }
+
+
+def test_ep_is_borrowed_from_dp_shard_and_refused_where_it_cannot_run() -> None:
+    """``parallel.ep`` splits dp_shard (not a factor of the world size): 4 ranks with ep=2 are
+    dp_shard=4 (2 replicas x ep 2); with tp=2 dp_shard is 2, so ep=2 fits and ep=4 does not."""
+    plan = make_plan(cfg_for([4], ep=2))
+    assert plan.layout == Degrees(dp_shard=4, ep=2) and plan.mesh_axes == ("dp_shard",)
+    assert plan.strategy == "fsdp_ep" and plan.layout.short() == "r1 s4 t1 e2"
+    # (the token exchange's cost, on an MoE model: tests/planner/test_moe_plan.py; this dense model has none)
+    assert not [c for c in plan.comm if c.axis == "ep"]
+    assert make_plan(cfg_for([4], tp=2, ep=2)).layout == Degrees(dp_shard=2, tp=2, ep=2)
+    for degrees, msg in (
+        ({"tp": 2, "ep": 4}, "parallel.ep=4 does not divide parallel.dp_shard=2: the ep ranks are borrowed"),
+        ({"ep": 3}, "parallel.ep=3 does not divide parallel.dp_shard=4"),
+        ({"ep": -1}, "parallel.ep=-1 is not valid"),
+        ({"dp_replicate": 4, "ep": 2}, "parallel.ep=2 does not divide parallel.dp_shard=1"),
+        ({"cp": 2, "ep": 2}, "parallel.ep=2 with parallel.cp=2"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            make_plan(cfg_for([4], **degrees))
+    with pytest.raises(ValueError, match=r"parallel.ep=2 with model.family=llama, a dense model"):
+        check_dense_ep(Degrees(dp_shard=2, ep=2), Config().model)

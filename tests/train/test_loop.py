@@ -95,12 +95,12 @@ def test_non_finite_loss_skips_the_step() -> None:
         assert torch.equal(b, p)
 
 
-def _run_steps(model, in_backward: bool, steps: int = 5, poison_at: int = -1):
+def _run_steps(model, in_backward: bool, steps: int = 5, poison_at: int = -1, check_grads: bool = True):
     """``steps`` unclipped steps on one batch each, with or without the optimiser in backward; the
     loss of step ``poison_at`` is made NaN."""
     opt = build_optimizer(model, TRAIN, CPU)
     sched = build_scheduler(opt, TRAIN)
-    ib = attach_in_backward(opt) if in_backward else None
+    ib = attach_in_backward(opt, check_grads) if in_backward else None
     sampler = BatchSampler(TOKENS, 256, TRAIN.seq_len, 4, 4, 0, 1, seed=5)
     results = []
     for i in range(steps):
@@ -139,6 +139,23 @@ def test_optimizer_in_backward_skips_a_non_finite_step() -> None:
     results, opt = _run_steps(model, in_backward=True, steps=3, poison_at=2)
     assert [r.finite for r in results] == [True, True, False]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert {float(s["step"]) for s in opt.state.values()} == {2.0}
+
+
+def test_optimizer_in_backward_without_grad_checks_updates_the_same() -> None:
+    """train.in_backward_grad_checks=false: the same weights as with the checks (finite gradients), no
+    gradient norm measured, and a NaN loss still skips its step."""
+    a, b = _model(), _model()
+    ra, _ = _run_steps(a, in_backward=True)
+    rb, opt = _run_steps(b, in_backward=True, check_grads=False)
+    torch.testing.assert_close([r.loss for r in rb], [r.loss for r in ra], rtol=0, atol=0)
+    assert all(r.grad_norm == 0.0 for r in rb) and all(r.grad_norm > 0 for r in ra)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    c = _model()
+    results, opt = _run_steps(c, in_backward=True, steps=3, poison_at=2, check_grads=False)
+    assert [r.finite for r in results] == [True, True, False]
+    assert all(torch.isfinite(p).all() for p in c.parameters())
     assert {float(s["step"]) for s in opt.state.values()} == {2.0}
 
 

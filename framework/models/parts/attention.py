@@ -93,7 +93,9 @@ class Attention(nn.Module):
         # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
         # the last ``sliding_window`` of them where the family has a window.
         mask = causal_band(s, end, start, cache.window, x.device)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.gqa
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _attend_masked(

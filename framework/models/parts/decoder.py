@@ -24,6 +24,7 @@ from torch import nn
 
 from framework.config.schema import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
 from framework.kernels.fused_ce import linear_cross_entropy
+from framework.models import moe
 from framework.models.parts.attention import Attention
 from framework.models.parts.cache import KVCache
 from framework.models.parts.masks import (
@@ -116,6 +117,12 @@ class Decoder(nn.Module):
         # when cfg.residual_dtype=autocast; None leaves the embedding's dtype. A plain attribute,
         # not an autocast query, so that Dynamo, export and TorchScript all see a constant.
         self.stream_dtype: torch.dtype | None = None
+        # An MoE family's load-balancing loss is added to the loss times this (model.moe); None: dense
+        # or coefficient 0 (an attribute TorchScript drops the branch on).
+        moe_cfg = cfg.moe
+        self.router_aux_loss_coef: float | None = (
+            moe_cfg.router_aux_loss_coef if moe_cfg.num_experts and moe_cfg.router_aux_loss_coef > 0 else None
+        )
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block(cfg, spec) for i in range(cfg.n_layers)})
@@ -192,7 +199,16 @@ class Decoder(nn.Module):
             return h
         if targets is None:
             return self.output(self.norm(h))
-        return self.head_loss(h, targets)
+        loss = self.head_loss(h, targets)
+        if self.router_aux_loss_coef is not None:
+            loss = loss + self.router_aux_loss_coef * self.router_aux_loss()
+        return loss
+
+    def router_aux_loss(self) -> torch.Tensor:
+        """transformers' load-balancing loss over this model's MoE layers, from their last forward
+        (framework.models.moe.load_balancing_loss; on a pipeline stage, the stage's layers)."""
+        stats = [m.stats for m in self.modules() if isinstance(m, moe.MoE) and m.stats is not None]
+        return moe.load_balancing_loss(stats)
 
     def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
         """FlexAttention's ``BlockMask``, or SDPA's dense mask (see ``document_flex``). TorchScript
@@ -234,15 +250,26 @@ class Decoder(nn.Module):
                 # the first stage): drawn from the embedding's name, it starts equal to it.
                 name = "tok_embeddings.weight"
             leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            # The projections into the residual stream: attention's, the MLP's, an MoE layer's experts'.
+            residual = leaf in ("wo", "w2", "down_proj") or name.endswith("experts.down_proj")
             if name.endswith("norm.weight"):
                 full = torch.ones(_full_shape(p), device=device)
             else:
-                scale = std / math.sqrt(2 * self.cfg.n_layers) if leaf in ("wo", "w2") else std
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if residual else std
                 g = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
                 full = torch.randn(_full_shape(p), generator=g, device=device) * scale
             _copy_full_into(p, full)
         # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
         self.rope = self._rope_tables(device)
+        init_buffers(self)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """The modules' own buffers after ``to_empty`` (which leaves them uninitialised): an MoE router's
+    selection bias (framework.models.parts.sparse), before the weights are drawn or loaded."""
+    for m in model.modules():
+        if m is not model and hasattr(m, "init_buffers"):
+            m.init_buffers()
 
 
 @torch.no_grad()
@@ -337,6 +364,7 @@ def materialize(
             f"model.init_from={model.cfg.init_from!r} and no weight loader: pass "
             "load_weights=framework.checkpoint.init_from.load to materialize / parallelize"
         )
+    init_buffers(model)  # a framework checkpoint's load overwrites them; an HF one has none
     load_weights(model, model.cfg.init_from)
     # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).
     model.rope = model._rope_tables(local_device(model))

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B's MoE shape on one H200 (issue 25, point 6): `python train.py` beside the hand loop of
+# benchmarks/moe_gpu.py in the same call, grouped GEMM and per-expert loop, and grouped_mm_probe.py.
+#
+#   bash benchmarks/moe_gpu.sh PHASE...      (from the repo root on the GPU machine; tables in $OUT)
+#
+# Phases: setup (the wheels in .whl), probe (benchmarks/grouped_mm_probe.py), hand:KERNEL:EXEC (the
+# hand loop, e.g. hand:grouped:compile), fw:KERNEL:EXEC (one train.py run; PROFILE=1 adds a profiled
+# step), table (every run so far into $OUT/results.md).
+# Environment: LAYERS (8: fits with room, the planner predicts 75 GiB), SEQ (4096), BATCH (2), STEPS (12).
+set -u
+OUT=${OUT:-outputs/moe_gpu}
+mkdir -p "$OUT" /tmp/r /tmp/site
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDUCTOR_CACHE_DIR=/tmp/ind PYTHONPATH=/tmp/site:$PWD
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.py sets it itself
+LAYERS=${LAYERS:-8}
+SEQ=${SEQ:-4096}
+BATCH=${BATCH:-2}
+STEPS=${STEPS:-12}
+common=(recipe=qwen3_30b_a3b "model.n_layers=$LAYERS" run.device=cuda mesh/hardware=h200 data=synthetic
+  "train.seq_len=$SEQ" "train.global_batch_size=$BATCH" "train.micro_batch_size=$BATCH"
+  train.optimizer_in_backward=true train.grad_clip=0 "train.steps=$STEPS" "train.log_every=$STEPS"
+  train.eval_every=0 checkpoint=none logger.progress_bar=false logger.plot=false
+  sharding.activation_checkpointing=none)
+
+for phase in "$@"; do
+  echo "=== $phase $(date +%T)"
+  case $phase in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+      ;;
+    probe)
+      timeout 120 python3 benchmarks/grouped_mm_probe.py --device cuda > "$OUT/probe.txt" 2>&1
+      echo "rc $?"; tail -8 "$OUT/probe.txt"
+      ;;
+    hand:*)
+      IFS=: read -r _ kernel exec guard <<< "$phase"  # hand:grouped:compile[:guard]
+      flag=--compile; [[ $exec == eager ]] && flag=--no-compile
+      [[ -n ${guard:-} ]] && flag="$flag --guard"
+      name="hand_${kernel}_${exec}${guard:+_$guard}_L$LAYERS"
+      # shellcheck disable=SC2086  # the flags are words
+      timeout "${HAND_TIMEOUT:-240}" python3 benchmarks/moe_gpu.py hand --layers "$LAYERS" --seq "$SEQ" \
+        --batch "$BATCH" --steps "$STEPS" --kernel "$kernel" $flag --out "/tmp/r/$name.json" \
+        > "/tmp/r/$name.log" 2>&1
+      echo "rc $?"; grep -E '^\{|Error|error' "/tmp/r/$name.log" | tail -3
+      ;;
+    fw:*)
+      IFS=: read -r _ kernel exec <<< "$phase"
+      name="fw_${kernel}_${exec}_L$LAYERS"
+      ov="model.moe.expert_kernel=$kernel executor=$exec"
+      [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=8 run.profile_warmup=1 run.profile_active=1"
+      # shellcheck disable=SC2086  # the overrides are words
+      timeout "${FW_TIMEOUT:-240}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \
+        "hydra.run.dir=/tmp/r/$name" > "/tmp/r/$name.log" 2>&1
+      echo "rc $?"; grep -E "tokens/s|tok/s|error|Error|refused|fallback|fell back" "/tmp/r/$name.log" | tail -4
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('tokens_per_s','step_p50_s','mfu','peak_mem_gib','time_to_first_step_s','final_loss','executor')})" \
+        "/tmp/r/$name/summary.json" 2>/dev/null
+      [[ -f /tmp/r/$name/profile/top_ops_rank0.json ]] && cp "/tmp/r/$name/profile/top_ops_rank0.json" "$OUT/top_ops_$name.json"
+      ;;
+    table)
+      # shellcheck disable=SC2046
+      python3 benchmarks/moe_gpu.py table --hand /tmp/r/hand_*.json --runs $(ls -d /tmp/r/fw_*/ 2>/dev/null) \
+        | tee "$OUT/results.md"
+      cp /tmp/r/hand_*.json "$OUT/" 2>/dev/null
+      tar czf "$OUT/logs.tgz" -C /tmp/r $(cd /tmp/r && ls ./*.log) 2>/dev/null
+      ;;
+    *) echo "unknown phase $phase" >&2 ;;
+  esac
+done

@@ -1,0 +1,25 @@
+"""Mixtral (Hugging Face ``MixtralForCausalLM``): Mistral's attention (grouped-query, an optional
+sliding window) with every MLP a Mixture-of-Experts layer (``framework.models.moe``: softmax top-k
+router, the top-k weights always renormalised, stacked SwiGLU experts ``model.ffn_dim`` wide). The
+record the registry lists."""
+
+from __future__ import annotations
+
+from framework.config.schema import MixtralConfig
+from framework.models.family import Family
+from framework.models.mixtral.hf import HF_ARCHITECTURE, HF_FIELDS, HF_FIXED, HF_MOE_FIELDS, MOE_KEYS
+from framework.models.mixtral.model import mixtral_block
+from framework.models.mixtral.spec import activation_values, mixtral_spec
+
+MIXTRAL = Family(
+    "mixtral",
+    mixtral_spec,
+    mixtral_block,
+    HF_ARCHITECTURE,
+    activation_values,
+    HF_FIELDS,
+    config=MixtralConfig,
+    moe_keys=MOE_KEYS,
+    hf_moe_fields=HF_MOE_FIELDS,
+    hf_fixed=HF_FIXED,
+)

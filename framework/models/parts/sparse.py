@@ -1,0 +1,214 @@
+"""The sparse block the MoE families share (Qwen3-MoE, Mixtral): the dense block's attention, then
+``framework.models.moe.MoE`` in place of the SwiGLU MLP, under the same module name (``feed_forward``),
+so that the trunk, FSDP's units and activation checkpointing see one block like any other.
+
+From ``model.moe`` (``framework.config.schema.MoEConfig``) to the layer's own config, the spec's
+entries for the router and the stacked experts (with their per-expert Hub names), and the balance
+figures of a step (``take_load``: per layer, read and reset by the trainer at its log rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.config.schema import ModelConfig
+from framework.models import moe
+from framework.models.parts.attention import Attention
+from framework.models.parts.decoder import TransformerBlock
+from framework.models.spec import ModelSpec, TPStyle, Weight
+
+
+def expert_width(m: ModelConfig) -> int:
+    """One routed expert's SwiGLU width: ``model.moe.moe_intermediate_size``, 0 = ``model.ffn_dim``."""
+    return m.moe.moe_intermediate_size or m.ffn_dim
+
+
+def layer_config(m: ModelConfig) -> moe.MoEConfig:
+    """The MoE layer's config from ``model.moe`` (the schema's keys, the launcher's rules ran on them)."""
+    c = m.moe
+    return moe.MoEConfig(
+        dim=m.dim,
+        moe_intermediate_size=expert_width(m),
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        score=moe.RouterScore(c.router_score.value),
+        norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor,
+        capacity_factor=c.capacity_factor or None,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        bias_update_rate=c.bias_update_rate,
+        num_shared_experts=c.num_shared_experts,
+        shared_intermediate_size=c.shared_intermediate_size,
+        kernel=moe.ExpertKernel(c.expert_kernel.value),
+    )
+
+
+class SparseMLP(moe.MoE):
+    """``MoE`` that also sums what each forward routed (``load``, per expert) and dropped, since the
+    trainer last read them (``take_load``). Plain attributes, not buffers: the state dict stays
+    transformers' key for key. The sums are taken by a forward hook on the block (``count_load``), not
+    in ``forward``: the block's ``forward`` is what ``torch.compile`` traces (fullgraph), and its hooks run
+    around it, in eager; there a forward that activation checkpointing reruns during backward is told
+    apart and not counted twice."""
+
+    def __init__(self, cfg: moe.MoEConfig) -> None:
+        super().__init__(cfg)
+        self.load: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+        self.step_load: torch.Tensor | None = None  # since the last optimizer step (the bias update)
+
+    @torch.no_grad()
+    def count(self) -> None:
+        """Add the last forward's routed and dropped counts to the sums."""
+        stats = self.stats
+        if stats is None:
+            return
+        counts = stats.tokens_per_expert.detach()
+        if self.load is None or self.load.device != counts.device:
+            self.load, self.step_load = torch.zeros_like(counts), torch.zeros_like(counts)
+            self.dropped = torch.zeros((), dtype=counts.dtype, device=counts.device)
+        assert self.step_load is not None and self.dropped is not None
+        self.load += counts
+        self.step_load += counts
+        self.dropped += stats.dropped.detach()
+
+
+def count_load(block: nn.Module, _args: object, _out: object) -> None:
+    """The sparse block's forward hook: its MoE layers' counts into their sums, except in a recompute
+    inside backward (activation checkpointing), which routes the same tokens again."""
+    if torch._C._current_graph_task_id() != -1:
+        return
+    for m in block.modules():
+        if isinstance(m, SparseMLP):
+            m.count()
+
+    def init_buffers(self) -> None:
+        """The sigmoid router's selection bias starts at zero (after ``to_empty``, which leaves it
+        uninitialised, and after an HF import, which has none)."""
+        if self.gate.expert_bias is not None:
+            self.gate.expert_bias.zero_()
+
+
+def sparse_block(cfg: ModelConfig, spec: ModelSpec, qk_norm: bool = False) -> TransformerBlock:
+    """Grouped-query attention (``qk_norm``: Qwen3's per-head norms), then the MoE layer."""
+    block = TransformerBlock(cfg, Attention(cfg, spec.head_dim, qk_norm), SparseMLP(layer_config(cfg)))
+    block.register_forward_hook(count_load)
+    return block
+
+
+def moe_weights(m: ModelConfig, prefix: str, parts: tuple[str, str, str]) -> tuple[Weight, ...]:
+    """The MoE layer's spec entries: the router ``(E, D)`` and the stacked experts. ``prefix``: the Hub
+    files' module of the layer (``mlp`` for Qwen3-MoE, ``block_sparse_moe`` for Mixtral); ``parts``:
+    the per-expert (gate, up, down) names under ``experts.{e}.``."""
+    e, d, i = m.moe.num_experts, m.dim, expert_width(m)
+    gate, up, down = (f"{prefix}.experts.{{e}}.{p}" for p in parts)
+    out = [
+        Weight("feed_forward.gate", f"{prefix}.gate.weight", (e, d), TPStyle.moe),
+        Weight(
+            "feed_forward.experts",
+            gate,
+            (e, 2 * i, d),
+            TPStyle.moe,
+            param="gate_up_proj",
+            hf_experts=(gate, up),
+        ),
+        Weight("feed_forward.experts", down, (e, d, i), TPStyle.moe, param="down_proj", hf_experts=(down,)),
+    ]
+    shared = m.moe.num_shared_experts * (m.moe.shared_intermediate_size or i)
+    if shared:  # no Hub layout of its own (neither family has one): the export refuses it
+        out += [
+            Weight(
+                "feed_forward.shared_experts.gate_proj",
+                f"{prefix}.shared_experts.gate_proj.weight",
+                (shared, d),
+                TPStyle.moe,
+            ),
+            Weight(
+                "feed_forward.shared_experts.up_proj",
+                f"{prefix}.shared_experts.up_proj.weight",
+                (shared, d),
+                TPStyle.moe,
+            ),
+            Weight(
+                "feed_forward.shared_experts.down_proj",
+                f"{prefix}.shared_experts.down_proj.weight",
+                (d, shared),
+                TPStyle.moe,
+            ),
+        ]
+    return tuple(out)
+
+
+def sparse_saved_values(m: ModelConfig, hd: int) -> int:
+    """Values one sparse block saves for backward per token: the dense block's attention part, then per
+    token k expert rows (the gathered input, gate/up outputs, SiLU, product: 4 x width each, plus the
+    input and output rows) and the router's logits and probabilities."""
+    kv_dim = m.n_kv_heads * hd
+    k, i, e = m.moe.num_experts_per_tok, expert_width(m), m.moe.num_experts
+    shared = m.moe.num_shared_experts * (m.moe.shared_intermediate_size or i)
+    return 10 * m.dim + 3 * kv_dim + k * (4 * i + 2 * m.dim) + 2 * e + 4 * shared
+
+
+def sparse_layers(model: nn.Module) -> list[tuple[str, SparseMLP]]:
+    """(block name, its MoE layer) for every sparse block of ``model`` (wrapped or not), in order."""
+    return [(name.rsplit(".", 1)[0], m) for name, m in model.named_modules() if isinstance(m, SparseMLP)]
+
+
+@torch.no_grad()
+def take_load(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(block, tokens routed per expert, dropped) summed since the last call, per sparse block; resets
+    them. Empty for a dense model or before any forward."""
+    out = []
+    for name, layer in sparse_layers(model):
+        if layer.load is not None and layer.dropped is not None:
+            out.append((name, layer.load.clone(), layer.dropped.clone()))
+            layer.load.zero_()
+            layer.dropped.zero_()
+    return out
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group: object = None) -> None:
+    """After an optimizer step: DeepSeek-V3's aux-loss-free update of each sigmoid router's selection
+    bias from the tokens it routed during the step (summed over ``group``'s ranks first, so that every
+    data-parallel rank keeps the same bias), then the step's count restarts. No-op where no router
+    moves its bias (``model.moe.bias_update_rate=0``, or a softmax router)."""
+    import torch.distributed as dist
+
+    for _, layer in sparse_layers(model):
+        if layer.step_load is None:
+            continue
+        if layer.gate.expert_bias is not None and layer.cfg.bias_update_rate > 0:
+            load = layer.step_load.clone()
+            if group is not None and dist.is_initialized():
+                dist.all_reduce(load, group=group)  # type: ignore[arg-type]
+            moe.update_expert_bias(layer.gate, load)
+        layer.step_load.zero_()
+
+
+def balance_row(model: nn.Module) -> dict[str, object]:
+    """The experts' balance for a metrics row, from the tokens this rank routed since the last row
+    (``take_load``; resets it): per sparse block the max / mean tokens per expert (``moe_load``, 1.0 is
+    a perfectly balanced router, ``num_experts / top_k`` one expert taking every token), the worst
+    block's (``moe_load_max``), the assignments dropped over capacity and their share (with a
+    ``model.moe.capacity_factor``), and the last forward's load-balancing loss before its coefficient
+    (``moe_aux_loss``). Empty for a dense model."""
+    loads = take_load(model)
+    if not loads:
+        return {}
+    ratios = []
+    routed = dropped = 0.0
+    for _, load, drop in loads:
+        figures = moe.expert_load(load)
+        ratios.append(round(figures["max_over_mean"], 4))
+        routed += float(load.sum())
+        dropped += float(drop)
+    row: dict[str, object] = {"moe_load_max": max(ratios), "moe_load": ratios}
+    stats = [layer.stats for _, layer in sparse_layers(model) if layer.stats is not None]
+    if stats:
+        row["moe_aux_loss"] = float(moe.load_balancing_loss(stats).detach())
+    if any(layer.cfg.capacity_factor is not None for _, layer in sparse_layers(model)):
+        row["moe_dropped"] = int(dropped)
+        row["moe_dropped_frac"] = dropped / routed if routed else 0.0
+    return row

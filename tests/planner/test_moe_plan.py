@@ -1,0 +1,95 @@
+"""The planner on an MoE model (issue 25 point 4): experts over ep, the all-to-all, active flops, ep searched."""
+
+from __future__ import annotations
+
+import math
+
+from framework.config.schema import Config, ModelConfig, ModelFamily, MoEConfig, Strategy
+from framework.models import active_params, flops_per_token, num_params
+from framework.planner.layout import Degrees
+from framework.planner.plan import format_plan
+from framework.planner.resolve import make_plan
+from framework.planner.search import _ep_options, search
+
+E, K, D, W, L = 8, 2, 64, 48, 3  # experts, top-k, dim, expert width, layers
+MOE = ModelConfig(
+    family=ModelFamily.qwen3_moe,
+    dim=D,
+    n_layers=L,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    vocab_size=200,
+    tie_embeddings=False,
+    moe=MoEConfig(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=W),
+)
+EXPERT_NUMEL = L * E * 3 * W * D  # gate_up (E, 2W, D) and down (E, D, W) per layer
+
+
+def moe_cfg(shape: list[int], **degrees: int) -> Config:
+    cfg = Config(model=MOE)
+    cfg.mesh.shape = shape
+    for k, v in degrees.items():
+        setattr(cfg.parallel, k, v)
+    cfg.train.seq_len = 32
+    cfg.train.global_batch_size = cfg.mesh.world_size
+    cfg.train.micro_batch_size = 1
+    return cfg
+
+
+def test_active_parameters_count_top_k_of_the_experts() -> None:
+    total = num_params(MOE)
+    assert active_params(MOE) == total - EXPERT_NUMEL + EXPERT_NUMEL * K // E
+    n = active_params(MOE, include_embedding=False)
+    assert flops_per_token(MOE, 32) == 6.0 * n + 12.0 * L * 4 * 16 * 32
+    plan = make_plan(moe_cfg([8], dp_shard=8, ep=4))
+    assert plan.num_params == total  # all experts, counted once over the ep ranks
+
+
+def test_experts_sharded_over_ep_and_the_all_to_all_costed() -> None:
+    """ep=4 of dp_shard=8: each rank holds E/4 experts, FSDP halves them; the dense weights are
+    sharded 8 ways. The comm table carries the dispatch and combine of every layer, forward and
+    backward, and the experts' FSDP traffic over their own 2-rank group."""
+    plan = make_plan(moe_cfg([8], dp_shard=8, ep=4))
+    dense = num_params(MOE) - EXPERT_NUMEL
+    # dense: rank 0's chunk of each weight's dim 0 over 8; experts: E/ep = 2 over 2 ranks -> 1 each
+    assert plan.params_per_rank < math.ceil(dense / 8) + EXPERT_NUMEL // E + 8 * 64
+    assert plan.params_per_rank >= EXPERT_NUMEL // E + dense // 8
+    by = {(c.axis, c.collective): c for c in plan.comm}
+    rows = 32 * K  # a rank's tokens x top-k
+    a2a = by[("ep", "all_to_all")]
+    assert (a2a.group_size, a2a.link, a2a.calls) == (4, "intra", 2 * L)
+    assert a2a.bytes_per_call == rows * D * 4  # fp32 on the CPU profile
+    assert a2a.volume_bytes == int(3 / 4 * a2a.bytes_per_call * a2a.calls)
+    assert by[("ep", "all_to_all_backward")].calls == 2 * L
+    assert by[("dp_shard_mod_ep", "all_gather")].group_size == 2
+    assert plan.memory.comm_buffers > 0
+    assert "all_to_all" in format_plan(plan)
+
+
+def test_all_to_all_over_nodes_when_the_ep_group_spans_them() -> None:
+    plan = make_plan(moe_cfg([2, 4], dp_shard=8, ep=8))
+    a2a = next(c for c in plan.comm if c.collective == "all_to_all")
+    assert (a2a.group_size, a2a.link) == (8, "inter")
+    assert not any(c.axis == "dp_shard_mod_ep" for c in plan.comm)  # each expert on one rank
+
+
+def test_auto_weighs_ep_with_the_other_degrees() -> None:
+    """sharding=auto on 16 ranks (2 nodes): ep 1, the largest in a node and the largest overall."""
+    cfg = moe_cfg([2, 8])
+    cfg.sharding.strategy = Strategy.auto
+    cfg.train.global_batch_size = 16
+    result = search(cfg)
+    eps = {
+        (c.degrees["tp"], c.degrees["dp_shard"], c.degrees["ep"])
+        for c in result.candidates
+        if c.degrees["pp"] == 1 and c.degrees["dp_replicate"] == 1
+    }
+    assert {(1, 16, 1), (1, 16, 8)} <= eps  # 8 experts: the largest ep divides them
+    # tp is not searched for an MoE family (its MoE sublayer runs whole on each TP rank, work the cost
+    # model does not count); a declared tp still runs. The in-node ep, at tp 2: ep 4 keeps 8 ranks in a node.
+    assert all(c.degrees["tp"] == 1 for c in result.candidates)
+    tp2 = Degrees(dp_replicate=1, dp_shard=8, cp=1, tp=2, pp=1)
+    assert [d.ep for d in _ep_options(cfg, tp2)] == [1, 4, 8]
+    assert result.chosen_cfg.parallel.ep == result.chosen.degrees["ep"]
