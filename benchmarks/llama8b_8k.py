@@ -212,10 +212,15 @@ def _sync(side: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream().wait_stream(side)
 
 
-def attach_optimizer_in_backward(model: torch.nn.Module, lr: float) -> tuple[list, torch.cuda.Stream | None]:
-    """Fused AdamW per parameter, stepped from its post-accumulate-grad hook on a side stream."""
+def attach_optimizer_in_backward(
+    model: torch.nn.Module, lr: float, guard: bool = False
+) -> tuple[list, torch.cuda.Stream | None]:
+    """Fused AdamW per parameter, stepped from its post-accumulate-grad hook on a side stream.
+    ``guard`` (CUDA): also what the framework's ``InBackward`` does for safety, each gradient's norm
+    (summed) and a skip of a non-finite one's update (fused AdamW's ``found_inf``), to measure its cost."""
     cuda = next(model.parameters()).is_cuda
     side = torch.cuda.Stream() if cuda else None
+    norm_sq = torch.zeros((), device=next(model.parameters()).device)
     opts = {}
 
     def hook(p: torch.Tensor) -> None:
@@ -225,6 +230,10 @@ def attach_optimizer_in_backward(model: torch.nn.Module, lr: float) -> tuple[lis
             return
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            if guard:
+                g = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+                norm_sq.add_(g.square())
+                opts[p].found_inf = (~torch.isfinite(g)).float()
             opts[p].step()
         p.grad.record_stream(side)
         p.grad = None

@@ -54,31 +54,6 @@ def grouped_share(step: callable, steps: int = 2) -> tuple[float, float]:  # typ
     return gemm / steps / 1e3, gemm / kernels if kernels else 0.0
 
 
-def guarded_in_backward(model: torch.nn.Module, lr: float) -> tuple[list, torch.cuda.Stream]:
-    """``attach_optimizer_in_backward`` plus what the framework's ``InBackward`` adds for safety: each
-    gradient's norm (summed for the logs) and a skip of the update where it is not finite (fused AdamW's
-    ``found_inf``, no host sync). Measures what that safety costs."""
-    side = torch.cuda.Stream()
-    norm_sq = torch.zeros((), device="cuda")
-    opts = {}
-
-    def hook(p: torch.Tensor) -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            g = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-            norm_sq.add_(g.square())
-            opts[p].found_inf = (~torch.isfinite(g)).float()
-            opts[p].step()
-        p.grad.record_stream(side)
-        p.grad = None
-
-    handles = []
-    for p in model.parameters():
-        opts[p] = torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        handles.append(p.register_post_accumulate_grad_hook(hook))
-    return handles, side
-
-
 def hand(args: argparse.Namespace) -> None:
     from gpu_bench import compose_cfg
     from llama8b_8k import _sync, _Timer, attach_optimizer_in_backward, compile_model
@@ -100,7 +75,7 @@ def hand(args: argparse.Namespace) -> None:
     )
     model = build_model(m, args.seq)
     materialize(model, dev, seed=0)
-    handles, side = (guarded_in_backward if args.guard else attach_optimizer_in_backward)(model, 3e-4)
+    handles, side = attach_optimizer_in_backward(model, 3e-4, guard=args.guard)
     if args.compile:
         compile_model(model)
     gen = torch.Generator(device=dev).manual_seed(0)
