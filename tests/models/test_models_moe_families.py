@@ -210,3 +210,28 @@ def test_export_refuses_what_transformers_cannot_compute() -> None:
         ValueError, match=r"model.moe.router_score=sigmoid has no Qwen3MoeForCausalLM counterpart"
     ):
         hf_config(sigmoid, torch.float32, 64)
+
+
+@pytest.mark.parametrize("init_from", [False, True], ids=["seeded", "hf_import"])
+def test_materialize_zeroes_the_sigmoid_routers_bias(saved: dict, init_from: bool) -> None:
+    """``to_empty`` leaves the selection bias as whatever memory held (it once trained from 1e38):
+    materialize sets it to zero on both paths, the seeded init and an HF import (which has none)."""
+    path, _ = saved["qwen3_moe"]
+    cfg = imported_cfg(path)
+    cfg = replace_model(cfg, moe=dataclasses.replace(cfg.moe, router_score=RouterScore.sigmoid))
+    if not init_from:
+        cfg = replace_model(cfg, init_from=None)
+    model = build_model(cfg, SEQ)
+    real_to_empty = model.to_empty
+
+    def to_garbage(*, device: str, recurse: bool = True) -> torch.nn.Module:
+        real_to_empty(device=device, recurse=recurse)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.fill_(float("nan"))  # what an uninitialised allocation may hold
+        return model
+
+    model.to_empty = to_garbage  # type: ignore[method-assign]
+    materialize(model, "cpu", seed=0, load_weights=load)
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert len(biases) == cfg.n_layers and all(torch.equal(b, torch.zeros_like(b)) for b in biases.values())

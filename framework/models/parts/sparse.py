@@ -73,6 +73,12 @@ class SparseMLP(moe.MoE):
         self.step_load += counts
         self.dropped += stats.dropped.detach()
 
+    def init_buffers(self) -> None:
+        """The sigmoid router's selection bias starts at zero (after ``to_empty``, which leaves it
+        uninitialised, and after an HF import, which has none)."""
+        if self.gate.expert_bias is not None:
+            self.gate.expert_bias.zero_()
+
 
 def count_load(block: nn.Module, _args: object, _out: object) -> None:
     """The sparse block's forward hook: its MoE layers' counts into their sums, except in a recompute
@@ -82,12 +88,6 @@ def count_load(block: nn.Module, _args: object, _out: object) -> None:
     for m in block.modules():
         if isinstance(m, SparseMLP):
             m.count()
-
-    def init_buffers(self) -> None:
-        """The sigmoid router's selection bias starts at zero (after ``to_empty``, which leaves it
-        uninitialised, and after an HF import, which has none)."""
-        if self.gate.expert_bias is not None:
-            self.gate.expert_bias.zero_()
 
 
 def sparse_block(cfg: ModelConfig, spec: ModelSpec, qk_norm: bool = False) -> TransformerBlock:
