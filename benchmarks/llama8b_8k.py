@@ -286,6 +286,10 @@ def hand(args: argparse.Namespace) -> None:
     converted = False
     for variant in args.variants.split(","):
         numerics, mask = variant.split(":")
+        # float8b: float8 with the blocks' gradient copy (framework.kernels.grad_barrier), which
+        # train.py's float8 runs have; float8: without it (the A/B in one process).
+        barrier = numerics == "float8b"
+        numerics = "float8" if barrier else numerics
         if numerics == "float8" and not converted:
             from torchao.float8 import convert_to_float8_training
 
@@ -296,6 +300,8 @@ def hand(args: argparse.Namespace) -> None:
                                        module_filter_fn=lambda mod, fqn: fqn != "output")  # fmt: skip
             converted = True
         assert numerics == "float8" or not converted, "bf16 variants go before float8 ones"
+        for block in model.layers.values():
+            block.grad_barrier = barrier
         # The mask is the model's: document ids from the EOS positions, FlexAttention's block mask.
         model.document_eos = eos if mask == "mask" else None
         if mask == "mask":
@@ -338,7 +344,7 @@ def hand(args: argparse.Namespace) -> None:
         step = statistics.median(times)
         tps = args.seq / step
         row = {
-            "what": f"hand {numerics} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
+            "what": f"hand {numerics}{' grad copy' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
             + (f" budget={args.budget}" if numerics == "bf16" and args.budget < 1 else ""),
             "numerics": numerics, "mask": mask == "mask",
             "ac": f"budget {args.budget}" if numerics == "bf16" and args.budget < 1 else "none",
@@ -352,7 +358,7 @@ def hand(args: argparse.Namespace) -> None:
         results.append(row)
         args.out.write_text(json.dumps(results, indent=1))  # each variant's row as soon as it is done
         if args.profile_dir and variant in args.profile.split(","):
-            profile(model, rows, side, args, f"hand_{numerics}_{mask}")
+            profile(model, rows, side, args, "hand_" + variant.replace(":", "_"))
     args.out.write_text(json.dumps(results, indent=1))
 
 

@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.config.schema import AttentionBackend, FusedCrossEntropy, ModelConfig, ResidualDtype
+from framework.config.schema import (
+    AttentionBackend,
+    Float8Recipe,
+    FusedCrossEntropy,
+    ModelConfig,
+    ResidualDtype,
+)
 from framework.kernels.fused_ce import linear_cross_entropy
+from framework.kernels.grad_barrier import grad_barrier
 from framework.models import moe
 from framework.models.parts.attention import Attention
 from framework.models.parts.cache import KVCache
@@ -51,14 +58,26 @@ class TransformerBlock(nn.Module):
         self.attention = attention
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = feed_forward
+        # Under float8 each sublayer's output gradient is copied apart from the RMSNorm backward
+        # that makes it (framework.kernels.grad_barrier: the compiled transposed float8 cast).
+        self.grad_barrier = cfg.float8 is not Float8Recipe.none
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # ``mask`` may also be a BlockMask (see Attention.forward). The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
         if mask is None:
-            h = x + self.attention(self.attention_norm(x), rope)
+            h = x + self._sublayer(self.attention(self.attention_norm(x), rope))
         else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+            h = x + self._sublayer(self.attention(self.attention_norm(x), rope, mask=mask))
+        return h + self._sublayer(self.feed_forward(self.ffn_norm(h)))
+
+    def _sublayer(self, y: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting() or not self.grad_barrier:
+            return y
+        return self._barrier(y)
+
+    @torch.jit.unused
+    def _barrier(self, y: torch.Tensor) -> torch.Tensor:
+        return grad_barrier(y)
 
     def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """``forward`` for new positions after the cached ones (framework.models.parts.cache)."""
