@@ -286,8 +286,8 @@ def hand(args: argparse.Namespace) -> None:
     converted = False
     for variant in args.variants.split(","):
         numerics, mask = variant.split(":")
-        # float8b: float8 with the blocks' gradient copy (framework.kernels.grad_barrier), which
-        # train.py's float8 runs have; float8: without it (the A/B in one process).
+        # float8b: float8 with the norms' outputs saved (framework.kernels.saved_copy), as
+        # train.py's float8 runs have them; float8: without it (the A/B in one process).
         barrier = numerics == "float8b"
         numerics = "float8" if barrier else numerics
         if numerics == "float8" and not converted:
@@ -301,7 +301,7 @@ def hand(args: argparse.Namespace) -> None:
             converted = True
         assert numerics == "float8" or not converted, "bf16 variants go before float8 ones"
         for block in model.layers.values():
-            block.grad_barrier = barrier
+            block.save_norms = barrier
         # The mask is the model's: document ids from the EOS positions, FlexAttention's block mask.
         model.document_eos = eos if mask == "mask" else None
         if mask == "mask":
@@ -344,7 +344,7 @@ def hand(args: argparse.Namespace) -> None:
         step = statistics.median(times)
         tps = args.seq / step
         row = {
-            "what": f"hand {numerics}{' grad copy' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
+            "what": f"hand {numerics}{' saved norms' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
             + (f" budget={args.budget}" if numerics == "bf16" and args.budget < 1 else ""),
             "numerics": numerics, "mask": mask == "mask",
             "ac": f"budget {args.budget}" if numerics == "bf16" and args.budget < 1 else "none",

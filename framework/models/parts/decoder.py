@@ -30,7 +30,7 @@ from framework.config.schema import (
     ResidualDtype,
 )
 from framework.kernels.fused_ce import linear_cross_entropy
-from framework.kernels.grad_barrier import grad_barrier
+from framework.kernels.saved_copy import saved_copy
 from framework.models import moe
 from framework.models.parts.attention import Attention
 from framework.models.parts.cache import KVCache
@@ -58,26 +58,26 @@ class TransformerBlock(nn.Module):
         self.attention = attention
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = feed_forward
-        # Under float8 each sublayer's output gradient is copied apart from the RMSNorm backward
-        # that makes it (framework.kernels.grad_barrier: the compiled transposed float8 cast).
-        self.grad_barrier = cfg.float8 is not Float8Recipe.none
+        # Under float8 each norm's output is saved for backward, not recomputed there
+        # (framework.kernels.saved_copy: the compiled transposed float8 cast of the recompute).
+        self.save_norms = cfg.float8 is not Float8Recipe.none
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # ``mask`` may also be a BlockMask (see Attention.forward). The mask goes as a keyword: tensor parallelism's PrepareModuleInput lays out positional inputs only.
         if mask is None:
-            h = x + self._sublayer(self.attention(self.attention_norm(x), rope))
+            h = x + self.attention(self._saved(self.attention_norm(x)), rope)
         else:
-            h = x + self._sublayer(self.attention(self.attention_norm(x), rope, mask=mask))
-        return h + self._sublayer(self.feed_forward(self.ffn_norm(h)))
+            h = x + self.attention(self._saved(self.attention_norm(x)), rope, mask=mask)
+        return h + self.feed_forward(self._saved(self.ffn_norm(h)))
 
-    def _sublayer(self, y: torch.Tensor) -> torch.Tensor:
-        if torch.jit.is_scripting() or not self.grad_barrier:
+    def _saved(self, y: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting() or not self.save_norms:
             return y
-        return self._barrier(y)
+        return self._copy(y)
 
     @torch.jit.unused
-    def _barrier(self, y: torch.Tensor) -> torch.Tensor:
-        return grad_barrier(y)
+    def _copy(self, y: torch.Tensor) -> torch.Tensor:
+        return saved_copy(y)
 
     def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """``forward`` for new positions after the cached ones (framework.models.parts.cache)."""
