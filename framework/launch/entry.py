@@ -247,6 +247,24 @@ def check_warmup(cfg: Config) -> None:
         )
 
 
+def check_aux_under_pipeline(cfg: Config, pp: int) -> None:
+    """An MoE load-balancing loss under a pipeline: one warning line. The loss (transformers') weighs
+    every layer's router probabilities by the assignment counts of all layers together, which a
+    pipeline computes on other ranks at other times, and torch's schedule computes its loss from the
+    last stage's logits alone: the term is not added (the routers train on the cross-entropy only).
+    Not a refusal: the planner picks pp for the large MoE recipes, and aux-loss-free balancing
+    (``model.moe.router_score=sigmoid``, ``bias_update_rate``) works per layer, so under a pipeline too."""
+    coef = cfg.model.moe.router_aux_loss_coef
+    if pp > 1 and cfg.model.moe.num_experts and coef > 0:
+        log.warning(
+            "model.moe.router_aux_loss_coef=%g does nothing under parallel.pp=%d: the load-balancing "
+            "loss spans every layer's routers, which the pipeline's stages hold; set it to 0 (or balance "
+            "with model.moe.router_score=sigmoid and bias_update_rate), or parallel.pp=1 to train with it",
+            coef,
+            pp,
+        )
+
+
 def check_hardware(cfg: Config, device: torch.device) -> None:
     """A launch on another kind of device than ``mesh/hardware`` declares: one warning line
     (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one."""
@@ -445,6 +463,7 @@ def prelaunch_with_search(
         resolved = resolve(cfg)
         cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
         lora_layout(cfg.peft, plan.layout.tp, plan.layout.fsdp)  # LoRA: no TP, one dtype under FSDP
+        check_aux_under_pipeline(cfg, plan.layout.pp)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

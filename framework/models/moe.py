@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -323,15 +325,28 @@ class MoEStats:
     router_logits: torch.Tensor
 
 
-def load_balancing_loss(stats: list[MoEStats]) -> torch.Tensor:
+def load_balancing_loss(stats: list[MoEStats], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6) over the given layers:
     ``E * sum_e f_e * P_e`` with ``f`` the layer-summed assignment counts and ``P`` the layer-summed
     probabilities, each divided by all layers' tokens. Not a sum of per-layer losses: the same ``f``
-    weighs every layer. Multiply by ``router_aux_loss_coef`` before adding it to the loss."""
+    weighs every layer. Multiply by ``router_aux_loss_coef`` before adding it to the loss.
+
+    ``group``: the ranks whose tokens the loss spans (the data-parallel ranks: framework.parallel's
+    ``token_group``). The counts, the probability sums and the token counts are summed over it first,
+    so every rank computes the loss one process computes over all their tokens together (a product
+    of batch means is no mean of per-rank products). The sum is autograd's ``all_reduce`` (its
+    backward all-reduces the gradient): each rank's routers receive the gradient of every rank's
+    copy of the loss, which the data-parallel average then divides by the ranks, as one process's
+    would be. One all-reduce of ``2 E + 1`` floats each way per forward."""
     rows = sum(s.num_tokens for s in stats)
-    f = torch.stack([s.tokens_per_expert.float() for s in stats]).sum(0) / rows
-    p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
-    return (f * p).sum() * f.numel()
+    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0).float()
+    probs = torch.stack([s.prob_sum for s in stats]).sum(0)
+    if group is not None:
+        e = counts.numel()
+        packed = torch.cat([counts, probs, probs.new_full((1,), float(rows))])
+        packed = funcol.wait_tensor(funcol.all_reduce(packed, "sum", group))
+        counts, probs, rows = packed[:e], packed[e : 2 * e], packed[2 * e]  # type: ignore[assignment]
+    return (counts / rows * (probs / rows)).sum() * counts.numel()
 
 
 def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:

@@ -28,7 +28,14 @@ from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.expert import apply_ep, moe_layers
 from framework.parallel.float8 import apply_float8
 from framework.parallel.lora import after_materialize, apply_lora
-from framework.parallel.mesh import build_mesh, dp_mesh_info, expert_meshes, fsdp_mesh, sub_mesh
+from framework.parallel.mesh import (
+    build_mesh,
+    dp_mesh_info,
+    expert_meshes,
+    fsdp_mesh,
+    sub_mesh,
+    token_group,
+)
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
 from framework.planner.plan import DP_AXES, MeshAxis, Plan
@@ -186,6 +193,8 @@ def _parallelize_stage(
 ) -> nn.Module:
     """Steps 0-6 of ``parallelize`` on one model (the whole model, or one pipeline stage)."""
     layout = plan.layout
+    if model.cfg.moe.num_experts:  # an MoE family: its balance spans the data-parallel ranks' tokens
+        model.token_group = token_group(mesh, plan)
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
     apply_lora(model, peft, layout.tp, layout.fsdp)
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from framework.planner.plan import DP_AXES, MeshAxis, Plan
@@ -9,6 +12,7 @@ from framework.planner.plan import DP_AXES, MeshAxis, Plan
 DP_SHARD_CP = "dp_shard_cp"  # the flattened dp_shard x cp axis FSDP2 shards over
 EP = "ep"  # expert parallelism: the inner ep ranks of dp_shard (framework.parallel.expert)
 DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # the outer dp_shard / ep ranks: replicas of each expert shard
+TOKENS = "dp_tokens"  # the flattened data axes (dp_replicate x dp_shard x cp): ranks of other tokens
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
@@ -86,3 +90,22 @@ def dp_mesh_info(mesh: DeviceMesh, plan: Plan) -> tuple[int, int]:
             rank = rank * plan.mesh_shape[i] + coord[i]
             size *= plan.mesh_shape[i]
     return rank, size
+
+
+def token_group(mesh: DeviceMesh, plan: Plan) -> dist.ProcessGroup | None:
+    """The ranks that hold other tokens of the same step: dp_replicate x dp_shard (ep's ranks
+    included: they are dp_shard's) x cp, flattened into one group; None when that is this rank alone.
+    TP ranks hold the same tokens (an MoE sublayer runs whole on each: framework.parallel.tensor)
+    and pp ranks the same micro batch at other layers, so neither is in it. What an MoE model sums
+    over to see the step's whole batch (framework.models.moe.load_balancing_loss, the sigmoid
+    routers' bias update). Collective on first use of a mesh: every rank calls it."""
+    axes = (*DP_AXES, MeshAxis.cp)
+    names = tuple(a for a in plan.mesh_axes if MeshAxis(a) in axes)
+    sizes = [plan.mesh_shape[plan.mesh_axes.index(n)] for n in names]
+    if math.prod(sizes) == 1:
+        return None
+    names = tuple(n for n, s in zip(names, sizes, strict=True) if s > 1)
+    if len(names) == 1:
+        return mesh[names[0]].get_group()
+    sub = mesh if names == tuple(mesh.mesh_dim_names or ()) else mesh[names]
+    return sub._flatten(TOKENS).get_group()

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.models import Decoder, WeightLoader, update_expert_biases
+from framework.models import Decoder, WeightLoader, token_group_of, update_expert_biases
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
@@ -250,16 +250,10 @@ def _update_biases(
     model: nn.Module, _optimizer: torch.optim.Optimizer, _args: object, _kwargs: object
 ) -> None:
     """The sigmoid routers' selection biases after each optimizer step, from the step's loads summed
-    over every rank (the same bias everywhere; a pipeline stage holds only its layers, so there the
-    stage's own loads decide)."""
-    from framework.parallel.pipeline import is_pipeline
-
-    group = (
-        None
-        if is_pipeline(model) or not torch.distributed.is_initialized()
-        else torch.distributed.group.WORLD
-    )
-    update_expert_biases(model, group)
+    over the ranks that hold the step's other tokens (``Decoder.token_group``: the data-parallel
+    ranks, so every replica keeps the same bias; under a pipeline each stage's own layers, summed
+    over that stage's data-parallel ranks)."""
+    update_expert_biases(model, token_group_of(model))
 
 
 def settle_ddp_buckets(model: nn.Module, micro_batch_size: int, seq_len: int, device: torch.device) -> None:

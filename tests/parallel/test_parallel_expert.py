@@ -11,8 +11,10 @@ the expensive part on a 2-core machine.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -120,17 +122,17 @@ def test_expert_major_order() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def make_cfg(world: int, **parallel: int) -> Config:
-    """Tiny Qwen3-MoE (8 experts, top 2, untied for the pipeline). The load-balancing loss is off:
-    each rank computes it from its own tokens (as transformers and torchtitan do), a product of
-    per-batch means, so no data-parallel layout reproduces one process's over the whole batch."""
+def make_cfg(world: int, aux: float = 0.0, **parallel: int) -> Config:
+    """Tiny Qwen3-MoE (8 experts, top 2, untied for the pipeline). The load-balancing loss is off
+    unless ``aux`` (its coefficient) is given: the layouts below are about the experts; the loss
+    over the data-parallel ranks has its own tests (``test_aux_loss_*``), which turn it on."""
     cfg = Config()
     cfg.mesh.shape = [world]
     m = cfg.model
     m.family, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = ModelFamily.qwen3_moe, 32, 2, 4, 2, 64
     m.tie_embeddings = False
     m.moe.num_experts, m.moe.num_experts_per_tok, m.moe.moe_intermediate_size = NUM_EXPERTS, 2, 16
-    m.moe.router_aux_loss_coef = 0.0
+    m.moe.router_aux_loss_coef = aux
     cfg.train.seq_len = SEQ
     cfg.train.global_batch_size = GLOBAL_BATCH
     cfg.train.grad_clip = 0.3
@@ -163,11 +165,25 @@ def run_steps(model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, m
     return out
 
 
-def reference_steps() -> list[tuple]:
-    cfg = make_cfg(1)
+def reference_steps(aux: float = 0.0, groups: tuple[int, int] | None = None) -> list[tuple]:
+    """One process over the whole global batch. ``groups`` (dp size, micro batch): one micro batch
+    per accumulation step of that data-parallel layout, holding every rank's rows of that step (rank
+    0's micro batch i, then rank 1's ...): the tokens one load-balancing loss spans there."""
+    cfg = make_cfg(1, aux)
     model = moe_decoder(cfg)
     materialize(model, CPU, 0)
-    return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
+    if groups is None:
+        return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
+    dp, micro = groups
+    opt = build_optimizer(model, cfg.train, CPU)
+    sched = build_scheduler(opt, cfg.train)
+    out = []
+    n = GLOBAL_BATCH // dp
+    for b in batches():
+        steps = [torch.cat([b[r * n + i : r * n + i + micro] for r in range(dp)]) for i in range(0, n, micro)]
+        r = train_step(model, opt, sched, [(m[:, :-1], m[:, 1:]) for m in steps], cfg.train.grad_clip, CPU)
+        out.append((r.loss, r.grad_norm))
+    return out
 
 
 def parallel_model(cfg: Config) -> tuple[torch.nn.Module, object, object]:
@@ -226,6 +242,77 @@ def test_decoder_ep_composed_on_4_ranks_matches_one_process() -> None:
         {"pp": 2, "dp_shard": 2, "ep": 2},
     ]
     _check(run_ranks(_layouts_worker, 4, layouts), ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# The load-balancing loss over the data-parallel ranks' tokens
+# ------------------------------------------------------------------------------------------------
+
+AUX = 0.1  # large enough that each rank's own loss (of its tokens alone) misses rtol 1e-5 (checked)
+
+
+def _aux_worker(rank: int, world: int, layouts: list[dict]) -> list[dict]:
+    """Each layout (its degrees, and ``micro``: the micro batch, the plan's by default) trained with
+    the load-balancing loss on; with ``local``, also with each rank's loss over its own tokens only
+    (``token_group`` unset: what every rank computed before), which must miss the reference."""
+    out = []
+    for layout in layouts:
+        parallel = {k: v for k, v in layout.items() if k not in ("micro", "local")}
+        cfg = make_cfg(world, AUX, **parallel)
+        r: dict = {}
+        for local in (False, True) if layout.get("local") else (False,):
+            model, mesh, plan = parallel_model(cfg)
+            if local:
+                for m in model.modules():
+                    if isinstance(m, Decoder):
+                        m.token_group = None
+            dp_rank, dp_size = dp_mesh_info(mesh, plan)
+            micro = layout.get("micro", plan.micro_batch_size)
+            r["layout"] = f"{plan.layout.short()} micro {micro}"
+            r["local" if local else "steps"] = run_steps(model, cfg, dp_rank, dp_size, micro)
+        out.append(r)
+    return out
+
+
+def test_aux_loss_over_data_parallel_ranks_matches_one_process() -> None:
+    """With ``model.moe.router_aux_loss_coef`` on, dp_shard=2 and ep=2 (ep's ranks are dp_shard's:
+    they hold other tokens) reproduce one process over the global batch within rtol 1e-5 on the loss
+    and the gradient norm: the counts and probabilities are all-reduced over the data-parallel ranks
+    (autograd's all_reduce, so the routers' gradients are the whole batch's). Each rank's own loss,
+    as before, misses. With 2 micro batches per rank, each forward's loss spans the two ranks' micro
+    batches of that step: one process whose micro batches hold those rows computes the same."""
+    ref = reference_steps(AUX)
+    results = run_ranks(_aux_worker, 2, [{"dp_shard": 2, "local": True}, {"ep": 2}])
+    _check(results, ref)
+    for rank_results in results:
+        local = rank_results[0]["local"]
+        assert any(abs(a[1] - b[1]) > RTOL * abs(b[1]) for a, b in zip(local, ref, strict=True)), (local, ref)
+    accumulated = reference_steps(AUX, groups=(2, 2))
+    _check(run_ranks(_aux_worker, 2, [{"dp_shard": 2, "micro": 2}, {"ep": 2, "micro": 2}]), accumulated)
+
+
+def test_aux_loss_over_hsdp_and_tp_matches_one_process() -> None:
+    """4 ranks: HSDP with ep (dp_replicate 2 x dp_shard 2, ep 2: the loss spans all 4 ranks' tokens)
+    and ep=2 x tp=2 (the TP ranks hold the same tokens: the loss spans the 2 data-parallel ranks, not
+    4, or every count would be doubled)."""
+    ref = reference_steps(AUX)
+    layouts = [{"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"dp_shard": 2, "tp": 2, "ep": 2}]
+    _check(run_ranks(_aux_worker, 4, layouts), ref)
+
+
+def test_aux_loss_under_a_pipeline_is_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Under pp the loss is not added (its f spans every stage's layers; torch's schedule computes
+    the loss from the last stage's logits): the launcher says so, once, and only where it is on."""
+    from framework.launch.entry import check_aux_under_pipeline
+
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_aux_under_pipeline(make_cfg(2, AUX), pp=2)
+        check_aux_under_pipeline(make_cfg(2, AUX), pp=1)
+        check_aux_under_pipeline(make_cfg(2, 0.0), pp=2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(
+        "model.moe.router_aux_loss_coef=0.1 does nothing under parallel.pp=2"
+    ), lines
 
 
 # ------------------------------------------------------------------------------------------------

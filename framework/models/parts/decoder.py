@@ -142,6 +142,12 @@ class Decoder(nn.Module):
         self.router_aux_loss_coef: float | None = (
             moe_cfg.router_aux_loss_coef if moe_cfg.num_experts and moe_cfg.router_aux_loss_coef > 0 else None
         )
+        # The ranks that hold other tokens of the same step (the data-parallel ranks), set by
+        # framework.parallel on a model with MoE layers (``token_group``; None: this process alone):
+        # the load-balancing loss spans their tokens together, and the sigmoid routers' bias update
+        # their loads. ``router_aux``: the loss's last value (detached, before the coefficient).
+        self.token_group: object | None = None
+        self.router_aux: torch.Tensor | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block(cfg, spec) for i in range(cfg.n_layers)})
@@ -220,14 +226,18 @@ class Decoder(nn.Module):
             return self.output(self.norm(h))
         loss = self.head_loss(h, targets)
         if self.router_aux_loss_coef is not None:
-            loss = loss + self.router_aux_loss_coef * self.router_aux_loss()
+            aux = self.router_aux_loss()
+            self.router_aux = aux.detach()
+            loss = loss + self.router_aux_loss_coef * aux
         return loss
 
     def router_aux_loss(self) -> torch.Tensor:
-        """transformers' load-balancing loss over this model's MoE layers, from their last forward
-        (framework.models.moe.load_balancing_loss; on a pipeline stage, the stage's layers)."""
+        """transformers' load-balancing loss over this model's MoE layers, from their last forward,
+        over the tokens of every rank of ``token_group`` (framework.models.moe.load_balancing_loss).
+        Each forward is one such batch: with gradient accumulation, the loss of micro batch i spans
+        the data-parallel ranks' micro batches i, and the step's is their mean, as the cross-entropy's."""
         stats = [m.stats for m in self.modules() if isinstance(m, moe.MoE) and m.stats is not None]
-        return moe.load_balancing_loss(stats)
+        return moe.load_balancing_loss(stats, self.token_group)  # type: ignore[arg-type]
 
     def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
         """FlexAttention's ``BlockMask``, or SDPA's dense mask (see ``document_flex``). TorchScript

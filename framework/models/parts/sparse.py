@@ -15,7 +15,7 @@ from torch import nn
 from framework.config.schema import ModelConfig
 from framework.models import moe
 from framework.models.parts.attention import Attention
-from framework.models.parts.decoder import TransformerBlock
+from framework.models.parts.decoder import Decoder, TransformerBlock
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 
@@ -168,6 +168,12 @@ def take_load(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
+def token_group_of(model: nn.Module) -> object | None:
+    """The ranks holding the step's other tokens (``Decoder.token_group``, which framework.parallel
+    sets) of ``model``, wrapped or not, a pipeline's stages included; None: this process alone."""
+    return next((m.token_group for m in model.modules() if isinstance(m, Decoder)), None)
+
+
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, group: object = None) -> None:
     """After an optimizer step: DeepSeek-V3's aux-loss-free update of each sigmoid router's selection
@@ -205,9 +211,16 @@ def balance_row(model: nn.Module) -> dict[str, object]:
         routed += float(load.sum())
         dropped += float(drop)
     row: dict[str, object] = {"moe_load_max": max(ratios), "moe_load": ratios}
+    # The loss the last forward with targets added (over the data-parallel ranks' tokens), else this
+    # rank's layers' (a pipeline, or a coefficient of 0, adds none)
+    aux = next(
+        (m.router_aux for m in model.modules() if isinstance(m, Decoder) and m.router_aux is not None), None
+    )
     stats = [layer.stats for _, layer in sparse_layers(model) if layer.stats is not None]
-    if stats:
-        row["moe_aux_loss"] = float(moe.load_balancing_loss(stats).detach())
+    if aux is None and stats:
+        aux = moe.load_balancing_loss(stats).detach()
+    if aux is not None:
+        row["moe_aux_loss"] = float(aux)
     if any(layer.cfg.capacity_factor is not None for _, layer in sparse_layers(model)):
         row["moe_dropped"] = int(dropped)
         row["moe_dropped_frac"] = dropped / routed if routed else 0.0
