@@ -126,5 +126,8 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_fresh_output)
     tie(model)
+    # The residual stream between the blocks is now this rank's sequence shard: a mask the trunk
+    # builds from its length (the sliding window's band) is for the whole sequence, which attention sees.
+    model.sequence_shards = tp_mesh.size()
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")

@@ -4,7 +4,10 @@ here) on 2 gloo ranks, the logits equal to transformers' within 1e-5 (fp32, CPU)
 * FSDP shards the stacked experts on the expert dim, so each rank reads only its own experts'
   per-expert tensors from the files;
 * expert parallelism (``parallel.ep=2`` through ``parallelize``): each rank reads half the experts and
-  feeds its own rows, which all-to-all dispatches to the rank holding their experts and back.
+  feeds its own rows, which all-to-all dispatches to the rank holding their experts and back;
+
+and on 4 ranks in the layouts ep composes with: ep=2 x dp_shard=2 (dp_shard 4), ep=2 x tp=2 and
+ep=2 x pp=2 (the logits from the last stage, through the schedule).
 
 The 1-rank parity, both ways, is tests/models/test_models_moe_families.py's.
 """
@@ -70,3 +73,55 @@ def test_two_gloo_ranks_fsdp_and_ep_equal_transformers(tmp_path) -> None:
     print("HF MoE -> framework, 2 gloo ranks, max |logits diff|:", out)
     for diffs in out:
         assert len(diffs) == 4 and max(diffs.values()) <= TOL, diffs
+
+
+LAYOUTS = [{"dp_shard": 4, "ep": 2}, {"dp_shard": 2, "tp": 2, "ep": 2}, {"pp": 2, "dp_shard": 2, "ep": 2}]
+
+
+def _layout_logits(rank: int, world: int, models: dict, x: torch.Tensor) -> dict:
+    """Each family's HF checkpoint through ``parallelize`` in each layout; each data-parallel rank
+    feeds its own row of ``x``: the max |logits diff| against transformers' row (-1: a pipeline rank
+    without the last stage, which holds no logits)."""
+    from framework.parallel import dp_mesh_info
+    from framework.parallel.pipeline import is_pipeline, pipeline_logits
+
+    out = {}
+    for family, (path, expected) in models.items():
+        for layout in LAYOUTS:
+            full = Config(model=imported_cfg(path))
+            full.mesh.shape = [world]
+            full.train.seq_len, full.train.global_batch_size = SEQ, 4
+            for k, v in layout.items():
+                setattr(full.parallel, k, v)
+            plan = make_plan(full)
+            mesh = build_mesh(plan, "cpu")
+            model = parallelize(
+                build_model(full.model, SEQ), mesh, plan, full.sharding, full.bucketing, full.executor,
+                torch.device("cpu"), 0, load_weights=init_from.load,
+            )  # fmt: skip
+            row, _ = dp_mesh_info(mesh, plan)
+            mine = x[row : row + 1]
+            with torch.no_grad():
+                if is_pipeline(model):
+                    logits = pipeline_logits(model, mine, mine, torch.device("cpu"))
+                else:
+                    logits = model(mine)
+            key = f"{family}/{plan.layout.short()}"
+            out[key] = -1.0 if logits is None else (logits - expected[row : row + 1]).abs().max().item()
+    return out
+
+
+def test_four_gloo_ranks_ep_with_dp_shard_tp_and_pp_equal_transformers(tmp_path) -> None:
+    x = torch.randint(0, 256, (4, SEQ), generator=torch.Generator().manual_seed(2))
+    models = {}
+    for family in ("qwen3_moe", "mixtral"):
+        hf = hf_model(family)
+        hf.save_pretrained(tmp_path / family, max_shard_size="60KB")
+        with torch.no_grad():
+            models[family] = (tmp_path / family, hf(x).logits)
+    out = run_ranks(_layout_logits, 4, models, x, timeout_s=300)
+    worst = {key: max(d[key] for d in out) for key in out[0]}
+    print("HF MoE -> framework, 4 gloo ranks, max |logits diff|:", worst)
+    for diffs in out:
+        assert len(diffs) == 2 * len(LAYOUTS) and max(diffs.values()) <= TOL, diffs
+    assert min(worst.values()) >= 0, worst  # every layout's logits were compared on some rank

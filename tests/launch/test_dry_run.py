@@ -208,3 +208,22 @@ def test_moe_experts_sharded_over_ep_as_planned(
     report = resolved_dry_run(cfg)
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
     assert report.plan.degrees["ep"] == ep
+
+
+# Issue 25 point 4: the published MoE shapes on 128 and 512 H100s (qwen3_235b_a22b: 235B, 94 layers).
+LARGE_MOE = [(r, m) for r in ("qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b") for m in ("16x8", "64x8")]
+
+
+@pytest.mark.parametrize(("recipe", "mesh"), LARGE_MOE, ids=[f"{r}-{m}" for r, m in LARGE_MOE])
+def test_large_moe_recipes_plan_a_layout_that_fits(recipe: str, mesh: str) -> None:
+    """``sharding=auto`` (the recipes' default) finds a layout within the H100's memory, with ep,
+    in seconds; its parameter bytes per rank are what the fake-backend measurement finds on rank 0."""
+    from framework.launch.recipes import compose_recipe
+
+    cfg = compose_recipe(recipe, [f"mesh={mesh}", "mesh/hardware=h100_sxm", "run.dry_run=true"])
+    report = resolved_dry_run(cfg)
+    memory = report.plan.memory
+    assert memory.total <= memory.device, format_dry_run(report)
+    assert report.plan.degrees["ep"] > 1, format_dry_run(report)
+    assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
+    assert not dist.is_initialized()

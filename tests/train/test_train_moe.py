@@ -88,3 +88,81 @@ def test_sigmoid_router_bias_moves_each_step_and_another_expert_count_cannot_res
     errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and not again.exists(), errors
     assert "model.moe.num_experts=8 there, 4 here" in errors[0] and "router_score=sigmoid there" in errors[0]
+
+
+# Issue 25's bad inputs through the real entry point (in this process: a refusal trains nothing):
+# (overrides, the error line's start). Each refused before launch: exit 2, one line, no run dir.
+BAD = [
+    (["mesh=4", "parallel.ep=3"], "parallel.ep=3 does not divide parallel.dp_shard=4: the ep ranks are borrowed"),
+    (["mesh=4", "parallel.ep=4", "model.moe.num_experts=6"],
+     "parallel.ep=4 does not divide model.moe.num_experts=6: valid ep here are [1, 2]"),
+    (["model.moe.num_experts_per_tok=9"],
+     "model.moe.num_experts_per_tok=9 is not valid; valid: an integer in 1..model.moe.num_experts=8"),
+    (["model.moe.capacity_factor=-0.5"],
+     "model.moe.capacity_factor=-0.5 is not valid; valid: 0 (no token dropped) or a finite number > 0"),
+    (["model.moe.router_aux_loss_coef=-0.1"],
+     "model.moe.router_aux_loss_coef=-0.1 is not valid; valid: a finite number >= 0"),
+    (["recipe=llama_tiny", "mesh=2", "parallel.ep=2"],
+     "parallel.ep=2 with model.family=llama, a dense model (model.moe.num_experts=0): it has no experts"),
+]  # fmt: skip
+
+
+def refused(run: Path, capfd: pytest.CaptureFixture[str], *overrides: str) -> str:
+    """``train.py *overrides`` (qwen3_moe_tiny unless a recipe is given): exit 2, exactly one error
+    line (returned), no traceback, nothing written."""
+    capfd.readouterr()
+    code = train_main(f"hydra.run.dir={run}", *TINY, "run.device=cpu", *overrides)
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, (code, err[-2000:])
+    assert "Traceback" not in err and not run.exists(), err[-2000:]
+    return errors[0].removeprefix("error: ")
+
+
+@pytest.mark.parametrize(("overrides", "line"), BAD, ids=[b[1].split(" ")[0] for b in BAD])
+def test_bad_moe_input_is_one_line_exit_2_and_writes_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], overrides: list[str], line: str
+) -> None:
+    assert refused(tmp_path / "run", capfd, *overrides).startswith(line)
+
+
+def test_hf_moe_checkpoint_of_another_expert_count_or_router_is_one_line_exit_2(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``model.init_from=`` a Hugging Face Qwen3-MoE folder whose config.json and tensors disagree on
+    the experts (a router of another shape; one expert's tensors missing, or one too many), or a
+    command line that contradicts its config.json's expert count: exit 2, one line naming the tensor
+    or the key, nothing written."""
+    pytest.importorskip("transformers")
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.test_models_moe_families import hf_model
+
+    good = tmp_path / "good"
+    hf_model("qwen3_moe").save_pretrained(good)  # 4 experts, top 2, dim 64
+    config = json.loads((good / "config.json").read_text())
+    tensors = {k: v for f in sorted(good.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    def variant(name: str, n_experts: int, drop: str | None = None, add: str | None = None) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(config | {"num_experts": n_experts}))
+        mine = {k: v for k, v in tensors.items() if drop is None or drop not in k}
+        if add is not None:  # a 5th expert, a copy of expert 0
+            mine |= {k.replace(".experts.0.", add): v.clone() for k, v in tensors.items() if ".experts.0." in k}
+        save_file(mine, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    cases = [
+        (variant("router", 6), [], "tensor model.layers.0.mlp.gate.weight has shape [4, 64], the model expects [6, 64]"),
+        (variant("fewer", 4, drop=".experts.3."), [],
+         "tensor names do not match the model: missing ['model.layers.0.mlp.experts.3.down_proj.weight'"),
+        (variant("more", 4, add=".experts.4."), [],
+         "tensor names do not match the model: missing [], unknown ['model.layers.0.mlp.experts.4.down_proj.weight'"),
+        (good, ["model.moe.num_experts=6"], "model.moe.num_experts=6 on the command line contradicts model.init_from="),
+    ]  # fmt: skip
+    for i, (path, extra, line) in enumerate(cases):
+        msg = refused(tmp_path / f"run{i}", capfd, f"model.init_from={path}", *extra)
+        assert line in msg, (path.name, msg)

@@ -123,6 +123,9 @@ class Decoder(nn.Module):
         # The family's attention window (its spec: Mistral); None = full causal attention, an
         # attribute TorchScript drops the branch on.
         self.sliding_window: int | None = spec.sliding_window or None
+        # Pieces the residual stream's sequence is cut into between the blocks: tp under tensor
+        # (sequence) parallelism (framework.parallel.tensor sets it), whose attention sees it whole.
+        self.sequence_shards = 1
         if self.sliding_window is not None and document_eos is not None:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} with data.document_mask: valid: one of them"
@@ -184,7 +187,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """``forward`` with a sliding window: one banded causal mask for the shape, every layer."""
         h = self._embed(tokens)
-        s = h.shape[1]
+        s = h.shape[1] * self.sequence_shards  # the whole sequence, as attention sees it
         mask = causal_band(s, s, 0, window, h.device)
         for layer in self.layers.values():
             h = layer(h, self.rope, mask=mask)
