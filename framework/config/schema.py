@@ -902,8 +902,8 @@ class FreezeConfig:
     mode: FreezeMode = FreezeMode.export
     # torch.export.export(strict=...): trace with Dynamo instead of running Python.
     strict: bool = only_with("freeze.mode", FreezeMode.export, default=False)
-    # Also run the model once under torch._dynamo.explain, so graph breaks that
-    # torch.compile(fullgraph=True) would hit are reported at freeze time (export mode).
+    # Also trace the model as torch.compile(fullgraph=True) does (and where that breaks, run it once
+    # under torch._dynamo.explain to list every break), so they are reported at freeze time.
     check_graph_breaks: bool = only_with("freeze.mode", FreezeMode.export, default=True)
     # script only: submodule paths ("layers.0.feed_forward") or methods ("helper", "layers.0.attention.fn")
     # left as Python, as @torch.jit.ignore does. Such a module runs but cannot be saved.

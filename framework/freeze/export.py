@@ -93,14 +93,53 @@ def _paths_by_class(model: nn.Module, loc: Location) -> tuple[str, ...]:
     return tuple(dict.fromkeys(hits))
 
 
+class _Traced(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by the function ``_trace_only`` compiles: the graph was captured whole; nothing ran."""
+
+
+def _trace_only(_gm: torch.fx.GraphModule, _example_inputs: list) -> object:
+    def run(*_args: object) -> None:
+        raise _Traced
+
+    return run
+
+
+def _fullgraph_break(model: nn.Module, example_inputs: tuple) -> BaseException | None:
+    """What ``torch.compile(model, fullgraph=True)`` meets, without running the graph it captures:
+    None when the model is one graph, else the error of its first graph break. Not running it is
+    what lets a meta-device model with data-dependent sizes (an MoE layer's per-expert counts,
+    captured as unbacked sizes) be checked: there is no data to run them on."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, fullgraph=True, dynamic=False, backend=_trace_only)(*example_inputs)
+    except _Traced:
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure to capture one graph is a finding
+        return e
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 def _graph_breaks(model: nn.Module, example_inputs: tuple) -> list[tuple[Location, str]]:
     """Every Dynamo graph break (innermost user frame, first line of the reason).
 
-    ``explain`` runs the model once for real and resets Dynamo's caches: call before compiling.
+    First the model is traced as ``torch.compile(fullgraph=True)`` traces it (``_fullgraph_break``);
+    only when that breaks does ``explain`` list every break: it runs the model once for real (the
+    code between the breaks too) and resets Dynamo's caches, so call it before compiling. Where it
+    cannot run (a data-dependent value on the meta device), the first break is the one reported.
     """
     import torch._dynamo
 
-    explanation = torch._dynamo.explain(model)(*example_inputs)
+    first = _fullgraph_break(model, example_inputs)
+    if first is None:
+        return []
+    try:
+        explanation = torch._dynamo.explain(model)(*example_inputs)
+    except Exception:  # noqa: BLE001 - explain could not run the model: report the break we have
+        return [(_first_user_frame(first), str(first).strip().splitlines()[0] if str(first).strip() else "")]
     out = []
     for reason in explanation.break_reasons:
         if not reason.user_stack:
@@ -110,6 +149,15 @@ def _graph_breaks(model: nn.Module, example_inputs: tuple) -> list[tuple[Locatio
             ((os.path.abspath(frame.filename), int(frame.lineno)), reason.reason.strip().splitlines()[0])
         )
     return out
+
+
+def _first_user_frame(error: BaseException) -> Location:
+    """The innermost frame outside torch of a Dynamo error's user stack (``<torch.compile>`` if none)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in reversed(getattr(error, "real_stack", None) or []):
+        if not os.path.abspath(frame.filename).startswith(torch_dir):
+            return (os.path.abspath(frame.filename), int(frame.lineno or 0))
+    return ("<torch.compile>", 0)
 
 
 def _innermost_user_frame(stack: list[dict], filenames: dict[int, str]) -> Location | None:

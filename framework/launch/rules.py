@@ -883,14 +883,16 @@ RULES: dict[str, Rule] = {
         bad=(-1, 4),
     ),  # fmt: skip
     # freeze
-    # An MoE family's routing is data-dependent (per-expert counts decide the shapes): no fixed graph.
+    # An MoE family's per-expert counts decide the experts' shapes: torch.export traces them as
+    # unbacked sizes (framework.freeze), TorchScript cannot (script and trace are for dense families).
     "freeze.mode": Rule(
         lambda c: (
-            f"none with model.family={_family(c)} (an MoE family: its routing has no fixed graph "
-            "to freeze); export, script or trace with a dense family"
+            f"none or export with model.family={_family(c)} (an MoE family: its per-expert sizes are "
+            "data-dependent, which torch.export traces and TorchScript does not); script or trace "
+            "with a dense family"
         ),
-        lambda v, c: getattr(v, "value", v) == "none" or not _moe_keys(c),
-        ("export",),
+        lambda v, c: getattr(v, "value", v) in ("none", "export") or not _moe_keys(c),
+        ("script", "trace"),
         context=(("model.family", "qwen3_moe"), ("model.moe.num_experts", 4)),
     ),
     "freeze.strict": TYPED,

@@ -272,7 +272,8 @@ def run_experts(
     ``F.linear`` would be: ``grouped_mm`` is not on autocast's list, and traced (``torch.compile``) it
     takes bf16 only."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    # meta (the freeze traces the meta-device model) has no autocast state: asking raises
+    if device != "meta" and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     if use_grouped(kernel, x, gate_up, down):

@@ -280,3 +280,30 @@ def test_shipped_freeze_configs_compose(name: str) -> None:
     assert OmegaConf.to_object(merged).mode == FreezeMode(name)
     with pytest.raises(Exception, match="nope"):
         OmegaConf.merge(OmegaConf.structured(FreezeConfig), {"nope": 1})
+
+
+def test_moe_model_freezes_on_meta_with_the_graph_break_check() -> None:
+    """An MoE family on the meta device (as the trainer freezes it): torch.export traces its
+    per-expert sizes as unbacked symbols, and the graph-break check traces it as
+    torch.compile(fullgraph=True) does without running it (explain ran it, and on meta a per-expert
+    count has no value: 'Cannot copy out of meta tensor'). The trace leaves no balance counts behind
+    (the block's hook skips an export), and two freezes give one fingerprint."""
+    from framework.config.schema import ModelFamily, MoEConfig, replace_model
+    from framework.models.parts.sparse import sparse_layers
+
+    cfg = replace_model(
+        ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128),
+        family=ModelFamily.qwen3_moe,
+        head_dim=16,
+        moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    )
+    fingerprints = []
+    for _ in range(2):
+        meta = build_model(cfg, 16)
+        example = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        result = freeze(meta, (example,), FreezeConfig(mode=FreezeMode.export, check_graph_breaks=True), None)
+        fingerprints.append(result.fingerprint)
+        assert all(layer.load is None for _, layer in sparse_layers(meta))
+    assert fingerprints[0] == fingerprints[1]
+    unbacked = [n for n in result.program.graph.nodes if str(n.target) == "aten.item.default"]
+    assert len(unbacked) == 2 * 4, unbacked  # one size per expert and layer (the per-expert loop)

@@ -395,7 +395,8 @@ def test_moe_keys_belong_to_the_sparse_families(
     base: DictConfig, family_base: dict[str, DictConfig], tmp_path: Path
 ) -> None:
     """model.moe: a key changed on a family that does not read it, the expert count of a sparse family,
-    top-k over the experts, freezing a routed model, and ep with a dense family: one line each."""
+    top-k over the experts, TorchScript on a routed model (torch.export freezes it), and ep with a
+    dense family: one line each."""
     sparse = {"model.moe.num_experts": 4, "freeze.mode": "none"}
     qwen, mixtral = family_base["qwen3_moe"], family_base["mixtral"]
     cases = [
@@ -405,8 +406,8 @@ def test_moe_keys_belong_to_the_sparse_families(
          "model.moe.moe_intermediate_size=64 is not valid; valid: 0 (the default) with model.family=mixtral"),
         (qwen, {**sparse, "model.moe.num_experts_per_tok": 6},
          "model.moe.num_experts_per_tok=6 is not valid; valid: an integer in 1..model.moe.num_experts=4"),
-        (qwen, {**sparse, "freeze.mode": "export"},
-         "freeze.mode='export' is not valid; valid: none with model.family=qwen3_moe"),
+        (qwen, {**sparse, "freeze.mode": "script"},
+         "freeze.mode='script' is not valid; valid: none or export with model.family=qwen3_moe"),
         (qwen, {"freeze.mode": "none"}, "model.moe.num_experts=0 is not valid; valid: an integer in 1..65536"),
         (base, {"mesh.shape": [2], "parallel.ep": 2, "run.device": "cpu"}, "parallel.ep=2"),
     ]  # fmt: skip
@@ -414,3 +415,5 @@ def test_moe_keys_belong_to_the_sparse_families(
         msg = refusal(where, values, tmp_path / str(i))
         assert msg.startswith(line), (msg, line)
     prelaunch(with_values(qwen, sparse), tmp_path / "ok", RECIPE)  # the sparse family itself launches
+    # and freezes (torch.export)
+    prelaunch(with_values(qwen, {**sparse, "freeze.mode": "export"}), tmp_path / "export", RECIPE)

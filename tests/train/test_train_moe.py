@@ -70,6 +70,22 @@ def test_balance_is_logged_and_the_export_after_training_equals_ours(tmp_path: P
     assert diff <= 1e-5
 
 
+def test_freeze_export_traces_the_moe_model_and_it_trains(tmp_path: Path) -> None:
+    """``freeze=export`` on an MoE family: the meta-device model is exported (its per-expert sizes
+    as unbacked symbols), fingerprinted and saved, and the run trains as without it."""
+    import json
+
+    run = tmp_path / "run"
+    train(run, "train.steps=2", "train.log_every=1", "freeze=export", "checkpoint=none")
+    frozen = run / "frozen"
+    assert {"fingerprint.json", "manifest.json", "model.pt2"} <= {p.name for p in frozen.iterdir()}
+    fingerprint = json.loads((frozen / "fingerprint.json").read_text())
+    assert fingerprint["namespace"] == "export-v1" and len(fingerprint["fingerprint"]) == 64
+    assert "froze the model (export)" in (run / "train.log").read_text()
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["moe_aux_loss"] > 0 for r in rows)
+
+
 def test_sigmoid_router_bias_moves_each_step_and_another_expert_count_cannot_resume(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -151,7 +167,9 @@ def test_hf_moe_checkpoint_of_another_expert_count_or_router_is_one_line_exit_2(
         (out / "config.json").write_text(json.dumps(config | {"num_experts": n_experts}))
         mine = {k: v for k, v in tensors.items() if drop is None or drop not in k}
         if add is not None:  # a 5th expert, a copy of expert 0
-            mine |= {k.replace(".experts.0.", add): v.clone() for k, v in tensors.items() if ".experts.0." in k}
+            mine |= {
+                k.replace(".experts.0.", add): v.clone() for k, v in tensors.items() if ".experts.0." in k
+            }
         save_file(mine, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
 

@@ -83,8 +83,10 @@ class SparseMLP(moe.MoE):
 def count_load(block: nn.Module, _args: object, _out: object) -> None:
     """The sparse block's forward hook: its MoE layers' counts into their sums, except in a recompute
     inside backward (activation checkpointing), which routes the same tokens again."""
-    if torch._C._current_graph_task_id() != -1:
-        return
+    if torch.compiler.is_exporting():
+        return  # a trace (the freeze, on meta): no token was routed
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        return  # eager activation checkpointing's recompute (a compiled one reruns no hook)
     for m in block.modules():
         if isinstance(m, SparseMLP):
             m.count()
