@@ -11,7 +11,7 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
 node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``_ep_options``), activation checkpointing under
-``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
+``sharding.activation_checkpointing=auto`` (none, selective, selective_op, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
 framework.planner.stages.held_for_step; chosen only where it fits and is faster). Anything else the
@@ -44,7 +44,12 @@ from framework.planner.plan import GIB, Plan, plan_for, runs_on_cpu, with_degree
 CP_MIN_SEQ = 16384
 CP_MIN_CHUNK = 2048
 CP_MAX = 32
-SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
+SEARCHED_AC = (
+    ActivationCheckpointing.none,
+    ActivationCheckpointing.selective,
+    ActivationCheckpointing.selective_op,
+    ActivationCheckpointing.full,
+)
 TOP = 10
 # The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
 MAX_PP = 16
@@ -222,8 +227,13 @@ def _reshard_options(d: Degrees, pipe: tuple[PPSchedule, int, int] | None) -> li
 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
+    """The user's mode, or under ``auto`` every searched one (selective_op only for a dense model:
+    framework.planner.plan counts what it keeps for a dense block only)."""
     ac = cfg.sharding.activation_checkpointing
-    return list(SEARCHED_AC) if ac == ActivationCheckpointing.auto else [ac]
+    if ac != ActivationCheckpointing.auto:
+        return [ac]
+    dense = not num_experts(cfg.model)
+    return [a for a in SEARCHED_AC if dense or a != ActivationCheckpointing.selective_op]
 
 
 def _micro_options(cfg: Config, d: Degrees) -> list[int]:
@@ -423,12 +433,12 @@ def format_search(result: SearchResult, top: int = TOP) -> str:
     rows = [
         f"sharding=auto: {len(result.candidates)} layouts evaluated, "
         f"{sum(c.fits for c in result.candidates)} fit {result.device_gib:g} GiB; top {top}:",
-        f"  {'#':>2} {'layout':<10} {'r x s x t':<28} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
+        f"  {'#':>2} {'layout':<10} {'r x s x t':<28} {'AC':<12} {'micro':>5} {'accum':>5} {'GiB':>7} "
         f"{'step ms':>9} {'MFU':>6} {'tokens/s':>12}  why not",
     ]
     for i, c in enumerate(result.candidates[:top], 1):
         rows.append(
-            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<9} "
+            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<12} "
             f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
             f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
             f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"
