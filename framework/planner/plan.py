@@ -872,6 +872,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
         local_params=sum_local(specs, tp, shard),
     )
+    if check_memory and memory.total > memory.device and not (cfg.run.dry_run or cfg.run.allow_over_memory):
+        _check_held_fits(cfg, d, memory)
     _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
         world_size=world,
@@ -997,6 +999,32 @@ def _check_fits(
                 f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
             )
         warnings.append(mem_msg)
+
+
+def _check_held_fits(cfg: Config, d: Degrees, memory: MemoryEstimate) -> None:
+    """Refuse ``sharding.reshard_after_forward=false`` where the units it holds unsharded for the
+    step are what does not fit: the layout resharding after each forward fits. One line with the
+    memory per rank each policy needs against the device's. Not for a zero-bubble schedule (it
+    holds its units whatever the setting: framework.planner.stages.held_for_step) or a layout
+    without FSDP sharding (the setting changes nothing there); a layout too large either way gets
+    ``_check_fits``'s refusal."""
+    if cfg.sharding.reshard_after_forward or d.fsdp_shard == 1:
+        return
+    if d.pp > 1 and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE:
+        return
+    resharded = dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, reshard_after_forward=True))
+    other = plan_for(resharded, d, check_memory=False).memory
+    if other.total > other.device:
+        return
+    device = cfg.mesh.hardware.memory_gib
+    raise ValueError(
+        f"sharding.reshard_after_forward=false holds {d.short()}'s FSDP units unsharded for the step: "
+        f"needs {memory.total / GIB:.1f} GiB per rank (of it FSDP units held unsharded for the step "
+        f"{memory.comm_buffers / GIB:.1f}), device has {device:g} (mesh.hardware.memory_gib, "
+        f"mesh.hardware.name={cfg.mesh.hardware.name}); valid here: sharding.reshard_after_forward=true "
+        f"({other.total / GIB:.1f} GiB per rank: each unit gathered per micro batch), or "
+        f"run.allow_over_memory=true to launch anyway"
+    )
 
 
 @dataclass(frozen=True)
