@@ -52,6 +52,16 @@ TITAN_HW = "H100 96GB HBM2e at 500 W (Grand Teton), 400 Gb/s RDMA per GPU"
 TITAN_PROFILE = "h100_96gb_500w"
 META_HW = "H100 SXM 80GB at 700 W (Grand Teton), 400 Gb/s RoCE per GPU"
 _HELD = "FSDP units held unsharded for the step (reshard_after_forward=false)"
+_EAGER_LOSS = (
+    "its loss head ran eager (9dec370's train.py leaves loss_fn's torch.compile commented out) and kept "
+    "fp32 logits, 8 bytes per logit more than this framework's compiled head (framework.parallel.compile): "
+    "16384 x 128256 x 8 B = 15.7 GiB of the published memory the plan does not have"
+)
+_GATHERED_LOGITS = (
+    "its output projection keeps the logits sharded over TP (loss_parallel, on by default at 820504e); "
+    "this framework gathers the full logits to every TP rank (framework.parallel.tensor), {gib} GiB of the "
+    "plan, about {tp}x what sharded logits would hold: hence (over)"
+)
 # Every row gathers bf16 parameters and reduces fp32 gradients: torchtitan's mixed_precision_param /
 # mixed_precision_reduce defaults (bfloat16 / float32), as Megatron's bf16 training does.
 MIXED_PRECISION = ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]
@@ -92,6 +102,8 @@ class Published:
     # allocator's peak reserved memory (torch.cuda.memory_stats "reserved_bytes.all.peak", its
     # metrics.py at 9dec370), which holds the allocator's free blocks too.
     memory_gib: float = 0.0
+    # Where the published run did something this framework's runtime (so its plan) does not.
+    differs: str = ""
     profile: str = "h100_sxm"  # conf/mesh/hardware/<profile>.yaml
 
     def __post_init__(self) -> None:
@@ -134,7 +146,7 @@ ROWS: tuple[Published, ...] = (
     Published(
         "8B FSDP 8 GPUs, compile", TITAN_2412 + ", table 1, row FSDP + torch.compile", TITAN_HW, "llama3_8b",
         8, 8192, 16, 2, tp=1, pp=1, dp_shard=8, activation_checkpointing="selective_op", tokens_per_s_gpu=6667.0,
-        memory_gib=77.0,
+        memory_gib=77.0, differs=_EAGER_LOSS,
         assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
@@ -146,7 +158,7 @@ ROWS: tuple[Published, ...] = (
     Published(
         "8B FSDP 128 GPUs, compile", TITAN_2412 + ", table 3, row FSDP + torch.compile", TITAN_HW, "llama3_8b",
         128, 8192, 256, 2, tp=1, pp=1, dp_shard=128, activation_checkpointing="selective_op",
-        tokens_per_s_gpu=6514.0, memory_gib=62.0,
+        tokens_per_s_gpu=6514.0, memory_gib=62.0, differs=_EAGER_LOSS,
         assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
@@ -156,6 +168,7 @@ ROWS: tuple[Published, ...] = (
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_8b.toml at 820504e",
             "global batch 96 = local batch 12 x FSDP 8",
         ),
+        differs=_GATHERED_LOGITS.format(gib="62.2", tp=8),
     ),
     Published(
         "70B FSDP 32 x TP 8, 256 GPUs", TITAN_2506 + ", table 'Llama3 70b on 256 H100s'", TITAN_HW, "llama70b",
@@ -164,6 +177,7 @@ ROWS: tuple[Published, ...] = (
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_70b.toml at 820504e",
             "global batch 512 = local batch 16 x FSDP 32",
         ),
+        differs=_GATHERED_LOGITS.format(gib="83.0", tp=8),
     ),
 )  # fmt: skip
 
@@ -344,7 +358,8 @@ def main() -> int:
     print("\nSources:")
     for row in ROWS:
         assumed = f"; assumed: {', '.join(row.assumed)}" if row.assumed else ""
-        print(f"- {row.label}: {row.source}; {row.hardware}{assumed}")
+        differs = f"; differs: {row.differs}" if row.differs else ""
+        print(f"- {row.label}: {row.source}; {row.hardware}{assumed}{differs}")
     return 0
 
 
