@@ -7,7 +7,13 @@ NVIDIA's Megatron-Bridge / NeMo tables for H100, are left out: the planner costs
 Each row names its source (document and table); what the source does not state is marked
 ``assumed`` in ``Published.assumed`` and is the planner's choice, not a published number.
 
-Runs on the CPU machine in about 10 s (planner only, no training):
+Beside each forced layout, ``sharding=auto``'s own pick for the same job (recipe, mesh, hardware,
+sequence, global batch, executor, mixed precision; degrees, micro batch, schedule, activation
+checkpointing and reshard policy left to the search), predicted at least as fast wherever the
+published layout fits. Where the source gives the peak memory it measured, it is printed beside
+the planner's.
+
+Runs on the CPU machine in about 30 s (planner only, no training):
 ``python benchmarks/published.py``. ``tests/planner/test_published.py`` pins the predictions.
 """
 
@@ -24,6 +30,7 @@ from framework.launch.recipes import compose_recipe  # noqa: E402
 from framework.models import flops_per_token  # noqa: E402
 from framework.planner.layout import fixed_degrees  # noqa: E402
 from framework.planner.plan import GIB, Plan, plan_for  # noqa: E402
+from framework.planner.search import Candidate, search  # noqa: E402
 
 LLAMA3_PAPER = (
     "Llama Team, The Llama 3 Herd of Models, arXiv 2407.21783, table 4 (scaling configurations and MFU "
@@ -45,6 +52,16 @@ TITAN_HW = "H100 96GB HBM2e at 500 W (Grand Teton), 400 Gb/s RDMA per GPU"
 TITAN_PROFILE = "h100_96gb_500w"
 META_HW = "H100 SXM 80GB at 700 W (Grand Teton), 400 Gb/s RoCE per GPU"
 _HELD = "FSDP units held unsharded for the step (reshard_after_forward=false)"
+_EAGER_LOSS = (
+    "its loss head ran eager (9dec370's train.py leaves loss_fn's torch.compile commented out) and kept "
+    "fp32 logits, 8 bytes per logit more than this framework's compiled head (framework.parallel.compile): "
+    "16384 x 128256 x 8 B = 15.7 GiB of the published memory the plan does not have"
+)
+_GATHERED_LOGITS = (
+    "its output projection keeps the logits sharded over TP (loss_parallel, on by default at 820504e); "
+    "this framework gathers the full logits to every TP rank (framework.parallel.tensor), {gib} GiB of the "
+    "plan, about {tp}x what sharded logits would hold: hence (over)"
+)
 # Every row gathers bf16 parameters and reduces fp32 gradients: torchtitan's mixed_precision_param /
 # mixed_precision_reduce defaults (bfloat16 / float32), as Megatron's bf16 training does.
 MIXED_PRECISION = ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]
@@ -69,7 +86,8 @@ class Published:
     pp_schedule: str = ""
     pp_stages_per_rank: int = 1  # 0: not published, the planner's fastest of VIRTUAL_OPTIONS
     pp_microbatches: int = 0
-    # none | selective | full, or auto (not published: the fastest that fits, the planner's choice)
+    # none | selective (every other block) | selective_op (torchtitan's per-op SAC, its "selective"
+    # with selective_ac_option = 'op') | full, or auto (not published: the fastest that fits)
     activation_checkpointing: str = "auto"
     executor: str = "compile"  # eager | compile (torch.compile); a framework of its own: compile
     # FSDP units resharded after each forward (torchtitan's default without pp), or held unsharded
@@ -80,6 +98,12 @@ class Published:
     tflops_per_gpu: float = 0.0  # as published, where the source gives model TFLOP/s instead
     flop_formula: str = ""
     assumed: tuple[str, ...] = field(default_factory=tuple)  # what the source does not state
+    # Peak memory per GPU as published (GiB; 0: not published). torchtitan's is the caching
+    # allocator's peak reserved memory (torch.cuda.memory_stats "reserved_bytes.all.peak", its
+    # metrics.py at 9dec370), which holds the allocator's free blocks too.
+    memory_gib: float = 0.0
+    # Where the published run did something this framework's runtime (so its plan) does not.
+    differs: str = ""
     profile: str = "h100_sxm"  # conf/mesh/hardware/<profile>.yaml
 
     def __post_init__(self) -> None:
@@ -115,33 +139,36 @@ ROWS: tuple[Published, ...] = (
     ),
     Published(
         "8B FSDP 8 GPUs, eager", TITAN_2412 + ", table 1, row FSDP", TITAN_HW, "llama3_8b", 8, 8192, 16, 2,
-        tp=1, pp=1, dp_shard=8, activation_checkpointing="selective", executor="eager", tokens_per_s_gpu=5762.0,
-        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370", "selective = torchtitan's per-op SAC"),
+        tp=1, pp=1, dp_shard=8, activation_checkpointing="selective_op", executor="eager", tokens_per_s_gpu=5762.0,
+        memory_gib=82.4,
+        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
         "8B FSDP 8 GPUs, compile", TITAN_2412 + ", table 1, row FSDP + torch.compile", TITAN_HW, "llama3_8b",
-        8, 8192, 16, 2, tp=1, pp=1, dp_shard=8, activation_checkpointing="selective", tokens_per_s_gpu=6667.0,
-        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370", "selective = torchtitan's per-op SAC"),
+        8, 8192, 16, 2, tp=1, pp=1, dp_shard=8, activation_checkpointing="selective_op", tokens_per_s_gpu=6667.0,
+        memory_gib=77.0, differs=_EAGER_LOSS,
+        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
         "8B FSDP 128 GPUs, eager", TITAN_2412 + ", table 3, row FSDP", TITAN_HW, "llama3_8b", 128, 8192, 256, 2,
-        tp=1, pp=1, dp_shard=128, activation_checkpointing="selective", executor="eager", tokens_per_s_gpu=5605.0,
-        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370", "selective = torchtitan's per-op SAC"),
+        tp=1, pp=1, dp_shard=128, activation_checkpointing="selective_op", executor="eager", tokens_per_s_gpu=5605.0,
+        memory_gib=67.0,
+        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
         "8B FSDP 128 GPUs, compile", TITAN_2412 + ", table 3, row FSDP + torch.compile", TITAN_HW, "llama3_8b",
-        128, 8192, 256, 2, tp=1, pp=1, dp_shard=128, activation_checkpointing="selective",
-        tokens_per_s_gpu=6514.0,
-        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370", "selective = torchtitan's per-op SAC"),
+        128, 8192, 256, 2, tp=1, pp=1, dp_shard=128, activation_checkpointing="selective_op",
+        tokens_per_s_gpu=6514.0, memory_gib=62.0, differs=_EAGER_LOSS,
+        assumed=("seq 8192: train_configs/llama3_8b.toml at 9dec370 (also its selective_ac_option = 'op')",),
     ),
     Published(
         "8B FSDP 8 x TP 8, 64 GPUs", TITAN_2506 + ", table 'Llama3 8b on 64 H100s'", TITAN_HW, "llama3_8b",
-        64, 8192, 96, 12, tp=8, pp=1, dp_shard=8, activation_checkpointing="selective", tokens_per_s_gpu=4378.0,
+        64, 8192, 96, 12, tp=8, pp=1, dp_shard=8, activation_checkpointing="selective_op", tokens_per_s_gpu=4378.0,
         assumed=(
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_8b.toml at 820504e",
             "global batch 96 = local batch 12 x FSDP 8",
-            "selective = torchtitan's per-op SAC",
         ),
+        differs=_GATHERED_LOGITS.format(gib="62.2", tp=8),
     ),
     Published(
         "70B FSDP 32 x TP 8, 256 GPUs", TITAN_2506 + ", table 'Llama3 70b on 256 H100s'", TITAN_HW, "llama70b",
@@ -150,10 +177,11 @@ ROWS: tuple[Published, ...] = (
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_70b.toml at 820504e",
             "global batch 512 = local batch 16 x FSDP 32",
         ),
+        differs=_GATHERED_LOGITS.format(gib="83.0", tp=8),
     ),
 )  # fmt: skip
 
-AC_OPTIONS = ("none", "selective", "full")
+AC_OPTIONS = ("none", "selective", "selective_op", "full")
 # Where a source names the interleaved schedule but not its virtual stages per rank.
 VIRTUAL_OPTIONS = (1, 2, 4)
 
@@ -185,6 +213,28 @@ def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
             f"parallel.pp_microbatches={row.pp_microbatches}",
         ]
     return out
+
+
+def search_overrides(row: Published) -> list[str]:
+    """The same job with the layout left to ``sharding=auto``: degrees, micro batch (0), pipeline
+    schedule, activation checkpointing (auto) and reshard policy are the search's."""
+    return [
+        f"mesh={row.nodes}x8",
+        f"mesh/hardware={row.profile}",
+        "run.device=cuda",
+        "run.dry_run=true",
+        f"executor={row.executor}",
+        f"train.seq_len={row.seq_len}",
+        f"train.global_batch_size={row.global_batch}",
+        "train.micro_batch_size=0",
+        "sharding=auto",
+        *MIXED_PRECISION,
+    ]
+
+
+def auto_pick(row: Published) -> Candidate:
+    """``sharding=auto``'s choice for the row's job (framework.planner.search)."""
+    return search(compose_recipe(row.recipe, search_overrides(row))).chosen
 
 
 def _plan(cfg: Config) -> Plan:
@@ -228,13 +278,19 @@ def layout_text(row: Published, plan: Plan) -> str:
     return " ".join(parts)
 
 
-def table() -> list[dict[str, object]]:
-    """One dict per row: the layout, published and predicted tokens/s per GPU, the error, the memory."""
+def auto_text(c: Candidate) -> str:
+    return f"{c.short()} mbs{c.micro_batch_size} AC {c.activation_checkpointing}"
+
+
+def table(with_search: bool = True) -> list[dict[str, object]]:
+    """One dict per row: the layout, published and predicted tokens/s per GPU, the error, the memory
+    (predicted, and published where the source gives it), and ``sharding=auto``'s pick beside it."""
     out = []
     for row in ROWS:
         plan, cfg = predict(row)
         published = published_tokens_per_s_gpu(row, cfg)
         predicted = plan.prediction.tokens_per_s / row.gpus
+        pick = auto_pick(row) if with_search else None
         out.append(
             {
                 "label": row.label,
@@ -247,37 +303,63 @@ def table() -> list[dict[str, object]]:
                 "error": predicted / published - 1.0,
                 "predicted_mfu": plan.prediction.mfu,
                 "memory_gib": plan.memory.total / GIB,
+                "published_memory_gib": row.memory_gib,
                 "fits": plan.memory.total <= plan.memory.device,
                 "step_s": plan.prediction.step_time_s,
                 "compute_s": plan.prediction.compute_s,
                 "exposed_comm_s": plan.prediction.exposed_comm_s,
                 "bubble_s": plan.prediction.bubble_s,
                 "plan": plan,
+                "auto": pick,
+                "auto_layout": auto_text(pick) if pick else "",
+                "auto_predicted": pick.predicted_tokens_per_s / row.gpus if pick else 0.0,
             }
         )
     return out
 
 
+def _memory_text(r: dict[str, object]) -> str:
+    text = f"{r['memory_gib']:.1f}{'' if r['fits'] else ' (over)'}"
+    mine, theirs = float(r["memory_gib"]), float(r["published_memory_gib"])  # type: ignore[arg-type]
+    return text + (f" / {theirs:.1f} ({mine / theirs - 1:+.0%})" if theirs else " / -")
+
+
 def main() -> int:
     rows = table()
     print(
-        "| run | layout | seq | GBS | exec | published tok/s/GPU | predicted | error | pred. MFU | GiB "
-        "| step s (compute, exposed comm, bubble) |"
+        "| run | layout | seq | GBS | exec | published tok/s/GPU | predicted | error | pred. MFU "
+        "| GiB predicted / published | step s (compute, exposed comm, bubble) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['label']} | {r['layout']} | {r['seq']} | {r['gbs']} | {r['executor']} | "
             f"{r['published']:,.0f} | {r['predicted']:,.0f} | {r['error']:+.1%} | {r['predicted_mfu']:.1%} | "
-            f"{r['memory_gib']:.1f}{'' if r['fits'] else ' (over)'} | {r['step_s']:.2f} "
+            f"{_memory_text(r)} | {r['step_s']:.2f} "
             f"({r['compute_s']:.2f}, {r['exposed_comm_s']:.2f}, {r['bubble_s']:.2f}) |"
         )
     within = sum(abs(float(r["error"])) <= 0.20 for r in rows)  # type: ignore[arg-type]
     print(f"\n{within} of {len(rows)} within +-20%")
+    print("\nsharding=auto on the same job (degrees, micro batch, schedule, AC, reshard policy free):\n")
+    print("| run | auto's pick | GiB | predicted tok/s/GPU | forced (published layout) | auto / forced |")
+    print("|---|---|---|---|---|---|")
+    slower = 0
+    for r in rows:
+        pick: Candidate = r["auto"]  # type: ignore[assignment]
+        ratio = float(r["auto_predicted"]) / float(r["predicted"])  # type: ignore[arg-type]
+        note = "" if r["fits"] else " (forced does not fit)"
+        slower += bool(r["fits"]) and ratio < 1.0
+        print(
+            f"| {r['label']} | {r['auto_layout']} | {pick.memory_gib:.1f} | {r['auto_predicted']:,.0f} | "
+            f"{r['predicted']:,.0f}{note} | {ratio:.3f} |"
+        )
+    verdict = "yes" if not slower else f"no ({slower} slower)"
+    print(f"\nauto predicted at least as fast as every forced layout that fits: {verdict}")
     print("\nSources:")
     for row in ROWS:
         assumed = f"; assumed: {', '.join(row.assumed)}" if row.assumed else ""
-        print(f"- {row.label}: {row.source}; {row.hardware}{assumed}")
+        differs = f"; differs: {row.differs}" if row.differs else ""
+        print(f"- {row.label}: {row.source}; {row.hardware}{assumed}{differs}")
     return 0
 
 

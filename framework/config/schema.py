@@ -44,12 +44,15 @@ class Strategy(Enum):
 
 class ActivationCheckpointing(Enum):
     """``selective``: every other block; ``full``: every block (torch.utils.checkpoint);
+    ``selective_op``: every block, per op (torchtitan's ``selective`` with ``selective_ac_option=op``):
+    each block keeps every other matmul's output and attention's, and recomputes the rest;
     ``budget``: no checkpoint wrapper, the compiler's partitioner picks what to recompute so the
     saved activations stay under ``sharding.activation_memory_budget`` (compiled executors only);
-    ``auto``: the planner picks none, selective or full (the fastest that fits)."""
+    ``auto``: the planner picks none, selective, selective_op or full (the fastest that fits)."""
 
     none = "none"
     selective = "selective"
+    selective_op = "selective_op"
     full = "full"
     budget = "budget"
     auto = "auto"

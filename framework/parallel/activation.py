@@ -4,7 +4,13 @@ Applied by replacing the block's ``forward`` on the instance with one that runs 
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant), rather than wrapping the block in a new
 module: parameter names stay ``layers.N.attention.wq.weight``, which the per-name weight init,
 the TP plan, checkpoints and FSDP2 all rely on. ``selective`` checkpoints every other block (the
-even ones), trading about half the recompute of ``full`` for half its saving.
+even ones), trading about half the recompute of ``full`` for half its saving. ``selective_op``
+checkpoints every block under a per-op policy (torch.utils.checkpoint's selective checkpointing,
+``create_selective_checkpoint_contexts``): torchtitan's ``selective`` AC with ``selective_ac_option
+= "op"`` (torchtitan 9dec370, torchtitan/parallelisms/parallelize_llama.py ``_save_list`` and
+``_custom_policy``), the policy of its published Llama 3 benchmarks: keep the output of every other
+matmul (a dense block runs wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 are kept), of attention
+and of TP's reduce-scatters; recompute the rest (norms, RoPE, SiLU, the other matmuls).
 """
 
 from __future__ import annotations
@@ -15,24 +21,65 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from framework.config.schema import ActivationCheckpointing
 from framework.models import Decoder, blocks
+
+# The matmuls whose outputs alternate between kept and recomputed (float8 Linear layers run
+# _scaled_mm), and the ops whose outputs are always kept: attention (each SDPA kernel; FlexAttention
+# under a document mask), TP's reduce-scatter (so the recompute sends nothing back), and what
+# torchtitan keeps for float8's scales (abs, max). torchtitan 9dec370's ``_save_list``, plus the SDPA
+# kernels this framework also dispatches to (cuDNN, the CPU flash kernel) and _scaled_mm.
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+_ALWAYS_KEPT = (
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.abs.default,
+    torch.ops.aten.max.default,
+)
+
+
+def _op_policy() -> Callable[..., CheckpointPolicy]:
+    """One block call's policy: the forward and the recompute count their matmuls apart, so the
+    recompute keeps (reads back) exactly the matmuls the forward kept."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            odd = counts[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _ALWAYS_KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_contexts() -> Any:
+    return create_selective_checkpoint_contexts(_op_policy())
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     return checkpoint(forward, *args, use_reentrant=False)
 
 
-def checkpoint_block(block: nn.Module) -> None:
-    """Recompute this block's activations in backward instead of saving them."""
-    block.forward = functools.partial(_checkpointed, block.forward)
+def _op_checkpointed(forward: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_op_contexts)
+
+
+def checkpoint_block(block: nn.Module, per_op: bool = False) -> None:
+    """Recompute this block's activations in backward instead of saving them (``per_op``: those
+    the selective policy above does not keep)."""
+    block.forward = functools.partial(_op_checkpointed if per_op else _checkpointed, block.forward)
 
 
 def is_checkpointed(block: nn.Module) -> bool:
     fwd = block.__dict__.get("forward")
-    return isinstance(fwd, functools.partial) and fwd.func is _checkpointed
+    return isinstance(fwd, functools.partial) and fwd.func in (_checkpointed, _op_checkpointed)
 
 
 def apply_ac(model: Decoder, mode: ActivationCheckpointing) -> int:
@@ -44,9 +91,10 @@ def apply_ac(model: Decoder, mode: ActivationCheckpointing) -> int:
     if mode in (ActivationCheckpointing.none, ActivationCheckpointing.budget):
         return 0
     count = 0
+    every = mode in (ActivationCheckpointing.full, ActivationCheckpointing.selective_op)
     for i, block in enumerate(blocks(model)):
-        if mode == ActivationCheckpointing.full or i % 2 == 0:
-            checkpoint_block(block)
+        if every or i % 2 == 0:
+            checkpoint_block(block, per_op=mode == ActivationCheckpointing.selective_op)
             count += 1
     if count == 0:
         raise RuntimeError(f"activation_checkpointing={mode.value} checkpointed no block")

@@ -79,7 +79,8 @@ _ACCUM_BYTES = 12.0
 # the compiled loop's pointwise time (benchmarks/PERF.md, same section); we take 4.
 _EAGER_POINTWISE = 4.0
 # A recomputed forward is a third of the block's training flops (forward 2, backward 4); selective
-# checkpointing recomputes every other block.
+# checkpointing recomputes every other block. selective_op's share is counted from the shapes
+# (``recompute_fraction``), not listed here.
 _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
 # Collectives on the critical path: TP's, CP's K/V passes (torch's default rotation
 # all-gathers K and V before the attention that needs them), and expert parallelism's all-to-alls
@@ -148,6 +149,26 @@ def _recompute_flops_per_token(cfg: Config) -> float:
     blocks = active_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
     head_dim = model_spec(m).head_dim
     return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
+
+
+def _op_recompute_flops_per_token(cfg: Config) -> float:
+    """selective_op recomputes, per block, the matmuls its per-op policy does not keep (wk, wo and
+    w3: framework.parallel.activation) and no attention: 2 x (dim x kv_dim + q_dim x dim + dim x
+    ffn_dim) flops per token and block."""
+    m = cfg.model
+    hd = model_spec(m).head_dim
+    q, kv = m.n_heads * hd, m.n_kv_heads * hd
+    return 2.0 * m.n_layers * (m.dim * kv + q * m.dim + m.dim * m.ffn_dim)
+
+
+def recompute_fraction(cfg: Config) -> float:
+    """The share of the blocks' forward flops that activation checkpointing runs again (0: none)."""
+    mode = cfg.sharding.activation_checkpointing.value
+    if mode == ActivationCheckpointing.budget.value:
+        return _RECOMPUTE["budget"] * (1.0 - cfg.sharding.activation_memory_budget)
+    if mode == ActivationCheckpointing.selective_op.value:
+        return _op_recompute_flops_per_token(cfg) / _recompute_flops_per_token(cfg)
+    return _RECOMPUTE.get(mode, 0.0)
 
 
 def _float8_terms(cfg: Config, recompute: float) -> tuple[float, float, float]:
@@ -256,18 +277,18 @@ def predict_step(
     # Per rank: its data-parallel share, and of that its sequence shard under CP (load-balanced, so
     # each CP rank also does 1/cp of the causal attention).
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp
-    mode = cfg.sharding.activation_checkpointing.value
-    if mode == ActivationCheckpointing.budget.value:
-        recompute = _RECOMPUTE["budget"] * (1.0 - cfg.sharding.activation_memory_budget)
-    else:
-        recompute = _RECOMPUTE.get(mode, 0.0)
+    recompute = recompute_fraction(cfg)
     flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
     f8_flops, f8_bytes, f8_weight_bytes = _float8_terms(cfg, recompute)
     speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
     compute_s = (flops - f8_flops + f8_flops / speedup) * tokens / d.tp / peak
 
     width = m.n_layers * (2 * m.dim + m.ffn_dim)
-    pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + recompute / 3.0)
+    # A recomputed forward runs its pointwise work again (a third of the forward and backward's);
+    # selective_op recomputes all of it (norms, RoPE, SiLU: it keeps only matmul and attention outputs).
+    op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
+    again = 1.0 if op else recompute
+    pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + again / 3.0)
     logits = tokens * m.vocab_size * _LOGIT_BYTES  # the full logits on every TP rank
     if cfg.executor.mode == ExecutorMode.eager:
         pointwise *= _EAGER_POINTWISE

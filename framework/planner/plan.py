@@ -29,6 +29,7 @@ from framework.config.schema import (
 )
 from framework.models import family, model_spec
 from framework.models.linears import saved_activation_bytes_per_layer
+from framework.models.parts.layout import op_saved_values
 from framework.planner import stages as pipeline_stages
 from framework.planner.cost import CommEstimate, StepPrediction, predict_step
 from framework.planner.layout import (
@@ -160,6 +161,13 @@ def _check_executor(cfg: Config, d: Degrees) -> None:
             f"sharding.activation_memory_budget={budget}: a fraction of the compiled default's saved "
             f"activations, valid values are 0.0 (recompute all it can) to 1.0 (recompute nothing extra)"
         )
+    if ac == ActivationCheckpointing.selective_op and num_experts(cfg.model):
+        raise ValueError(
+            f"sharding.activation_checkpointing=selective_op with model.moe.num_experts="
+            f"{num_experts(cfg.model)}: the planner counts what the per-op policy keeps for a dense "
+            f"block only (framework.models.parts.layout.op_saved_values); use "
+            f"sharding.activation_checkpointing=selective|full|none"
+        )
     if cfg.executor.mode == ExecutorMode.eager:
         if ac == ActivationCheckpointing.budget:
             raise ValueError(
@@ -172,7 +180,7 @@ def _check_executor(cfg: Config, d: Degrees) -> None:
     if (
         cfg.executor.scope == CompileScope.model
         and tp > 1
-        and ac in (ActivationCheckpointing.selective, ActivationCheckpointing.full)
+        and ac not in (ActivationCheckpointing.none, ActivationCheckpointing.budget, ActivationCheckpointing.auto)
     ):
         raise ValueError(
             f"executor.scope=model with sharding.tp={tp} and sharding.activation_checkpointing="
@@ -393,7 +401,11 @@ def _activation_bytes(
     ``framework.models.parts.layout.dense_saved_values``), scaled by a measured factor per executor
     (see above). Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
-    recomputed; ``selective`` checkpoints every other block. The logits are the full vocabulary,
+    recomputed; ``selective`` checkpoints every other block; ``selective_op`` keeps, per block, its
+    input and the outputs the per-op policy keeps (``op_saved_values``: counted, not fitted, so no
+    executor factor; under TP with sequence parallelism the column-parallel outputs and the
+    reduce-scatters' are 1/tp, w2's partial sums before their reduce-scatter whole), plus one block's
+    recompute. The logits are the full vocabulary,
     gathered to every TP rank. Context parallelism divides the tokens by its degree (each rank keeps
     its sequence shard); the ring then holds one layer's whole K and V and their gradients
     (torch's default rotation all-gathers them), transient, on top.
@@ -426,6 +438,11 @@ def _activation_bytes(
         layers = n * per_layer
     elif mode == ActivationCheckpointing.full:
         layers = n * block_input + per_layer
+    elif mode == ActivationCheckpointing.selective_op:
+        values = op_saved_values(m, model_spec(m).head_dim)
+        if tp > 1:  # the two reduce-scatters' outputs kept besides w2's partial sums (dim each)
+            values = (values + m.dim) / tp + m.dim
+        layers = n * int(tokens * values * elem) + per_layer
     elif mode == ActivationCheckpointing.budget:
         # The partitioner keeps at most this fraction of what it would save, and at least what a
         # full recompute keeps (each block's input); one block's recomputed rest is live in backward.
@@ -706,9 +723,13 @@ def _comm(
         n = cfg.model.n_layers if layers is None else layers
         mode = cfg.sharding.activation_checkpointing
         recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
-        calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
-        out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], calls, act))
-        out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], calls, act))
+        # selective_op keeps the reduce-scatters' outputs and re-gathers (every block's two
+        # all-gathers run again in its recompute).
+        gathers = n if mode == ActivationCheckpointing.selective_op else recomputed.get(mode, 0)
+        ag_calls = (n * 4 + gathers * 2) * accum
+        rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
+        out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], ag_calls, act))
+        out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], rs_calls, act))
         # The output projection gathers the full logits for the loss, once per micro batch.
         logits = tokens * cfg.model.vocab_size * elem
         out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
@@ -749,7 +770,9 @@ def _cp_comm(
     receives the other cp-1 shards of K and V (an all-gather's volume, whether rotated by
     all-gather or passed around the ring); its backward passes them again and sends the K/V
     gradients back (a reduce-scatter's volume). A fully checkpointed forward runs, and passes,
-    again; selective checkpointing recomputes every other block. A pipeline rank (``layers``) runs
+    again; selective checkpointing recomputes every other block; selective_op every block's
+    passes (it keeps the attention kernels' outputs, not the gathered K and V the recompute gathers
+    again). A pipeline rank (``layers``) runs
     only its own blocks, for each of its micro batches (``accum``)."""
     m = cfg.model
     n = m.n_layers if layers is None else layers
@@ -759,6 +782,7 @@ def _cp_comm(
     recomputed = {
         ActivationCheckpointing.full: n,
         ActivationCheckpointing.selective: (n + 1) // 2,
+        ActivationCheckpointing.selective_op: n,
     }
     forward = (n + recomputed.get(mode, 0)) * accum
     backward = n * accum
@@ -848,6 +872,8 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
         local_params=sum_local(specs, tp, shard),
     )
+    if check_memory and memory.total > memory.device and not (cfg.run.dry_run or cfg.run.allow_over_memory):
+        _check_held_fits(cfg, d, memory)
     _check_fits(cfg, d, memory, check_memory, warnings)
     return Plan(
         world_size=world,
@@ -973,6 +999,32 @@ def _check_fits(
                 f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
             )
         warnings.append(mem_msg)
+
+
+def _check_held_fits(cfg: Config, d: Degrees, memory: MemoryEstimate) -> None:
+    """Refuse ``sharding.reshard_after_forward=false`` where the units it holds unsharded for the
+    step are what does not fit: the layout resharding after each forward fits. One line with the
+    memory per rank each policy needs against the device's. Not for a zero-bubble schedule (it
+    holds its units whatever the setting: framework.planner.stages.held_for_step) or a layout
+    without FSDP sharding (the setting changes nothing there); a layout too large either way gets
+    ``_check_fits``'s refusal."""
+    if cfg.sharding.reshard_after_forward or d.fsdp_shard == 1:
+        return
+    if d.pp > 1 and cfg.parallel.pp_schedule in pipeline_stages.ZERO_BUBBLE:
+        return
+    resharded = dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, reshard_after_forward=True))
+    other = plan_for(resharded, d, check_memory=False).memory
+    if other.total > other.device:
+        return
+    device = cfg.mesh.hardware.memory_gib
+    raise ValueError(
+        f"sharding.reshard_after_forward=false holds {d.short()}'s FSDP units unsharded for the step: "
+        f"needs {memory.total / GIB:.1f} GiB per rank (of it FSDP units held unsharded for the step "
+        f"{memory.comm_buffers / GIB:.1f}), device has {device:g} (mesh.hardware.memory_gib, "
+        f"mesh.hardware.name={cfg.mesh.hardware.name}); valid here: sharding.reshard_after_forward=true "
+        f"({other.total / GIB:.1f} GiB per rank: each unit gathered per micro batch), or "
+        f"run.allow_over_memory=true to launch anyway"
+    )
 
 
 @dataclass(frozen=True)

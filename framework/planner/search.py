@@ -11,7 +11,7 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
 node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``_ep_options``), activation checkpointing under
-``sharding.activation_checkpointing=auto`` (none, selective, full), and the micro batch when
+``sharding.activation_checkpointing=auto`` (none, selective, selective_op, full), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
 framework.planner.stages.held_for_step; chosen only where it fits and is faster). Anything else the
@@ -44,7 +44,12 @@ from framework.planner.plan import GIB, Plan, plan_for, runs_on_cpu, with_degree
 CP_MIN_SEQ = 16384
 CP_MIN_CHUNK = 2048
 CP_MAX = 32
-SEARCHED_AC = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
+SEARCHED_AC = (
+    ActivationCheckpointing.none,
+    ActivationCheckpointing.selective,
+    ActivationCheckpointing.selective_op,
+    ActivationCheckpointing.full,
+)
 TOP = 10
 # The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
 MAX_PP = 16
@@ -186,15 +191,18 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
     """(schedule, virtual stages per rank, micro batches) to try for ``d``: the user's when the degrees
     are theirs, else 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank where the blocks
     allow), or the user's schedule when ``parallel.pp_schedule`` / ``pp_stages_per_rank`` are set;
-    each at the user's micro batch size (``train.micro_batch_size``), or else at pp, 2 pp and 4 pp
-    micro batches that divide the rank's batch."""
+    each at the user's micro batch size (``train.micro_batch_size``), or else at up to three micro-batch
+    counts (so micro batch sizes): the smallest that divides the rank's batch at or above each of pp,
+    2 pp and 4 pp (pp itself and its multiples where they divide; a batch of 24 on 16 stages weighs
+    24), each where torch's schedule runs it (stages.schedule_accepts)."""
     p = cfg.parallel
     if d.pp == 1:
         return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
     if fixed_degrees(cfg) is not None:
         return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
     local = cfg.train.global_batch_size // d.dp
-    counts = [k * d.pp for k in (1, 2, 4) if local % (k * d.pp) == 0]
+    cuts = [c for c in divisors(local) if c >= d.pp]
+    counts = sorted({min((c for c in cuts if c >= k * d.pp), default=0) for k in (1, 2, 4)} - {0})
     mbs = cfg.train.micro_batch_size
     if mbs and local % mbs == 0 and local // mbs >= d.pp:  # the user's micro batch, pipelined
         counts = [local // mbs]
@@ -208,22 +216,28 @@ def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, in
     unset = type(p)()
     if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
         scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
-    return [(s, v, m) for s, v in scheds for m in counts]
+    return [(s, v, m) for s, v in scheds for m in counts if pipeline_stages.schedule_accepts(s, d.pp, m)]
 
 
-def _reshard_options(d: Degrees, pipe: tuple[PPSchedule, int, int] | None) -> list[bool]:
+def _reshard_options(cfg: Config, d: Degrees, pipe: tuple[PPSchedule, int, int] | None) -> list[bool]:
     """``sharding.reshard_after_forward`` to weigh: both where FSDP shards and it changes anything
-    (not under a zero-bubble schedule, which holds its units anyway: stages.held_for_step). False
-    holds every unit unsharded for the step: one all-gather a step instead of one or two per micro
-    batch, for the rank's whole unsharded weights in memory."""
+    (not under a zero-bubble schedule, which holds its units anyway: stages.held_for_step), unless
+    the user set it to false (not the default: kept, as everything else the user set). False holds
+    every unit unsharded for the step: one all-gather a step instead of one or two per micro batch,
+    for the rank's whole unsharded weights in memory."""
     if d.fsdp_shard == 1 or (d.pp > 1 and pipe is not None and pipe[0] in pipeline_stages.ZERO_BUBBLE):
-        return [True]
-    return [True, False]
+        return [cfg.sharding.reshard_after_forward]
+    return [False] if not cfg.sharding.reshard_after_forward else [True, False]
 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
+    """The user's mode, or under ``auto`` every searched one (selective_op only for a dense model:
+    framework.planner.plan counts what it keeps for a dense block only)."""
     ac = cfg.sharding.activation_checkpointing
-    return list(SEARCHED_AC) if ac == ActivationCheckpointing.auto else [ac]
+    if ac != ActivationCheckpointing.auto:
+        return [ac]
+    dense = not num_experts(cfg.model)
+    return [a for a in SEARCHED_AC if dense or a != ActivationCheckpointing.selective_op]
 
 
 def _micro_options(cfg: Config, d: Degrees) -> list[int]:
@@ -357,7 +371,7 @@ def search(cfg: Config) -> SearchResult:
                 for ac in _ac_options(cfg):
                     if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
                         continue
-                    for raf in _reshard_options(d, pipe):
+                    for raf in _reshard_options(cfg, d, pipe):
                         trial = _configure(cfg, d, ac, micro, pipe, raf)
                         try:
                             plan = plan_for(trial, d, check_memory=False)
@@ -407,14 +421,20 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
     if hw.memory_gib > rest:
         factor = state / (hw.memory_gib - rest)
         more = f" or about {factor:.1f}x the ranks (mesh of >= {int(world * factor) + 1} ranks)"
+    held = (
+        "; sharding.reshard_after_forward=false holds the FSDP units unsharded for the step "
+        "(=true gathers them per micro batch)"
+        if not cfg.sharding.reshard_after_forward
+        else ""
+    )
     return (
         f"sharding=auto: nothing fits mesh.hardware.memory_gib={hw.memory_gib:g} (mesh.hardware.name="
         f"{hw.name}) on {world} ranks: the smallest layout ({smallest.short()}, activation_checkpointing="
         f"{smallest.activation_checkpointing}, micro batch {smallest.micro_batch_size}) needs "
         f"{smallest.memory_gib:.3g} GiB per rank ({state:.3g} GiB parameters, gradients and optimizer "
         f"state); it would fit a device with >= {smallest.memory_gib:.3g} GiB{more}, or a smaller "
-        f"train.seq_len / model; or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true "
-        f"to launch anyway"
+        f"train.seq_len / model{held}; or set the real mesh.hardware.memory_gib, or "
+        f"run.allow_over_memory=true to launch anyway"
     )
 
 
@@ -423,12 +443,12 @@ def format_search(result: SearchResult, top: int = TOP) -> str:
     rows = [
         f"sharding=auto: {len(result.candidates)} layouts evaluated, "
         f"{sum(c.fits for c in result.candidates)} fit {result.device_gib:g} GiB; top {top}:",
-        f"  {'#':>2} {'layout':<10} {'r x s x t':<28} {'AC':<9} {'micro':>5} {'accum':>5} {'GiB':>7} "
+        f"  {'#':>2} {'layout':<10} {'r x s x t':<28} {'AC':<12} {'micro':>5} {'accum':>5} {'GiB':>7} "
         f"{'step ms':>9} {'MFU':>6} {'tokens/s':>12}  why not",
     ]
     for i, c in enumerate(result.candidates[:top], 1):
         rows.append(
-            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<9} "
+            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<12} "
             f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
             f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
             f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"

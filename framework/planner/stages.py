@@ -147,26 +147,59 @@ def check_without_pipeline(cfg: Config, pp: int | None) -> None:
             )
 
 
+def schedule_accepts(schedule: PPSchedule, pp: int, n: int) -> bool:
+    """Whether torch's schedule class runs ``n`` micro batches on ``pp`` ranks: >= pp for every
+    schedule here (Schedule1F1B refuses fewer, the others never fill), and for the interleaved
+    ones a multiple of their rounds, max(1, n // pp) (ScheduleInterleaved1F1B and
+    ScheduleInterleavedZeroBubble, torch/distributed/pipelining/schedules.py, torch 2.13)."""
+    if n < pp:
+        return False
+    if schedule in (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"]):
+        return n % max(1, n // pp) == 0
+    return True
+
+
 def _check_microbatches(cfg: Config, pp: int, dp: int) -> None:
+    """Micro batches that fill the pipeline and that the schedule runs (ValueError naming the
+    minimum, or the valid counts)."""
     gbs, n = cfg.train.global_batch_size, microbatches(cfg, pp, dp)
     local = gbs // dp if gbs % dp == 0 else None
     if local is None:
         return  # the batch check names that (framework.planner.plan._check_batch)
+    sched, mbs = cfg.parallel.pp_schedule, cfg.train.micro_batch_size
+    if local < pp:
+        raise ValueError(
+            f"train.global_batch_size={gbs} gives each of the {dp} data-parallel ranks {local} "
+            f"sequence(s), fewer than the parallel.pp={pp} micro batches a pipeline needs to fill: use "
+            f"train.global_batch_size >= {pp * dp} (pp x dp), or a smaller parallel.pp"
+        )
+    if not cfg.parallel.pp_microbatches and mbs and local % mbs == 0 and local // mbs < pp:
+        raise ValueError(
+            f"train.micro_batch_size={mbs} cuts the data-parallel rank's batch {local} into "
+            f"{local // mbs} micro batch(es), fewer than parallel.pp={pp}: the pipeline needs >= {pp} to "
+            f"fill; use train.micro_batch_size <= {local // pp} that divides {local}, or 0"
+        )
     if n < pp:
         raise ValueError(
             f"parallel.pp_microbatches={n} is fewer than parallel.pp={pp}: the pipeline never fills "
             f"(every schedule here needs >= pp micro batches); use parallel.pp_microbatches >= {pp} "
             f"that divides the data-parallel rank's batch {local}, or 0 (= pp)"
         )
+    valid = [k for k in range(pp, local + 1) if local % k == 0 and schedule_accepts(sched, pp, k)]
+    # Unset, it is pp: say so, not a value the user never wrote.
+    shown = n if cfg.parallel.pp_microbatches else f"0 (= parallel.pp: {n} micro batches)"
     if local % n:
-        valid = [k for k in range(pp, local + 1) if local % k == 0]
-        # Unset, it is pp: say so, not a value the user never wrote.
-        shown = n if cfg.parallel.pp_microbatches else f"0 (= parallel.pp: {n} micro batches)"
         raise ValueError(
             f"parallel.pp_microbatches={shown} does not divide the data-parallel rank's batch {local} "
             f"(train.global_batch_size={gbs} / dp {dp}): valid: {valid or 'none; raise the global batch'}"
         )
-    mbs = cfg.train.micro_batch_size
+    if not schedule_accepts(sched, pp, n):
+        rounds = max(1, n // pp)
+        raise ValueError(
+            f"parallel.pp_microbatches={shown} with parallel.pp_schedule={sched.value} on parallel.pp={pp}: "
+            f"torch's schedule runs the micro batches in rounds of max(1, {n} // {pp}) = {rounds} and "
+            f"needs a multiple of them; valid here: {valid or 'none; change the global batch'}"
+        )
     if mbs not in (0, local // n):
         keep = (
             f", or parallel.pp_microbatches={local // mbs} to keep it"

@@ -192,6 +192,34 @@ def test_memory_over_the_device_is_refused_unless_allowed_or_dry_run(base: DictC
         assert any("GiB per rank, device has 0.001" in w for w in make_plan(ok).warnings)
 
 
+def test_held_units_over_memory_refused_naming_the_policy(base: DictConfig, tmp_path: Path) -> None:
+    """sharding.reshard_after_forward=false (units held unsharded for the step) where only the held
+    units do not fit: one line naming the setting, the GiB per rank it needs against the device's
+    and the policy that fits, exit 2 before anything is written; run.allow_over_memory=true and a dry
+    run let it through with the memory warning."""
+    values = {
+        "mesh.shape": [2], "parallel.dp_shard": 2, "sharding.param_dtype": "bfloat16", "model.n_layers": 12,
+        "sharding.activation_checkpointing": "none",
+    }  # fmt: skip
+    plans = {
+        raf: make_plan(config.to_config(with_values(base, {**values, "sharding.reshard_after_forward": raf})))
+        for raf in (True, False)
+    }
+    held, resharded = plans[False].memory.total / 2**30, plans[True].memory.total / 2**30
+    assert held > resharded
+    device = round((held + resharded) / 2, 4)
+    bad = {**values, "sharding.reshard_after_forward": False, "mesh.hardware.memory_gib": device}
+    msg = refusal(base, bad, tmp_path / "held")
+    assert msg.startswith(
+        f"sharding.reshard_after_forward=false holds r1 s2 t1's FSDP units unsharded for the step: needs "
+        f"{held:.1f} GiB per rank"
+    ), msg
+    assert f"device has {device:g}" in msg and f"sharding.reshard_after_forward=true ({resharded:.1f} GiB" in msg
+    for key in ("run.allow_over_memory", "run.dry_run"):
+        plan = make_plan(config.to_config(with_values(base, {**bad, key: True})))
+        assert any("FSDP units held unsharded for the step" in w for w in plan.warnings), plan.warnings
+
+
 def test_context_parallel_refusals(base: DictConfig, tmp_path: Path) -> None:
     """cp on a CPU launch (torch's ring attention is CUDA only), and a cp whose load-balanced
     chunks (2 x cp) do not split the sequence: one line each, nothing written."""

@@ -9,6 +9,7 @@ below 2e-7; DDP/FSDP reduce in a different order than one process, so not bitwis
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy
 
 from framework.config.schema import (
     ActivationCheckpointing,
@@ -30,7 +33,8 @@ from framework.config.schema import (
     replace_model,
 )
 from framework.models import build_model, materialize
-from framework.parallel import build_mesh, dp_mesh_info, parallelize
+from framework.models.parts.layout import op_saved_values
+from framework.parallel import activation, build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, apply_offload, is_checkpointed, is_offloaded
 from framework.parallel.compile import apply_compile, inductor_mode
 from framework.planner.plan import Plan
@@ -290,6 +294,59 @@ def test_ac_modes_count_blocks() -> None:
     assert [is_checkpointed(b) for b in model.layers.values()] == [True, False, True, False]
     names = [n for n, _ in model.named_parameters()]
     assert "layers.0.attention.wq.weight" in names  # names unchanged by checkpointing
+
+
+def test_selective_op_keeps_every_other_matmul_and_trains_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sharding.activation_checkpointing=selective_op (torchtitan's per-op SAC): every block is
+    checkpointed and keeps the outputs of wq, wv, w1, w2 and attention besides its input, exactly
+    the planner's count (framework.models.parts.layout.op_saved_values, plus attention's per-head
+    log-sum-exp); the loss and gradients are those without checkpointing, eager and compiled
+    (aot_eager: Dynamo traces the policy)."""
+    kept = []
+    make_policy = activation._op_policy
+
+    def counting() -> Any:
+        policy = make_policy()
+
+        def count(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            out = policy(ctx, func, *args, **kwargs)
+            if out == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                kept.extend(t for t in pytree.tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor))
+            return out
+
+        return count
+
+    monkeypatch.setattr(activation, "_op_policy", counting)
+    cfg = Config()
+    m = cfg.model
+    tokens = torch.randint(0, m.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    grads, inputs = {}, {}
+    for mode in (ActivationCheckpointing.none, ActivationCheckpointing.selective_op):
+        model = build_model(m, SEQ)
+        materialize(model, torch.device("cpu"), seed=0)
+        assert apply_ac(model, mode) == (0 if mode == ActivationCheckpointing.none else m.n_layers)
+        inputs[mode] = _saved_bytes(model, tokens)  # what autograd saves: the blocks' inputs under AC
+        kept.clear()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    op = ActivationCheckpointing.selective_op
+    n_tokens, hd = 2 * SEQ, m.dim // m.n_heads
+    lse = m.n_layers * n_tokens * m.n_heads * 4
+    expected = m.n_layers * n_tokens * op_saved_values(m, hd) * 4 + lse  # fp32 on the CPU
+    block_inputs = m.n_layers * n_tokens * m.dim * 4
+    assert sum(t.numel() * t.element_size() for t in kept) + block_inputs == expected
+    assert inputs[op] < inputs[ActivationCheckpointing.none]
+    torch.testing.assert_close(grads[op], grads[ActivationCheckpointing.none], rtol=RTOL, atol=1e-7)
+    torch._dynamo.reset()
+    model = build_model(m, SEQ)
+    apply_ac(model, op)
+    apply_compile(model, ExecutorConfig(mode=ExecutorMode.compile, backend="aot_eager"), torch.device("cpu"))
+    materialize(model, torch.device("cpu"), seed=0)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    compiled = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(compiled, grads[ActivationCheckpointing.none], rtol=RTOL, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", [ActivationCheckpointing.none, ActivationCheckpointing.full])

@@ -215,6 +215,27 @@ BAD = [
         {"mesh.shape": [2], "parallel.dp_shard": 2, "parallel.pp_stages_per_rank": 2},
         "parallel.pp_stages_per_rank=2 does nothing without a pipeline (this layout has parallel.pp=1)",
     ),
+    # A forced layout whose micro batches cannot fill its pipeline: one line naming the minimum.
+    (
+        {"mesh.shape": [4], "parallel.pp": 4, "train.micro_batch_size": 8},
+        "train.micro_batch_size=8 cuts the data-parallel rank's batch 16 into 2 micro batch(es), fewer than "
+        "parallel.pp=4: the pipeline needs >= 4 to fill; use train.micro_batch_size <= 4 that divides 16, or 0",
+    ),
+    (
+        {"mesh.shape": [4], "parallel.pp": 4, "train.global_batch_size": 2},
+        "train.global_batch_size=2 gives each of the 1 data-parallel ranks 2 sequence(s), fewer than the "
+        "parallel.pp=4 micro batches a pipeline needs to fill: use train.global_batch_size >= 4 (pp x dp)",
+    ),
+    # What torch's interleaved schedules need beyond pp micro batches (it raised in every rank).
+    (
+        {
+            **PP2, "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_stages_per_rank": 2,
+            "parallel.pp_microbatches": 5, "train.global_batch_size": 10,
+        },
+        "parallel.pp_microbatches=5 with parallel.pp_schedule=interleaved_1f1b on parallel.pp=2: torch's "
+        "schedule runs the micro batches in rounds of max(1, 5 // 2) = 2 and needs a multiple of them; "
+        "valid here: [2, 10]",
+    ),
     (
         {"mesh.shape": [3], "parallel.pp": 3, "run.oversubscribe": True},
         "parallel.pp_microbatches=0 (= parallel.pp: 3 micro batches) does not divide the data-parallel "

@@ -413,11 +413,17 @@ def test_held_units_that_do_not_fit_are_refused_with_their_memory() -> None:
         "sharding.activation_checkpointing=full", "run.dry_run=false", "mesh.hardware.memory_gib=32",
         "sharding.param_dtype=bfloat16",
     )  # fmt: skip
-    make_plan(_composed("llama3_8b", *common))
+    resharded = make_plan(_composed("llama3_8b", *common))
     with pytest.raises(
-        ValueError, match=r"FSDP units held unsharded for the step \d+\.\d.*reshard_after_forward=true"
+        ValueError,
+        match=r"^sharding.reshard_after_forward=false holds r1 s8 t1's FSDP units unsharded for the step: needs "
+        r"\d+\.\d GiB per rank \(of it FSDP units held unsharded for the step \d+\.\d\), device has 32 .*; "
+        rf"valid here: sharding.reshard_after_forward=true \({resharded.memory.total / 2**30:.1f} GiB per rank",
     ):
         make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))
+    # run.allow_over_memory launches it anyway, with the memory warning (which names the held units).
+    plan = make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false", "run.allow_over_memory=true"))
+    assert any("of it FSDP units held unsharded for the step" in w for w in plan.warnings), plan.warnings
 
 
 def test_activation_offload_leaves_one_block_and_the_logits_on_the_device() -> None:
@@ -432,3 +438,56 @@ def test_activation_offload_leaves_one_block_and_the_logits_on_the_device() -> N
     assert offloaded.activations < on_device.activations
     assert offloaded.total - offloaded.activations == on_device.total - on_device.activations
     assert logits > 0  # what is left beyond one block is the head's
+
+
+def test_schedule_micro_batch_rule_is_torchs() -> None:
+    """stages.schedule_accepts agrees with torch's interleaved schedule classes, which raise on a
+    micro-batch count that is not a multiple of their rounds, max(1, n // pp) (constructed here on
+    stand-in stages: the constructor only reads their sizes)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    from framework.config.schema import PPSchedule
+    from framework.planner.stages import schedule_accepts
+
+    def stages(pp: int) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(
+                num_stages=2 * pp, group_size=pp, group_rank=0, stage_index=k * pp, is_first=k == 0,
+                is_last=False, has_backward=True, submod=nn.Linear(1, 1),
+            )
+            for k in range(2)
+        ]  # fmt: skip
+
+    for cls, name in ((ScheduleInterleaved1F1B, "interleaved_1f1b"), (ScheduleInterleavedZeroBubble, "interleaved_zb")):
+        for pp in (2, 3, 4):
+            for n in range(pp, 4 * pp + 3):
+                try:
+                    cls(stages(pp), n, loss_fn=lambda out, target: out)
+                    runs = True
+                except ValueError:
+                    runs = False
+                assert runs == schedule_accepts(PPSchedule[name], pp, n), (name, pp, n)
+
+
+def test_tied_embedding_under_pp_counts_its_two_transfers() -> None:
+    """A tied embedding split over a pipeline (issue 26 point 5): the first stage holds the embedding,
+    the last its copy (framework.parallel.pipeline.TiedWeight); once a step the copy's gradient is
+    reduced into the embedding's rank and the stepped weight broadcast back, each this rank's fp32
+    shard of vocab x dim, both on the critical path. Untied: no such rows; zbv (one rank holds both
+    ends): none."""
+    common = ("mesh=2x8", "parallel.pp=4", "parallel.dp_shard=4", "train.global_batch_size=64")
+    tied = make_plan(_composed("qwen3_0_6b", *common))
+    m = _composed("qwen3_0_6b", *common).model
+    rows = {c.collective: c for c in tied.comm if c.collective.startswith("tied_")}
+    assert set(rows) == {"tied_reduce", "tied_broadcast"}
+    shard = math.ceil(m.vocab_size / 4) * m.dim * 4  # FSDP2 chunks dim 0 over dp_shard 4; fp32
+    for c in rows.values():
+        assert (c.axis, c.group_size, c.calls, c.bytes_per_call, c.link) == ("pp", 2, 1, shard, "inter")
+    untied = make_plan(_composed("qwen3_0_6b", *common, "model.tie_embeddings=false"))
+    assert not [c for c in untied.comm if c.collective.startswith("tied_")]
+    assert tied.prediction.exposed_comm_s > untied.prediction.exposed_comm_s
+    zbv = make_plan(_composed("qwen3_0_6b", *common, "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2"))
+    assert not [c for c in zbv.comm if c.collective.startswith("tied_")]

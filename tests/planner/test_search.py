@@ -167,3 +167,28 @@ def test_search_weighs_the_reshard_policy_and_virtual_stages() -> None:
     pairs = [p for p in by.values() if len(p) == 2]
     assert pairs and all(p[False].exposed_comm_s <= p[True].exposed_comm_s + 1e-12 for p in pairs)
     assert all(p[False].memory_gib >= p[True].memory_gib for p in pairs)
+
+
+def test_search_weighs_several_micro_batch_counts_under_pp() -> None:
+    """Under a pipeline the micro-batch count (so the micro batch size) is searched: up to three
+    counts per layout, the smallest that divide the rank's batch at or above pp, 2 pp and 4 pp, so a
+    batch that no multiple of pp divides (24 sequences on 16 stages) is still weighed (it was left
+    out); AC and the reshard policy per layout too."""
+    cfg = compose_recipe(
+        "llama3_8b",
+        ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
+         "sharding=auto", "train.micro_batch_size=0", "train.global_batch_size=24"],
+    )  # fmt: skip
+    result = search(cfg)
+    counts: dict[str, set[int]] = {}
+    for c in result.candidates:
+        if c.degrees["pp"] > 1:
+            counts.setdefault(c.short().split(" ", 1)[0] + str(c.degrees), set()).add(c.pp_microbatches)
+    assert max(len(v) for v in counts.values()) == 3  # e.g. pp 2 on a batch of 24: 2, 4 and 8
+    sixteen = {c.pp_microbatches for c in result.candidates if c.degrees["pp"] == 16}
+    assert sixteen == {24}
+    pp2 = [c for c in result.candidates if c.degrees["pp"] == 2 and c.degrees["tp"] == 8]
+    assert {c.micro_batch_size for c in pp2} == {12, 6, 3}
+    assert {c.activation_checkpointing for c in pp2} == {"none", "selective", "selective_op", "full"}
+    sharded = [c for c in result.candidates if c.degrees["pp"] > 1 and c.degrees["dp_shard"] > 1]
+    assert {c.reshard_after_forward for c in sharded if c.pp_schedule != "zbv"} == {True, False}

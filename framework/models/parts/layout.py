@@ -84,3 +84,12 @@ def dense_saved_values(m: ModelConfig, hd: int) -> int:
     SiLU and the product feeding w2); SDPA keeps no seq x seq matrix."""
     kv_dim = m.n_kv_heads * hd
     return 10 * m.dim + 3 * kv_dim + 4 * m.ffn_dim
+
+
+def op_saved_values(m: ModelConfig, hd: int) -> int:
+    """Values one dense block keeps per token under ``selective_op`` (framework.parallel.activation's
+    per-op policy): its input (the checkpoint's), and the outputs of wq (q_dim), wv (kv_dim),
+    attention (q_dim), w1 (ffn_dim) and w2 (dim): the odd matmuls of wq, wk, wv, wo, w1, w3, w2, in
+    the order the block runs them. Attention's log-sum-exp (one fp32 value per head) is left out."""
+    q, kv = m.n_heads * hd, m.n_kv_heads * hd
+    return 2 * m.dim + 2 * q + kv + m.ffn_dim
