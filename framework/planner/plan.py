@@ -350,6 +350,13 @@ def sum_local(specs: list[ParamSpec], tp: int, dp_shard: int, which: str = "all"
 # head keeps bf16 logits only, and Inductor recomputes cheap pointwise results instead of saving them.
 _EAGER_K, _EAGER_LOGIT_BYTES = 1.5, 10
 _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
+# sharding.activation_checkpointing=budget below 1.0: the share of the default partition's saved
+# activations that the partitioner keeps per unit of budget. Fitted on one H200 (Llama-3-8B, seq
+# 8192, micro 1, the optimizer in backward; budgets 0.8, 0.9, 0.95, 0.98 peaked at 110.9, 112.85,
+# 113.85, 114.35 GiB: a slope of 19.2 GiB per unit of budget against the plan's 34.6;
+# benchmarks/PERF.md, session 12). Linear in the budget was 13% over at 0.9 and 17% over on the 7B
+# at 0.5 (round 5); at budget 1.0 (the default partition) the 8B ran out of memory.
+_BUDGET_KEPT = 0.555
 # Under TP the output projection's local logit shard is all-gathered to full logits on every rank
 # (Replicate, for the loss), and both live with their gradients around the loss: llama1b with
 # sharding=tp on 2 H200s (compiled, micro 4) peaked 3.5 GiB above the plan without this term,
@@ -444,9 +451,12 @@ def _activation_bytes(
             values = (values + m.dim) / tp + m.dim
         layers = n * int(tokens * values * elem) + per_layer
     elif mode == ActivationCheckpointing.budget:
-        # The partitioner keeps at most this fraction of what it would save, and at least what a
-        # full recompute keeps (each block's input); one block's recomputed rest is live in backward.
-        kept = max(block_input, int(cfg.sharding.activation_memory_budget * per_layer))
+        # Below 1.0 the partitioner's knapsack keeps _BUDGET_KEPT x budget of what the default
+        # partition saves (1.0 is the default partition itself), and at least what a full recompute
+        # keeps (each block's input); one block's recomputed rest is live in backward.
+        budget = cfg.sharding.activation_memory_budget
+        share = 1.0 if budget >= 1.0 else _BUDGET_KEPT * budget
+        kept = max(block_input, int(share * per_layer))
         layers = n * kept + (per_layer - kept)
     else:
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
