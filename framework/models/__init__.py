@@ -20,13 +20,23 @@ from framework.models.parts.decoder import (
     materialize,
     tie,
 )
-from framework.models.parts.sparse import balance_row, token_group_of, update_expert_biases
+from framework.models.parts.sparse import (
+    RoutingState,
+    balance_row,
+    routing_state,
+    set_routing_state,
+    token_group_of,
+    update_expert_biases,
+)
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 __all__ = [
     "FAMILIES",
     "balance_row",
+    "RoutingState",
+    "routing_state",
+    "set_routing_state",
     "token_group_of",
     "update_expert_biases",
     "SHAPE_KEYS",

@@ -22,8 +22,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
+from framework.checkpoint.state import capture_rng, restore_rng
 from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
-from framework.models import Decoder, WeightLoader, token_group_of, update_expert_biases
+from framework.models import (
+    Decoder,
+    WeightLoader,
+    routing_state,
+    set_routing_state,
+    token_group_of,
+    update_expert_biases,
+)
 from framework.parallel import parallelize
 from framework.parallel.context import SequenceShard, sequence_shard
 from framework.parallel.float8 import attach_scale_precompute
@@ -116,8 +124,8 @@ class StepRunner:
         """(Re)build the executed model from a copy of the meta model for ``mode`` and ``float8``
         (None: the current one), with a new optimizer and scheduler and the step function that fits
         them (``loop.pick_step``: plain, pipelined or optimizer-in-backward). ``carry``: copy the
-        trained weights, optimizer state and LR schedule over from the model being replaced (a
-        mid-run fallback).
+        trained weights, optimizer state, LR schedule and MoE routing sums (what the next metrics
+        row counts) over from the model being replaced (a fallback once the run has started).
 
         The state dicts have the same keys and fp32 values with float8 on or off (Float8Linear keeps
         the high-precision weights), so the float8 rung carries over as the executor rungs do.
@@ -161,6 +169,9 @@ class StepRunner:
         if carry:
             carry_state(old[0], old[1], self.model, self.optimizer)
             self.scheduler.load_state_dict(old[2].state_dict())
+            # After the optimizer state: loading it may run a zero-lr step, whose hook (the bias
+            # update) would read and reset the step's routing sums.
+            set_routing_state(self.model, routing_state(old[0]))
         self._step = pick_step(
             self.model,
             self.optimizer,
@@ -172,6 +183,23 @@ class StepRunner:
         )
         self._builds += 1
         self._since_build = 0
+
+    def snapshot(self) -> Callable[[], None]:
+        """Take what a step can change before it fails that a rebuild would carry over, and return
+        its undo (``Ladder.guard``: before the run's first step, which may fail to compile).
+
+        The weights, optimizer state and schedule are not copied: the step changes them only in the
+        optimizer step, and the ladder does not fall back from a step that got that far. What the
+        forward already changed is: the global RNG (dropout, Inductor's seeds; the RNG a checkpoint
+        restores) and the MoE layers' routing sums. Gradients it left on the model are dropped
+        with it."""
+        model, rng, routing = self.model, capture_rng(), routing_state(self.model)
+
+        def undo() -> None:
+            restore_rng(rng)
+            set_routing_state(model, routing)
+
+        return undo
 
     def _meta_copy(self) -> Decoder:
         """A copy of the meta model on this build's float8 rung: ``parallelize`` changes the model

@@ -3,8 +3,9 @@
 Ladder: cudagraphs -> compile -> eager. A float8 run (``model.float8``) has one more rung, taken
 first when its loss stays non-finite (the bad-step trigger): float8 -> bf16, same executor. A
 fallback rebuilds the model from the meta model with the next rung's executor (the runner re-runs
-``parallelize``) and carries the trained state over with ``carry_state``: before any step there is
-nothing to carry and the run restarts cleanly.
+``parallelize``) and carries the trained state over with ``carry_state`` (the weights, and an
+optimizer state only once it has stepped), so the run goes on exactly where a run on the lower rung
+would be; a failed first step is retried from the state before it (``Ladder.guard``).
 
 Who does what: the verifier judges (``framework.verify.session``: a ``Verdict`` or None), the
 runner builds (``Rungs``), and ``Ladder`` sits between them: the trainer drives it, it picks the
@@ -17,12 +18,14 @@ takes the same decision at the same step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, TypeVar
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -31,11 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from framework.config.schema import ExecutorMode, Float8Recipe
 from framework.verify.baseline import percentile
 
 T = TypeVar("T")
+E = TypeVar("E")
 LADDER = (ExecutorMode.cudagraphs, ExecutorMode.compile, ExecutorMode.eager)
 
 
@@ -59,6 +64,11 @@ class Rungs(Protocol):
     def build(
         self, mode: ExecutorMode | None = None, float8: Float8Recipe | None = None, carry: bool = False
     ) -> None: ...
+
+    def snapshot(self) -> Callable[[], None]:
+        """Take what a failing step can change that ``build(carry=True)`` would carry over; the
+        returned call puts it back."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -127,21 +137,30 @@ class Ladder:
     def guard(self, attempt: Callable[[], T]) -> T:
         """Run the run's first step (``attempt``), where torch.compile compiles by default (no
         forward of its own runs before it: that would compile a second, gradient-free graph). A
-        compile error on every rank steps every rank down one executor rung, keeping the loaded
-        state (none has stepped: the error comes before the optimizer step), and runs the same
-        batch again; one ``all_gather_object`` lets the ranks agree. An error on some ranks only
-        stops every rank (the others stepped and cannot step back)."""
+        compile error on every rank steps every rank down one executor rung and runs the same batch
+        again, from the state before the attempt: the rebuild carries the weights and optimizer
+        state (none has stepped), and what the failed forward changed (RNG, MoE routing sums) is
+        put back first (``Rungs.snapshot``), so the run goes on as a run on the lower rung would.
+        One ``all_gather_object`` lets the ranks agree.
+
+        The attempt lowers each compiled region's backward when its forward compiles (torch
+        compiles it lazily, at the first backward, by default), so that a compile error comes
+        before any gradient or, under ``train.optimizer_in_backward``, any update. An error on some
+        ranks only, or after an optimizer stepped (a later error of that step), stops every rank:
+        a step cannot be taken back."""
         while True:
             mode, lower = self.rungs.mode, self.lower()
-            error, result = None, None
+            error, result, undo = None, None, self.rungs.snapshot()
+            stepped: list[object] = []
             try:
-                result = attempt()
+                with _backward_lowered_with_forward(), _watch_optimizer_steps(stepped):
+                    result = attempt()
             except Exception as e:  # noqa: BLE001 - any compile/capture error moves down the ladder
                 if lower is None:
                     raise
                 error = _first_line(e)
-            errors = _gather_errors(error, lower)
-            failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+            errors = _gather_errors((error, bool(stepped)) if error else None, lower)
+            failed = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e is not None]
             if not failed:
                 return result  # type: ignore[return-value]
             if len(failed) < len(errors):
@@ -150,7 +169,14 @@ class Ladder:
                     "others stepped and cannot step back, so no rank falls back: fix the error, or set "
                     "a lower executor.mode"
                 )
+            if any(e[1] for e in errors if e is not None):
+                raise RuntimeError(
+                    f"the first step failed after its optimizer had stepped ({failed[0]}): the updated "
+                    "weights cannot step back, so no rank falls back: fix the error, or set a lower "
+                    "executor.mode"
+                )
             assert lower is not None
+            undo()
             self.record(0, "compile_error", f"executor {mode.value} -> {lower.value}", failed[0])
             self.rungs.build(lower, carry=True)
 
@@ -178,14 +204,34 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def _gather_errors(error: str | None, lower: ExecutorMode | None) -> list[str | None]:
+def _gather_errors(error: E | None, lower: ExecutorMode | None) -> list[E | None]:
     """Every rank's build error (None: built), so that all ranks take the same rung; nothing to
     gather when there is no rung below (an error was raised)."""
     if lower is None or not (dist.is_initialized() and dist.get_world_size() > 1):
         return [error]
-    errors: list[str | None] = [None] * dist.get_world_size()
+    errors: list[E | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return errors
+
+
+@contextlib.contextmanager
+def _backward_lowered_with_forward() -> Iterator[None]:
+    """Compile each region's backward graph together with its forward (AOTAutograd lowers it lazily,
+    at its first backward, by default: a backward that fails to compile would fail after the
+    forward and part of the backward ran). The same compile work, at another moment."""
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+@contextlib.contextmanager
+def _watch_optimizer_steps(stepped: list[object]) -> Iterator[None]:
+    """Note in ``stepped`` each optimizer step taken in the block (any optimizer: the per-parameter
+    ones of ``train.optimizer_in_backward`` too)."""
+    handle = register_optimizer_step_pre_hook(lambda opt, _args, _kwargs: stepped.append(opt))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def max_over_ranks(value: float) -> float:
@@ -289,8 +335,18 @@ def carry_state(
     ``module.`` prefix, no compile wrapper), so the same code serves DDP, FSDP2 and TP layouts.
     The source optimiser's state must be read before the destination's is written (they share
     nothing, but both are live on the device for a moment).
+
+    An optimiser that has not stepped (a fallback in the run's first step) has no state to carry,
+    and must not be read through DCP: ``get_optimizer_state_dict`` allocates the missing moments with
+    a zero-lr ``step()`` of its own, which leaves AdamW's step counter at 1 (the rebuilt rung's
+    first update then used the second step's bias correction) and runs the optimiser's step hooks
+    (the MoE routers' bias update, from a failed step's loads). Only the hyper-parameters are
+    copied then (the learning rate the scheduler set).
     """
-    msd = get_model_state_dict(src_model)
+    set_model_state_dict(dst_model, get_model_state_dict(src_model))
+    if not src_opt.state:
+        for src, dst in zip(src_opt.param_groups, dst_opt.param_groups, strict=True):
+            dst.update({k: v for k, v in src.items() if k != "params"})
+        return
     osd = get_optimizer_state_dict(src_model, src_opt)
-    set_model_state_dict(dst_model, msd)
     set_optimizer_state_dict(dst_model, dst_opt, osd)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from framework.config.schema import (
     Config,
     ExecutorConfig,
     ExecutorMode,
+    Float8Recipe,
     FreezeConfig,
     FreezeMode,
     ModelConfig,
@@ -53,6 +55,7 @@ from framework.verify import (
 from framework.verify.baseline import load_baseline, percentile
 from framework.verify.compare import compare_runs
 from framework.verify.consistency import meta_example, resolve_reference
+from framework.verify.fallback import Ladder
 from framework.verify.numerics import reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,6 +277,131 @@ def test_carry_state_moves_weights_and_optimizer_to_a_rebuilt_model() -> None:
     ra = train_step(src, opt, sched, [_batch()], 1.0, CPU)
     rb = train_step(dst, dst_opt, build_scheduler(dst_opt, tcfg), [_batch()], 1.0, CPU)
     assert ra.loss == pytest.approx(rb.loss, rel=1e-5)
+
+
+def test_carry_state_from_an_optimizer_that_never_stepped_carries_no_state() -> None:
+    """A fallback in the first step carries an optimizer that has not stepped: DCP's state-dict
+    read would allocate its moments with a zero-lr step (AdamW's step counter at 1, the step hooks
+    run), and the rebuilt model's first update would then differ from a fresh one's."""
+    tcfg = TrainConfig(steps=4, warmup_steps=2, lr=1e-2)
+    src, dst, fresh = _model(), _model(), _model()
+    opts = [build_optimizer(m, tcfg, CPU) for m in (src, dst, fresh)]
+    scheds = [build_scheduler(o, tcfg) for o in opts]
+    hooked: list[object] = []
+    opts[0].register_step_post_hook(lambda *_: hooked.append(1))  # as the MoE bias update is
+    carry_state(src, opts[0], dst, opts[1])
+    assert not opts[0].state and not opts[1].state and not hooked
+    assert [g["lr"] for g in opts[1].param_groups] == [g["lr"] for g in opts[0].param_groups]
+    for m, o, s in ((dst, opts[1], scheds[1]), (fresh, opts[2], scheds[2])):
+        for _ in range(2):
+            train_step(m, o, s, [_batch()], 1.0, CPU)
+    for (n, a), b in zip(dst.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+class _Rungs:
+    """``Rungs`` over one small model (no rebuild: the guard's own logic is under test)."""
+
+    def __init__(self) -> None:
+        self.model = _model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.float8, self.device = Float8Recipe.none, CPU
+        self._mode, self.undone = ExecutorMode.compile, 0
+        self.builds: list[tuple[ExecutorMode | None, bool]] = []
+
+    @property
+    def mode(self) -> ExecutorMode:
+        return self._mode
+
+    def build(self, mode: ExecutorMode | None = None, float8: object = None, carry: bool = False) -> None:
+        self.builds.append((mode, carry))
+        self._mode = mode or self._mode
+
+    def snapshot(self) -> Callable[[], None]:
+        rng = torch.get_rng_state()
+
+        def undo() -> None:
+            torch.set_rng_state(rng)
+            self.undone += 1
+
+        return undo
+
+
+def test_guard_reruns_the_first_step_from_the_state_before_it() -> None:
+    """A first step that fails after its forward drew from the RNG (dropout) falls back with the RNG
+    as it was; the second try (eager here) draws what an unbroken eager run draws."""
+    rungs, records = _Rungs(), []
+    ladder = Ladder(rungs, lambda *r: records.append(r), on=True)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+
+    def attempt() -> torch.Tensor:
+        drawn = torch.rand(3)
+        if rungs.mode is ExecutorMode.compile:
+            raise RuntimeError("backend failed")
+        return drawn
+
+    assert torch.equal(ladder.guard(attempt), expected)
+    assert rungs.builds == [(ExecutorMode.eager, True)] and rungs.undone == 1
+    assert records == [
+        (0, "compile_error", "executor compile -> eager", "rank 0: RuntimeError: backend failed")
+    ]
+
+
+def test_guard_refuses_to_fall_back_once_an_optimizer_stepped() -> None:
+    """An error after an optimizer step (under optimizer_in_backward, in backward) cannot be undone:
+    no fallback, and the error names why."""
+    rungs = _Rungs()
+    ladder = Ladder(rungs, lambda *r: None, on=True)
+
+    def attempt() -> None:
+        rungs.optimizer.step()
+        raise RuntimeError("late failure")
+
+    with pytest.raises(RuntimeError, match="after its optimizer had stepped .*late failure"):
+        ladder.guard(attempt)
+    assert rungs.builds == [] and rungs.undone == 0
+
+
+def test_guard_makes_a_backward_compile_error_come_before_any_gradient() -> None:
+    """torch compiles a region's backward lazily, at the first backward: there a compile error would
+    come after the later regions' gradients (and, under optimizer_in_backward, their updates). Under
+    the guard the backward is lowered with the forward, so the step fails before any gradient."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def fw(gm: torch.fx.GraphModule, _inputs: object) -> Callable[..., object]:
+        return make_boxed_func(gm.forward)
+
+    def bw(gm: torch.fx.GraphModule, _inputs: object) -> Callable[..., object]:
+        raise RuntimeError("backward fails to compile")
+
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+    rungs, left = _Rungs(), []
+
+    def attempt() -> None:
+        if rungs.mode is ExecutorMode.eager:  # the retry: what the failed try left behind
+            left.extend(p.grad for p in (*first.parameters(), *second.parameters()))
+            forward = first.forward
+        else:
+            forward = torch.compile(first.forward, backend=backend)
+        second(forward(torch.ones(2, 4))).sum().backward()
+
+    torch._dynamo.reset()
+    try:
+        rungs._mode = ExecutorMode.compile
+        with pytest.raises(Exception, match="backward fails to compile"):  # unguarded: in backward
+            attempt()
+        assert second.weight.grad is not None
+        first.zero_grad(set_to_none=True)
+        second.zero_grad(set_to_none=True)
+        torch._dynamo.reset()  # compile again, under the guard
+        Ladder(rungs, lambda *r: None, on=True).guard(attempt)
+    finally:
+        torch._dynamo.reset()
+    assert rungs.builds == [(ExecutorMode.eager, True)] and left == [None] * 4
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

@@ -4,10 +4,13 @@ so that the trunk, FSDP's units and activation checkpointing see one block like 
 
 From ``model.moe`` (``framework.config.schema.MoEConfig``) to the layer's own config, the spec's
 entries for the router and the stacked experts (with their per-expert Hub names), and the balance
-figures of a step (``take_load``: per layer, read and reset by the trainer at its log rows).
+figures of a step (``take_load``: per layer, read and reset by the trainer at its log rows), and
+those sums as state that a rebuild carries over (``routing_state``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -168,6 +171,40 @@ def take_load(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
             layer.load.zero_()
             layer.dropped.zero_()
     return out
+
+
+@dataclass(frozen=True)
+class RoutingState:
+    """What a model's MoE layers measured that its state dict does not hold: per sparse layer, in
+    order, the sums since they were last read (``load``, ``dropped``: ``take_load``; ``step_load``:
+    the bias update) and the last forward's ``stats``; per decoder, its last ``router_aux``.
+
+    Why: the fallback ladder rebuilds the model for another rung (framework.train.runner), and an
+    unbroken run's next metrics row (``balance_row``) counts the steps since the last row, the
+    rebuild included; a first step that failed must leave the sums as they were before it."""
+
+    layers: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, moe.MoEStats | None]]
+    router_aux: list[torch.Tensor | None]
+
+
+def routing_state(model: nn.Module) -> RoutingState:
+    """A copy of ``model``'s routing sums (the sums grow in place); empty for a dense model."""
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    layers = [(copy(m.load), copy(m.dropped), copy(m.step_load), m.stats) for _, m in sparse_layers(model)]
+    return RoutingState(layers, [m.router_aux for m in model.modules() if isinstance(m, Decoder)])
+
+
+def set_routing_state(model: nn.Module, state: RoutingState) -> None:
+    """Put ``state`` (``routing_state`` of this model, or of the same model built for another rung)
+    into ``model``'s MoE layers and decoders."""
+    for (_, m), (load, dropped, step_load, stats) in zip(sparse_layers(model), state.layers, strict=True):
+        m.load, m.dropped, m.step_load, m.stats = load, dropped, step_load, stats
+    decoders = [m for m in model.modules() if isinstance(m, Decoder)]
+    for d, aux in zip(decoders, state.router_aux, strict=True):
+        d.router_aux = aux
 
 
 def token_group_of(model: nn.Module) -> object | None:
