@@ -311,6 +311,9 @@ def setup(
             log.info("intra-op threads: %d (OMP_NUM_THREADS, when set, wins)", threads)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
+    # The global RNG (dropout: peft.dropout) from train.seed, a stream per rank: torch seeds it at
+    # random in each process, so two runs of one config drew different masks. A resume restores it.
+    torch.manual_seed(cfg.train.seed * 1_000_003 + env.rank)
     digest = check_same_config(cfg, env, run_dir)
     verifier = Verifier(
         cfg,

@@ -285,3 +285,17 @@ def test_pipeline_and_fsdp_on_two_ranks_train_like_one_process_and_tp_is_refused
     proc = train(tmp_path / "tp", "mesh=2", "sharding=tp", *fast)
     assert proc.returncode == 2 and not (tmp_path / "tp").exists()
     assert "peft.method=lora with tp=2: not supported; valid: tp=1" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_dropout_masks_follow_train_seed_not_the_launching_process(tmp_path: Path) -> None:
+    """peft.dropout draws from the global RNG, which torch seeds at random per process: two runs of one
+    config, forked from parents in different RNG states, train the same (train.seed seeds each rank)."""
+    from tests.checkpoint.test_init_from import ok, train
+
+    fast = [*FAST[:-1], "peft=lora", "peft.dropout=0.5", "train.steps=3"]
+    runs = {}
+    for name, parent_seed in (("a", 1), ("b", 2)):
+        torch.manual_seed(parent_seed)
+        ok(train(tmp_path / name, *fast))
+        runs[name] = _losses(tmp_path / name)
+    assert len(runs["a"]) == 3 and runs["a"] == runs["b"]
