@@ -660,6 +660,7 @@ class TrainConfig:
     # norm is one more read of every gradient (5.7% of the step at Qwen3-30B-A3B's MoE shape on one
     # H200, benchmarks/PERF.md "MoE on one H200").
     in_backward_grad_checks: bool = only_with("train.optimizer_in_backward", True, default=True)
+    # The initial weights, the data order and each rank's global RNG (dropout) derive from it.
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
