@@ -20,13 +20,14 @@ from framework.models.parts.decoder import (
     materialize,
     tie,
 )
-from framework.models.parts.sparse import balance_row, token_group_of, update_expert_biases
+from framework.models.parts.sparse import balance_row, take_aux, token_group_of, update_expert_biases
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import ModelSpec, TPStyle, Weight
 
 __all__ = [
     "FAMILIES",
     "balance_row",
+    "take_aux",
     "token_group_of",
     "update_expert_biases",
     "SHAPE_KEYS",
