@@ -320,6 +320,17 @@ class ExpertKernel(Enum):
     loop = "loop"
 
 
+# The load-balancing loss's span (``model.moe.aux_loss_scope``; framework.models.moe). The
+# functional form because ``global`` is a keyword and OmegaConf matches an Enum by member name.
+AuxLossScope = Enum("AuxLossScope", [(n, n) for n in ("global", "layer")], module=__name__)
+AuxLossScope.__doc__ = (
+    "global: transformers' load_balancing_loss_func, one f and one P over every MoE layer's routers "
+    "together (HF parity; needs every layer in one process, so not under a pipeline); layer: each "
+    "layer's own E * sum(f P), averaged over the layers (Megatron's and DeepSeek's), which a "
+    "pipeline's stages add up"
+)
+
+
 @dataclass
 class MoEConfig:
     """The Mixture-of-Experts keys (``model.moe``), for the sparse families (qwen3_moe, mixtral).
@@ -343,8 +354,12 @@ class MoEConfig:
     bias_update_rate: float = only_with("model.moe.router_score", RouterScore.sigmoid, default=0.0)
     # Slots per expert = ceil(capacity_factor * tokens * top_k / num_experts); 0 = no token dropped.
     capacity_factor: float = 0.0
-    # The load-balancing loss (transformers' load_balancing_loss_func) is added times this; 0 = off.
+    # The load-balancing loss is added times this; 0 = off.
     router_aux_loss_coef: float = 0.001
+    # Its span (AuxLossScope): global (transformers' load_balancing_loss_func, all layers' routers
+    # together) or layer (each layer's own, averaged over the layers: Megatron's, DeepSeek's). Under
+    # parallel.pp > 1 the launcher takes layer (one warning line), which the stages add up.
+    aux_loss_scope: AuxLossScope = AuxLossScope["global"]
     # Experts every token goes through (DeepSeek-style; neither HF family here has them).
     num_shared_experts: int = 0
     # One shared expert's width; 0 = the routed experts' width.

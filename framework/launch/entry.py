@@ -15,6 +15,7 @@ a job that already completed in a previous run of the same sweep is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.config.schema import (
     AttentionBackend,
+    AuxLossScope,
     Config,
     ExecutorMode,
     Float8Recipe,
@@ -247,22 +249,23 @@ def check_warmup(cfg: Config) -> None:
         )
 
 
-def check_aux_under_pipeline(cfg: Config, pp: int) -> None:
-    """An MoE load-balancing loss under a pipeline: one warning line. The loss (transformers') weighs
-    every layer's router probabilities by the assignment counts of all layers together, which a
-    pipeline computes on other ranks at other times, and torch's schedule computes its loss from the
-    last stage's logits alone: the term is not added (the routers train on the cross-entropy only).
-    Not a refusal: the planner picks pp for the large MoE recipes, and aux-loss-free balancing
-    (``model.moe.router_score=sigmoid``, ``bias_update_rate``) works per layer, so under a pipeline too."""
-    coef = cfg.model.moe.router_aux_loss_coef
-    if pp > 1 and cfg.model.moe.num_experts and coef > 0:
-        log.warning(
-            "model.moe.router_aux_loss_coef=%g does nothing under parallel.pp=%d: the load-balancing "
-            "loss spans every layer's routers, which the pipeline's stages hold; set it to 0 (or balance "
-            "with model.moe.router_score=sigmoid and bias_update_rate), or parallel.pp=1 to train with it",
-            coef,
-            pp,
-        )
+def aux_scope_under_pipeline(cfg: Config, pp: int) -> Config:
+    """``model.moe.aux_loss_scope=global`` with the load-balancing loss on under ``parallel.pp > 1``:
+    ``cfg`` with ``layer`` (written to config.yaml), and one warning line. Why not a refusal: the
+    planner picks pp for the large MoE recipes (``sharding=auto``), and a user of Megatron-LM or
+    torchtitan, whose aux loss is per layer under any layout, expects the term to be there, not a
+    stop; transformers' global loss couples every layer's routers, which the stages hold apart."""
+    m = cfg.model.moe
+    if not (pp > 1 and m.num_experts and m.router_aux_loss_coef > 0 and m.aux_loss_scope.name == "global"):
+        return cfg
+    log.warning(
+        "model.moe.aux_loss_scope=global under parallel.pp=%d: the load-balancing loss is each layer's, "
+        "averaged (model.moe.aux_loss_scope=layer, as Megatron's): transformers' global loss spans every "
+        "layer's routers, which the pipeline's stages hold apart",
+        pp,
+    )
+    moe = dataclasses.replace(m, aux_loss_scope=AuxLossScope["layer"])
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
 
 
 def check_hardware(cfg: Config, device: torch.device) -> None:
@@ -463,7 +466,7 @@ def prelaunch_with_search(
         resolved = resolve(cfg)
         cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
         lora_layout(cfg.peft, plan.layout.tp, plan.layout.fsdp)  # LoRA: no TP, one dtype under FSDP
-        check_aux_under_pipeline(cfg, plan.layout.pp)
+        cfg = aux_scope_under_pipeline(cfg, plan.layout.pp)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

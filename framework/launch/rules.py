@@ -570,6 +570,7 @@ MOE_RULES: dict[str, Rule] = {
             (-0.1, math.nan),
             **_SPARSE,
         ),
+        "aux_loss_scope": moe_key("aux_loss_scope", "global or layer", lambda v, _c: True, ("layer",)),
         "num_shared_experts": moe_key(
             "num_shared_experts",
             "an integer >= 0",

@@ -25,6 +25,7 @@ from framework.models.parts.sparse import (
     balance_row,
     routing_state,
     set_routing_state,
+    take_aux,
     token_group_of,
     update_expert_biases,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "RoutingState",
     "routing_state",
     "set_routing_state",
+    "take_aux",
     "token_group_of",
     "update_expert_biases",
     "SHAPE_KEYS",

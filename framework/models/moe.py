@@ -17,7 +17,9 @@ The flow of ``MoE.forward`` on ``T`` tokens:
 Each forward leaves ``MoE.stats`` (``MoEStats``): the per-expert token counts, the router's probability
 sums (differentiable: the auxiliary loss's gradient flows through them), the dropped count and the
 router logits. ``load_balancing_loss`` combines the stats of all layers exactly as ``transformers``'
-``load_balancing_loss_func`` does for Qwen3-MoE and Mixtral.
+``load_balancing_loss_func`` does for Qwen3-MoE and Mixtral (``model.moe.aux_loss_scope=global``);
+``layer_balancing_loss`` sums each layer's own (``layer``, Megatron's), which a pipeline's stages
+can each compute and inject into backward through ``AuxLossAutoScaler``.
 
 The weights use transformers 5's in-memory layout (``HF_MOE_NAMES``): ``gate_up_proj (E, 2I, D)`` with
 gate rows first, ``down_proj (E, D, I)``, router ``weight (E, D)``.
@@ -348,6 +350,53 @@ def load_balancing_loss(stats: list[MoEStats], group: dist.ProcessGroup | None =
         packed = funcol.wait_tensor(funcol.all_reduce(packed, "sum", group))
         counts, probs, rows = packed[:e], packed[e : 2 * e], packed[2 * e]  # type: ignore[assignment]
     return (counts / rows * (probs / rows)).sum() * counts.numel()
+
+
+def layer_balancing_loss(stats: list[MoEStats], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The sum over the given layers of each one's own load-balancing loss, ``E * sum_e f_e * P_e``
+    with that layer's ``f`` and ``P`` (``load_balancing_loss`` of the layer alone): the per-layer
+    loss of Megatron's ``switch_load_balancing_loss_func`` and DeepSeek's expert-level balance loss.
+    Unlike transformers' coupled one it is a sum over layers, so a pipeline stage computes its
+    layers' share and the stages' shares add up (``model.moe.aux_loss_scope=layer``; the caller
+    divides by the model's number of MoE layers). ``group``: as ``load_balancing_loss``, every
+    layer's counts, probabilities and tokens summed over its ranks first, in one all-reduce of
+    ``L x (2 E + 1)`` floats for the ``L`` layers."""
+    counts = torch.stack([s.tokens_per_expert for s in stats]).float()  # (L, E)
+    probs = torch.stack([s.prob_sum for s in stats])
+    rows = probs.new_tensor([float(s.num_tokens) for s in stats]).unsqueeze(1)  # (L, 1)
+    if group is not None:
+        e = counts.shape[1]
+        packed = funcol.wait_tensor(funcol.all_reduce(torch.cat([counts, probs, rows], 1), "sum", group))
+        counts, probs, rows = packed[:, :e], packed[:, e : 2 * e], packed[:, 2 * e :]
+    return (counts / rows * (probs / rows)).sum() * counts.shape[1]
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Megatron's ``MoEAuxLossAutoScaler``: returns ``hidden`` unchanged and, in backward, also
+    back-propagates ``aux`` (an auxiliary loss computed from the same forward) with gradient 1.
+
+    Why: under a pipeline the schedule's loss is computed from the last stage's output alone, and
+    a stage's load-balancing loss belongs to no output. Attached to the stage's output, the term's
+    gradient enters backward wherever the output's gradient does, under any schedule, without a
+    second loss through the pipeline. The caller multiplies ``aux`` by everything the loss would
+    (the coefficient, 1 / layers); the schedule's ``scale_grads`` then divides every gradient by
+    the number of micro batches, the aux term's included, as one process's accumulation does."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor, aux: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        # The same storage, not a view: a view (what returning ``hidden`` itself gives) fails
+        # the zero-bubble schedules' split backward, which detaches the stage output in place
+        return hidden.detach()
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad, torch.ones_like(aux)
 
 
 def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:

@@ -10,9 +10,13 @@ rows are already in destination-rank order. ``ExpertParallel`` keeps the call an
 3. regroup the received rows (source-major) expert-major, run the local ``GroupedExperts``, undo it;
 4. combine: the reverse ``all_to_all_single`` brings each row back to the rank and position it came from.
 
-Both transfers go through ``torch.distributed._functional_collectives.all_to_all_single_autograd``, whose
-backward is the reverse all-to-all: an expert's weight gradient sums every rank's tokens, as one process
-would. Measured on gloo (torch 2.13, CPU): ``all_to_all_single`` with uneven split sizes works; the list
+Every collective here is one of ``torch.distributed._functional_collectives``, which Dynamo traces
+(torchtitan's ``expert_parallel.py`` does the same), so a compiled block holds the whole exchange in its
+one graph: the counts by ``all_to_all_single``, the rows both ways by ``all_to_all_single_autograd``,
+whose backward is the reverse all-to-all: an expert's weight gradient sums every rank's tokens, as one
+process would. The split sizes are read on the host (``tolist``): traced, they are unbacked sizes,
+as the per-expert counts are in the layer. (Why the block also needs FSDP2's per-parameter mesh to stay
+one graph: ``framework.parallel.data_parallel.ExpertShards``.) Measured on gloo (torch 2.13, CPU): ``all_to_all_single`` with uneven split sizes works; the list
 form ``dist.all_to_all`` refuses uneven sizes ("ProcessGroupGloo::alltoall: invalid tensor size"), and
 ``torch.distributed.nn.functional.all_to_all_single`` works but is deprecated for the functional one.
 
@@ -28,7 +32,7 @@ data-parallel degree (``expert_grad_divide``).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,9 +60,8 @@ class ExpertParallel(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, nl = self.ep, self.num_local
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)  # recv[s*nl + j]: rows of rank s for my j
-        recv = recv.view(ep, nl)
+        # recv[s*nl + j]: the rows rank s sends for my local expert j (no gradient: counts)
+        recv = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group)).view(ep, nl)
         send_splits = counts.view(ep, nl).sum(1).tolist()
         recv_splits = recv.sum(1).tolist()
         routed = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
@@ -114,5 +117,5 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
 
 
 def expert_modules(model: nn.Module) -> list[ExpertParallel]:
-    """The expert-parallel runners of ``model`` (FSDP2 wraps each as its own unit)."""
+    """The expert-parallel runners of ``model`` (their weights: FSDP2 shards them over the experts' mesh)."""
     return [m for m in model.modules() if isinstance(m, ExpertParallel)]

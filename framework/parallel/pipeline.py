@@ -55,7 +55,7 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
-from framework.models import Decoder
+from framework.models import Decoder, take_aux
 from framework.models.parts.masks import document_ids
 from framework.parallel.step import (
     HostIO,
@@ -81,8 +81,15 @@ SCHEDULES: dict[PPSchedule, type[_PipelineSchedule]] = {
 
 def cut_stage(model: Decoder, layers: range, first: bool, last: bool) -> Decoder:
     """A copy of the meta-device ``model`` that keeps only ``layers`` (and the embedding if
-    ``first``, the final norm and output projection if ``last``). Copying on meta costs no memory."""
+    ``first``, the final norm and output projection if ``last``). Copying on meta costs no memory.
+
+    An MoE model's load-balancing term goes into backward through each stage's output (``Decoder``'s
+    ``inject_aux``, Megatron's way): the stage's layers' share of the per-layer loss, whatever
+    ``model.moe.aux_loss_scope`` says. transformers' ``global`` loss couples every layer's routers,
+    which the stages hold apart; the launcher has already taken ``layer`` for it, with one line
+    (framework.launch.entry.aux_scope_under_pipeline), and so does a pipeline built from code."""
     stage = copy.deepcopy(model)
+    stage.inject_aux = stage.aux_per_layer = True
     for key in list(stage.layers.keys()):
         if int(key) not in layers:
             del stage.layers[key]
@@ -356,11 +363,13 @@ def pipeline_step(
     args, kwargs = _stage_args(model, x, y)
     model.loss.weight = None if scales is None else sum(scales) / max(1, int((y >= 0).sum()))
     losses: list[torch.Tensor] = []
+    for stage in model.stages:
+        take_aux(stage)  # forwards before this step count not
     with autocast(device):
         model.schedule.step(*args, **kwargs, losses=losses, return_outputs=False)
     model.loss.weight = None
     mine = torch.stack([t.detach().float() for t in losses]).mean() if model.has_last else None
-    total = _pp_sum(mine if mine is not None else torch.zeros((), device=device), model)
+    total, aux = _step_loss(model, mine if mine is not None else torch.zeros((), device=device))
     if model.tied is not None:
         model.tied.reduce_grads()
     norm = pipeline_norm(model, grad_clip)
@@ -369,7 +378,26 @@ def pipeline_step(
     if model.tied is not None:
         model.tied.broadcast()
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io)
+    return step_result(total, norm, finite, lr, timer, io, aux)
+
+
+def _step_loss(model: PipelineModel, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the step's loss, its load-balancing term before the coefficient, or None when off), on every
+    rank: the last stage's cross-entropy (``mine``, 0 on the other ranks) plus the coefficient times
+    the term, whose stages' shares (each the mean over its micro batches, ``take_aux``) are summed
+    over the pp axis with the loss in one all-reduce. One process's loss is the mean over micro
+    batches of cross-entropy plus that term: the same."""
+    coef = model.stages[0].router_aux_loss_coef
+    if coef is None:
+        return _pp_sum(mine, model), None
+    # The last n forwards of each stage: on the first step torch's schedule runs one more before
+    # them, to infer the shapes between stages (``_forward_metadata_inference``, on a later stage
+    # of uninitialised inputs)
+    n = model.schedule._n_microbatches if model.schedule is not None else None
+    shares = [a for a in (take_aux(s, last=n) for s in model.stages) if a is not None]
+    share = torch.stack(shares).sum() if shares else torch.zeros_like(mine)
+    total, aux = _pp_sum(torch.stack([mine + coef * share.float(), share.float()]), model)
+    return total, aux
 
 
 # The actions a forward-only pass keeps (``_forward_only``).

@@ -91,6 +91,10 @@ class StepResult:
     finite_t: torch.Tensor
     lr: float
     _timer: StepTimer
+    # An MoE model's load-balancing term as the loss added it, before its coefficient: the mean over
+    # the step's micro batches, of the whole model (framework.models.take_aux; a pipeline's summed
+    # over its stages). The same on every rank (its counts span the data-parallel ranks): read here.
+    aux_t: torch.Tensor | None = None
     _host: torch.Tensor | None = None  # [loss, grad norm, finite], filled by _ready
     _ready: torch.cuda.Event | None = None
     _values: list[float] | None = None
@@ -102,7 +106,8 @@ class StepResult:
                     self._ready.synchronize()
                 self._values = [float(v) for v in self._host.tolist()]
             else:
-                self._values = [float(self.loss_t), float(self.grad_norm_t), float(self.finite_t)]
+                figures = [self.loss_t, self.grad_norm_t, self.finite_t]
+                self._values = [float(t) for t in figures + ([self.aux_t] if self.aux_t is not None else [])]
         return self._values
 
     @property
@@ -118,6 +123,12 @@ class StepResult:
         return bool(self._fetch()[2])
 
     @property
+    def aux(self) -> float | None:
+        """``aux_t`` on the host (no collective), or None without the load-balancing term."""
+        values = self._fetch()
+        return values[3] if len(values) > 3 else None
+
+    @property
     def seconds(self) -> float:
         return self._timer.seconds()
 
@@ -129,10 +140,12 @@ def step_result(
     lr: float,
     timer: StepTimer,
     io: HostIO | None,
+    aux: torch.Tensor | None = None,
 ) -> StepResult:
-    result = StepResult(total, norm, finite, lr, timer)
+    result = StepResult(total, norm, finite, lr, timer, aux)
     if io is not None and io.cuda:
-        packed = torch.stack([total.float(), norm.float(), finite.float()])
+        figures = [total, norm, finite] + ([aux] if aux is not None else [])
+        packed = torch.stack([t.float() for t in figures])
         result._host, result._ready = io.to_host(packed)
     return result
 

@@ -29,6 +29,7 @@ from framework.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from framework.models import take_aux
 from framework.parallel.pipeline import is_pipeline, pipeline_evaluate, pipeline_step, tied_copies
 from framework.parallel.step import (
     HostIO,
@@ -420,6 +421,7 @@ def plain_step(
     lr = scheduler.get_last_lr()[0]
     n = len(micro_batches)
     total = torch.zeros((), device=device)
+    take_aux(model)  # forwards before this step (DDP's bucket settling, a verifier's check) count not
     for i, (x, y) in enumerate(micro_batches):
         x, y = to_device(x, device, io), to_device(y, device, io)
         if seq_shard is not None:  # it cuts in place: never the host-transfer slots
@@ -435,7 +437,7 @@ def plain_step(
     finite = torch.isfinite(norm) & torch.isfinite(total)
     update(optimizer, scheduler, finite)
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io)
+    return step_result(total, norm, finite, lr, timer, io, take_aux(model))
 
 
 def _step_in_backward(
@@ -460,6 +462,7 @@ def _step_in_backward(
     ((x, y),) = micro_batches
     x, y = to_device(x, device, io), to_device(y, device, io)
     ib.norm_sq.zero_()
+    take_aux(model)  # forwards before this step count not
     with autocast(device):
         loss = model(x, y)
     total = loss.detach().float()
@@ -474,7 +477,7 @@ def _step_in_backward(
     ib.main.step()
     scheduler.step()
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io)
+    return step_result(total, norm, finite, lr, timer, io, take_aux(model))
 
 
 @torch.no_grad()

@@ -270,6 +270,8 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
         row |= balance_row(p.runner.model)  # an MoE family's expert balance since the last row
+        if r.aux is not None:  # the load-balancing term the step's loss added, before its coefficient
+            row["moe_aux_loss"] = r.aux
         p.watch.check(s.step)
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.

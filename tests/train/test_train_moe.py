@@ -106,6 +106,20 @@ def test_sigmoid_router_bias_moves_each_step_and_another_expert_count_cannot_res
     assert "model.moe.num_experts=8 there, 4 here" in errors[0] and "router_score=sigmoid there" in errors[0]
 
 
+def test_ep2_under_compile_does_not_fall_back(tmp_path: Path) -> None:
+    """``mesh=2 parallel.ep=2 executor=compile`` (aot_eager) through train.py: no fallback event in
+    metrics.jsonl and no fallback line in train.log (it fell back to eager before: "Attempted to
+    call function marked as skipped"). Its losses against eager's: tests/parallel/test_parallel_expert.py's
+    ``test_ep2_compiles_each_moe_block_as_one_graph_with_eager_losses``."""
+    run = tmp_path / "run"
+    train(run, "mesh=2", "parallel.ep=2", "executor=compile", "executor.backend=aot_eager", "data=synthetic",
+          "train.steps=2", "train.log_every=1", "checkpoint=none")  # fmt: skip
+    rows = read_metrics(run)
+    assert [r for r in rows if "event" in r] == [] and [r["step"] for r in rows] == [1, 2], rows
+    log = (run / "train.log").read_text()
+    assert "fallback" not in log and "executor compile" not in log, log[-2000:]
+
+
 # Issue 25's bad inputs through the real entry point (in this process: a refusal trains nothing):
 # (overrides, the error line's start). Each refused before launch: exit 2, one line, no run dir.
 BAD = [

@@ -145,15 +145,27 @@ class Decoder(nn.Module):
         self.router_aux_loss_coef: float | None = (
             moe_cfg.router_aux_loss_coef if moe_cfg.num_experts and moe_cfg.router_aux_loss_coef > 0 else None
         )
+        # model.moe.aux_loss_scope: transformers' loss over all layers together, or each layer's own
+        # averaged over the model's MoE layers (``num_moe_layers``, counted before a pipeline cuts it).
+        self.aux_per_layer = moe_cfg.aux_loss_scope.name == "layer"
+        # A pipeline stage (framework.parallel.pipeline sets it): the term goes into backward through
+        # the stage's output (``moe.AuxLossAutoScaler``), not into a loss, which only the last stage has.
+        self.inject_aux = False
         # The ranks that hold other tokens of the same step (the data-parallel ranks), set by
         # framework.parallel on a model with MoE layers (``token_group``; None: this process alone):
         # the load-balancing loss spans their tokens together, and the sigmoid routers' bias update
-        # their loads. ``router_aux``: the loss's last value (detached, before the coefficient).
+        # their loads. ``router_aux``: the last forward's term (detached, before the coefficient; a
+        # stage's share under a pipeline), kept per training forward in ``aux_values`` by
+        # ``keep_aux`` for the step's figure (framework.models.parts.sparse.take_aux).
         self.token_group: object | None = None
         self.router_aux: torch.Tensor | None = None
+        self.aux_values: list[torch.Tensor] = []
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block(cfg, spec) for i in range(cfg.n_layers)})
+        self.num_moe_layers = sum(isinstance(m, moe.MoE) for m in self.layers.modules())
+        if self.router_aux_loss_coef is not None:
+            self.register_forward_hook(keep_aux)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         tie(self)
@@ -223,23 +235,43 @@ class Decoder(nn.Module):
         return h
 
     def _head(self, h: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        if self.router_aux_loss_coef is not None:
+            if self.inject_aux and torch.is_grad_enabled():
+                h = self._inject_aux(h, self.router_aux_loss_coef)
         if self.output is None:
             return h
         if targets is None:
             return self.output(self.norm(h))
         loss = self.head_loss(h, targets)
         if self.router_aux_loss_coef is not None:
-            aux = self.router_aux_loss()
-            self.router_aux = aux.detach()
-            loss = loss + self.router_aux_loss_coef * aux
+            if not self.inject_aux:
+                aux = self.router_aux_loss()
+                self.router_aux = aux.detach()
+                loss = loss + self.router_aux_loss_coef * aux
         return loss
 
+    @torch.jit.unused
+    def _inject_aux(self, h: torch.Tensor, coef: float) -> torch.Tensor:
+        """A pipeline stage's share of the load-balancing term, added to backward through its output
+        (``moe.AuxLossAutoScaler``: the hidden states pass unchanged). Nothing for a stage without
+        MoE layers."""
+        if not any(isinstance(m, moe.MoE) and m.stats is not None for m in self.layers.modules()):
+            return h
+        aux = self.router_aux_loss()
+        self.router_aux = aux.detach()
+        return moe.AuxLossAutoScaler.apply(h, coef * aux)  # type: ignore[no-any-return]
+
     def router_aux_loss(self) -> torch.Tensor:
-        """transformers' load-balancing loss over this model's MoE layers, from their last forward,
-        over the tokens of every rank of ``token_group`` (framework.models.moe.load_balancing_loss).
-        Each forward is one such batch: with gradient accumulation, the loss of micro batch i spans
-        the data-parallel ranks' micro batches i, and the step's is their mean, as the cross-entropy's."""
-        stats = [m.stats for m in self.modules() if isinstance(m, moe.MoE) and m.stats is not None]
+        """The load-balancing loss over this model's MoE layers, from their last forward, over the
+        tokens of every rank of ``token_group``: transformers' over all layers together
+        (``model.moe.aux_loss_scope=global``: framework.models.moe.load_balancing_loss), or the sum
+        of each layer's own divided by the whole model's MoE layers (``layer``: a pipeline stage's
+        share of the mean; ``layer_balancing_loss``). Each forward is one such batch: with gradient
+        accumulation, the loss of micro batch i spans the data-parallel ranks' micro batches i, and
+        the step's is their mean, as the cross-entropy's."""
+        stats = [m.stats for m in self.layers.modules() if isinstance(m, moe.MoE) and m.stats is not None]
+        if self.aux_per_layer:
+            return moe.layer_balancing_loss(stats, self.token_group) / self.num_moe_layers  # type: ignore[arg-type]
         return moe.load_balancing_loss(stats, self.token_group)  # type: ignore[arg-type]
 
     def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
@@ -294,6 +326,17 @@ class Decoder(nn.Module):
         # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
         self.rope = self._rope_tables(device)
         init_buffers(self)
+
+
+def keep_aux(model: Decoder, _args: object, _out: object) -> None:
+    """The decoder's forward hook (an MoE model with the load-balancing loss on): its forward's term
+    (``router_aux``) kept among the step's training forwards; evaluation (no gradient) and a trace
+    (the freeze) keep nothing. A hook, not ``forward``: compiled as one region
+    (``executor.scope=model``) the forward would guard on the list and recompile."""
+    aux, model.router_aux = model.router_aux, None
+    if aux is None or torch.compiler.is_exporting() or not torch.is_grad_enabled():
+        return
+    model.aux_values.append(aux)
 
 
 def init_buffers(model: nn.Module) -> None:

@@ -232,13 +232,29 @@ def update_expert_biases(model: nn.Module, group: object = None) -> None:
         layer.step_load.zero_()
 
 
+@torch.no_grad()
+def take_aux(model: nn.Module, last: int | None = None) -> torch.Tensor | None:
+    """The load-balancing term of the training forwards since the last call (before its
+    coefficient), the mean over those forwards (a step's micro batches; ``last``: over the last
+    that many only), summed over the decoders of ``model`` (one; or, given a pipeline stage, that
+    stage's share); resets it. None where no term was added (a dense model, a coefficient of 0, no
+    training forward)."""
+    parts = []
+    for m in model.modules():
+        if isinstance(m, Decoder) and m.aux_values:
+            values = m.aux_values[-last:] if last else m.aux_values
+            parts.append(torch.stack(values).mean())
+            m.aux_values = []
+    return torch.stack(parts).sum() if parts else None
+
+
 def balance_row(model: nn.Module) -> dict[str, object]:
     """The experts' balance for a metrics row, from the tokens this rank routed since the last row
     (``take_load``; resets it): per sparse block the max / mean tokens per expert (``moe_load``, 1.0 is
     a perfectly balanced router, ``num_experts / top_k`` one expert taking every token), the worst
     block's (``moe_load_max``), the assignments dropped over capacity and their share (with a
-    ``model.moe.capacity_factor``), and the last forward's load-balancing loss before its coefficient
-    (``moe_aux_loss``). Empty for a dense model."""
+    ``model.moe.capacity_factor``). Empty for a dense model. (The load-balancing loss, ``moe_aux_loss``,
+    is the step's: ``framework.parallel.step.StepResult.aux``.)"""
     loads = take_load(model)
     if not loads:
         return {}
@@ -250,16 +266,6 @@ def balance_row(model: nn.Module) -> dict[str, object]:
         routed += float(load.sum())
         dropped += float(drop)
     row: dict[str, object] = {"moe_load_max": max(ratios), "moe_load": ratios}
-    # The loss the last forward with targets added (over the data-parallel ranks' tokens), else this
-    # rank's layers' (a pipeline, or a coefficient of 0, adds none)
-    aux = next(
-        (m.router_aux for m in model.modules() if isinstance(m, Decoder) and m.router_aux is not None), None
-    )
-    stats = [layer.stats for _, layer in sparse_layers(model) if layer.stats is not None]
-    if aux is None and stats:
-        aux = moe.load_balancing_loss(stats).detach()
-    if aux is not None:
-        row["moe_aux_loss"] = float(aux)
     if any(layer.cfg.capacity_factor is not None for _, layer in sparse_layers(model)):
         row["moe_dropped"] = int(dropped)
         row["moe_dropped_frac"] = dropped / routed if routed else 0.0

@@ -33,6 +33,7 @@ MOE_KEYS = (
     "bias_update_rate",
     "capacity_factor",
     "router_aux_loss_coef",
+    "aux_loss_scope",
     "num_shared_experts",
     "shared_intermediate_size",
     "expert_kernel",
