@@ -6,16 +6,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-# FSDP2's per-parameter mesh (torch 2.13) takes these two from its private modules (not exported yet)
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.config.schema import BucketingConfig, DType, ShardingConfig
 from framework.models import Decoder, blocks
 from framework.parallel.expert import expert_modules
+
+try:  # FSDP2's per-parameter mesh (torch >= 2.12), from its private modules (not exported yet)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+except ImportError:  # torch 2.11: the experts are a unit of their own (see ExpertShards)
+    ShardPlacementResult = None
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
@@ -69,8 +71,11 @@ def apply_fsdp(
         param_dtype=TORCH_DTYPES[sharding.param_dtype], reduce_dtype=TORCH_DTYPES[sharding.reduce_dtype]
     )
     for block in blocks(model):
+        if experts_mesh is not None and ShardPlacementResult is None:
+            _shard_experts_apart(block, experts_mesh, sharding, mp, dp_degree)
         experts = [p for m in expert_modules(block) for p in m.parameters()]
-        unit = ExpertShards(experts, experts_mesh) if experts and experts_mesh is not None else None
+        has_experts = experts and experts_mesh is not None and ShardPlacementResult is not None
+        unit = ExpertShards(experts, experts_mesh) if has_experts else None
         fully_shard(
             block,
             mesh=dp_mesh,
@@ -136,3 +141,18 @@ class ExpertShards:
         # one-rank shard group: there FSDP2 divides when it copies the gradient and again after,
         # when forced to sum (torch 2.13 foreach_reduce: half the gradient).
         groups[0].force_sum_reduction_for_comms = self.mesh.shape[-1] > 1
+
+
+def _shard_experts_apart(
+    block: nn.Module, experts_mesh: DeviceMesh, sharding: ShardingConfig, mp: MixedPrecisionPolicy, dp_degree: int
+) -> None:
+    """torch 2.11, without FSDP2's per-parameter mesh: each block's experts a unit of their own over
+    ``experts_mesh``, inside the block's. Correct, but the nested unit's hooks break a compiled block
+    at the expert call (``executor=compile`` falls back to eager under ``parallel.ep``)."""
+    for experts in expert_modules(block):
+        fully_shard(experts, mesh=experts_mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=mp)
+        experts.set_gradient_divide_factor(float(dp_degree))
+        # Sum, then divide: a divide factor other than the group's size is otherwise NCCL's
+        # PREMUL_SUM, which gloo refuses. Not over a one-rank shard group: there FSDP2 divides when it
+        # copies the gradient and again after, when forced to sum (half the gradient).
+        experts.set_force_sum_reduction_for_comms(experts_mesh.shape[-1] > 1)

@@ -271,6 +271,16 @@ def test_decoder_ep_composed_on_4_ranks_matches_one_process() -> None:
     _check(run_ranks(_layouts_worker, 4, layouts), ref)
 
 
+def test_torch_2_11s_nested_expert_units_match_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without FSDP2's per-parameter mesh (torch 2.11, the GPU machines' torch) the experts are a unit
+    of their own inside each block's: ep=2 x dp_shard=2 and HSDP with ep still equal one process."""
+    from framework.parallel import data_parallel
+
+    monkeypatch.setattr(data_parallel, "ShardPlacementResult", None)  # the forked ranks inherit it
+    layouts = [{"dp_shard": 4, "ep": 2}, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}]
+    _check(run_ranks(_layouts_worker, 4, layouts), reference_steps())
+
+
 def _compile_worker(rank: int, world: int) -> dict:
     """ep=2 built eager, then compiled per block (``aot_eager`` through a backend that records each
     graph's calls), each trained the same 2 steps with the load-balancing loss on."""
