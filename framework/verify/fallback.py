@@ -218,7 +218,12 @@ def _gather_errors(error: E | None, lower: ExecutorMode | None) -> list[E | None
 def _backward_lowered_with_forward() -> Iterator[None]:
     """Compile each region's backward graph together with its forward (AOTAutograd lowers it lazily,
     at its first backward, by default: a backward that fails to compile would fail after the
-    forward and part of the backward ran). The same compile work, at another moment."""
+    forward and part of the backward ran). The same compile work, at another moment. A torch without
+    the switch lowers lazily; a backward compile error then still refuses the fallback when an
+    optimizer stepped (``_watch_optimizer_steps``)."""
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
         yield
 
