@@ -4,7 +4,8 @@ loop, and the table that puts them beside the framework's ``train.py`` runs.
     python benchmarks/llama8b_8k.py docs OUT_DIR --mb 64          # real text as jsonl documents
     python benchmarks/llama8b_8k.py attn --docs D.jsonl --bpe B.json --out attn.json
     python benchmarks/llama8b_8k.py hand --docs D.jsonl --bpe B.json --out hand.json \
-        --variants bf16:nomask,bf16:mask,float8:nomask,float8:mask [--profile-dir DIR]
+        --variants bf16:nomask,bf16:mask,float8b:nomask,float8:nomask [--profile-dir DIR]
+                 # float8b: float8 with the norm outputs saved, as train.py's float8 runs do; float8: without
     python benchmarks/llama8b_8k.py table --hand hand.json --runs RUN_DIR... > table.md
 
 The hand loop is the strongest simple loop for the same memory budget written without the
