@@ -29,6 +29,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from framework.config.schema import Config, HardwareConfig, ModelConfig, ParallelConfig  # noqa: E402
 from framework.models import build_model, materialize  # noqa: E402
+from framework.models.parts.loss import loss_parallel_scope  # noqa: E402
 from framework.parallel import build_mesh, dp_mesh_info, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -65,7 +66,8 @@ def _steps(model: torch.nn.Module, dp_rank: int, dp_size: int, steps: int) -> li
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
-        model(x[:, :-1], x[:, 1:]).backward()
+        with loss_parallel_scope([model]):  # TP's vocabulary-sharded loss: forward and backward
+            model(x[:, :-1], x[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
         if dist.is_initialized():

@@ -855,6 +855,11 @@ class ParallelConfig:
     # Virtual stages per rank (interleaving): the model is cut into pp x pp_stages_per_rank stages,
     # rank r holds stages r, r + pp, ... (zbv: r and 2 pp - 1 - r).
     pp_stages_per_rank: int = 1
+    # Loss parallelism under tp > 1 (torchtitan's default; its training.disable_loss_parallel turns
+    # it off): the output projection's logits stay sharded over the vocabulary on each TP rank and
+    # the cross-entropy runs under torch's loss_parallel(), so no rank holds the full logits.
+    # false: the logits are gathered to every TP rank (tp x the memory). No effect without TP.
+    loss_parallel: bool = True
 
 
 @dataclass

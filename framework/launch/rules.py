@@ -808,6 +808,7 @@ RULES: dict[str, Rule] = {
         )
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
+    "parallel.loss_parallel": TYPED,
     "parallel.ep": Rule(
         "0 or 1 (off), or an expert-parallel degree >= 2 that divides parallel.dp_shard (the ep ranks "
         "are borrowed from it) and model.moe.num_experts, with a sparse family and parallel.cp=1",

@@ -79,7 +79,9 @@ def parallelize(
          follow materialisation (5), before DDP (6). Off under ``peft=none``.
       1. TP (``apply_tp``): swaps Linear/Embedding weights for DTensors and installs the layout
          hooks; FSDP must see these DTensors to shard them a second time (2D), and AC/compile must
-         wrap a forward that already contains the TP collectives.
+         wrap a forward that already contains the TP collectives. Under ``plan.loss_parallel`` the
+         output projection's logits stay sharded over the vocabulary (the steps and evaluation
+         enter torch's ``loss_parallel()`` around the loss: ``tensor.loss_parallel_scope``).
      1b. EP (``apply_ep``, ``parallel.ep``): each MoE layer's stacked experts become DTensors
          ``Shard(0)`` on the ep mesh (the inner ep ranks of dp_shard, ``expert_meshes``) and its
          expert call an all-to-all dispatch and combine. After TP, whose plan leaves the experts
@@ -197,7 +199,7 @@ def _parallelize_stage(
         model.token_group = token_group(mesh, plan)
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
     apply_lora(model, peft, layout.tp, layout.fsdp)
-    apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)))
+    apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)), plan.loss_parallel)
     experts = expert_meshes(mesh, plan)
     apply_ep(model, experts[0] if experts else None)
     budget = (

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
 from framework.models import Decoder, take_aux
+from framework.models.parts.loss import loss_parallel_scope, vocab_parallel_cross_entropy
 from framework.models.parts.masks import document_ids
 from framework.parallel.step import (
     HostIO,
@@ -90,6 +91,9 @@ def cut_stage(model: Decoder, layers: range, first: bool, last: bool) -> Decoder
     (framework.launch.entry.aux_scope_under_pipeline), and so does a pipeline built from code."""
     stage = copy.deepcopy(model)
     stage.inject_aux = stage.aux_per_layer = True
+    # Under loss parallelism the last stage hands its vocabulary-sharded logits to the schedule's
+    # loss (``PipelineLoss``), not gathered ones.
+    stage.gather_logits = False
     for key in list(stage.layers.keys()):
         if int(key) not in layers:
             del stage.layers[key]
@@ -184,13 +188,22 @@ class PipelineLoss:
     that weight times the number of micro batches (the schedule divides every gradient by that
     number, ``scale_grads``). ``pipeline_step`` sets the weight to the data-parallel degree over
     the global batch's trained targets, so the step's loss and gradient are the mean over every
-    trained target of the global batch, as ``train_step`` with ``scales`` makes them."""
+    trained target of the global batch, as ``train_step`` with ``scales`` makes them.
+
+    Under loss parallelism (``Decoder.vocab_parallel``) the logits are the last stage's vocabulary
+    shards (a DTensor) and the same cross-entropy runs on them under torch's ``loss_parallel()``,
+    which ``pipeline_step`` and the evaluation enter around the schedule; its replicated value is
+    the loss."""
 
     def __init__(self) -> None:
         self.weight: float | None = None
         self.microbatches = 1
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):  # the last stage's vocabulary shards: loss parallelism
+            if self.weight is None:
+                return vocab_parallel_cross_entropy(logits, targets)
+            return vocab_parallel_cross_entropy(logits, targets, "sum") * (self.weight * self.microbatches)
         flat, y = logits.flatten(0, 1).float(), targets.flatten()
         if self.weight is None:
             return F.cross_entropy(flat, y)
@@ -365,7 +378,7 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     for stage in model.stages:
         take_aux(stage)  # forwards before this step count not
-    with autocast(device):
+    with autocast(device), loss_parallel_scope(logit_modules(model)):
         model.schedule.step(*args, **kwargs, losses=losses, return_outputs=False)
     model.loss.weight = None
     mine = torch.stack([t.detach().float() for t in losses]).mean() if model.has_last else None
@@ -498,7 +511,7 @@ def _eval(
     assert model.schedule is not None
     args, kwargs = _stage_args(model, x.to(device), y.to(device))
     losses: list[torch.Tensor] = []
-    with autocast(device), _forward_only(model.schedule):
+    with autocast(device), _forward_only(model.schedule), loss_parallel_scope(logit_modules(model)):
         out = model.schedule.eval(*args, **kwargs, losses=losses)
     return losses, out if model.has_last else None
 
@@ -512,4 +525,6 @@ def pipeline_logits(
     assert model.schedule is not None
     n = model.schedule._n_microbatches
     _, out = _eval(model, x.repeat(n, 1), y.repeat(n, 1), device)
+    if isinstance(out, DTensor):  # loss parallelism: the last stage's vocabulary shards, gathered
+        out = out.full_tensor()
     return None if out is None else out[: x.shape[0]]

@@ -3,9 +3,19 @@ the plan is derived from the model's spec (framework.models: each weight's ``TPS
 
 Column-parallel wq/wk/wv/w1/w3 and row-parallel wo/w2 keep each block's matmuls local between one
 all-gather and one reduce-scatter; the norms run sequence-parallel (activations sharded on the
-sequence dim) so no rank holds a full activation outside attention and the FFN. The output
-projection gathers the logits to a full (Replicate) local tensor, so the trainer's
-``F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())`` runs unchanged.
+sequence dim) so no rank holds a full activation outside attention and the FFN.
+
+The output projection's logits (``parallel.loss_parallel``, on by default, as torchtitan's) stay
+sharded over the vocabulary (a DTensor ``Shard(-1)``, torchtitan's ``output_layouts=Shard(-1),
+use_local_output=False``) and the cross-entropy runs on the shards under torch's ``loss_parallel()``
+(framework.models.parts.loss): three all-reduces of one float per token in forward (the max, the
+sum of exponentials, the target's logit), none in backward, so no rank holds more than 1/tp of the
+logits or their gradient. The decoder's ``head_loss`` and a pipeline's ``PipelineLoss`` compute it; every
+caller that runs them (the training steps, evaluation) enters the scope around forward *and*
+backward, whose custom handlers the backward's ops dispatch to. ``forward(tokens)`` without targets
+still returns the whole vocabulary's logits (gathered: the verifier's check, tests), except on a
+pipeline's last stage, whose shards go to the schedule's loss. Off, the output projection gathers
+the logits to a full (Replicate) local tensor on every rank, and the plain cross-entropy runs on it.
 """
 
 from __future__ import annotations
@@ -33,10 +43,12 @@ def _fresh_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> tor
     return output.clone()
 
 
-def _root_style(w: Weight) -> ParallelStyle:
+def _root_style(w: Weight, vocab_shards: bool) -> ParallelStyle:
     if w.tp is TPStyle.embedding:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if w.tp is TPStyle.output:
+        if vocab_shards:  # loss parallelism: the logits stay a DTensor sharded over the vocabulary
+            return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True)
     assert w.tp is TPStyle.sequence, w
     return SequenceParallel()
@@ -99,9 +111,11 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
     return plan
 
 
-def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, vocab_shards: bool = True) -> None:
     """Shard ``model`` in place over ``tp_mesh`` by its spec's TP styles; no-op when there is no TP
-    axis (or it has size 1).
+    axis (or it has size 1). ``vocab_shards`` (``parallel.loss_parallel``): the output projection's
+    logits stay sharded over the vocabulary and the model's loss runs under ``loss_parallel_scope``
+    (framework.models.parts.loss; ``Decoder.vocab_parallel``); False gathers them to every TP rank.
 
     Tied embeddings: the embedding (row-wise over the vocabulary) and the output projection
     (column-wise) both shard the weight as Shard(0), so the output is tied again to the embedding's
@@ -113,7 +127,9 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
     # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
     # and output are then the residual stream's local sequence shard, as between two blocks.
     root = {
-        w.module: _root_style(w) for w in (*spec.first, *spec.last) if getattr(model, w.module) is not None
+        w.module: _root_style(w, vocab_shards)
+        for w in (*spec.first, *spec.last)
+        if getattr(model, w.module) is not None
     }
     parallelize_module(model, tp_mesh, root)
     for block in blocks(model):
@@ -129,5 +145,6 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None) -> None:
     # The residual stream between the blocks is now this rank's sequence shard: a mask the trunk
     # builds from its length (the sliding window's band) is for the whole sequence, which attention sees.
     model.sequence_shards = tp_mesh.size()
+    model.vocab_parallel = vocab_shards and model.output is not None
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")

@@ -125,6 +125,9 @@ class Plan:
     pp_split: tuple[tuple[int, int], ...] = ()
     pp_ranks: tuple[tuple[int, ...], ...] = ()
     pp_bubble: float = 0.0
+    # Loss parallelism (``parallel.loss_parallel`` under tp > 1, framework.parallel.tensor): the
+    # logits stay sharded over the vocabulary on each TP rank. False without TP, or when turned off.
+    loss_parallel: bool = False
 
     @property
     def layout(self) -> Degrees:
@@ -912,7 +915,13 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         prediction=prediction,
         warnings=tuple(warnings),
         **(pipe.fields() if pipe is not None else {}),
+        loss_parallel=loss_parallel_on(cfg, tp),
     )
+
+
+def loss_parallel_on(cfg: Config, tp: int) -> bool:
+    """Whether the logits stay vocabulary-sharded (``parallel.loss_parallel``, which only TP can do)."""
+    return tp > 1 and cfg.parallel.loss_parallel
 
 
 def _layout_warnings(
@@ -931,6 +940,11 @@ def _layout_warnings(
             "train.optimizer_in_backward with executor.scope=model: the one compiled backward hands "
             "out every gradient at once, so no gradient memory is saved and no update overlaps the "
             "backward; use executor.scope=block"
+        )
+    if not cfg.parallel.loss_parallel and tp == 1:
+        warnings.append(
+            "parallel.loss_parallel=false does nothing without tensor parallelism (tp=1): every rank "
+            "holds the whole vocabulary's logits either way"
         )
     if cfg.sharding.strategy.value == "hsdp" and cfg.mesh.nodes == 1 and fixed_degrees(cfg) == d:
         warnings.append("sharding=hsdp on one node has dp_replicate=1: it is fsdp")

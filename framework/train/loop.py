@@ -30,6 +30,7 @@ from framework.config.schema import (
     TrainConfig,
 )
 from framework.models import take_aux
+from framework.models.parts.loss import loss_parallel_scope
 from framework.parallel.pipeline import is_pipeline, pipeline_evaluate, pipeline_step, tied_copies
 from framework.parallel.step import (
     HostIO,
@@ -427,7 +428,7 @@ def plain_step(
         if seq_shard is not None:  # it cuts in place: never the host-transfer slots
             x, y = x.clone(), y.clone()
         shard = seq_shard(x, y) if seq_shard is not None else contextlib.nullcontext()
-        with shard, _no_grad_sync(model, last=i == n - 1):
+        with shard, _no_grad_sync(model, last=i == n - 1), loss_parallel_scope((model,)):
             with autocast(device):
                 loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
             loss.backward()
@@ -463,11 +464,12 @@ def _step_in_backward(
     x, y = to_device(x, device, io), to_device(y, device, io)
     ib.norm_sq.zero_()
     take_aux(model)  # forwards before this step count not
-    with autocast(device):
-        loss = model(x, y)
-    total = loss.detach().float()
-    ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
-    loss.backward()
+    with loss_parallel_scope((model,)):
+        with autocast(device):
+            loss = model(x, y)
+        total = loss.detach().float()
+        ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
+        loss.backward()
     ib.finish()
     norm = ib.norm_sq.sqrt()
     finite = torch.isfinite(norm) & torch.isfinite(total)
@@ -499,7 +501,7 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in batches:
-        with autocast(device):
+        with autocast(device), loss_parallel_scope((model,)):
             loss = model(x.to(device), y.to(device)).double()
         n = targets_counted(y)
         if n:  # a micro batch with no trained target has a NaN mean: it adds nothing

@@ -34,6 +34,7 @@ from framework.config.schema import (
 )
 from framework.models import build_model, materialize
 from framework.models.parts.layout import op_saved_values
+from framework.models.parts.loss import loss_parallel_scope
 from framework.parallel import activation, build_mesh, dp_mesh_info, parallelize
 from framework.parallel.activation import apply_ac, apply_offload, is_checkpointed, is_offloaded
 from framework.parallel.compile import apply_compile, inductor_mode
@@ -114,7 +115,8 @@ def parallel_model(cfg: Config, seq: int = SEQ) -> tuple[nn.Module, DeviceMesh, 
 def _worker(rank: int, world: int, cfg: Config, loss_head: bool = False) -> dict:
     model, mesh, plan = parallel_model(cfg)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
-    return {"losses": train(model, dp_rank, dp_size, loss_head=loss_head), "dp": (dp_rank, dp_size)}
+    with loss_parallel_scope([model]):  # TP's vocabulary-sharded loss: its forward and backward
+        return {"losses": train(model, dp_rank, dp_size, loss_head=loss_head), "dp": (dp_rank, dp_size)}
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from framework.kernels.saved_copy import saved_copy
 from framework.models import moe
 from framework.models.parts.attention import Attention
 from framework.models.parts.cache import KVCache
+from framework.models.parts.loss import require_scope, vocab_parallel_cross_entropy
 from framework.models.parts.masks import (
     DOC_START,
     causal_band,
@@ -126,6 +127,14 @@ class Decoder(nn.Module):
         # Pieces the residual stream's sequence is cut into between the blocks: tp under tensor
         # (sequence) parallelism (framework.parallel.tensor sets it), whose attention sees it whole.
         self.sequence_shards = 1
+        # Loss parallelism (framework.parallel.tensor sets it under TP with parallel.loss_parallel):
+        # the output projection's logits are this rank's vocabulary shard (a DTensor), and the loss
+        # head's cross-entropy runs on the shards under torch's loss_parallel(), which the caller
+        # enters around forward and backward (framework.models.parts.loss.loss_parallel_scope).
+        # ``gather_logits``: ``forward(tokens)`` then returns the whole vocabulary's logits; a
+        # pipeline stage (framework.parallel.pipeline) leaves them sharded for the schedule's loss.
+        self.vocab_parallel = False
+        self.gather_logits = True
         if self.sliding_window is not None and document_eos is not None:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} with data.document_mask: valid: one of them"
@@ -241,7 +250,12 @@ class Decoder(nn.Module):
         if self.output is None:
             return h
         if targets is None:
-            return self.output(self.norm(h))
+            logits = self.output(self.norm(h))
+            if self.vocab_parallel and self.gather_logits:
+                return self._whole_vocabulary(logits)
+            return logits
+        if self.vocab_parallel:
+            self._require_loss_scope()
         loss = self.head_loss(h, targets)
         if self.router_aux_loss_coef is not None:
             if not self.inject_aux:
@@ -293,7 +307,26 @@ class Decoder(nn.Module):
         if self.fused_cross_entropy is not None:
             return linear_cross_entropy(self.fused_cross_entropy, self.norm(h), self.output.weight, targets)
         logits = self.output(self.norm(h))
+        if self.vocab_parallel:
+            return self._vocab_parallel_loss(logits, targets)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.jit.unused
+    def _vocab_parallel_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of vocabulary-sharded logits (a DTensor ``Shard(-1)`` over the TP
+        ranks) under torch's ``loss_parallel()``, which the caller has entered
+        (framework.models.parts.loss)."""
+        return vocab_parallel_cross_entropy(logits, targets)
+
+    @torch.jit.unused
+    def _require_loss_scope(self) -> None:
+        """Here, outside the loss head's compiled region, whose trace cannot check it."""
+        require_scope()
+
+    @torch.jit.unused
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-sharded logits gathered to the full vocabulary on every TP rank (a plain tensor)."""
+        return logits.full_tensor()  # type: ignore[attr-defined, no-any-return]
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
