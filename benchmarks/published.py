@@ -57,11 +57,6 @@ _EAGER_LOSS = (
     "fp32 logits, 8 bytes per logit more than this framework's compiled head (framework.parallel.compile): "
     "16384 x 128256 x 8 B = 15.7 GiB of the published memory the plan does not have"
 )
-_GATHERED_LOGITS = (
-    "its output projection keeps the logits sharded over TP (loss_parallel, on by default at 820504e); "
-    "this framework gathers the full logits to every TP rank (framework.parallel.tensor), {gib} GiB of the "
-    "plan, about {tp}x what sharded logits would hold: hence (over)"
-)
 # Every row gathers bf16 parameters and reduces fp32 gradients: torchtitan's mixed_precision_param /
 # mixed_precision_reduce defaults (bfloat16 / float32), as Megatron's bf16 training does.
 MIXED_PRECISION = ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]
@@ -168,7 +163,6 @@ ROWS: tuple[Published, ...] = (
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_8b.toml at 820504e",
             "global batch 96 = local batch 12 x FSDP 8",
         ),
-        differs=_GATHERED_LOGITS.format(gib="62.2", tp=8),
     ),
     Published(
         "70B FSDP 32 x TP 8, 256 GPUs", TITAN_2506 + ", table 'Llama3 70b on 256 H100s'", TITAN_HW, "llama70b",
@@ -177,7 +171,6 @@ ROWS: tuple[Published, ...] = (
             "seq 8192: torchtitan/models/llama3/train_configs/llama3_70b.toml at 820504e",
             "global batch 512 = local batch 16 x FSDP 32",
         ),
-        differs=_GATHERED_LOGITS.format(gib="83.0", tp=8),
     ),
 )  # fmt: skip
 

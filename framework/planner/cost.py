@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, Float8Recipe
 from framework.models import active_params, flops_per_token, model_spec
 from framework.models.linears import converted
+from framework.planner.layout import loss_parallel_on
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -289,7 +290,8 @@ def predict_step(
     op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
     again = 1.0 if op else recompute
     pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + again / 3.0)
-    logits = tokens * m.vocab_size * _LOGIT_BYTES  # the full logits on every TP rank
+    # The full logits on every TP rank, or its vocabulary shard under loss parallelism.
+    logits = tokens * m.vocab_size * _LOGIT_BYTES / (d.tp if loss_parallel_on(cfg, d.tp) else 1)
     if cfg.executor.mode == ExecutorMode.eager:
         pointwise *= _EAGER_POINTWISE
         logits *= _EAGER_POINTWISE

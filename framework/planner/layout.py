@@ -301,6 +301,12 @@ def check_ep(d: Degrees, model: ModelConfig) -> None:
         )
 
 
+def loss_parallel_on(cfg: Config, tp: int) -> bool:
+    """Whether each TP rank keeps only its vocabulary shard of the logits (``parallel.loss_parallel``
+    under tp > 1, framework.models.parts.loss); without TP every rank holds them whole anyway."""
+    return tp > 1 and cfg.parallel.loss_parallel
+
+
 def num_experts(model: ModelConfig) -> int:
     """The routed experts per MoE layer (``model.moe.num_experts``); 0: a dense model, as every
     model config without the MoE keys is."""

@@ -42,6 +42,7 @@ from framework.planner.layout import (
     check_degrees,
     divisors,
     fixed_degrees,
+    loss_parallel_on,
     num_experts,
 )
 
@@ -360,10 +361,14 @@ _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
 # benchmarks/PERF.md, session 12). Linear in the budget was 13% over at 0.9 and 17% over on the 7B
 # at 0.5 (round 5); at budget 1.0 (the default partition) the 8B ran out of memory.
 _BUDGET_KEPT = 0.555
-# Under TP the output projection's local logit shard is all-gathered to full logits on every rank
-# (Replicate, for the loss), and both live with their gradients around the loss: llama1b with
-# sharding=tp on 2 H200s (compiled, micro 4) peaked 3.5 GiB above the plan without this term,
-# i.e. 3.3 bytes per logit (one run: a fit, not a derivation).
+# Under TP with parallel.loss_parallel=false the output projection's local logit shard is
+# all-gathered to full logits on every rank (Replicate, for the loss), and both live with their
+# gradients around the loss: llama1b with sharding=tp on 2 H200s (compiled, micro 4; the gathered
+# head, before loss parallelism) peaked 3.5 GiB above the plan without this term, i.e. 3.3 bytes
+# per logit (one run: a fit, not a derivation). Under loss parallelism (the default) a rank keeps
+# only its vocabulary shard, at the one-GPU head's bytes per logit (_EAGER/_COMPILED_LOGIT_BYTES):
+# an assumption, not yet measured on several GPUs (torch's handlers decompose the log-softmax into
+# pointwise ops, whose eager temporaries may peak above the fused kernel's, on 1/tp of the logits).
 _TP_LOGIT_EXTRA_BYTES = 3.3
 
 
@@ -415,8 +420,9 @@ def _activation_bytes(
     input and the outputs the per-op policy keeps (``op_saved_values``: counted, not fitted, so no
     executor factor; under TP with sequence parallelism the column-parallel outputs and the
     reduce-scatters' are 1/tp, w2's partial sums before their reduce-scatter whole), plus one block's
-    recompute. The logits are the full vocabulary,
-    gathered to every TP rank. Context parallelism divides the tokens by its degree (each rank keeps
+    recompute. The logits are this TP rank's vocabulary shard (1/tp) under loss parallelism
+    (``parallel.loss_parallel``, the default), else the full vocabulary gathered to every TP rank
+    (``_TP_LOGIT_EXTRA_BYTES`` more per logit). Context parallelism divides the tokens by its degree (each rank keeps
     its sequence shard); the ring then holds one layer's whole K and V and their gradients
     (torch's default rotation all-gathers them), transient, on top.
 
@@ -436,7 +442,10 @@ def _activation_bytes(
     # model.float8: the converted Linear layers keep their inputs in float8 (framework.kernels.float8).
     per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
     block_input = tokens * m.dim * elem // tp
-    logits = int(tokens * m.vocab_size * (logit_bytes + (_TP_LOGIT_EXTRA_BYTES if tp > 1 else 0)))
+    if loss_parallel_on(cfg, tp):
+        logits = int(tokens * m.vocab_size * logit_bytes) // tp
+    else:
+        logits = int(tokens * m.vocab_size * (logit_bytes + (_TP_LOGIT_EXTRA_BYTES if tp > 1 else 0)))
     if m.fused_cross_entropy is not FusedCrossEntropy.none:
         # framework.kernels.fused_ce keeps no logits: a chunk of them (about tokens x dim), the input
         # gradient, and (liger) the fp32 weight gradient and its bf16 copy until backward. An
@@ -743,9 +752,15 @@ def _comm(
         rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
         out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], ag_calls, act))
         out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], rs_calls, act))
-        # The output projection gathers the full logits for the loss, once per micro batch.
-        logits = tokens * cfg.model.vocab_size * elem
-        out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
+        if loss_parallel_on(cfg, tp):
+            # Loss parallelism: three all-reduces of one fp32 value per token in the loss's forward
+            # (the max, the sum of exponentials, the target's logit), none in backward.
+            loss = tokens * 4
+            out.append(_collective(cfg, "tp", "all_reduce", tp, intra[MeshAxis.tp], 3 * accum, loss))
+        else:
+            # The output projection gathers the full logits for the loss, once per micro batch.
+            logits = tokens * cfg.model.vocab_size * elem
+            out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
     if cp > 1:
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
     if ep > 1:
@@ -917,11 +932,6 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         **(pipe.fields() if pipe is not None else {}),
         loss_parallel=loss_parallel_on(cfg, tp),
     )
-
-
-def loss_parallel_on(cfg: Config, tp: int) -> bool:
-    """Whether the logits stay vocabulary-sharded (``parallel.loss_parallel``, which only TP can do)."""
-    return tp > 1 and cfg.parallel.loss_parallel
 
 
 def _layout_warnings(

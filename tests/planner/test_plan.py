@@ -171,7 +171,7 @@ def test_comm_links_and_tp_warning() -> None:
         ("dp_shard", "reduce_scatter"): "inter",
         ("tp", "all_gather"): "intra",
         ("tp", "reduce_scatter"): "intra",
-        ("tp", "all_gather_logits"): "intra",
+        ("tp", "all_reduce"): "intra",  # loss parallelism's three per micro batch
     }
     assert not plan.warnings
     plan = make_plan(cfg_for("fsdp_tp", [2, 1], tp=2))
