@@ -46,9 +46,12 @@ def check(cfg: Config, device_type: str, tp: int) -> None:
             "targets on the host): use executor.scope=block, or model.fused_cross_entropy=none"
         )
     if tp > 1:
+        # Refused, not run on gathered logits: the kernel fuses the projection, so it needs the whole
+        # head's weight, which neither TP path has; loss parallelism is TP's own memory saving.
         raise ValueError(
             f"{key} needs the whole output head on each rank, and sharding.tp={tp} shards it over the "
-            "vocabulary: use model.fused_cross_entropy=none with tensor parallelism"
+            "vocabulary: use model.fused_cross_entropy=none with tensor parallelism (its loss "
+            f"parallelism, parallel.loss_parallel=true, then keeps 1/{tp} of the logits on each rank)"
         )
     module, pip_name = PACKAGES[kind]
     if importlib.util.find_spec(module) is None:
