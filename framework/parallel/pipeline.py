@@ -190,7 +190,7 @@ class PipelineLoss:
     the global batch's trained targets, so the step's loss and gradient are the mean over every
     trained target of the global batch, as ``train_step`` with ``scales`` makes them.
 
-    Under loss parallelism (``Decoder.vocab_parallel``) the logits are the last stage's vocabulary
+    Under loss parallelism (``Decoder.vocab_shards``) the logits are the last stage's vocabulary
     shards (a DTensor) and the same cross-entropy runs on them under torch's ``loss_parallel()``,
     which ``pipeline_step`` and the evaluation enter around the schedule; its replicated value is
     the loss."""

@@ -43,11 +43,11 @@ def _fresh_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> tor
     return output.clone()
 
 
-def _root_style(w: Weight, vocab_shards: bool) -> ParallelStyle:
+def _root_style(w: Weight, loss_parallel: bool) -> ParallelStyle:
     if w.tp is TPStyle.embedding:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if w.tp is TPStyle.output:
-        if vocab_shards:  # loss parallelism: the logits stay a DTensor sharded over the vocabulary
+        if loss_parallel:  # loss parallelism: the logits stay a DTensor sharded over the vocabulary
             return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True)
     assert w.tp is TPStyle.sequence, w
@@ -111,11 +111,11 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
     return plan
 
 
-def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, vocab_shards: bool = True) -> None:
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, loss_parallel: bool = True) -> None:
     """Shard ``model`` in place over ``tp_mesh`` by its spec's TP styles; no-op when there is no TP
-    axis (or it has size 1). ``vocab_shards`` (``parallel.loss_parallel``): the output projection's
+    axis (or it has size 1). ``loss_parallel`` (``parallel.loss_parallel``): the output projection's
     logits stay sharded over the vocabulary and the model's loss runs under ``loss_parallel_scope``
-    (framework.models.parts.loss; ``Decoder.vocab_parallel``); False gathers them to every TP rank.
+    (framework.models.parts.loss; ``Decoder.vocab_shards``); False gathers them to every TP rank.
 
     Tied embeddings: the embedding (row-wise over the vocabulary) and the output projection
     (column-wise) both shard the weight as Shard(0), so the output is tied again to the embedding's
@@ -127,7 +127,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, vocab_shards: bool = Tr
     # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
     # and output are then the residual stream's local sequence shard, as between two blocks.
     root = {
-        w.module: _root_style(w, vocab_shards)
+        w.module: _root_style(w, loss_parallel)
         for w in (*spec.first, *spec.last)
         if getattr(model, w.module) is not None
     }
@@ -145,6 +145,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, vocab_shards: bool = Tr
     # The residual stream between the blocks is now this rank's sequence shard: a mask the trunk
     # builds from its length (the sliding window's band) is for the whole sequence, which attention sees.
     model.sequence_shards = tp_mesh.size()
-    model.vocab_parallel = vocab_shards and model.output is not None
+    if loss_parallel and model.output is not None:
+        model.vocab_shards = tp_mesh.size()
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise RuntimeError(f"apply_tp sharded no parameter over the tp mesh {tp_mesh}")

@@ -464,12 +464,11 @@ def _step_in_backward(
     x, y = to_device(x, device, io), to_device(y, device, io)
     ib.norm_sq.zero_()
     take_aux(model)  # forwards before this step count not
-    with loss_parallel_scope((model,)):
-        with autocast(device):
-            loss = model(x, y)
-        total = loss.detach().float()
-        ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
-        loss.backward()
+    with autocast(device):
+        loss = model(x, y)
+    total = loss.detach().float()
+    ib.poison.copy_(torch.where(torch.isfinite(total), 0.0, float("nan")))
+    loss.backward()
     ib.finish()
     norm = ib.norm_sq.sqrt()
     finite = torch.isfinite(norm) & torch.isfinite(total)

@@ -127,13 +127,14 @@ class Decoder(nn.Module):
         # Pieces the residual stream's sequence is cut into between the blocks: tp under tensor
         # (sequence) parallelism (framework.parallel.tensor sets it), whose attention sees it whole.
         self.sequence_shards = 1
-        # Loss parallelism (framework.parallel.tensor sets it under TP with parallel.loss_parallel):
-        # the output projection's logits are this rank's vocabulary shard (a DTensor), and the loss
-        # head's cross-entropy runs on the shards under torch's loss_parallel(), which the caller
-        # enters around forward and backward (framework.models.parts.loss.loss_parallel_scope).
-        # ``gather_logits``: ``forward(tokens)`` then returns the whole vocabulary's logits; a
-        # pipeline stage (framework.parallel.pipeline) leaves them sharded for the schedule's loss.
-        self.vocab_parallel = False
+        # Loss parallelism: the TP degree the output projection's logits are sharded over (a DTensor
+        # of this rank's vocabulary shard; framework.parallel.tensor sets it under TP with
+        # parallel.loss_parallel), whose cross-entropy runs under torch's loss_parallel(), which the
+        # caller enters around forward and backward (framework.models.parts.loss). None: whole
+        # logits, an attribute TorchScript drops the branches on. ``gather_logits``: ``forward(tokens)``
+        # then returns the whole vocabulary's logits; a pipeline stage (framework.parallel.pipeline)
+        # leaves them sharded for the schedule's loss.
+        self.vocab_shards: int | None = None
         self.gather_logits = True
         if self.sliding_window is not None and document_eos is not None:
             raise ValueError(
@@ -251,10 +252,11 @@ class Decoder(nn.Module):
             return h
         if targets is None:
             logits = self.output(self.norm(h))
-            if self.vocab_parallel and self.gather_logits:
-                return self._whole_vocabulary(logits)
+            if self.vocab_shards is not None:
+                if self.gather_logits:
+                    return self._whole_vocabulary(logits)
             return logits
-        if self.vocab_parallel:
+        if self.vocab_shards is not None:
             self._require_loss_scope()
         loss = self.head_loss(h, targets)
         if self.router_aux_loss_coef is not None:
@@ -307,7 +309,7 @@ class Decoder(nn.Module):
         if self.fused_cross_entropy is not None:
             return linear_cross_entropy(self.fused_cross_entropy, self.norm(h), self.output.weight, targets)
         logits = self.output(self.norm(h))
-        if self.vocab_parallel:
+        if self.vocab_shards is not None:
             return self._vocab_parallel_loss(logits, targets)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -326,7 +328,7 @@ class Decoder(nn.Module):
     @torch.jit.unused
     def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits gathered to the full vocabulary on every TP rank (a plain tensor)."""
-        return logits.full_tensor()  # type: ignore[attr-defined, no-any-return]
+        return logits.full_tensor()  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

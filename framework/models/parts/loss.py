@@ -46,9 +46,9 @@ def _entered_once() -> Iterator[None]:
 def loss_parallel_scope(modules: Iterable[nn.Module]) -> contextlib.AbstractContextManager:
     """torch's ``loss_parallel()`` where one of ``modules`` (those whose output is the logits:
     framework.parallel.pipeline.logit_modules) keeps its logits sharded over the vocabulary
-    (``Decoder.vocab_parallel``), else nothing. Enter it around the forward that computes the loss
+    (``Decoder.vocab_shards``), else nothing. Enter it around the forward that computes the loss
     and the backward from it. Nesting is allowed (an inner scope does nothing)."""
-    if any(getattr(m, "vocab_parallel", False) for m in modules):
+    if any(getattr(m, "vocab_shards", None) is not None for m in modules):
         return _entered_once()
     return contextlib.nullcontext()
 
@@ -76,4 +76,4 @@ def vocab_parallel_cross_entropy(
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
     # to_local() is a view of the DTensor's local tensor; FSDP2 warns when a module returns a view
     # (an in-place op on it would skip its pre-backward hook): a copy of the one value.
-    return loss.to_local().clone()  # type: ignore[attr-defined, no-any-return]
+    return loss.to_local().clone()  # type: ignore[attr-defined]
