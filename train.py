@@ -34,5 +34,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    with one_line_errors(sys.argv):  # an override Hydra rejects: one line, exit 2 (framework.config.override_errors)
+    # an override Hydra rejects: one line, exit 2 (framework.config.override_errors); --help: one
+    # copy of Hydra's config repository for all its listings (framework.launch.docs)
+    with one_line_errors(sys.argv), docs.one_repository_for_help(sys.argv):
         main()
