@@ -33,6 +33,7 @@ from framework.launch.entry import check_dir_creatable, prelaunch
 from framework.launch.ranks import check_local_resources, cpu_rank_cap, register_resolvers
 from framework.launch.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
 from framework.planner.resolve import make_plan
+from tests.entry import train_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "llama_tiny"  # the default recipe: the config every bad value is set on
@@ -314,7 +315,9 @@ def test_recipe_syntax_error_and_missing_root(tmp_path: Path) -> None:
 
 # The real launcher, for a representative handful: one per way a refusal reaches the user (a value
 # rule, a shape relation, an unknown key, the run-dir callback before Hydra's mkdir, a recipe root
-# read at import time).
+# read at import time). Each runs train.py as __main__ with real Hydra in a child forked from this
+# process (tests/entry.py: no fresh interpreter importing torch, 3-4 s of CPU each); the ids in
+# FRESH also run in a fresh ``python train.py`` process, the path a user's shell takes.
 E2E = [
     (["train.lr=nan"], {}, "train.lr=nan"),
     (["model.dim=0"], {}, "model.dim=0"),
@@ -338,6 +341,9 @@ E2E = [
 ]
 
 
+FRESH = {"train.lr=nan", "is not a directory"}  # a value rule; the recipe root read at import time
+
+
 @pytest.mark.parametrize("overrides, env, message", E2E, ids=[e[2] for e in E2E])
 def test_train_py_refuses_with_exit_2_one_line_and_no_run_dir(
     tmp_path: Path, overrides: list[str], env: dict[str, str], message: str
@@ -345,14 +351,13 @@ def test_train_py_refuses_with_exit_2_one_line_and_no_run_dir(
     run = tmp_path / "run"
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         overrides = [f"hydra.run.dir={run}", *overrides]
-    proc = subprocess.run(
-        [sys.executable, "train.py", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    if message in FRESH:
+        proc = subprocess.run(
+            [sys.executable, "train.py", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+    else:
+        proc = train_forked(*overrides, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
@@ -361,7 +366,8 @@ def test_train_py_refuses_with_exit_2_one_line_and_no_run_dir(
 
 
 # Values the launcher or a rank used to loop over or hold in memory before the first step (issue 24,
-# part 3): each is now one line and exit 2 within seconds, through train.py and `recipes validate`.
+# part 3): each is now one line and exit 2 within seconds, through train.py (forked, tests/entry.py)
+# and `recipes validate` (its main, in this process).
 BOUNDED = [
     (["train.global_batch_size=100000000000"], "train.global_batch_size=100000000000 is not valid"),
     (["mesh=99999999999", "run.dry_run=true"], "mesh.shape=[99999999999] is 99999999999 ranks"),
@@ -372,20 +378,17 @@ BOUNDED = [
 
 @pytest.mark.parametrize("overrides, message", BOUNDED, ids=[b[1].split("=")[0] for b in BOUNDED])
 def test_unbounded_counts_are_refused_before_launch(
-    tmp_path: Path, overrides: list[str], message: str
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], overrides: list[str], message: str
 ) -> None:
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv in (
-        ["train.py", f"hydra.run.dir={run}"],
-        ["-m", "framework.launch.recipes", "validate", RECIPE],
-    ):
-        proc = subprocess.run(
-            [sys.executable, *argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-        )
-        assert proc.returncode != 0, proc.stdout[-2000:]
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    proc = train_forked(f"hydra.run.dir={run}", *overrides, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
+    capfd.readouterr()
+    code = recipes.main(["validate", RECIPE, *overrides])
+    validate = capfd.readouterr()
+    for returncode, out, err in ((proc.returncode, proc.stdout, proc.stderr), (code, validate.out, validate.err)):
+        assert returncode != 0, out[-2000:]
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], err[-2000:]
     assert not run.exists()
 
 
