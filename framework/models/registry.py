@@ -8,6 +8,8 @@ describes. A new family is its folder and one line in ``FAMILIES``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from enum import Enum
 from typing import Any
 
 from torch import nn
@@ -61,14 +63,32 @@ SHAPE_KEYS = (*SHARED_SHAPE_KEYS, *own_fields())
 
 def shape_keys(m: ModelConfig) -> tuple[str, ...]:
     """The keys ``m``'s spec depends on: the shared ones and its family's own."""
-    return (*SHARED_SHAPE_KEYS, *own_keys(model_schema(m)))
+    return _shape_keys(model_schema(m))
+
+
+@functools.cache
+def _shape_keys(schema: type[ModelConfig]) -> tuple[str, ...]:
+    return (*SHARED_SHAPE_KEYS, *own_keys(schema))
+
+
+_SCALARS = (int, float, str, bool, Enum, type(None))
 
 
 def _frozen(v: Any) -> Any:
-    """A hashable stand-in for a key's value (a family's nested block, a list)."""
-    if dataclasses.is_dataclass(v):
-        return (type(v).__name__, *(_frozen(getattr(v, f.name)) for f in dataclasses.fields(v)))
+    """A hashable stand-in for a key's value (a family's nested block, a list). Scalars first: the
+    layout search asks for the spec hundreds of thousands of times (model_spec)."""
+    if isinstance(v, _SCALARS):
+        return v
+    names = _field_names(type(v))
+    if names is not None:
+        return (type(v).__name__, *(_frozen(getattr(v, n)) for n in names))
     return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+@functools.cache
+def _field_names(tp: type) -> tuple[str, ...] | None:
+    """A dataclass type's field names (None for any other type)."""
+    return tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else None
 
 
 _SPECS: dict[tuple, ModelSpec] = {}
