@@ -169,21 +169,26 @@ def test_validate_prints_the_plan_or_the_error(
     ],
 )
 def test_unsafe_recipe_is_refused_before_anything_runs(
-    team_package: tuple[Path, Path], tmp_path: Path, name: str, message: str
+    team_package: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, message: str
 ) -> None:
     """Through train.py and real Hydra: exit 2, one line naming the recipe and why, nothing written,
-    no payload run, within the subprocess timeout (the bombs used to hang with no output)."""
+    no payload run, within the timeout (the bombs used to hang with no output). train.py runs in a
+    child forked from this process (tests/entry.py: no fresh interpreter importing torch, 3-4 s of
+    CPU each), the package root on its sys.path; the Hydra callback's case in a fresh
+    ``python train.py``, as a user's shell runs it."""
+    from tests.entry import train_forked
+
     site, marker = team_package
     run_dir = tmp_path / "run"
     env = {**_env(site, "pkg://teamrecipes.llama"), "FRAMEWORK_TEST_SECRET": "hunter2"}
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"recipe={name}", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = [f"recipe={name}", f"hydra.run.dir={run_dir}"]
+    if name == "evil_callback":
+        proc = subprocess.run(
+            [sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+    else:
+        monkeypatch.syspath_prepend(str(site))  # what PYTHONPATH gives a fresh interpreter
+        proc = train_forked(*argv, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
     assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
