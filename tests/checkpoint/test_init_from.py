@@ -28,8 +28,8 @@ from framework.models import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.checkpoint.test_checkpoint_import_hf import MODELS, hf_logits, make_hf_model, tokens  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
-from tests.entry import train_forked  # noqa: E402
+from tests.dist import run_ranks, train_rank  # noqa: E402
+from tests.entry import train_forked, write_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -223,11 +223,14 @@ def test_pipeline_stages_read_only_their_tensors(tmp_path: Path, hf_dirs: dict) 
     """pp=2 on 2 gloo ranks from an HF folder (tied: the last stage's output projection is a copy
     of the embedding, read from ``model.embed_tokens.weight``): each stage reads only its blocks
     (the whole folder's names were "unknown tensor names" to a stage), and the first loss is the
-    1-rank run's from the same weights."""
+    1-rank run's from the same weights. The stages are the pp run's config as train.py composes it,
+    trained on 2 ranks forked from this process (tests/dist.py: a launched rank's load path, without
+    2 interpreters importing torch)."""
     src = hf_dirs["mha_tied"]
     common = [f"model.init_from={src}", "train.steps=1", "checkpoint=none", *FAST]
     ok(train(tmp_path / "one", *common))
-    ok(train(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common))
+    write_run_config(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common)
+    run_ranks(train_rank, 2, str(tmp_path / "pp"), timeout_s=300)
     one, pp = _first_loss(tmp_path / "one"), _first_loss(tmp_path / "pp")
     print(f"first loss from {src.name}: 1 rank {one!r}, pp=2 {pp!r}")
     assert pp == pytest.approx(one, rel=1e-6, abs=0)
