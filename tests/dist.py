@@ -149,3 +149,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def train_on_forked_ranks(run_dir: Path, world: int, *overrides: str, timeout_s: float = 300.0) -> None:
+    """What ``python train.py hydra.run.dir=RUN_DIR mesh=WORLD *overrides`` trains, on ``world`` ranks
+    forked from this process: the run dir's config.yaml and plan.json as train.py writes them
+    (``tests.entry.write_run_config``), then each rank as a launched one runs (``train_rank``). For
+    tests whose claim is the training, not the launch: no launcher, no ``world`` interpreters
+    importing torch (3-4 s of CPU each)."""
+    from tests.entry import write_run_config
+
+    write_run_config(run_dir, *overrides)
+    run_ranks(train_rank, world, str(run_dir), timeout_s=timeout_s)

@@ -28,8 +28,8 @@ from framework.models import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 from tests.checkpoint.test_checkpoint_import_hf import MODELS, hf_logits, make_hf_model, tokens  # noqa: E402
-from tests.dist import run_ranks, train_rank  # noqa: E402
-from tests.entry import train_forked, write_run_config  # noqa: E402
+from tests.dist import run_ranks, train_on_forked_ranks  # noqa: E402
+from tests.entry import train_forked  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -229,8 +229,7 @@ def test_pipeline_stages_read_only_their_tensors(tmp_path: Path, hf_dirs: dict) 
     src = hf_dirs["mha_tied"]
     common = [f"model.init_from={src}", "train.steps=1", "checkpoint=none", *FAST]
     ok(train(tmp_path / "one", *common))
-    write_run_config(tmp_path / "pp", "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common)
-    run_ranks(train_rank, 2, str(tmp_path / "pp"), timeout_s=300)
+    train_on_forked_ranks(tmp_path / "pp", 2, "mesh=2", "parallel.pp=2", "parallel.dp_shard=1", *common)
     one, pp = _first_loss(tmp_path / "one"), _first_loss(tmp_path / "pp")
     print(f"first loss from {src.name}: 1 rank {one!r}, pp=2 {pp!r}")
     assert pp == pytest.approx(one, rel=1e-6, abs=0)

@@ -239,14 +239,15 @@ def test_training_on_packed_jsonl_with_document_mask_resumes_exactly(corpus: Cor
 def test_two_rank_run_on_packed_jsonl_resumes_on_one_rank_with_the_same_samples(
     corpus: Corpus, tmp_path: Path
 ) -> None:
-    """End to end: train.py on 2 data-parallel ranks (DDP over gloo) packs jsonl on the fly with the
-    BPE and checkpoints at steps 3 and 6; a new run resumes step 3's checkpoint on 1 rank. It trains
-    steps 4-6 on the same samples (same losses: another sample gives another loss) and ends at the
-    same data position (batches consumed, record and offset in the stream), so none was skipped or
-    repeated across the change of degree."""
+    """2 data-parallel ranks (DDP over gloo; train.py's config, trained on ranks forked from this
+    process, tests/dist.py) pack jsonl on the fly with the BPE and checkpoint at steps 3 and 6; a
+    new run of train.py resumes step 3's checkpoint on 1 rank. It trains steps 4-6 on the same
+    samples (same losses: another sample gives another loss) and ends at the same data position
+    (batches consumed, record and offset in the stream), so none was skipped or repeated across the
+    change of degree."""
     from framework.record.metrics import read_metrics
     from tests.data.test_data_pipeline import train_main
-    from tests.train.test_train import train
+    from tests.dist import train_on_forked_ranks
 
     common = [
         "data=jsonl", f"data.path={corpus.jsonl}", "tokenizer=hf", f"tokenizer.path={corpus.bpe}",
@@ -256,8 +257,7 @@ def test_two_rank_run_on_packed_jsonl_resumes_on_one_rank_with_the_same_samples(
         "checkpoint=sync", "checkpoint.every_steps=3", "checkpoint.keep_last=0",
     ]  # fmt: skip
     two, one = tmp_path / "two", tmp_path / "one"
-    proc = train(two, *common, "mesh=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_on_forked_ranks(two, 2, *common, "mesh=2")
     step3 = two / "checkpoints" / "step_000003"
     train_main(one, *common, f"checkpoint.resume={step3}")
 

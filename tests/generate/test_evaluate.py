@@ -110,21 +110,18 @@ def test_bad_inputs_are_one_line_exit_2_and_write_no_report(
 def test_a_checkpoint_saved_by_two_fsdp_ranks_equals_transformers_on_its_export(
     tmp_path: Path, hf_dir: Path, documents: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Fine-tune the HF folder on 2 gloo ranks (FSDP), then evaluate the run dir, its checkpoint and
-    its HF export on one data set: the same figure, transformers' on the export within 1e-5."""
-    import os
-
+    """Fine-tune the HF folder on 2 gloo ranks (FSDP; forked from this process, tests/dist.py), then
+    evaluate the run dir, its checkpoint and its HF export on one data set: the same figure,
+    transformers' on the export within 1e-5."""
     from framework.checkpoint.export_hf import export_checkpoint
-    from tests.entry import train_forked
+    from tests.dist import train_on_forked_ranks
 
     run = tmp_path / "run"
-    proc = train_forked(
-        f"hydra.run.dir={run}", f"model.init_from={hf_dir}", "tokenizer=hf", f"tokenizer.path={hf_dir}",
+    train_on_forked_ranks(
+        run, 2, f"model.init_from={hf_dir}", "tokenizer=hf", f"tokenizer.path={hf_dir}",
         "data=synthetic", "mesh=2", "sharding=fsdp", "train.steps=2", "train.seq_len=32",
         "train.global_batch_size=4", "train.eval_every=0", "checkpoint=sync", "freeze=none", "logger.plot=false",
-        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     data = ["data=jsonl", f"data.path={documents}", "train.seq_len=32"]
     of_run = evaluate(run, data, tmp_path / "run.json", capsys)
     step = run / "checkpoints" / "step_000002"
@@ -149,26 +146,23 @@ def test_train_eval_sets_are_each_scored_and_logged_on_their_own(
 ) -> None:
     """train.eval_sets on 2 FSDP ranks: val_loss/NAME and val_ppl/NAME at every evaluation, one per
     set; the last one equals the loss of the saved model on the same rows (weighted by their trained
-    targets, as the validation loss is), computed here."""
-    import os
-
+    targets, as the validation loss is), computed here. The ranks are forked from this process
+    (tests/dist.py: the run's config as train.py composes it, trained as a launched rank trains)."""
     from framework.data.pipeline import eval_set_batches
     from framework.data.tokenizer import load_tokenizer
     from framework.launch.source import load_source
     from framework.record.metrics import read_metrics
     from framework.train.loop import evaluate as loop_evaluate
-    from tests.entry import train_forked
+    from tests.dist import train_on_forked_ranks
 
     run = tmp_path / "run"
     sets = f"train.eval_sets=[{{name:docs,path:'{documents}'}},{{name:chat,source:sft,path:'{SFT}'}}]"
-    proc = train_forked(
-        f"hydra.run.dir={run}", f"model.init_from={hf_dir}", "tokenizer=hf", f"tokenizer.path={hf_dir}",
+    train_on_forked_ranks(
+        run, 2, f"model.init_from={hf_dir}", "tokenizer=hf", f"tokenizer.path={hf_dir}",
         "data=jsonl", f"data.path={documents}", "mesh=2", "sharding=fsdp", "train.steps=4", "train.seq_len=32",
         "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=2", "train.eval_batches=1",
         "checkpoint=sync", "freeze=none", "logger.plot=false", sets,
-        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in read_metrics(run) if "val_loss" in r]
     assert [r["step"] for r in rows] == [0, 2, 4]  # before training, then every eval_every
     for r in rows:

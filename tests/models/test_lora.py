@@ -279,14 +279,12 @@ def test_pipeline_and_fsdp_on_two_ranks_train_like_one_process_and_tp_is_refused
     process (tests/dist.py: what a launched rank runs, without 2 interpreters importing torch; the
     launch of ranks plays no part in the claim). The refusal goes through train.py."""
     from tests.checkpoint.test_init_from import ok, train
-    from tests.dist import run_ranks, train_rank
-    from tests.entry import write_run_config
+    from tests.dist import train_on_forked_ranks
 
     fast = [*FAST[:-1], "peft=lora", "train.steps=3"]
     ok(train(tmp_path / "one", *fast))
     for name, layout in (("pp", ["parallel.pp=2", "parallel.dp_shard=1"]), ("fsdp", ["sharding=fsdp"])):
-        write_run_config(tmp_path / name, "mesh=2", *layout, *fast)
-        run_ranks(train_rank, 2, str(tmp_path / name), timeout_s=300)
+        train_on_forked_ranks(tmp_path / name, 2, "mesh=2", *layout, *fast)
     one, pp, fsdp = _losses(tmp_path / "one"), _losses(tmp_path / "pp"), _losses(tmp_path / "fsdp")
     assert len(one) == 3 and one == pytest.approx(pp, rel=1e-5) and one == pytest.approx(fsdp, rel=1e-5)
     proc = train(tmp_path / "tp", "mesh=2", "sharding=tp", *fast)
