@@ -42,9 +42,14 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
+# 24 steps: past the recipe's 20 warmup steps into the cosine decay; the loss has fallen from ~5.2
+# to ~2.8 by step 20. Three evaluations (0, 12, 24) and three logged windows after the first.
+DEFAULT_RUN = ["train.steps=24", "train.eval_every=12", "train.log_every=6"]
+
+
 def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = train(run, "train.steps=40", "train.eval_every=20", "train.log_every=10")
+    proc = train(run, *DEFAULT_RUN)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("config.yaml", "plan.json", "metrics.jsonl", "summary.json", "train.log", "nccl.json"):
         assert (run / name).is_file(), name
@@ -54,24 +59,22 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert len(val) == 3 and val[-1] < val[0] - 1.0  # byte-level loss starts near ln(256) = 5.5
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in rows if "val_loss" in r)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 40 and summary["time_to_first_step_s"] > 0
+    assert summary["steps"] == 24 and summary["time_to_first_step_s"] > 0
     # The loader's wait (the sampler times each next_batch): per log row and over the run.
-    waits = [r["data_wait_share"] for r in rows if "loss" in r and r["step"] > 10]
+    waits = [r["data_wait_share"] for r in rows if "loss" in r and r["step"] > 6]
     assert len(waits) == 3 and all(0 <= w < 0.5 for w in waits), waits
     assert 0 < summary["data_wait_ms"] and 0 <= summary["data_wait_share"] < 0.5
     # The training math: the plain torch loop of test_train_golden over the same config, made here on
     # this CPU (numbers recorded on another CPU round differently). sharding=auto picks the single-rank step.
-    ref, _ = reference_run(
-        composed(tmp_path / "ref", "train.steps=40", "train.eval_every=20", "train.log_every=10")
-    )
-    assert losses(run) == pytest.approx(ref[9::10], rel=2e-5, abs=0)
+    ref, _ = reference_run(composed(tmp_path / "ref", *DEFAULT_RUN))
+    assert losses(run) == pytest.approx(ref[5::6], rel=2e-5, abs=0)
     plan = json.loads((run / "plan.json").read_text())
     assert plan["strategy"] == "single" and plan["search"]["chosen"]["activation_checkpointing"] == "none"
     # The first model a user trains can be used: one final checkpoint (checkpoint=final, the default),
     # named in the summary with the commands that read it; generate samples from the run dir.
-    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000040"]
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000024"]
     latest = summary["checkpoint"]["latest"]
-    assert latest == str(run / "checkpoints" / "step_000040") and summary["checkpoint"]["saved"] == 1
+    assert latest == str(run / "checkpoints" / "step_000024") and summary["checkpoint"]["saved"] == 1
     announced = f"checkpoint: {latest} (use it: python -m framework generate {run} --prompt"
     assert announced in (run / "train.log").read_text()
     from framework import __main__ as cli
