@@ -89,22 +89,7 @@ def train_forked(
     faulthandler.cancel_dump_traceback_later()
     with tempfile.TemporaryDirectory() as d:
         out_path, err_path = Path(d) / "out", Path(d) / "err"
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.setsid()
-                _redirect(out_path, err_path)
-                os.environ.clear()
-                os.environ.update(child_env)
-                os.chdir(cwd)
-                code = _exec_train(argv)
-            except BaseException:  # noqa: BLE001 - what the interpreter prints, then exit 1
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+        pid = _fork_train(argv, child_env, cwd, out_path, err_path)
         code = _wait(pid, timeout)
         out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     if code is None:
@@ -112,9 +97,94 @@ def train_forked(
     return subprocess.CompletedProcess(["train.py", *argv], code, out, err)
 
 
+class ForkedRun:
+    """``python train.py *argv`` running in a child forked from this process, as ``subprocess.Popen``
+    would start it (``start_forked``): for tests that act on a run while it trains (a signal, a file
+    changed or deleted under it). The child leads its own process group, killed whole when the child
+    has ended (its ranks run in sessions of their own and die with it: die_with_launcher). Its
+    stdout and stderr go to files (one, with ``merge``), read by ``communicate``."""
+
+    def __init__(self, argv: tuple[str, ...], env: dict[str, str], cwd: Path, log: Path | None) -> None:
+        self.args = ["train.py", *argv]
+        self.returncode: int | None = None
+        self._dir = tempfile.TemporaryDirectory()
+        self.out_path = log if log is not None else Path(self._dir.name) / "out"
+        self.err_path = log if log is not None else Path(self._dir.name) / "err"
+        self.pid = _fork_train(argv, env, cwd, self.out_path, self.err_path)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)  # the zombie keeps the group's id until reaped
+            _, raw = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(raw)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+        self.wait(timeout=30)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """Wait for the end; (stdout, stderr) as text (both the one log with ``log``)."""
+        self.wait(timeout)
+        out = self.out_path.read_text(errors="replace")
+        err = out if self.err_path == self.out_path else self.err_path.read_text(errors="replace")
+        return out, err
+
+
+def start_forked(
+    *argv: str, env: dict[str, str] | None = None, cwd: Path = ROOT, log: Path | None = None
+) -> ForkedRun:
+    """``subprocess.Popen([python, "train.py", *argv])`` without the fresh interpreter: a child
+    forked from this process runs train.py as ``train_forked`` does, and returns at once. ``log``:
+    stdout and stderr both go to that file (``stderr=STDOUT``)."""
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop("RUN_STAMP", None)
+    faulthandler.cancel_dump_traceback_later()  # see train_forked
+    return ForkedRun(argv, child_env, cwd, log)
+
+
+def _fork_train(argv: tuple[str, ...], env: dict[str, str], cwd: Path, out_path: Path, err_path: Path) -> int:
+    """Fork a child that runs train.py with ``argv``, its output in the two files (or one); its pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.setsid()
+            _redirect(out_path, err_path)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            code = _exec_train(argv)
+        except BaseException:  # noqa: BLE001 - what the interpreter prints, then exit 1
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def _redirect(out_path: Path, err_path: Path) -> None:
-    """The child's fds 1 and 2 (inherited by its ranks) and sys.stdout/err go to two files."""
+    """The child's fds 1 and 2 (inherited by its ranks) and sys.stdout/err go to two files (one
+    open file for both when they are the same path, as ``stderr=STDOUT``)."""
     for fd, path in ((1, out_path), (2, err_path)):
+        if fd == 2 and err_path == out_path:
+            os.dup2(1, 2)
+            continue
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)

@@ -33,7 +33,7 @@ from framework.checkpoint import resolve_resume
 from framework.checkpoint.state import SafeReader
 from framework.record.metrics import read_metrics
 from tests.dist import run_ranks, train_rank
-from tests.entry import train_forked, train_main, write_run_config
+from tests.entry import ForkedRun, start_forked, train_forked, train_main, write_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -60,7 +60,8 @@ def _env() -> dict[str, str]:
 
 def train(run: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python train.py`` with TINY, forked from this process (tests/entry.py); the launcher and
-    the ranks it starts are real. The signal tests below start a fresh interpreter (``_start``)."""
+    the ranks it starts are real. The signal tests below start it forked too, without waiting
+    (``_start``: tests.entry.start_forked), and signal the launcher as a scheduler would."""
     return train_forked(f"hydra.run.dir={run}", *TINY, *overrides, timeout=timeout, env=_env())
 
 
@@ -265,9 +266,7 @@ def test_failed_save_keeps_training_and_the_previous_checkpoint(tmp_path: Path) 
 
 def test_sigterm_to_the_launcher_saves_at_one_step_exits_zero_and_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *TINY, "train.steps=400"]
-    log = (tmp_path / "out.txt").open("w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = _start(run, "train.steps=400", log=tmp_path / "out.txt")
     try:
         deadline = time.monotonic() + 90
         while not ((run / "metrics.jsonl").is_file() and len(loss_rows(run)) >= 3):
@@ -278,8 +277,7 @@ def test_sigterm_to_the_launcher_saves_at_one_step_exits_zero_and_resumes(tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
-    log.seek(0)
-    out = log.read()
+    out = (tmp_path / "out.txt").read_text()
     assert rc == 0, out[-4000:]
     [pre] = events(run, "preempted")
     stop = pre["step"]
@@ -352,14 +350,15 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_naming_the_owner(
     assert not (tmp_path / "second").exists(), "nothing is written before the refusal"
 
 
-def _start(run: Path, *overrides: str, log: Path) -> subprocess.Popen:
+def _start(run: Path, *overrides: str, log: Path) -> ForkedRun:
+    """``python train.py`` with TINY, not waited for: forked from this process (tests/entry.py, no
+    fresh interpreter importing torch for the launcher), its output (stdout and stderr) in ``log``."""
     # checkpoint=none: without TINY's checkpoint keys, which would do nothing (refused before launch).
     tiny = [a for a in TINY if "checkpoint=none" not in overrides or not a.startswith("checkpoint")]
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *tiny, *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return start_forked(f"hydra.run.dir={run}", *tiny, *overrides, env=_env(), log=log)
 
 
-def _wait_for_steps(proc: subprocess.Popen, run: Path, n: int) -> None:
+def _wait_for_steps(proc: ForkedRun, run: Path, n: int) -> None:
     deadline = time.monotonic() + 240  # two ranks importing torch on a loaded 2-core machine
     while not ((run / "metrics.jsonl").is_file() and len(loss_rows(run)) >= n):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started"
