@@ -6,8 +6,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -152,17 +150,14 @@ def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
     (the job may not come back) and exits 0; ``export-hf`` on the checkpoint gives the same tensors."""
     from framework.checkpoint.__main__ import main as checkpoint_cli
     from framework.record.metrics import read_metrics
+    from tests.entry import start_forked
 
-    root = Path(__file__).resolve().parents[2]
     run = tmp_path / "run"
     overrides = ["train.steps=100000", "train.log_every=1", "train.eval_every=0", "train.seq_len=16"]
     overrides += ["train.global_batch_size=4", "freeze=none", "checkpoint=sync", "checkpoint.export_hf=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *overrides]
-    proc = subprocess.Popen(
-        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tmp_path / "out.txt"  # stdout and stderr: python train.py, forked (tests/entry.py)
+    proc = start_forked(f"hydra.run.dir={run}", *overrides, env=env, log=log)
     try:
         deadline = time.monotonic() + 120
         while not ((run / "metrics.jsonl").is_file() and sum("loss" in r for r in read_metrics(run)) >= 2):

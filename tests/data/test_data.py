@@ -155,11 +155,10 @@ def run_and_change(tmp_path: Path, data: Path, change, *extra: str) -> None:
     naming the file, its sizes and the checkpoints kept, intact and with no LOCK left behind."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     from framework.checkpoint import store
+    from tests.entry import start_forked
 
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
@@ -167,16 +166,7 @@ def run_and_change(tmp_path: Path, data: Path, change, *extra: str) -> None:
     overrides += ["train.eval_every=0", "freeze=none"]
     overrides += ["checkpoint=sync", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *overrides],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_forked(*overrides, env=env)  # python train.py, forked (tests/entry.py)
     try:
         deadline = time.monotonic() + 180
         while len(store.committed(ckpts)) < 2:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 
 from framework.checkpoint import store
 from framework.record.run_dir import DirGone, DirStamp
+from tests.entry import start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("train.seq_len=16", "train.global_batch_size=4", "train.eval_every=0", "freeze=none")
@@ -45,11 +44,7 @@ def delete_during_run(tmp_path: Path, replace: bool, *extra: str, mode: str = "s
     overrides = [f"hydra.run.dir={run}", *SMALL, *extra, "train.steps=100000", "train.log_every=2"]
     overrides += [f"checkpoint={mode}", "checkpoint.every_steps=2", "checkpoint.keep_last=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RUN_STAMP", None)
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_forked(*overrides, env=env)  # python train.py, forked (tests/entry.py)
     try:
         deadline = time.monotonic() + 180
         while not store.committed(run / "checkpoints"):
