@@ -322,8 +322,8 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     stages' tensors), writes the split, and exports the whole model to Hugging Face's format."""
     import json
     import os
-    import subprocess
-    import sys
+
+    from tests.entry import train_forked
 
     run = tmp_path / "run"
     args = [
@@ -335,14 +335,8 @@ def test_train_py_runs_a_pipeline_end_to_end(tmp_path: Path) -> None:
     args += ["freeze.mode=none", "train.steps=4", "train.seq_len=32"]
     args += ["train.log_every=2", "train.eval_every=2", "train.eval_batches=3", "checkpoint.enabled=true"]
     args += ["checkpoint.export_hf=true"]
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run}", *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # python train.py, forked from this process (tests/entry.py): the launcher and its 2 ranks are real.
+    proc = train_forked(f"hydra.run.dir={run}", *args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((run / "plan.json").read_text())
     assert plan["pp_split"] == [[0, 1], [1, 2], [2, 3], [3, 4]] and plan["pp_ranks"] == [[0, 2], [1, 3]]
