@@ -6,8 +6,6 @@ import csv
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from framework.launch.ranks import (
     register_resolvers,
     task_threads,
 )
+from tests.entry import train_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,8 +42,6 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
     env.pop("RUN_STAMP", None)
     env.pop("OMP_NUM_THREADS", None)  # each task must set its own share of the cores
     cmd = [
-        sys.executable,
-        "train.py",
         "-m",
         "hydra/launcher=slurm_local",
         f"hydra.sweep.dir={sweep_dir}",
@@ -57,7 +54,8 @@ def test_submitit_local_runs_one_rank_per_task(tmp_path: Path) -> None:
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # python train.py -m, forked from this process (tests/entry.py); submitit starts its tasks afresh.
+    proc = train_forked(*cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
