@@ -326,8 +326,8 @@ def test_train_py_refuses_an_init_from_link_out_of_the_folder_in_one_line(
     tmp_path: Path, hf_models: dict
 ) -> None:
     import os
-    import subprocess
-    import sys
+
+    from tests.entry import train_forked
 
     src, _ = hf_models["gqa_tied_3heads"]
     snap = hub_cache_snapshot(src, tmp_path)
@@ -336,10 +336,9 @@ def test_train_py_refuses_an_init_from_link_out_of_the_folder_in_one_line(
     (snap / "config.json").unlink()
     os.symlink(secret, snap / "config.json")
     run = tmp_path / "run"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run}", f"model.init_from={snap}", "run.dry_run=true"],
-        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
+    proc = train_forked(  # python train.py, forked from this process (tests/entry.py)
+        f"hydra.run.dir={run}", f"model.init_from={snap}", "run.dry_run=true",
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
