@@ -71,9 +71,9 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     proc = train_forked(
         f"hydra.run.dir={run}",
         "checkpoint=sync",
-        "train.steps=30",
+        "train.steps=8",
         "train.eval_every=0",
-        "train.log_every=10",
+        "train.log_every=4",
         "train.seq_len=64",
         "freeze=none",
         "logger.plot=false",
@@ -84,7 +84,7 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     assert main([str(run), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("def ") and len(out.out.encode()) > len("def ") + 10
-    assert "step_000030" in out.err
+    assert "step_000008" in out.err
     step_dir = next((run / "checkpoints").glob("step_*"))
     assert main([str(step_dir), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
     assert capsys.readouterr().out == out.out  # the same checkpoint, greedy: the same text

@@ -90,14 +90,14 @@ def test_real_commands_through_the_entry_point() -> None:
 def test_evaluate_gives_the_runs_own_final_val_loss(tmp_path: Path, capsys) -> None:
     """A one-rank run with a checkpoint at its last step: evaluate recomputes its final val_loss."""
     run = tmp_path / "run"
-    out = train_forked(
-        "train.steps=10", "train.eval_every=10", "checkpoint=sync", f"hydra.run.dir={run}", timeout=300
-    )
+    # 3 steps, no export or plot (neither plays a part in evaluate): the default run trained 10.
+    quick = ["train.steps=3", "train.eval_every=3", "freeze=none", "logger.plot=false"]
+    out = train_forked(*quick, "checkpoint=sync", f"hydra.run.dir={run}", timeout=300)
     assert out.returncode == 0, out.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert cli.main(["evaluate", str(run)]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["checkpoint"].endswith("step_000010")
+    assert got["checkpoint"].endswith("step_000003")
     assert got["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
     assert cli.main(["evaluate", str(tmp_path)]) == 2  # no config.yaml: one line, exit 2
     assert capsys.readouterr().err.startswith("error: no config.yaml in ")
