@@ -53,7 +53,7 @@ def explained(error: Exception, overrides: list[str]) -> str:
         ("run.dry_run=maybe", "run.dry_run=maybe: not a boolean; valid values are true, false"),
         (
             "sharding.activation_checkpointing=bogus",
-            "sharding.activation_checkpointing=bogus: valid values are none, selective, full, budget, auto",
+            "sharding.activation_checkpointing=bogus: valid values are none, selective, selective_op, full, budget, auto",
         ),
         ("model.float8=bad", "model.float8=bad: valid values are none, tensorwise, rowwise"),
         ("train.steps=null", "train.steps=null: train.steps cannot be null"),
@@ -160,7 +160,7 @@ def test_train_py_run_and_sweep_exit_2_with_one_line_and_write_nothing(
     assert train_main("-m", f"hydra.sweep.dir={sweep}", "train.steps=1,abc") == 2
     err = capfd.readouterr().err
     assert err.splitlines() == [
-        "error: sharding.activation_checkpointing=bogus: valid values are none, selective, full, budget, auto",
+        "error: sharding.activation_checkpointing=bogus: valid values are none, selective, selective_op, full, budget, auto",
         "error: train.steps=abc: not an integer (train.steps is an int)",
     ]
     assert not run.exists() and not sweep.exists()
