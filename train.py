@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from framework.config import schema as config
+from framework.config.mode_probe import skip_mode_probe
 from framework.config.override_errors import one_line_errors
 from framework.launch import docs, recipes
 from framework.launch.ranks import arm_stack_dump, register_resolvers
@@ -35,6 +36,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     # an override Hydra rejects: one line, exit 2 (framework.config.override_errors); --help: one
-    # copy of Hydra's config repository for all its listings (framework.launch.docs)
-    with one_line_errors(sys.argv), docs.one_repository_for_help(sys.argv):
+    # copy of Hydra's config repository for all its listings (framework.launch.docs); one
+    # composition per launch, not Hydra's mode probe and then the run's (framework.config.mode_probe)
+    with one_line_errors(sys.argv), docs.one_repository_for_help(sys.argv), skip_mode_probe(sys.argv):
         main()

@@ -203,3 +203,25 @@ def test_train_py_a_family_key_under_another_family_is_one_line(
         "family); select the family with model=mixtral|mistral, or drop the override"
     ]
     assert not run.exists()
+
+
+def test_the_mode_probe_is_skipped_only_where_nothing_can_set_the_mode(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """framework.config.mode_probe: Hydra's second composition (its ``hydra.mode`` probe) is skipped
+    unless an override may set the mode; ``hydra.mode=MULTIRUN`` on the command line still makes a
+    sweep (the probe ran), and Hydra is left as it was."""
+    from hydra._internal.hydra import Hydra
+
+    from framework.config.mode_probe import may_set_mode
+
+    assert not may_set_mode(["hydra.run.dir=x", "train.steps=2", "hydra.sweep.dir=y", "+hydra.job.name=n"])
+    for arg in ("hydra.mode=MULTIRUN", "+hydra.mode=RUN", "++hydra.mode=RUN", "~hydra.mode", "hydra/launcher=x"):
+        assert may_set_mode(["train.steps=2", arg]), arg
+    probe = Hydra.get_mode
+    sweep = tmp_path / "sweep"
+    args = ("hydra.mode=MULTIRUN", f"hydra.sweep.dir={sweep}", "run.dry_run=true", "train.steps=2")
+    assert train_main(*args) == 0
+    capfd.readouterr()
+    assert (sweep / "0" / "plan.json").is_file()  # a sweep of one job: the mode came from the probe
+    assert Hydra.get_mode is probe
