@@ -7,7 +7,6 @@ import dataclasses
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -172,12 +171,20 @@ FAST = [
 ]
 
 
-def _export(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "framework", "export-hf", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+def _export(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """``python -m framework export-hf *args``: the CLI's main in this process (tests/launch/test_cli.py
+    runs ``python -m framework`` in a fresh interpreter); its exit status and output."""
+    from framework import __main__ as cli
+
+    capfd.readouterr()
+    code = cli.main(["export-hf", *args])
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["export-hf", *args], code, out.out, out.err)
 
 
-def test_train_resume_and_both_exports_from_the_cli(base: Path, tmp_path: Path) -> None:
+def test_train_resume_and_both_exports_from_the_cli(
+    base: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """train.py with peft=lora: the checkpoint holds adapters only, a resume continues from it, and
     ``export-hf`` (merged) and ``export-hf --adapter`` load in transformers and peft with the
     framework's logits on the trained adapters."""
@@ -203,8 +210,8 @@ def test_train_resume_and_both_exports_from_the_cli(base: Path, tmp_path: Path) 
     assert adapters["layers.0.attention.wq.lora_B.weight"].abs().max() > 0  # it trained
     with torch.no_grad():
         ours = model(tokens())
-    assert _export(str(run), str(tmp_path / "merged")).returncode == 0
-    proc = _export(str(run), str(tmp_path / "adapter"), "--adapter")
+    assert _export(capfd, str(run), str(tmp_path / "merged")).returncode == 0
+    proc = _export(capfd, str(run), str(tmp_path / "adapter"), "--adapter")
     assert proc.returncode == 0, proc.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     loaded = PeftModel.from_pretrained(
@@ -217,7 +224,7 @@ def test_train_resume_and_both_exports_from_the_cli(base: Path, tmp_path: Path) 
     other = tmp_path / "other"
     other.mkdir()
     (other / "keep.txt").write_text("mine")
-    refused = _export(str(run), str(other), "--adapter")
+    refused = _export(capfd, str(run), str(other), "--adapter")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert sorted(p.name for p in other.iterdir()) == ["keep.txt"]
 
