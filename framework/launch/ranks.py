@@ -229,7 +229,10 @@ def launch_local(world_size: int, max_restarts: int, run_id: str, args: tuple[st
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
-        monitor_interval=0.5,
+        # How often the agent looks at its ranks (torch's default): a run ends, and a dead rank is
+        # restarted, this much after the fact; 0.5 s added ~0.35 s to every launch (measured: a
+        # 2-rank run of 2 steps, median of 3, 6.9 s -> 6.2 s), for no measurable CPU.
+        monitor_interval=0.1,
         start_method="spawn",
     )
     elastic_launch(config, sys.executable)(*args)
