@@ -221,4 +221,12 @@ def launch_ranks(argv: list[str], world: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--as-rank" in sys.argv[1:]:
+        # A rank ends with os._exit (framework.parallel.process.finish): its group is destroyed, but
+        # gloo's threads can still abort the interpreter's shutdown ("terminate called without an
+        # active exception", exit -6: 1 in 6 two-rank evaluations here).
+        from framework.parallel.process import finish
+
+        finish(code)
+    sys.exit(code)
