@@ -180,9 +180,9 @@ AC_OPTIONS = ("none", "selective", "selective_op", "full")
 VIRTUAL_OPTIONS = (1, 2, 4)
 
 
-def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
-    """The command line that forces the row's layout (what ``python train.py recipe=...`` would take)."""
-    out = [
+def _job(row: Published) -> list[str]:
+    """What the row's job is, whoever picks its layout: the machines, executor, sequence and batch."""
+    return [
         f"mesh={row.nodes}x8",
         f"mesh/hardware={row.profile}",
         "run.device=cuda",
@@ -190,6 +190,13 @@ def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
         f"executor={row.executor}",
         f"train.seq_len={row.seq_len}",
         f"train.global_batch_size={row.global_batch}",
+    ]
+
+
+def overrides(row: Published, ac: str, virtual: int = 1) -> list[str]:
+    """The command line that forces the row's layout (what ``python train.py recipe=...`` would take)."""
+    out = [
+        *_job(row),
         f"train.micro_batch_size={row.micro_batch}",
         f"parallel.tp={row.tp}",
         f"parallel.pp={row.pp}",
@@ -213,13 +220,7 @@ def search_overrides(row: Published) -> list[str]:
     """The same job with the layout left to ``sharding=auto``: degrees, micro batch (0), pipeline
     schedule, activation checkpointing (auto) and reshard policy are the search's."""
     return [
-        f"mesh={row.nodes}x8",
-        f"mesh/hardware={row.profile}",
-        "run.device=cuda",
-        "run.dry_run=true",
-        f"executor={row.executor}",
-        f"train.seq_len={row.seq_len}",
-        f"train.global_batch_size={row.global_batch}",
+        *_job(row),
         "train.micro_batch_size=0",
         "sharding=auto",
         *MIXED_PRECISION,

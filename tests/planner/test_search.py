@@ -143,6 +143,11 @@ def test_the_mission_command_plans_a_layout_that_fits(tmp_path: Path, command: l
     assert {k: written.parallel[k] for k in chosen["degrees"]} == chosen["degrees"]
 
 
+# A dry run of the 8B searched on 2 nodes of 8 H100s, compiled.
+TWO_H100_NODES = ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
+                  "sharding=auto"]  # fmt: skip
+
+
 def test_search_weighs_the_reshard_policy_and_virtual_stages() -> None:
     """The search plans FSDP layouts both resharding after forward and holding their units for the
     step, and interleaved pipelines at 2 and 4 virtual stages; the choice is written into the config."""
@@ -150,9 +155,8 @@ def test_search_weighs_the_reshard_policy_and_virtual_stages() -> None:
 
     cfg = compose_recipe(
         "llama3_8b",
-        ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
-         "sharding=auto", "sharding.activation_checkpointing=full", "train.global_batch_size=64"],
-    )  # fmt: skip
+        [*TWO_H100_NODES, "sharding.activation_checkpointing=full", "train.global_batch_size=64"],
+    )
     result = search(cfg)
     fsdp = [c for c in result.candidates if c.degrees["dp_shard"] * c.degrees["cp"] > 1]
     assert {c.reshard_after_forward for c in fsdp} == {True, False}
@@ -176,9 +180,8 @@ def test_search_weighs_several_micro_batch_counts_under_pp() -> None:
     out); AC and the reshard policy per layout too."""
     cfg = compose_recipe(
         "llama3_8b",
-        ["mesh=2x8", "mesh/hardware=h100_sxm", "run.device=cuda", "run.dry_run=true", "executor=compile",
-         "sharding=auto", "train.micro_batch_size=0", "train.global_batch_size=24"],
-    )  # fmt: skip
+        [*TWO_H100_NODES, "train.micro_batch_size=0", "train.global_batch_size=24"],
+    )
     result = search(cfg)
     counts: dict[str, set[int]] = {}
     for c in result.candidates:
