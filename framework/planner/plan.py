@@ -737,34 +737,42 @@ def _comm(
                 )
             )
     if tp > 1:
-        elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp  # a CP rank's sequence shard
-        act = tokens * cfg.model.dim * elem
-        # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
-        # checkpointing); a pipeline rank runs only its own blocks.
-        n = cfg.model.n_layers if layers is None else layers
-        mode = cfg.sharding.activation_checkpointing
-        recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
-        # selective_op keeps the reduce-scatters' outputs and re-gathers (every block's two
-        # all-gathers run again in its recompute).
-        gathers = n if mode == ActivationCheckpointing.selective_op else recomputed.get(mode, 0)
-        ag_calls = (n * 4 + gathers * 2) * accum
-        rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
-        out.append(_collective(cfg, "tp", "all_gather", tp, intra[MeshAxis.tp], ag_calls, act))
-        out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra[MeshAxis.tp], rs_calls, act))
-        if loss_parallel_on(cfg, tp):
-            # Loss parallelism: three all-reduces of one fp32 value per token in the loss's forward
-            # (the max, the sum of exponentials, the target's logit), none in backward.
-            loss = tokens * 4
-            out.append(_collective(cfg, "tp", "all_reduce", tp, intra[MeshAxis.tp], 3 * accum, loss))
-        else:
-            # The output projection gathers the full logits for the loss, once per micro batch.
-            logits = tokens * cfg.model.vocab_size * elem
-            out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra[MeshAxis.tp], accum, logits))
+        out += _tp_comm(cfg, tp, cp, intra[MeshAxis.tp], accum, layers)
     if cp > 1:
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
     if ep > 1:
         out += _ep_comm(cfg, ep, tp, cp, accum, layers)
+    return out
+
+
+def _tp_comm(cfg: Config, tp: int, cp: int, intra_tp: bool, accum: int, layers: int | None) -> list[CommEstimate]:
+    """TP with sequence parallelism: each block's activations all-gathered and reduce-scattered twice
+    forward and twice backward (again in a recomputed forward), and the loss's collectives."""
+    out: list[CommEstimate] = []
+    elem = 2 if autocast_bf16(cfg) else 4  # activations are in the autocast dtype
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp  # a CP rank's sequence shard
+    act = tokens * cfg.model.dim * elem
+    # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
+    # checkpointing); a pipeline rank runs only its own blocks.
+    n = cfg.model.n_layers if layers is None else layers
+    mode = cfg.sharding.activation_checkpointing
+    recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
+    # selective_op keeps the reduce-scatters' outputs and re-gathers (every block's two
+    # all-gathers run again in its recompute).
+    gathers = n if mode == ActivationCheckpointing.selective_op else recomputed.get(mode, 0)
+    ag_calls = (n * 4 + gathers * 2) * accum
+    rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
+    out.append(_collective(cfg, "tp", "all_gather", tp, intra_tp, ag_calls, act))
+    out.append(_collective(cfg, "tp", "reduce_scatter", tp, intra_tp, rs_calls, act))
+    if loss_parallel_on(cfg, tp):
+        # Loss parallelism: three all-reduces of one fp32 value per token in the loss's forward
+        # (the max, the sum of exponentials, the target's logit), none in backward.
+        loss = tokens * 4
+        out.append(_collective(cfg, "tp", "all_reduce", tp, intra_tp, 3 * accum, loss))
+    else:
+        # The output projection gathers the full logits for the loss, once per micro batch.
+        logits = tokens * cfg.model.vocab_size * elem
+        out.append(_collective(cfg, "tp", "all_gather_logits", tp, intra_tp, accum, logits))
     return out
 
 
