@@ -5,7 +5,8 @@ loop, and the table that puts them beside the framework's ``train.py`` runs.
     python benchmarks/llama8b_8k.py attn --docs D.jsonl --bpe B.json --out attn.json
     python benchmarks/llama8b_8k.py hand --docs D.jsonl --bpe B.json --out hand.json \
         --variants bf16:nomask,bf16:mask,float8b:nomask,float8:nomask [--profile-dir DIR]
-                 # float8b: float8 with the norm outputs saved, as train.py's float8 runs do; float8: without
+                 # float8b: float8 with the norm outputs saved, as train.py's float8 runs do; float8: without;
+                 # float8f: float8b with fast accumulation in backward; float8n: float8b, no optimizer step
     python benchmarks/llama8b_8k.py table --hand hand.json --runs RUN_DIR... > table.md
 
 The hand loop is the strongest simple loop for the same memory budget written without the
@@ -39,6 +40,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PEAK_TFLOPS = 989.0
+# Cleared by the float8n variant (a diagnostic, not a training loop): gradients dropped unapplied, to
+# measure what the optimizer's side-stream work costs the step.
+OPTIMIZER = {"step": True}
 
 
 def packed_rows(docs: Path, bpe: Path, rows: int, seq: int) -> tuple[torch.Tensor, int]:
@@ -61,6 +65,9 @@ def packed_rows(docs: Path, bpe: Path, rows: int, seq: int) -> tuple[torch.Tenso
                 batch = []
                 if len(flat) >= need:
                     break
+    for enc in tok.encode_batch(batch if len(flat) < need else [], add_special_tokens=False):
+        flat.extend(enc.ids)
+        flat.append(eos)
     if len(flat) < need:
         raise SystemExit(f"{docs}: {len(flat)} tokens, {need} needed for {rows} rows of {seq + 1}")
     return torch.tensor(flat[:need], dtype=torch.int64).view(rows, seq + 1), eos
@@ -132,6 +139,17 @@ def attn(args: argparse.Namespace) -> None:
     bench("flex, causal", lambda: flex(q, k, v, block_mask=causal_mask, enable_gqa=True), causal_fwd)
     bm = document_block_mask(doc)
     bench("flex, document mask", lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), masked_fwd)
+    # Block sizes: Inductor's autotuner over flex's configs, then a few fixed backward tiles.
+    flex_tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+    bench("flex, document mask, max-autotune", lambda: flex_tuned(q, k, v, block_mask=bm, enable_gqa=True),
+          masked_fwd)  # fmt: skip
+    for ko in (
+        {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "bwd_num_warps": 8},
+        {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 3},
+        {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
+    ):
+        bench(f"flex, document mask, {ko}",
+              lambda ko=ko: flex(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=ko), masked_fwd)  # fmt: skip
     try:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -225,6 +243,9 @@ def attach_optimizer_in_backward(
     opts = {}
 
     def hook(p: torch.Tensor) -> None:
+        if not OPTIMIZER["step"]:  # the float8n diagnostic: the step without the optimizer's work
+            p.grad = None
+            return
         if side is None:
             opts[p].step()
             p.grad = None
@@ -244,6 +265,21 @@ def attach_optimizer_in_backward(
         opts[p] = torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
         handles.append(p.register_post_accumulate_grad_hook(hook))
     return handles, side
+
+
+def set_fast_accum(model: torch.nn.Module, fast: bool) -> None:
+    """Fast accumulation in every float8 Linear's backward GEMMs (``fast``) or torchao's default
+    (forward only): what ``model.float8_fast_accum`` gives train.py, switched in place between variants."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    for mod in model.modules():
+        if isinstance(mod, Float8Linear):
+            mm = mod.linear_mm_config
+            mod.linear_mm_config = type(mm)(
+                mm.output,
+                mm.grad_input._replace(use_fast_accum=fast),
+                mm.grad_weight._replace(use_fast_accum=fast),
+            )
 
 
 def compile_model(model: torch.nn.Module) -> None:
@@ -289,7 +325,11 @@ def hand(args: argparse.Namespace) -> None:
         numerics, mask = variant.split(":")
         # float8b: float8 with the norms' outputs saved (framework.kernels.saved_copy), as
         # train.py's float8 runs have them; float8: without it (the A/B in one process).
-        barrier = numerics == "float8b"
+        # float8f: float8b with fast accumulation in the backward GEMMs (model.float8_fast_accum);
+        # float8n: float8b with no optimizer step (a diagnostic bound).
+        barrier = numerics in ("float8b", "float8f", "float8n")
+        fast, OPTIMIZER["step"] = numerics == "float8f", numerics != "float8n"
+        label = numerics
         numerics = "float8" if barrier else numerics
         if numerics == "float8" and not converted:
             from torchao.float8 import convert_to_float8_training
@@ -300,6 +340,8 @@ def hand(args: argparse.Namespace) -> None:
             convert_to_float8_training(model, config=float8_config(m8, False),
                                        module_filter_fn=lambda mod, fqn: fqn != "output")  # fmt: skip
             converted = True
+        if converted:
+            set_fast_accum(model, fast)
         assert numerics == "float8" or not converted, "bf16 variants go before float8 ones"
         for block in model.layers.values():
             block.save_norms = barrier
@@ -345,7 +387,7 @@ def hand(args: argparse.Namespace) -> None:
         step = statistics.median(times)
         tps = args.seq / step
         row = {
-            "what": f"hand {numerics}{' saved norms' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
+            "what": f"hand {label}{' saved norms' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
             + (f" budget={args.budget}" if numerics == "bf16" and args.budget < 1 else ""),
             "numerics": numerics, "mask": mask == "mask",
             "ac": f"budget {args.budget}" if numerics == "bf16" and args.budget < 1 else "none",

@@ -12,7 +12,8 @@
 # The BPE is trained on this machine first (it is carried in .whl/bpe128k.json):
 #   python benchmarks/gpu_bench.py's write_documents, then
 #   python -m framework.data tokenizer train .whl/bpe128k.json DOCS.jsonl --vocab-size 128000
-# Environment: STEPS (12), ATTN (model.attention for the unmasked runs: auto), FW_EXTRA (more overrides).
+# Environment: STEPS (12), ATTN (model.attention for the unmasked runs: auto), FW_EXTRA (more overrides),
+# TAG (appended to a fw run's directory name, so one variant can run twice with other FW_EXTRA).
 set -u
 OUT=${OUT:-outputs/llama8b_8k}
 mkdir -p "$OUT" /tmp/r /tmp/site
@@ -71,6 +72,7 @@ for phase in "$@"; do
       # PROFILE=1: one step under torch.profiler (the 8th: the median of 12 steps stays a plain one);
       # the top kernels go to the run's profile/top_ops_rank0.json and its log.
       [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=6 run.profile_warmup=1 run.profile_active=1"
+      name=$name${TAG:-}
       # shellcheck disable=SC2086  # the overrides are words
       timeout "${FW_TIMEOUT:-150}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \
         "hydra.run.dir=/tmp/r/$name" > "/tmp/r/$name.log" 2>&1

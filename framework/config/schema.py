@@ -415,6 +415,12 @@ class ModelConfig:
     float8_grad_dtype: Float8GradDtype = only_with(
         "model.float8", Float8Recipe.tensorwise, default=Float8GradDtype.e5m2
     )
+    # torch._scaled_mm's fast accumulation in the two backward GEMMs too (torchao's default: the
+    # forward GEMM only). Faster on Hopper, coarser gradients: an experiment's switch, measured in
+    # benchmarks/PERF.md (session 13), off by default as in torchao and torchtitan.
+    float8_fast_accum: bool = only_with(
+        "model.float8", Float8Recipe.tensorwise, Float8Recipe.rowwise, default=False
+    )
     # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
     # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.
     fused_cross_entropy: FusedCrossEntropy = FusedCrossEntropy.none

@@ -646,6 +646,11 @@ RULES: dict[str, Rule] = {
         checked_by="framework.launch.rules.check_option_fields (model.float8_grad_dtype is only_with tensorwise)",
         bad=("e4m3",),
     ),
+    "model.float8_fast_accum": Rule(
+        "true or false (default), only with model.float8=tensorwise or rowwise",
+        checked_by="framework.launch.rules.check_option_fields (model.float8_fast_accum is only_with float8)",
+        bad=("true",),
+    ),
     # Off CUDA (in a dry run: the declared hardware), a missing package (a dry run warns), executor.scope=model
     # and TP are refused by framework.kernels.fused_ce before launch.
     "model.fused_cross_entropy": TYPED,

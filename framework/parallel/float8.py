@@ -25,11 +25,14 @@ def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8Li
     """torchao's config for ``m.float8``: its recipe, with ``m.float8_grad_dtype`` for the output
     gradients under tensorwise (both backward GEMMs: torchao wants one dtype for the two); FSDP2
     all-gathers weights in float8 under tensorwise only (torchao's weight subclass supports no other
-    granularity)."""
-    from torchao.float8 import CastConfig, Float8LinearConfig
+    granularity); ``m.float8_fast_accum`` sets fast accumulation in the backward GEMMs too."""
+    from torchao.float8 import CastConfig, Float8GemmConfig, Float8LinearConfig
     from torchao.float8.config import e4m3_dtype, e5m2_dtype
 
     config = Float8LinearConfig.from_recipe_name(m.float8.value)
+    if m.float8_fast_accum:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     if m.float8 is Float8Recipe.tensorwise:
         dtype = e4m3_dtype if m.float8_grad_dtype is Float8GradDtype.e4m3 else e5m2_dtype
         grads = CastConfig(target_dtype=dtype)
