@@ -974,6 +974,11 @@ class ExecutorConfig:
     # compile and cudagraphs: compile each block, or the whole model; torch.compile's backend.
     scope: CompileScope = only_with("executor.mode", *_COMPILED, default=CompileScope.block)
     backend: str = only_with("executor.mode", *_COMPILED, default="inductor")
+    # executor.scope=block: also compile the loss head (final norm, output projection, fp32
+    # cross-entropy) as its own region (framework.parallel.compile); false leaves it eager, as
+    # torchtitan ran it at the end of 2024 (its loss_fn compile commented out), at 4x the head's
+    # memory-bound time and 10 bytes kept per logit instead of 2 (framework.planner).
+    compile_loss: bool = only_with("executor.mode", *_COMPILED, default=True)
     warmup_steps: int = 3
     # Inductor's max-autotune: benchmark GEMM/conv kernel choices at compile time (minutes longer
     # to compile; mode="max-autotune-no-cudagraphs", or "max-autotune" with cudagraphs).

@@ -72,6 +72,9 @@ def apply_compile(
     # 128K vocabulary it is a large share of the step, and compiled it fuses the fp32 upcast and
     # log-softmax instead of materialising fp32 logits. A fused cross-entropy kernel (framework.kernels.fused_ce)
     # cannot be traced (it reads the targets on the host): then only the final norm is compiled.
+    # ``executor.compile_loss=false`` leaves the head eager (the blocks alone are compiled).
+    if not executor.compile_loss:
+        return len(units)
     if model.cfg.fused_cross_entropy is FusedCrossEntropy.none:
         model.head_loss = _compile(model.head_loss, executor, mode)
     else:

@@ -55,7 +55,7 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 from torch.distributed.tensor import DTensor
 
 from framework.config.schema import PPSchedule
-from framework.models import Decoder, take_aux
+from framework.models import Decoder, routing_unchanged, take_aux
 from framework.models.parts.loss import loss_parallel_scope, vocab_parallel_cross_entropy
 from framework.models.parts.masks import document_ids
 from framework.parallel.step import (
@@ -288,6 +288,22 @@ def tie_stages(model: PipelineModel, mesh: DeviceMesh, pp_dim: int, last_pp_rank
     model.tied = TiedWeight(master, copy_, group, src)
 
 
+class Stage(PipelineStage):
+    """A ``PipelineStage`` whose first-step shape probe leaves the MoE routing figures as they were
+    (``routing_unchanged``). On its first step torch's schedule runs each stage's forward once more
+    before the micro batches (``_prepare_forward_infra`` -> ``_forward_metadata_inference``, torch's
+    dynamic shape mode): on the first micro batch's tokens on the first stage, on uninitialised
+    inputs of the received shapes on a later one. Counted, that forward added a micro batch's worth
+    of routings to step 1's expert load (``balance_row``: metrics.jsonl, the console line,
+    metrics.png) and to the sigmoid routers' bias update (issue 25), and its load-balancing term to
+    the step's (``_step_loss`` once kept only each stage's last n terms for this). No-op for a dense
+    model."""
+
+    def _prepare_forward_infra(self, *args: object, **kwargs: object) -> object:
+        with routing_unchanged(self.submod):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+
 def build_schedule(
     model: PipelineModel,
     pp_mesh: DeviceMesh,
@@ -295,7 +311,7 @@ def build_schedule(
     num_microbatches: int,
     device: torch.device,
 ) -> None:
-    """Wrap each stage in a ``PipelineStage`` over the pp axis and make the schedule (in place).
+    """Wrap each stage in a ``Stage`` (a ``PipelineStage``) over the pp axis and make the schedule (in place).
 
     Shapes between stages are inferred on the first step (torch's dynamic mode). The loss function
     (``model.loss``) runs on the last stage per micro batch; gradients are scaled by the number of
@@ -306,7 +322,7 @@ def build_schedule(
     loss_fn = model.loss
     group = pp_mesh.get_group()
     stages = [
-        PipelineStage(s, i, model.num_stages, device, group=group)
+        Stage(s, i, model.num_stages, device, group=group)
         for s, i in zip(model.stages, model.stage_ids, strict=True)
     ]
     cls = SCHEDULES[schedule]
@@ -403,11 +419,8 @@ def _step_loss(model: PipelineModel, mine: torch.Tensor) -> tuple[torch.Tensor, 
     coef = model.stages[0].router_aux_loss_coef
     if coef is None:
         return _pp_sum(mine, model), None
-    # The last n forwards of each stage: on the first step torch's schedule runs one more before
-    # them, to infer the shapes between stages (``_forward_metadata_inference``, on a later stage
-    # of uninitialised inputs)
-    n = model.schedule._n_microbatches if model.schedule is not None else None
-    shares = [a for a in (take_aux(s, last=n) for s in model.stages) if a is not None]
+    # The step's micro batches' forwards only: the first step's shape probe keeps none (``Stage``)
+    shares = [a for a in (take_aux(s) for s in model.stages) if a is not None]
     share = torch.stack(shares).sum() if shares else torch.zeros_like(mine)
     total, aux = _pp_sum(torch.stack([mine + coef * share.float(), share.float()]), model)
     return total, aux

@@ -14,7 +14,8 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   residual adds; ``_POINTWISE_BYTES`` per element of a block's width per token), the loss head's
   pass over the logits (``_LOGIT_BYTES`` per logit), the bf16 weight casts once per micro batch, the
   gradient accumulation, and the AdamW step over this rank's parameters (``_ADAMW_BYTES``).
-  Eager runs the pointwise work unfused (``_EAGER_POINTWISE``).
+  Eager runs the pointwise work unfused (``_EAGER_POINTWISE``); so does an eager loss head over the
+  logits under compiled blocks (``executor.compile_loss=false``).
 - **float8** (``model.float8``): the converted Linear layers' GEMMs run ``_FLOAT8_GEMM_SPEEDUP``
   times faster, and their per-GEMM casts (amax, scale, cast of every operand) are memory-bound work.
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, Float8Recipe
 from framework.models import active_params, flops_per_token, model_spec
 from framework.models.linears import converted
-from framework.planner.layout import loss_parallel_on
+from framework.planner.layout import loss_head_compiled, loss_parallel_on
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -294,6 +295,7 @@ def predict_step(
     logits = tokens * m.vocab_size * _LOGIT_BYTES / (d.tp if loss_parallel_on(cfg, d.tp) else 1)
     if cfg.executor.mode == ExecutorMode.eager:
         pointwise *= _EAGER_POINTWISE
+    if not loss_head_compiled(cfg):  # eager, or the blocks alone compiled (executor.compile_loss)
         logits *= _EAGER_POINTWISE
     unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
     local = unsharded / d.fsdp_shard if local_params is None else local_params

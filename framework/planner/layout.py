@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from framework.config.schema import Config, MeshConfig, ModelConfig, Strategy
+from framework.config.schema import CompileScope, Config, ExecutorMode, MeshConfig, ModelConfig, Strategy
 
 
 class MeshAxis(Enum):
@@ -305,6 +305,15 @@ def loss_parallel_on(cfg: Config, tp: int) -> bool:
     """Whether each TP rank keeps only its vocabulary shard of the logits (``parallel.loss_parallel``
     under tp > 1, framework.models.parts.loss); without TP every rank holds them whole anyway."""
     return tp > 1 and cfg.parallel.loss_parallel
+
+
+def loss_head_compiled(cfg: Config) -> bool:
+    """Whether the loss head (final norm, output projection, cross-entropy) runs compiled: inside the
+    model's region (``executor.scope=model``) or as its own (``scope=block`` with
+    ``executor.compile_loss``, framework.parallel.compile); eager otherwise."""
+    if cfg.executor.mode is ExecutorMode.eager:
+        return False
+    return cfg.executor.scope is CompileScope.model or cfg.executor.compile_loss
 
 
 def num_experts(model: ModelConfig) -> int:

@@ -42,6 +42,7 @@ from framework.planner.layout import (
     check_degrees,
     divisors,
     fixed_degrees,
+    loss_head_compiled,
     loss_parallel_on,
     num_experts,
 )
@@ -191,6 +192,11 @@ def _check_executor(cfg: Config, d: Degrees) -> None:
             f"{ac.value}: a checkpoint inside a compiled TP graph saves a DeviceMesh that AOTAutograd "
             f"refuses (torch 2.13); use executor.scope=block (checkpointing then wraps each compiled "
             f"block) or sharding.activation_checkpointing=none"
+        )
+    if cfg.executor.scope == CompileScope.model and not cfg.executor.compile_loss:
+        raise ValueError(
+            "executor.compile_loss=false with executor.scope=model: the loss head is part of the "
+            "model's one compiled region; use executor.scope=block to leave the head eager"
         )
     if cfg.executor.scope == CompileScope.model and d.fsdp:
         raise ValueError(
@@ -352,6 +358,7 @@ def sum_local(specs: list[ParamSpec], tp: int, dp_shard: int, which: str = "all"
 # benchmarks/PERF.md): `k` scales the per-layer value count below, `logit_bytes` is what the loss
 # head keeps per logit. Eager keeps bf16 logits, their fp32 copy and its gradient; the compiled loss
 # head keeps bf16 logits only, and Inductor recomputes cheap pointwise results instead of saving them.
+# An eager head under compiled blocks (executor.compile_loss=false) keeps the eager head's bytes.
 _EAGER_K, _EAGER_LOGIT_BYTES = 1.5, 10
 _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
 # sharding.activation_checkpointing=budget below 1.0: the share of the default partition's saved
@@ -434,7 +441,8 @@ def _activation_bytes(
     bf16 = autocast_bf16(cfg)
     elem = 2 if bf16 else 4
     compiled = cfg.executor.mode != ExecutorMode.eager
-    k, logit_bytes = (_COMPILED_K, _COMPILED_LOGIT_BYTES) if compiled else (_EAGER_K, _EAGER_LOGIT_BYTES)
+    k = _COMPILED_K if compiled else _EAGER_K
+    logit_bytes = _COMPILED_LOGIT_BYTES if loss_head_compiled(cfg) else _EAGER_LOGIT_BYTES
     if not bf16:
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
     # The family's own count of what one block saves per token (its record: framework.models).

@@ -374,6 +374,19 @@ def test_activation_offload_keeps_loss_and_gradients(mode: ActivationCheckpointi
     ]
 
 
+def test_compile_loss_false_compiles_the_blocks_only(reference: list[float]) -> None:
+    """executor.compile_loss=false: each block compiled, the loss head left eager (the model's own
+    ``head_loss``, not a compiled wrapper); training through the head matches eager."""
+    torch._dynamo.reset()
+    model = build_model(Config().model, SEQ)
+    eager_head = model.head_loss
+    executor = ExecutorConfig(mode=ExecutorMode.compile, backend="aot_eager", compile_loss=False)
+    assert apply_compile(model, executor, torch.device("cpu")) == Config().model.n_layers
+    assert model.head_loss == eager_head and "head_loss" not in vars(model)
+    materialize(model, "cpu", 0)
+    torch.testing.assert_close(train(model, 0, 1, loss_head=True), reference, rtol=RTOL, atol=0)
+
+
 def test_eager_compiles_nothing() -> None:
     """(cudagraphs off CUDA is refused before launch, in framework.launch.entry: tests/train/test_train.py.)"""
     model = build_model(Config().model, SEQ)

@@ -36,6 +36,7 @@ from framework.data.sampler import BatchSampler
 from framework.models import build_model, materialize
 from framework.models.moe import ExpertKernel, MoE, MoEConfig
 from framework.models.parts.decoder import Decoder
+from framework.models.parts.sparse import take_load
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.expert import ExpertParallel, expert_major_order, shard_experts
 from framework.planner.resolve import make_plan
@@ -170,12 +171,14 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def run_steps(model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, micro: int) -> list[tuple]:
+def run_steps(
+    model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, micro: int, steps: int = STEPS
+) -> list[tuple]:
     opt = build_optimizer(model, cfg.train, CPU)
     sched = build_scheduler(opt, cfg.train)
     out = []
     n = GLOBAL_BATCH // dp_size
-    for b in batches():
+    for b in batches()[:steps]:
         mine = b[dp_rank * n : (dp_rank + 1) * n]
         mbs = [(mine[i : i + micro, :-1], mine[i : i + micro, 1:]) for i in range(0, n, micro)]
         r = train_step(model, opt, sched, mbs, cfg.train.grad_clip, CPU)
@@ -433,6 +436,46 @@ def test_aux_loss_under_ep2_x_pp2_matches_one_process() -> None:
     layout = {"pp": 2, "dp_shard": 2, "ep": 2, "scope": "layer"}
     worst = _check(run_ranks(_aux_worker, 4, [layout]), ref)
     print(f"ep=2 x pp=2 with the aux loss: max relative difference {worst:.1e} (loss, grad norm, aux)")
+
+
+def _step1_load(model: torch.nn.Module) -> dict[str, tuple[list[int], int]]:
+    """Per sparse block of ``model`` (its single-process name): tokens routed per expert and dropped."""
+    return {name: (load.tolist(), int(dropped)) for name, load, dropped in take_load(model)}
+
+
+def _load_worker(rank: int, world: int, layouts: list[dict]) -> list[dict[str, tuple[list[int], int]]]:
+    """Each layout trained one step; its blocks' expert load since the build (step 1's)."""
+    out = []
+    for layout in layouts:
+        cfg = make_cfg(
+            world, layers=layout.get("layers", 2), **{k: v for k, v in layout.items() if k != "layers"}
+        )
+        model, mesh, plan = parallel_model(cfg)
+        dp_rank, dp_size = dp_mesh_info(mesh, plan)
+        run_steps(model, cfg, dp_rank, dp_size, plan.micro_batch_size, steps=1)
+        out.append(_step1_load(model))
+    return out
+
+
+def test_step1_expert_load_under_pp2_equals_one_process() -> None:
+    """Issue 25: step 1's expert load (what ``balance_row`` writes to metrics.jsonl) under pp=2 counts
+    the step's micro batches only, not the schedule's shape probe (one more forward of each stage on
+    its first step: the first micro batch again on stage 0, uninitialised inputs on stage 1): each
+    block's tokens per expert equal one process's over the same batch, exactly. 1F1B (one stage per
+    rank, the probe's input sent across ranks) and ZB-V (4 layers, 2 stages per rank, the probe's
+    shapes handed between one rank's stages)."""
+    zbv = {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2, "pp_microbatches": 4, "layers": 4}
+    results = run_ranks(_load_worker, 2, [{"pp": 2}, zbv])
+    for i, layers in enumerate((2, 4)):
+        cfg = make_cfg(1, layers=layers)
+        model = moe_decoder(cfg)
+        materialize(model, CPU, 0)
+        run_steps(model, cfg, 0, 1, GLOBAL_BATCH, steps=1)
+        want = _step1_load(model)
+        got = {name: v for rank in results for name, v in rank[i].items()}
+        assert got == want, (i, got, want)
+        assert sum(want["layers.0"][0]) == GLOBAL_BATCH * SEQ * 2  # every token's top-2, once
+    print(f"step 1's expert load under pp=2 (1F1B, ZB-V) = one process's: {want}")
 
 
 def test_global_scope_under_a_pipeline_becomes_layer_with_one_warning_line(

@@ -12,6 +12,7 @@ from framework.config.schema import (
     ActivationCheckpointing,
     CompileScope,
     Config,
+    Device,
     ExecutorMode,
     HardwareConfig,
     ModelConfig,
@@ -19,7 +20,10 @@ from framework.config.schema import (
 )
 from framework.launch.rules import check_option_fields
 from framework.models import build_model, num_params
+from framework.planner.cost import _EAGER_POINTWISE, _LOGIT_BYTES
 from framework.planner.plan import (
+    _COMPILED_LOGIT_BYTES,
+    _EAGER_LOGIT_BYTES,
     GIB,
     check_world_size,
     format_plan,
@@ -215,6 +219,34 @@ def test_bucketing_auto() -> None:
     plan = make_plan(fsdp)
     assert len(plan.bucket_sizes) == fsdp.model.n_layers + 1
     assert any("bucketing.auto does nothing under fsdp (dp_shard=4)" in w for w in plan.warnings)
+
+
+def test_an_eager_loss_head_under_compiled_blocks_is_planned_as_eager() -> None:
+    """``executor.compile_loss=false`` (the blocks compiled, the loss head eager, as torchtitan's 2024-12
+    runs): the head's pass over the logits costs the eager factor (``_EAGER_POINTWISE``) and keeps
+    the eager head's bytes per logit; the blocks' terms stay compiled. Refused under
+    ``executor.scope=model``, where the head is part of the one region."""
+    cfg = cfg_for("fsdp", [2])
+    cfg.executor.mode, cfg.run.device = ExecutorMode.compile, Device.cuda  # bf16: the heads differ
+    on = make_plan(cfg)
+    cfg.executor.compile_loss = False
+    off = make_plan(cfg)
+    m, hw = cfg.model, cfg.mesh.hardware
+    step_logits = cfg.train.global_batch_size // 2 * cfg.train.seq_len * m.vocab_size  # per rank
+    extra_s = step_logits * _LOGIT_BYTES * (_EAGER_POINTWISE - 1) / (hw.hbm_gbps * 1e9)
+    assert off.prediction.memory_s - on.prediction.memory_s == pytest.approx(extra_s, rel=1e-9)
+    assert off.prediction.compute_s == on.prediction.compute_s
+    micro_logits = cfg.train.micro_batch_size * cfg.train.seq_len * m.vocab_size
+    extra_bytes = micro_logits * (_EAGER_LOGIT_BYTES - _COMPILED_LOGIT_BYTES)
+    assert off.memory.total - on.memory.total == pytest.approx(extra_bytes, abs=8)
+    cfg = cfg_for("ddp", [1], gbs=1)
+    cfg.executor.mode, cfg.executor.scope, cfg.executor.compile_loss = (
+        ExecutorMode.compile,
+        CompileScope.model,
+        False,
+    )
+    with pytest.raises(ValueError, match=r"executor.compile_loss=false with executor.scope=model"):
+        make_plan(cfg)
 
 
 def test_compile_combinations_refused() -> None:
@@ -422,7 +454,9 @@ def test_held_units_that_do_not_fit_are_refused_with_their_memory() -> None:
     ):
         make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false"))
     # run.allow_over_memory launches it anyway, with the memory warning (which names the held units).
-    plan = make_plan(_composed("llama3_8b", *common, "sharding.reshard_after_forward=false", "run.allow_over_memory=true"))
+    plan = make_plan(
+        _composed("llama3_8b", *common, "sharding.reshard_after_forward=false", "run.allow_over_memory=true")
+    )
     assert any("of it FSDP units held unsharded for the step" in w for w in plan.warnings), plan.warnings
 
 
@@ -461,7 +495,10 @@ def test_schedule_micro_batch_rule_is_torchs() -> None:
             for k in range(2)
         ]  # fmt: skip
 
-    for cls, name in ((ScheduleInterleaved1F1B, "interleaved_1f1b"), (ScheduleInterleavedZeroBubble, "interleaved_zb")):
+    for cls, name in (
+        (ScheduleInterleaved1F1B, "interleaved_1f1b"),
+        (ScheduleInterleavedZeroBubble, "interleaved_zb"),
+    ):
         for pp in (2, 3, 4):
             for n in range(pp, 4 * pp + 3):
                 try:
@@ -489,11 +526,15 @@ def test_tied_embedding_under_pp_counts_its_two_transfers() -> None:
     untied = make_plan(_composed("qwen3_0_6b", *common, "model.tie_embeddings=false"))
     assert not [c for c in untied.comm if c.collective.startswith("tied_")]
     assert tied.prediction.exposed_comm_s > untied.prediction.exposed_comm_s
-    zbv = make_plan(_composed("qwen3_0_6b", *common, "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2"))
+    zbv = make_plan(
+        _composed("qwen3_0_6b", *common, "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2")
+    )
     assert not [c for c in zbv.comm if c.collective.startswith("tied_")]
 
 
-@pytest.mark.parametrize(("budget", "peak_gib"), [(0.8, 110.9), (0.9, 112.85), (0.95, 113.85), (0.98, 114.35)])
+@pytest.mark.parametrize(
+    ("budget", "peak_gib"), [(0.8, 110.9), (0.9, 112.85), (0.95, 113.85), (0.98, 114.35)]
+)
 def test_budget_memory_within_3_percent_of_the_one_h200_peaks(budget: float, peak_gib: float) -> None:
     """Llama-3-8B at 8K on one H200 under the compiler's budget (benchmarks/PERF.md, session 12): the
     peaks train.py measured. Linear in the budget, the plan said 127.8 GiB at 0.9 (+13%)."""

@@ -5,11 +5,14 @@ so that the trunk, FSDP's units and activation checkpointing see one block like 
 From ``model.moe`` (``framework.config.schema.MoEConfig``) to the layer's own config, the spec's
 entries for the router and the stacked experts (with their per-expert Hub names), and the balance
 figures of a step (``take_load``: per layer, read and reset by the trainer at its log rows), and
-those sums as state that a rebuild carries over (``routing_state``).
+those sums as state that a rebuild carries over (``routing_state``) or that a forward of no step's
+tokens leaves as they were (``routing_unchanged``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +210,25 @@ def set_routing_state(model: nn.Module, state: RoutingState) -> None:
         d.router_aux = aux
 
 
+@contextlib.contextmanager
+def routing_unchanged(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave ``model``'s routing figures as they were: the sums (``routing_state``:
+    the balance figures of ``balance_row``, the bias update's ``step_load``, the last ``stats``) and
+    each decoder's kept load-balancing terms (``aux_values``). For a forward that routes no step's
+    tokens: torch's pipeline schedule's shape probe on the first step (framework.parallel.pipeline),
+    which runs each stage once more, on the first micro batch or on uninitialised inputs (issue 25).
+    Restores rather than stops the counting hooks, so that a compiled region that traces them sees
+    no new global to guard on."""
+    state = routing_state(model)
+    kept = [(m, len(m.aux_values)) for m in model.modules() if isinstance(m, Decoder)]
+    try:
+        yield
+    finally:
+        set_routing_state(model, state)
+        for m, n in kept:
+            del m.aux_values[n:]
+
+
 def token_group_of(model: nn.Module) -> object | None:
     """The ranks holding the step's other tokens (``Decoder.token_group``, which framework.parallel
     sets) of ``model``, wrapped or not, a pipeline's stages included; None: this process alone."""
@@ -233,17 +255,15 @@ def update_expert_biases(model: nn.Module, group: object = None) -> None:
 
 
 @torch.no_grad()
-def take_aux(model: nn.Module, last: int | None = None) -> torch.Tensor | None:
+def take_aux(model: nn.Module) -> torch.Tensor | None:
     """The load-balancing term of the training forwards since the last call (before its
-    coefficient), the mean over those forwards (a step's micro batches; ``last``: over the last
-    that many only), summed over the decoders of ``model`` (one; or, given a pipeline stage, that
-    stage's share); resets it. None where no term was added (a dense model, a coefficient of 0, no
-    training forward)."""
+    coefficient), the mean over those forwards (a step's micro batches), summed over the decoders
+    of ``model`` (one; or, given a pipeline stage, that stage's share); resets it. None where no
+    term was added (a dense model, a coefficient of 0, no training forward)."""
     parts = []
     for m in model.modules():
         if isinstance(m, Decoder) and m.aux_values:
-            values = m.aux_values[-last:] if last else m.aux_values
-            parts.append(torch.stack(values).mean())
+            parts.append(torch.stack(m.aux_values).mean())
             m.aux_values = []
     return torch.stack(parts).sum() if parts else None
 
