@@ -191,9 +191,11 @@ def _float8_grouped_gpu() -> str | None:
 @pytest.mark.skipif(_float8_grouped_gpu() is not None, reason=str(_float8_grouped_gpu()))
 def test_float8_experts_train_close_to_bf16_on_gpu() -> None:
     """A tiny Qwen3-MoE (2 layers, dims multiples of 16) forward and backward under bf16 autocast,
-    float8 experts against bf16 ones from the same weights: loss within 5e-2 relative, every expert
-    weight's gradient within 5e-2 relative (norm of the difference), and torchao's float8 grouped
-    GEMM (``aten::_scaled_grouped_mm``) ran, forward and backward."""
+    float8 experts against bf16 ones from the same weights: loss within 5e-2 relative; every expert
+    weight's gradient within 0.1 relative (norm of the difference: e4m3 keeps 3 mantissa bits, about
+    3% per cast, and the gate/up weights' gradient passes through three float8 GEMMs) and pointing the
+    same way (cosine > 0.99); and torchao's float8 grouped GEMM (``aten::_scaled_grouped_mm``) ran,
+    forward and backward."""
     from torch.profiler import ProfilerActivity, profile
 
     from framework.kernels.float8_grouped import is_float8_kernel
@@ -209,7 +211,7 @@ def test_float8_experts_train_close_to_bf16_on_gpu() -> None:
             apply_float8(model, m)
         materialize(model, "cuda", seed=0)
         tokens = torch.randint(
-            0, m.vocab_size, (8, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+            0, m.vocab_size, (8, 65), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
         )
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -219,7 +221,11 @@ def test_float8_experts_train_close_to_bf16_on_gpu() -> None:
         grads = {n: p.grad.float() for n, p in model.named_parameters() if "experts" in n}
         runs[float8_on] = (loss.item(), grads, calls)
     (loss16, g16, calls16), (loss8, g8, calls8) = runs[False], runs[True]
-    assert calls16 == 0 and calls8 == 2 * 2 * 3  # 2 layers x 2 GEMMs x (forward, dgrad, wgrad)
+    # 2 layers x 2 GEMMs x (forward, input gradient, weight gradient)
+    assert calls16 == 0 and calls8 == 2 * 2 * 3, (calls16, calls8)
     assert abs(loss8 - loss16) <= 5e-2 * abs(loss16)
     for name, g in g16.items():
-        assert ((g8[name] - g).norm() / g.norm()).item() < 5e-2, name
+        assert ((g8[name] - g).norm() / g.norm()).item() < 0.1, name
+        assert torch.nn.functional.cosine_similarity(g8[name].flatten(), g.flatten(), dim=0).item() > 0.99, (
+            name
+        )
