@@ -9,7 +9,11 @@ the same module, ``framework.models``, like benchmarks/llama8b_8k.py's): bf16 au
 master weights, each block and the loss head compiled (``torch.compile``, fullgraph), fused AdamW
 stepped per parameter from its post-accumulate-grad hook on a side stream, random tokens (the same
 generator as ``data=synthetic``: the speed does not depend on them). The grouped GEMM's share is the
-device time of ``aten::_grouped_mm`` (forward and backward) per profiled step over the step's time.
+device time of ``aten::_grouped_mm`` (forward and backward) per profiled step over the step's time,
+with ``--float8`` of ``aten::_scaled_grouped_mm`` (torchao's float8 rowwise grouped GEMM on the
+experts, which every ``GroupedExperts`` then runs: ``GroupedExperts.float8``; its casts are not in
+the share). ``train.py`` with ``model.float8=rowwise`` does the same at this shape (the size filter
+keeps every Linear layer bf16).
 
 MFU: 6N + 12·L·H·Q·T per token with N the active parameters (top-8 of 128 experts; the framework's
 ``flops_per_token``), over 989 TFLOP/s dense bf16.
@@ -32,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PEAK_TFLOPS = 989.0
+# the grouped GEMMs' operators: bf16 (torch's grouped_mm) and float8 (torchao's, through torch)
+GROUPED_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
 
 
 def grouped_share(step: callable, steps: int = 2) -> tuple[float, float]:  # type: ignore[valid-type]
@@ -44,7 +50,7 @@ def grouped_share(step: callable, steps: int = 2) -> tuple[float, float]:  # typ
             step()
         torch.cuda.synchronize()
     events = p.key_averages()
-    gemm = sum(e.device_time_total for e in events if e.key == "aten::_grouped_mm")
+    gemm = sum(e.device_time_total for e in events if e.key in GROUPED_OPS)
     # the kernels' own rows: an operator's self device time is its kernels', counted there already
     kernels = sum(
         e.self_device_time_total
@@ -74,6 +80,12 @@ def hand(args: argparse.Namespace) -> None:
         m, moe=dataclasses.replace(m.moe, expert_kernel=config_mod.ExpertKernel(args.kernel))
     )
     model = build_model(m, args.seq)
+    if args.float8:
+        from framework.models.moe import GroupedExperts
+
+        for mod in model.modules():
+            if isinstance(mod, GroupedExperts):
+                mod.float8 = True  # run_experts: torchao's float8 rowwise grouped GEMM, groups padded to 16
     materialize(model, dev, seed=0)
     handles, side = attach_optimizer_in_backward(model, 3e-4, guard=args.guard)
     if args.compile:
@@ -109,7 +121,8 @@ def hand(args: argparse.Namespace) -> None:
     share = gemm_ms / (step_s * 1e3)
     row = {
         "what": f"hand {'compile' if args.compile else 'eager'} expert_kernel={args.kernel}"
-        + (" +norm/found_inf" if args.guard else ""),
+        + (" +norm/found_inf" if args.guard else "")
+        + (" float8 experts" if args.float8 else ""),
         "layers": args.layers, "seq": args.seq, "batch": args.batch,
         "params_b": num_params(m) / 1e9, "active_b": active_params(m) / 1e9,
         "tokens_per_s": tps, "step_ms": step_s * 1e3,
@@ -136,7 +149,7 @@ def table(args: argparse.Namespace) -> None:
         top = Path(r) / "profile" / "top_ops_rank0.json"
         share = None
         if top.exists() and d.get("step_p50_s"):  # one profiled step (run.profile_active=1)
-            ms = sum(o["self_ms"] for o in json.loads(top.read_text()) if o["name"] == "aten::_grouped_mm")
+            ms = sum(o["self_ms"] for o in json.loads(top.read_text()) if o["name"] in GROUPED_OPS)
             share = ms / (1e3 * d["step_p50_s"])
         rows.append({
             "what": f"train.py {Path(r).name}", "tokens_per_s": d.get("tokens_per_s"),
@@ -169,11 +182,16 @@ def main() -> None:
     h.add_argument("--kernel", default="grouped", choices=["grouped", "loop", "auto"])
     h.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     h.add_argument("--guard", action="store_true", help="the framework's per-gradient norm and skip")
+    h.add_argument(
+        "--float8", action="store_true", help="the experts in torchao's float8 rowwise grouped GEMM"
+    )
     h.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("--hand", nargs="*", default=[])
     t.add_argument("--runs", nargs="*", default=[])
     args = p.parse_args()
+    if args.cmd == "hand" and args.float8 and args.kernel == "loop":
+        p.error("--float8 runs the experts by the grouped GEMM: use --kernel grouped or auto")
     {"hand": hand, "table": table}[args.cmd](args)
 
 

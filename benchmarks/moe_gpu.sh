@@ -4,10 +4,16 @@
 #
 #   bash benchmarks/moe_gpu.sh PHASE...      (from the repo root on the GPU machine; tables in $OUT)
 #
-# Phases: setup (the wheels in .whl), probe (benchmarks/grouped_mm_probe.py), hand:KERNEL:EXEC (the
-# hand loop, e.g. hand:grouped:compile), fw:KERNEL:EXEC (one train.py run; PROFILE=1 adds a profiled
-# step), table (every run so far into $OUT/results.md).
-# Environment: LAYERS (8: fits with room, the planner predicts 75 GiB), SEQ (4096), BATCH (2), STEPS (12).
+# Phases: setup (the wheels in .whl), probe (benchmarks/grouped_mm_probe.py), hand:KERNEL:EXEC[:FLAG...]
+# (the hand loop, e.g. hand:grouped:compile; flags: guard, float8), fw:KERNEL:EXEC[:float8] (one
+# train.py run; PROFILE=1 adds a profiled step), table (every run so far into $OUT/results.md).
+# float8: the experts' grouped GEMMs in torchao's float8 rowwise (model.float8=$FLOAT8, rowwise by
+# default: at this shape its size filter keeps every Linear layer bf16, so only the experts change,
+# as in the hand loop's --float8), e.g. bf16 against float8 in one call:
+#   bash benchmarks/moe_gpu.sh setup hand:grouped:compile hand:grouped:compile:float8 \
+#     fw:grouped:compile fw:grouped:compile:float8 table
+# Environment: LAYERS (8: fits with room, the planner predicts 75 GiB), SEQ (4096), BATCH (2), STEPS (12),
+# FLOAT8 (rowwise).
 set -u
 OUT=${OUT:-outputs/moe_gpu}
 mkdir -p "$OUT" /tmp/r /tmp/site
@@ -35,10 +41,11 @@ for phase in "$@"; do
       echo "rc $?"; tail -8 "$OUT/probe.txt"
       ;;
     hand:*)
-      IFS=: read -r _ kernel exec guard <<< "$phase"  # hand:grouped:compile[:guard]
+      IFS=: read -r _ kernel exec flags <<< "$phase"  # hand:grouped:compile[:guard][:float8]
       flag=--compile; [[ $exec == eager ]] && flag=--no-compile
-      [[ -n ${guard:-} ]] && flag="$flag --guard"
-      name="hand_${kernel}_${exec}${guard:+_$guard}_L$LAYERS"
+      suffix=
+      for f in ${flags//:/ }; do flag="$flag --$f"; suffix="${suffix}_$f"; done
+      name="hand_${kernel}_${exec}${suffix}_L$LAYERS"
       # shellcheck disable=SC2086  # the flags are words
       timeout "${HAND_TIMEOUT:-240}" python3 benchmarks/moe_gpu.py hand --layers "$LAYERS" --seq "$SEQ" \
         --batch "$BATCH" --steps "$STEPS" --kernel "$kernel" $flag --out "/tmp/r/$name.json" \
@@ -46,9 +53,10 @@ for phase in "$@"; do
       echo "rc $?"; grep -E '^\{|Error|error' "/tmp/r/$name.log" | tail -3
       ;;
     fw:*)
-      IFS=: read -r _ kernel exec <<< "$phase"
-      name="fw_${kernel}_${exec}_L$LAYERS"
+      IFS=: read -r _ kernel exec f8 <<< "$phase"  # fw:grouped:compile[:float8]
+      name="fw_${kernel}_${exec}${f8:+_$f8}_L$LAYERS"
       ov="model.moe.expert_kernel=$kernel executor=$exec"
+      [[ ${f8:-} == float8 ]] && ov="$ov model.float8=${FLOAT8:-rowwise}"
       [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=8 run.profile_warmup=1 run.profile_active=1"
       # shellcheck disable=SC2086  # the overrides are words
       timeout "${FW_TIMEOUT:-240}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \

@@ -400,14 +400,18 @@ class ModelConfig:
     # flash-attn-4's kernels behind the flash backend (framework.kernels.fa4; sm90/sm100, `pip install -e ".[fa4]"`).
     attention: AttentionBackend = AttentionBackend.auto
     residual_dtype: ResidualDtype = ResidualDtype.autocast
-    # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only).
+    # Float8 GEMMs for the Linear layers (torchao, `pip install -e ".[float8]"`; CUDA sm89+ only),
+    # and for an MoE family's experts (torchao's float8 grouped GEMM, rowwise under either recipe;
+    # sm90/sm100 only; model.moe.expert_kernel auto or grouped; framework.kernels.float8).
     # The weights stay fp32 (checkpoints hold them): a float8 run resumes as bf16 and back.
     float8: Float8Recipe = Float8Recipe.none
     # Linear layers kept in bf16 under float8: any whose name contains one of these (the output head,
-    # whose 128K-vocabulary logits float8 would coarsen, and which is tied to the embedding).
+    # whose 128K-vocabulary logits float8 would coarsen, and which is tied to the embedding). The
+    # same for the MoE experts: add "experts" to keep them bf16.
     float8_skip: list[str] = field(default_factory=lambda: ["output"])
     # Also keep in bf16 the layers too small for float8 to pay (torchao's per-recipe thresholds,
-    # measured on H100); false converts every Linear whose dims are multiples of 16.
+    # measured on H100); false converts every Linear whose dims are multiples of 16. Not applied to
+    # the MoE experts (they convert wherever their dims are multiples of 16).
     float8_size_filter: bool = True
     # The output gradients' float8 format under tensorwise (rowwise is e4m3 throughout). e5m2,
     # torchao's default: over 3 seeds of the 125M at lr 6e-4 it ended +0.4% from bf16's loss and

@@ -10,11 +10,21 @@ The default filter follows torchtitan's float8 converter: keep the output head i
 needs them), and (``model.float8_size_filter``) keep the layers too small for float8 to pay, by
 torchao's per-recipe thresholds (measured on H100: below them the casts cost more than the faster
 GEMM saves; at the 125M's dim 768 float8 everywhere made a run slower).
+
+The MoE families' routed experts (``framework.models.moe.GroupedExperts``: two grouped GEMMs over
+stacked weights, no ``nn.Linear``) train in float8 too (``converts_experts``), by torchao's float8
+grouped GEMM (``torchao.prototype.moe_training``, ``framework.kernels.float8_grouped``). That kernel
+scales rowwise only, so the experts run rowwise under either recipe (``EXPERTS_RECIPE``; under
+``tensorwise`` the Linear layers stay tensorwise and the launcher says so in one line), as
+torchtitan's float8 converter does for its MoE modules; it needs ``torch._scaled_grouped_mm``, i.e.
+Hopper or Blackwell (``check_experts_device``). Keep them bf16 with ``model.float8_skip=[output,experts]``.
 """
 
 from __future__ import annotations
 
-from framework.config.schema import Float8Recipe, ModelConfig
+from collections.abc import Iterable
+
+from framework.config.schema import ExpertKernel, Float8Recipe, ModelConfig
 from framework.kernels.target import MissingPackage
 
 # Hopper (sm90) and Ada (sm89) have float8 tensor cores; torch._scaled_mm refuses older GPUs.
@@ -52,6 +62,62 @@ def converts(
     return not m.float8_size_filter or pays_off(recipe, out_features, in_features)
 
 
+# The recipe of the experts' float8 grouped GEMMs under either ``model.float8``: torchao's
+# ``_to_fp8_rowwise_then_scaled_grouped_mm`` (0.18) has no tensorwise variant.
+EXPERTS_RECIPE = Float8Recipe.rowwise
+# torch._scaled_grouped_mm's CUDA kernels: sm90 (Hopper) and sm100 (Blackwell) only; Ada (8.9) has
+# float8 tensor cores for torch._scaled_mm but no grouped kernel.
+EXPERTS_CAPABILITY_MAJORS = (9, 10)
+
+
+def converts_experts(m: ModelConfig, fqn: str, dims: Iterable[int]) -> bool:
+    """Do the stacked MoE experts at ``fqn`` (``layers.N.feed_forward.experts``) train in float8 under
+    ``m``? Under any recipe but ``none``, unless a ``model.float8_skip`` entry is in the name
+    (``experts``, or ``feed_forward.experts`` to keep the routed ones only), and only where every GEMM
+    dim (``dims``: the model dim and the expert width) is a multiple of 16 (the float8 kernels').
+    No size filter: torchao's thresholds are the dense Linear GEMM's, whose M is the micro batch's
+    tokens; a grouped GEMM's M is k times that, split over the experts, and torchtitan's MoE float8
+    converts the listed modules without one (the benchmark, benchmarks/moe_gpu.sh, measures it)."""
+    if m.float8 is Float8Recipe.none:
+        return False
+    if any(s in fqn for s in m.float8_skip):
+        return False
+    return all(d % 16 == 0 for d in dims)
+
+
+def check_experts(m: ModelConfig) -> None:
+    """Refuse float8 experts run by the per-expert loop (``model.moe.expert_kernel=loop``): float8
+    runs the grouped GEMM only. Call where the experts convert (``converts_experts``)."""
+    if m.moe.expert_kernel is ExpertKernel.loop:
+        raise ValueError(
+            f"model.float8={m.float8.value} trains the MoE experts by torchao's float8 grouped GEMM, but "
+            "model.moe.expert_kernel=loop runs them one by one: use model.moe.expert_kernel=auto or "
+            f"grouped, or keep the experts in bf16 (add 'experts' to model.float8_skip={m.float8_skip})"
+        )
+
+
+def experts_notice(recipe: Float8Recipe) -> str | None:
+    """The one warning line for ``tensorwise`` with float8 experts (they run rowwise), else None."""
+    if recipe is not Float8Recipe.tensorwise:
+        return None
+    return (
+        "model.float8=tensorwise: the MoE experts' grouped GEMMs train in float8 rowwise (torchao's "
+        "float8 grouped GEMM has no tensorwise recipe; model.float8_grad_dtype does not apply to them), "
+        "the Linear layers tensorwise; add 'experts' to model.float8_skip to keep the experts in bf16"
+    )
+
+
+def check_experts_device(recipe: Float8Recipe, capability: tuple[int, int] | None, name: str) -> None:
+    """Refuse float8 experts where ``torch._scaled_grouped_mm`` has no kernel (below Hopper, e.g. Ada's
+    8.9, which ``check_device`` lets through for the Linear layers). Call after ``check_device``."""
+    if capability is not None and capability[0] not in EXPERTS_CAPABILITY_MAJORS:
+        raise ValueError(
+            f"model.float8={recipe.value} trains the MoE experts by torch._scaled_grouped_mm, which needs "
+            f"compute capability 9.x or 10.x (Hopper, Blackwell); {name} is {capability[0]}.{capability[1]}: "
+            "add 'experts' to model.float8_skip (the experts stay bf16), or use model.float8=none"
+        )
+
+
 def check_device(
     recipe: Float8Recipe, device_type: str, capability: tuple[int, int] | None, name: str
 ) -> None:
@@ -70,12 +136,16 @@ def check_device(
         )
 
 
-def check_torchao(recipe: Float8Recipe) -> None:
-    """Refuse float8 when torchao is not installed (it is an extra): ``MissingPackage``."""
+def check_torchao(recipe: Float8Recipe, experts: bool = False) -> None:
+    """Refuse float8 when torchao is not installed (it is an extra), or (``experts``: float8 MoE
+    experts) has no ``torchao.prototype.moe_training`` (torchao >= 0.12): ``MissingPackage``."""
     if recipe is Float8Recipe.none:
         return
     try:
         import torchao.float8  # noqa: F401
+
+        if experts:
+            import torchao.prototype.moe_training  # noqa: F401
     except ImportError as e:
         raise MissingPackage(
             f'model.float8={recipe.value} needs torchao ({e}): pip install -e ".[float8]", or use '

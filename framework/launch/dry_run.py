@@ -6,7 +6,8 @@ of an N-rank job would, on the meta device (nothing is allocated). The per-rank 
 measured from the sharded model (``to_local()`` shapes of DTensors) and set next to the planner's
 estimate: if they disagree, the planner's model of the wrappers is wrong. Under ``model.float8`` the
 report also counts the Linear layers torchao swapped and the weights FSDP2 all-gathers in float8,
-next to the layers the planner counts (framework.models.linears.converted).
+next to the layers the planner counts (framework.models.linears.converted), and the MoE experts
+marked float8 (expert parallelism's runners included) next to ``linears.converted_experts``.
 
 The model is parallelized for the declared hardware's device type (``mesh.hardware.compute_capability``):
 for a GPU profile the executor's CUDA-only paths (``executor=cudagraphs``) are applied as a launch
@@ -49,6 +50,7 @@ class Measured:
     num_params: int  # parameter tensors (tied ones once)
     num_float8_layers: int  # torchao Float8Linear modules
     num_float8_all_gather: int  # weights FSDP2 all-gathers in float8
+    num_float8_experts: int = 0  # MoE experts modules marked float8 (GroupedExperts or their EP runner)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class DryRunReport:
     num_float8_layers: int = 0  # measured: Float8Linear modules on rank 0
     planned_float8_all_gather: int = 0  # float8 weights FSDP2 should all-gather in float8
     num_float8_all_gather: int = 0  # measured
+    planned_float8_experts: int = 0  # MoE experts modules the planner converts on rank 0
+    num_float8_experts: int = 0  # measured: marked float8 on rank 0
 
     @property
     def rel_error(self) -> float:
@@ -100,6 +104,12 @@ def planned_float8(cfg: Config, plan: Plan) -> tuple[int, int]:
     return layers, layers if gathered else 0
 
 
+def planned_float8_experts(cfg: Config, plan: Plan) -> int:
+    """MoE experts modules the planner converts (``linears.converted_experts``) on pp rank 0."""
+    chosen = {f"{g.fqn}.{g.param}" for g in linears.converted_experts(cfg.model)}
+    return sum(s.name in chosen for s in pp_rank_specs(cfg, plan, 0) if s.name.endswith(".gate_up_proj"))
+
+
 def _measure(cfg: Config, plan: Plan) -> Measured:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -119,7 +129,10 @@ def _measure(cfg: Config, plan: Plan) -> Measured:
             init_weights=False,
         )
         num_float8 = sum(is_float8(m) for m in sharded_model.modules())
-        return Measured(*local_param_bytes(sharded_model), num_float8, float8_all_gathered(sharded_model))
+        experts = sum(getattr(m, "float8", False) is True for m in sharded_model.modules())
+        return Measured(
+            *local_param_bytes(sharded_model), num_float8, float8_all_gathered(sharded_model), experts
+        )
     finally:
         dist.destroy_process_group()
 
@@ -179,6 +192,8 @@ def dry_run(cfg: Config, plan: Plan) -> DryRunReport:
         num_float8_layers=measured.num_float8_layers,
         planned_float8_all_gather=planned_gather,
         num_float8_all_gather=measured.num_float8_all_gather,
+        planned_float8_experts=planned_float8_experts(cfg, plan),
+        num_float8_experts=measured.num_float8_experts,
     )
 
 
@@ -192,6 +207,11 @@ def format_dry_run(report: DryRunReport) -> str:
             f"{report.num_float8_layers} (model.float8={report.float8.value}); all-gathered in float8 "
             f"by FSDP: planned {report.planned_float8_all_gather}, measured {report.num_float8_all_gather}"
         ]
+        if report.planned_float8_experts or report.num_float8_experts:
+            float8_lines.append(
+                f"  float8 MoE experts  planned {report.planned_float8_experts}, marked "
+                f"{report.num_float8_experts} (torchao's rowwise float8 grouped GEMM)"
+            )
     return "\n".join(
         [
             f"dry run: {p.strategy} on {p.world_size} ranks ({mesh}) in {report.wall_s:.2f} s",

@@ -291,15 +291,22 @@ def check_cudagraphs(cfg: Config, device: torch.device) -> None:
 def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     """``model.float8``: layers float8 can multiply (also per TP shard of degree ``tp``), float8
     tensor cores (the declared hardware's in a dry run, framework.kernels.target), torchao (a dry
-    run only warns)."""
+    run only warns); float8 MoE experts: the grouped GEMM's GPUs, and one line under tensorwise
+    (the experts run rowwise)."""
     recipe = cfg.model.float8
     if recipe is Float8Recipe.none:
         return
     linears.check_shapes(cfg.model, tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
+    experts = bool(linears.converted_experts(cfg.model))
+    if experts:
+        float8.check_experts_device(recipe, where.capability, where.name)
+        notice = float8.experts_notice(recipe)
+        if notice:
+            log.warning("%s", notice)
     with target.tolerate_missing_packages(where):
-        float8.check_torchao(recipe)
+        float8.check_torchao(recipe, experts)
 
 
 def check_fa4(cfg: Config, device: torch.device) -> None:

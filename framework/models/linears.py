@@ -1,6 +1,7 @@
 """The model's Linear layers as float8 sees them (``model.float8``): which of them convert, the
 refusals of a float8 config that converts none or whose TP shards float8 cannot multiply, and the
-saved activations that float8 saves (the planner's term).
+saved activations that float8 saves (the planner's term); and an MoE family's stacked experts, whose
+grouped GEMMs float8 also converts (``converted_experts``).
 
 Why here and not in ``framework.kernels.float8``: these walk the model's spec, and kernels sit below
 the models; the per-layer rules (``converts``, the size filter, the device and torchao checks) stay
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.config.schema import Float8Recipe, ModelConfig
-from framework.kernels.float8 import SAVED_BYTES_PER_INPUT, converts
+from framework.kernels.float8 import SAVED_BYTES_PER_INPUT, check_experts, converts, converts_experts
 from framework.models.registry import model_spec
 from framework.models.spec import TPStyle
 
@@ -45,18 +46,57 @@ def converted(m: ModelConfig) -> list[LinearShape]:
     return [s for s in linear_shapes(m) if converts(m, s.fqn, s.out_features, s.in_features)]
 
 
+@dataclass(frozen=True)
+class ExpertGemm:
+    """One grouped GEMM of an MoE layer's stacked experts (framework.models.moe.GroupedExperts):
+    ``num_experts`` weights of (out_features, in_features), each token running ``top_k`` of them."""
+
+    fqn: str  # the experts module, e.g. layers.0.feed_forward.experts
+    param: str  # gate_up_proj or down_proj
+    num_experts: int
+    out_features: int
+    in_features: int
+    top_k: int
+
+
+def expert_gemms(m: ModelConfig) -> list[ExpertGemm]:
+    """Every stacked-experts GEMM of the model, in module order, from its spec ([] for a dense one)."""
+    spec = model_spec(m)
+    return [
+        ExpertGemm(f"{unit}.{w.module}", w.param, *w.shape, m.moe.num_experts_per_tok)
+        for unit in spec.units()
+        for w in spec.block
+        if w.experts
+    ]
+
+
+def converted_experts(m: ModelConfig) -> list[ExpertGemm]:
+    """The expert GEMMs ``model.float8`` runs in float8 (torchao's grouped GEMM): a module's GEMMs
+    convert together (``framework.kernels.float8.converts_experts``), as ``apply_float8`` marks them."""
+    gemms = expert_gemms(m)
+    dims: dict[str, list[int]] = {}
+    for g in gemms:
+        dims.setdefault(g.fqn, []).extend((g.out_features, g.in_features))
+    return [g for g in gemms if converts_experts(m, g.fqn, dims[g.fqn])]
+
+
 def check_shapes(m: ModelConfig, tp: int = 1) -> None:
-    """Refuse a float8 config that converts nothing, or whose TP shards float8 cannot multiply.
+    """Refuse a float8 config that converts nothing, whose TP shards float8 cannot multiply, or whose
+    float8 experts the per-expert loop would run (``model.moe.expert_kernel=loop``).
 
     Raises ValueError naming the value and what would work. No-op for ``model.float8=none``.
     """
     if m.float8 is Float8Recipe.none:
         return
     chosen = converted(m)
-    if not chosen:
+    if converted_experts(m):
+        check_experts(m)
+    elif not chosen:
         dims = sorted({(s.out_features, s.in_features) for s in linear_shapes(m)})
         raise ValueError(
-            f"model.float8={m.float8.value} converts no Linear layer of {m.name}: each is in "
+            f"model.float8={m.float8.value} converts no Linear layer"
+            + (" and no MoE experts" if expert_gemms(m) else "")
+            + f" of {m.name}: each is in "
             f"model.float8_skip={m.float8_skip}, has a dim that is not a multiple of 16, or "
             + (
                 "is below the float8 size threshold (model.float8_size_filter=true)"

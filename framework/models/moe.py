@@ -11,7 +11,9 @@ The flow of ``MoE.forward`` on ``T`` tokens:
 2. ``sort_by_expert``: the ``T * k`` assignments sorted by expert; with a capacity factor, those past
    an expert's capacity are dropped (none is dropped by default) and counted.
 3. ``experts(x_sorted, counts)``: ``GroupedExperts`` runs all experts in two grouped GEMMs
-   (``torch.nn.functional.grouped_mm``) where the kernel takes the operands, else a per-expert loop.
+   (``torch.nn.functional.grouped_mm``) where the kernel takes the operands, else a per-expert loop;
+   under ``model.float8`` (``GroupedExperts.float8``, set by ``framework.parallel.float8``) torchao's
+   float8 rowwise grouped GEMM, on token groups padded to 16 rows (``pad_groups``).
 4. The outputs, scaled by the routing weights, are summed back per token; shared experts are added.
 
 Each forward leaves ``MoE.stats`` (``MoEStats``): the per-expert token counts, the router's probability
@@ -28,6 +30,7 @@ gate rows first, ``down_proj (E, D, I)``, router ``weight (E, D)``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -234,6 +237,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int, kernel: ExpertKernel = ExpertKernel.AUTO):
         super().__init__()
         self.kernel = kernel
+        # float8 grouped GEMMs (torchao's): set by framework.parallel.float8.apply_float8, a plain
+        # attribute (the state dict is the same with float8 on or off)
+        self.float8 = False
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
         nn.init.normal_(self.gate_up_proj, std=0.02)
@@ -244,7 +250,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``(N, D)``: rows sorted by expert, ``counts[e]`` rows for expert ``e``; returns ``(N, D)``."""
-        return run_experts(x, counts, self.gate_up_proj, self.down_proj, self.kernel)
+        return run_experts(x, counts, self.gate_up_proj, self.down_proj, self.kernel, self.float8)
 
     def loop_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The per-expert loop: the reference for the grouped path and the fallback (one host sync)."""
@@ -266,18 +272,26 @@ def use_grouped(kernel: ExpertKernel, x: torch.Tensor, gate_up: torch.Tensor, do
 
 
 def run_experts(
-    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, kernel: ExpertKernel
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    kernel: ExpertKernel,
+    float8: bool = False,
 ) -> torch.Tensor:
     """The experts ``gate_up (G, 2I, D)``, ``down (G, D, I)`` on ``x`` ``(N, D)``, rows sorted by
     expert (``counts (G,)``): ``GroupedExperts``' forward, and expert parallelism's on its local
     experts (framework.parallel.expert). Under autocast the operands are cast to its dtype first, as
     ``F.linear`` would be: ``grouped_mm`` is not on autocast's list, and traced (``torch.compile``) it
-    takes bf16 only."""
+    takes bf16 only. ``float8``: torchao's float8 grouped GEMMs on bf16 operands (``float8_experts``;
+    the launcher refused every config where they cannot run)."""
     device = x.device.type
     # meta (the freeze traces the meta-device model) has no autocast state: asking raises
     if device != "meta" and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    if float8:
+        return float8_experts(x, counts, gate_up, down)
     if use_grouped(kernel, x, gate_up, down):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = _grouped_mm(x, gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
@@ -288,6 +302,62 @@ def run_experts(
             y.register_hook(torch.Tensor.contiguous)
         return y
     return loop_experts(x, counts, gate_up, down)
+
+
+def pad_groups(counts: torch.Tensor, num_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``num_rows`` rows sorted by group (``counts (G,)`` per group) goes when every
+    group is padded with zero rows to a multiple of ``align`` rows (the float8 grouped GEMM's need):
+    ``(dest (num_rows,) int64, padded group ends (G,) int32, padded rows)``.
+
+    The padded rows are a static bound, ``num_rows + G (align - 1)`` rounded up to ``align`` (what
+    torchao's own padding allocates), so that ``torch.compile`` sees no data-dependent shape and the
+    host never syncs; the rows past the last padded group end belong to no group. Exact: a zero row
+    changes no other row of a GEMM's output, and adds zeros to the weight gradient's sums."""
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, 0)
+    ends = torch.cumsum(counts, 0)
+    shift = (padded_ends - padded) - (ends - counts)  # per group: padded start - start
+    row = torch.arange(num_rows, device=counts.device)
+    # a row's group: how many group ends lie at or before it (empty groups share their end)
+    group = torch.searchsorted(ends, row, right=True)
+    total = -(-(num_rows + counts.numel() * (align - 1)) // align) * align
+    return row + shift[group], padded_ends.to(torch.int32), total
+
+
+def padded_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    align: int,
+) -> torch.Tensor:
+    """The grouped SwiGLU experts by ``mm(a, b_t, offs)`` on token groups padded to ``align`` rows:
+    pad once, both GEMMs, unpad once (a zero row stays zero through SiLU(gate) * up). ``mm`` is
+    torchao's float8 GEMM (``float8_experts``), or ``_grouped_mm`` in the test that checks the
+    padding against the unpadded grouped path."""
+    dest, offs, total = pad_groups(counts, x.shape[0], align)
+    xp = x.new_zeros(total, x.shape[-1]).index_copy(0, dest, x)
+    gate, up = mm(xp, gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
+    y = mm(F.silu(gate) * up, down.transpose(-2, -1), offs)
+    # index_select's backward scatters the gradient into zeros: a dense gradient for torchao's
+    # backward (no broadcast one, cf. run_experts' hook), zero on every padding row
+    return y.index_select(0, dest)
+
+
+def float8_experts(
+    x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The experts in float8 (torchao's rowwise grouped GEMM, framework.kernels.float8_grouped) on
+    bf16 operands (autocast's on CUDA), bf16 out. Raises ValueError off CUDA (torchao's casts are
+    Triton kernels; the launcher refuses float8 there before launch)."""
+    from framework.kernels.float8_grouped import GROUP_ROWS, float8_grouped_mm
+
+    if x.device.type != "cuda":
+        raise ValueError(f"float8 MoE experts need a CUDA GPU (sm90/sm100); these operands are on {x.device}")
+    bf16 = torch.bfloat16
+    return padded_experts(x.to(bf16), counts, gate_up.to(bf16), down.to(bf16), float8_grouped_mm, GROUP_ROWS)
 
 
 def loop_experts(

@@ -48,6 +48,7 @@ class ExpertParallel(nn.Module):
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
         super().__init__()
         self.kernel = experts.kernel
+        self.float8 = experts.float8  # framework.parallel.float8 ran first (parallelize's order)
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
@@ -67,7 +68,12 @@ class ExpertParallel(nn.Module):
         routed = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         order = expert_major_order(recv)
         y = run_experts(
-            routed[order], recv.sum(0), _local(self.gate_up_proj), _local(self.down_proj), self.kernel
+            routed[order],
+            recv.sum(0),
+            _local(self.gate_up_proj),
+            _local(self.down_proj),
+            self.kernel,
+            self.float8,
         )
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

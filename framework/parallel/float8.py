@@ -8,6 +8,11 @@ their fp32 master values (``Float8Linear`` subclasses ``nn.Linear`` and casts in
 checkpoints, the per-name init and the fallback ladder's state carry-over see the same state dict
 with float8 on or off. Which layers convert is ``framework.kernels.float8.converts`` (shared with the
 planner and the refusals).
+
+An MoE family's stacked experts (``GroupedExperts``, no ``nn.Linear``) are not swapped: they are
+marked (``GroupedExperts.float8``) and run torchao's float8 grouped GEMM on their plain parameters
+(framework.kernels.float8_grouped), where ``framework.kernels.float8.converts_experts`` says so.
+Expert parallelism, applied later, carries the mark to its runner.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import torch
 from torch import nn
 
 from framework.config.schema import Float8GradDtype, Float8Recipe, ModelConfig
-from framework.kernels.float8 import converts
+from framework.kernels.float8 import converts, converts_experts
+from framework.models.moe import GroupedExperts
 
 
 def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8LinearConfig
@@ -45,10 +51,11 @@ def float8_config(m: ModelConfig, fsdp_all_gather: bool):  # -> torchao Float8Li
 
 
 def apply_float8(model: nn.Module, m: ModelConfig, fsdp_all_gather: bool = False) -> list[str]:
-    """Swap the Linear layers that ``framework.kernels.float8.converts`` picks; returns their names.
+    """Swap the Linear layers that ``framework.kernels.float8.converts`` picks and mark the MoE
+    experts that ``converts_experts`` picks; returns the Linear layers' names.
 
     ``fsdp_all_gather``: FSDP2 will shard this model over more than one rank. No-op (returns [])
-    for ``model.float8=none``. Raises RuntimeError when the filter picked nothing (the refusals
+    for ``model.float8=none``. Raises RuntimeError when the filters picked nothing (the refusals
     before launch make that unreachable from a config).
     """
     if m.float8 is Float8Recipe.none:
@@ -61,8 +68,21 @@ def apply_float8(model: nn.Module, m: ModelConfig, fsdp_all_gather: bool = False
 
     convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(m, fsdp_all_gather))
     names = [n for n, mod in model.named_modules() if isinstance(mod, Float8Linear)]
-    if not names:
-        raise RuntimeError(f"model.float8={m.float8.value} converted no Linear layer")
+    experts = mark_float8_experts(model, m)
+    if not names and not experts:
+        raise RuntimeError(f"model.float8={m.float8.value} converted no Linear layer and no MoE experts")
+    return names
+
+
+def mark_float8_experts(model: nn.Module, m: ModelConfig) -> list[str]:
+    """Set ``GroupedExperts.float8`` on the experts ``converts_experts`` picks; returns their names."""
+    names = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, GroupedExperts):
+            dims = (*mod.gate_up_proj.shape[1:], *mod.down_proj.shape[1:])
+            mod.float8 = converts_experts(m, name, dims)
+            if mod.float8:
+                names.append(name)
     return names
 
 

@@ -17,7 +17,9 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   Eager runs the pointwise work unfused (``_EAGER_POINTWISE``); so does an eager loss head over the
   logits under compiled blocks (``executor.compile_loss=false``).
 - **float8** (``model.float8``): the converted Linear layers' GEMMs run ``_FLOAT8_GEMM_SPEEDUP``
-  times faster, and their per-GEMM casts (amax, scale, cast of every operand) are memory-bound work.
+  times faster, and their per-GEMM casts (amax, scale, cast of every operand) are memory-bound work;
+  so do an MoE family's converted expert GEMMs (rowwise under either recipe), whose weight casts
+  cover every local expert's weights each micro batch.
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
   TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes and a pipeline's
   tied-embedding transfers (between backward and the optimizer step, and after it) sit on the
@@ -37,8 +39,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, Float8Recipe
+from framework.kernels.float8 import EXPERTS_RECIPE
 from framework.models import active_params, flops_per_token, model_spec
-from framework.models.linears import converted
+from framework.models.linears import converted, converted_experts
 from framework.planner.layout import loss_head_compiled, loss_parallel_on
 
 if TYPE_CHECKING:
@@ -121,6 +124,14 @@ _FLOAT8_ACT_FORWARD_BYTES = 5.0
 _FLOAT8_ACT_BACKWARD_BYTES = 5.0 + 3.0
 _FLOAT8_WEIGHT_BYTES = 9.0
 _FLOAT8_WEIGHT_BACKWARD_BYTES = 3.0
+# The MoE experts' float8 grouped GEMM (torchao.prototype.moe_training, framework.kernels.float8_grouped)
+# casts the bf16 copy autocast made (its fp32 -> bf16 cast is the bf16 path's too): per element of
+# every expert's weight an amax and a scaled cast (read 2, read 2, write 1) in forward, the same for
+# the transposed copy in backward. The activations' rowwise casts are costed as the Linear layers'
+# (per routed row: top_k rows a token). Counted from the code, not fitted; the zero-row padding
+# (fewer than 16 rows an expert) is not costed.
+_FLOAT8_EXPERT_WEIGHT_BYTES = 5.0
+_FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
 # the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied).
 _BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
@@ -173,22 +184,50 @@ def recompute_fraction(cfg: Config) -> float:
     return _RECOMPUTE.get(mode, 0.0)
 
 
-def _float8_terms(cfg: Config, recompute: float) -> tuple[float, float, float]:
-    """(flops per token of the Linear GEMMs ``model.float8`` converts, recompute included; the bytes
-    per token of their activation casts; the bytes of their weight casts per micro batch), all 0
-    without float8. The output head, when converted, is never recomputed."""
+@dataclass(frozen=True)
+class Float8Terms:
+    """What ``model.float8`` converts, per token (recompute included) or per micro batch; all 0
+    without float8."""
+
+    linear_flops: float  # per token: the converted Linear layers' GEMMs (at the configured recipe)
+    expert_flops: float  # per token: the converted MoE expert GEMMs (rowwise)
+    act_bytes: float  # per token: the activation casts of both
+    weight_bytes: float  # per micro batch: the Linear layers' weight casts
+    expert_weight_bytes: float  # per micro batch: every expert's weight casts (EP: / ep)
+
+
+def _float8_terms(cfg: Config, recompute: float) -> Float8Terms:
+    """What ``model.float8`` converts (``framework.models.linears.converted`` and
+    ``converted_experts``, as the swap does). The output head, when converted, is never recomputed;
+    each token runs ``top_k`` rows through an expert GEMM."""
     m = cfg.model
     if m.float8 is Float8Recipe.none:
-        return 0.0, 0.0, 0.0
+        return Float8Terms(0.0, 0.0, 0.0, 0.0, 0.0)
+    blocks = f"{model_spec(m).blocks}."
     flops = act = weight = 0.0
     for s in converted(m):
-        again = recompute if s.fqn.startswith(f"{model_spec(m).blocks}.") else 0.0
+        again = recompute if s.fqn.startswith(blocks) else 0.0
         w = float(s.out_features * s.in_features)
         flops += (6.0 + 2.0 * again) * w
-        act += _FLOAT8_ACT_FORWARD_BYTES * s.in_features * (1.0 + again)
-        act += _FLOAT8_ACT_BACKWARD_BYTES * s.out_features + 3.0 * s.in_features
+        act += _float8_act_bytes(s.out_features, s.in_features, again)
         weight += w * (_FLOAT8_WEIGHT_BYTES * (1.0 + again) + _FLOAT8_WEIGHT_BACKWARD_BYTES)
-    return flops, act, weight
+    e_flops = e_weight = 0.0
+    for g in converted_experts(m):
+        w = float(g.out_features * g.in_features)
+        e_flops += g.top_k * (6.0 + 2.0 * recompute) * w
+        act += g.top_k * _float8_act_bytes(g.out_features, g.in_features, recompute)
+        e_weight += (
+            g.num_experts
+            * w
+            * (_FLOAT8_EXPERT_WEIGHT_BYTES * (1.0 + recompute) + _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES)
+        )
+    return Float8Terms(flops, e_flops, act, weight, e_weight)
+
+
+def _float8_act_bytes(out_features: int, in_features: int, again: float) -> float:
+    """Bytes of one converted GEMM's activation casts per row (see ``_FLOAT8_ACT_FORWARD_BYTES``)."""
+    forward = _FLOAT8_ACT_FORWARD_BYTES * in_features * (1.0 + again)
+    return forward + _FLOAT8_ACT_BACKWARD_BYTES * out_features + 3.0 * in_features
 
 
 def _wave(m: int, n: int) -> float:
@@ -281,9 +320,11 @@ def predict_step(
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp
     recompute = recompute_fraction(cfg)
     flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
-    f8_flops, f8_bytes, f8_weight_bytes = _float8_terms(cfg, recompute)
+    f8 = _float8_terms(cfg, recompute)
     speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
-    compute_s = (flops - f8_flops + f8_flops / speedup) * tokens / d.tp / peak
+    expert_speedup = _FLOAT8_GEMM_SPEEDUP[EXPERTS_RECIPE]
+    f8_flops = f8.linear_flops / speedup - f8.expert_flops + f8.expert_flops / expert_speedup
+    compute_s = (flops - f8.linear_flops + f8_flops) * tokens / d.tp / peak
 
     width = m.n_layers * (2 * m.dim + m.ffn_dim)
     # A recomputed forward runs its pointwise work again (a third of the forward and backward's);
@@ -303,7 +344,7 @@ def predict_step(
     # float8's casts: the activations' per token (TP: each rank casts its shard), the weights' per
     # micro batch (this TP rank's whole weights, as the bf16 casts above)
     # (a pipeline rank: its share of both, below)
-    f8_casts = (tokens * f8_bytes + accum * f8_weight_bytes) / d.tp
+    f8_casts = (tokens * f8.act_bytes + accum * (f8.weight_bytes + f8.expert_weight_bytes / d.ep)) / d.tp
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
     optimizer_s = local * _ADAMW_BYTES / hbm

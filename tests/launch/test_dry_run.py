@@ -227,3 +227,23 @@ def test_large_moe_recipes_plan_a_layout_that_fits(recipe: str, mesh: str) -> No
     assert report.plan.degrees["ep"] > 1, format_dry_run(report)
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("shape", "pp", "ep"), [([4], 1, 1), ([4], 1, 2), ([4], 2, 2)], ids=["fsdp", "ep2", "pp2ep2"]
+)
+def test_float8_experts_marked_as_planned(shape: list[int], pp: int, ep: int) -> None:
+    """model.float8 on an MoE family, planned for H100s on this CPU: rank 0's experts that
+    ``parallelize`` marks float8 (expert parallelism's runners carry the mark) are the planner's."""
+    pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
+    base = compose_config("recipe=qwen3_moe_tiny", "model.float8=rowwise")
+    cfg = on(Config(model=base.model), "h100_sxm")
+    cfg.mesh.shape = shape
+    cfg.parallel.dp_shard, cfg.parallel.pp, cfg.parallel.ep = shape[0] // pp, pp, ep
+    cfg.train.seq_len = 32
+    cfg.train.global_batch_size = shape[0]
+    cfg.train.micro_batch_size = 1
+    report = resolved_dry_run(cfg)
+    text = format_dry_run(report)
+    assert report.num_float8_experts == report.planned_float8_experts == 4 // pp, text
+    assert f"float8 MoE experts  planned {4 // pp}, marked {4 // pp}" in text
