@@ -129,6 +129,9 @@ class Plan:
     # Loss parallelism (``parallel.loss_parallel`` under tp > 1, framework.parallel.tensor): the
     # logits stay sharded over the vocabulary on each TP rank. False without TP, or when turned off.
     loss_parallel: bool = False
+    # sharding.activation_memory_budget under activation_checkpointing=budget (None under any other
+    # mode): the value the compiler's partitioner gets, chosen by the search under auto.
+    activation_memory_budget: float | None = None
 
     @property
     def layout(self) -> Degrees:
@@ -474,6 +477,38 @@ def _activation_bytes(
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
         layers = kept * per_layer + (n - kept) * block_input + per_layer
     return int(layers * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
+
+
+def budget_of(cfg: Config) -> float | None:
+    """``sharding.activation_memory_budget`` where it applies (activation_checkpointing=budget), else None."""
+    if cfg.sharding.activation_checkpointing is ActivationCheckpointing.budget:
+        return cfg.sharding.activation_memory_budget
+    return None
+
+
+def largest_fitting_budget(
+    memory: MemoryEstimate, budget: float, low: tuple[float, int] | None = None
+) -> float | None:
+    """The largest ``activation_memory_budget`` in [``low``'s, ``budget``] under which the plan whose
+    ``memory`` was estimated at ``budget`` fits its device, as far as the chord below shows; None
+    if even ``low`` does not.
+
+    Only the activations change with the budget (_activation_bytes): each block keeps
+    max(its input, _BUDGET_KEPT x budget x what it saves by default), convex in the budget, and
+    linear above the kink where the budget's share passes the block input. So the chord from ``low``
+    (a budget and its activation bytes; by default ``full``'s activations at 0, above the budget's
+    there, which keeps one block input less) to ``budget`` lies above the model in between: where it
+    meets the room left on the device, the plan fits (a bound, never an overshoot), and from a
+    ``low`` above the kink the chord is the model itself.
+    """
+    room = memory.device - (memory.total - memory.activations)
+    top = memory.activations_by_mode["budget"]
+    if memory.activations <= room:
+        return budget
+    b0, a0 = low if low is not None else (0.0, memory.activations_by_mode["full"])
+    if room < a0 or top <= a0:
+        return None
+    return b0 + (budget - b0) * (room - a0) / (top - a0)
 
 
 def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
@@ -939,6 +974,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         warnings=tuple(warnings),
         **(pipe.fields() if pipe is not None else {}),
         loss_parallel=loss_parallel_on(cfg, tp),
+        activation_memory_budget=budget_of(cfg),
     )
 
 
@@ -1316,6 +1352,8 @@ def format_plan(plan: Plan) -> str:
     ]
     for mode, b in m.activations_by_mode.items():
         mark = "  <- chosen" if mode == plan.activation_checkpointing else ""
+        if mode == "budget" and plan.activation_memory_budget is not None:
+            mark += f" (sharding.activation_memory_budget={plan.activation_memory_budget:g})"
         lines.append(f"    acts {mode:<9}{_gib(b)}{mark}")
     lines.append(f"    total         {_gib(m.total)}  of {_gib(m.device).strip()} device")
     lines.append("  comm per step   axis         collective      n  link   calls   volume/rank      time")
