@@ -777,6 +777,7 @@ def _comm(
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
     if ep > 1:
         out += _ep_comm(cfg, ep, tp, cp, accum, layers)
+    out += _aux_comm(cfg, sizes, axes, accum, layers)
     return out
 
 
@@ -831,6 +832,41 @@ def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | N
     return [
         _collective(cfg, "ep", "all_to_all", ep, intra, forward, payload),
         _collective(cfg, "ep", "all_to_all_backward", ep, intra, backward, payload),
+    ]
+
+
+def _aux_comm(
+    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int, layers: int | None
+) -> list[CommEstimate]:
+    """The load-balancing loss's all-reduce (``model.moe.router_aux_loss_coef > 0``): each forward
+    sums the MoE layers' expert counts, probability sums and token counts over the ranks holding the
+    step's other tokens (framework.parallel.mesh.token_group: dp_replicate x dp_shard x cp, flattened
+    as ``dp_tokens``; tp and pp ranks see the same tokens) in one fp32 all-reduce, autograd's: its
+    backward all-reduces the gradient of the same size. ``aux_loss_scope=global``
+    (framework.models.moe.load_balancing_loss) sends the layer-summed 2 E + 1 values; ``layer``
+    (``layer_balancing_loss``, and always under a pipeline: framework.launch.entry.
+    aux_scope_under_pipeline) sends 2 E + 1 per layer. Once per micro batch, outside the checkpointed
+    blocks (the model's head computes it: never recomputed); under a pipeline once per stage a rank
+    holds (each stage's output carries its layers' share: moe.AuxLossAutoScaler). Nothing on one
+    data-parallel rank (token_group is None)."""
+    experts = num_experts(cfg.model)
+    if not experts or cfg.model.moe.router_aux_loss_coef <= 0:
+        return []
+    size = dict(zip(axes, sizes, strict=True))
+    group = tuple(a for a in (*DP_AXES, MeshAxis.cp) if size.get(a, 1) > 1)
+    ranks = math.prod(size[a] for a in group)
+    if ranks <= 1:
+        return []
+    pp = size.get(MeshAxis.pp, 1)
+    stages = cfg.parallel.pp_stages_per_rank if pp > 1 else 1
+    per_layer = pp > 1 or cfg.model.moe.aux_loss_scope.name == "layer"
+    n = cfg.model.n_layers if layers is None else layers  # every block of an MoE family is sparse
+    values = (2 * experts + 1) * (n // stages if per_layer else 1)
+    intra = _group_is_intra_node(sizes, axes, group, cfg.mesh.procs_per_node)
+    calls = accum * stages
+    return [
+        _collective(cfg, "dp_tokens", "aux_all_reduce", ranks, intra, calls, values * 4),
+        _collective(cfg, "dp_tokens", "aux_all_reduce_backward", ranks, intra, calls, values * 4),
     ]
 
 
@@ -1356,10 +1392,12 @@ def format_plan(plan: Plan) -> str:
             mark += f" (sharding.activation_memory_budget={plan.activation_memory_budget:g})"
         lines.append(f"    acts {mode:<9}{_gib(b)}{mark}")
     lines.append(f"    total         {_gib(m.total)}  of {_gib(m.device).strip()} device")
-    lines.append("  comm per step   axis         collective      n  link   calls   volume/rank      time")
+    lines.append(
+        "  comm per step   axis         collective               n  link   calls   volume/rank      time"
+    )
     for c in plan.comm:
         lines.append(
-            f"                  {c.axis:<12} {c.collective:<14} {c.group_size:>3}  {c.link:<5} {c.calls:>6} "
+            f"                  {c.axis:<12} {c.collective:<23} {c.group_size:>3}  {c.link:<5} {c.calls:>6} "
             f"{c.volume_bytes / MIB:>10.1f} MiB {c.time_s * 1e3:>9.2f} ms"
         )
     lines.append(f"                  total {plan.comm_time_s * 1e3:.2f} ms")
