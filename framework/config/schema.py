@@ -48,7 +48,8 @@ class ActivationCheckpointing(Enum):
     each block keeps every other matmul's output and attention's, and recomputes the rest;
     ``budget``: no checkpoint wrapper, the compiler's partitioner picks what to recompute so the
     saved activations stay under ``sharding.activation_memory_budget`` (compiled executors only);
-    ``auto``: the planner picks none, selective, selective_op or full (the fastest that fits)."""
+    ``auto``: the planner picks none, selective, selective_op or full, and under a compiled executor
+    budget at the largest activation_memory_budget that fits (the fastest that fits)."""
 
     none = "none"
     selective = "selective"

@@ -21,9 +21,9 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   so do an MoE family's converted expert GEMMs (rowwise under either recipe), whose weight casts
   cover every local expert's weights each micro batch.
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
-  TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes and a pipeline's
-  tied-embedding transfers (between backward and the optimizer step, and after it) sit on the
-  critical path. FSDP prefetches the next unit while one computes, so of its all-gathers the first
+  TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes, a pipeline's
+  tied-embedding transfers (between backward and the optimizer step, and after it) and an MoE
+  model's load-balancing all-reduces (latency-bound: 2 E + 1 floats) sit on the critical path. FSDP prefetches the next unit while one computes, so of its all-gathers the first
   unit's of each pass is exposed, and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
   last one of the step; the rest overlaps the compute by ``comm_overlap`` and never by more than
   the compute lasts (``exposed_comm``). A pipeline's stage-to-stage sends overlap the steady state;
@@ -133,8 +133,10 @@ _FLOAT8_WEIGHT_BACKWARD_BYTES = 3.0
 _FLOAT8_EXPERT_WEIGHT_BYTES = 5.0
 _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
-# the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied).
-_BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast")
+# the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied). An MoE
+# model's load-balancing all-reduce and its backward: the loss waits on the sums (funcol.wait_tensor
+# right after the all-reduce, framework.models.moe), and the routers' gradients on the backward's.
+_BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast", "aux_all_reduce", "aux_all_reduce_backward")
 
 
 @dataclass(frozen=True)

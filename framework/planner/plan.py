@@ -130,6 +130,9 @@ class Plan:
     # Loss parallelism (``parallel.loss_parallel`` under tp > 1, framework.parallel.tensor): the
     # logits stay sharded over the vocabulary on each TP rank. False without TP, or when turned off.
     loss_parallel: bool = False
+    # sharding.activation_memory_budget under activation_checkpointing=budget (None under any other
+    # mode): the value the compiler's partitioner gets, chosen by the search under auto.
+    activation_memory_budget: float | None = None
 
     @property
     def layout(self) -> Degrees:
@@ -484,6 +487,38 @@ def _activation_bytes(
     return int(layers * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
 
 
+def budget_of(cfg: Config) -> float | None:
+    """``sharding.activation_memory_budget`` where it applies (activation_checkpointing=budget), else None."""
+    if cfg.sharding.activation_checkpointing is ActivationCheckpointing.budget:
+        return cfg.sharding.activation_memory_budget
+    return None
+
+
+def largest_fitting_budget(
+    memory: MemoryEstimate, budget: float, low: tuple[float, int] | None = None
+) -> float | None:
+    """The largest ``activation_memory_budget`` in [``low``'s, ``budget``] under which the plan whose
+    ``memory`` was estimated at ``budget`` fits its device, as far as the chord below shows; None
+    if even ``low`` does not.
+
+    Only the activations change with the budget (_activation_bytes): each block keeps
+    max(its input, _BUDGET_KEPT x budget x what it saves by default), convex in the budget, and
+    linear above the kink where the budget's share passes the block input. So the chord from ``low``
+    (a budget and its activation bytes; by default ``full``'s activations at 0, above the budget's
+    there, which keeps one block input less) to ``budget`` lies above the model in between: where it
+    meets the room left on the device, the plan fits (a bound, never an overshoot), and from a
+    ``low`` above the kink the chord is the model itself.
+    """
+    room = memory.device - (memory.total - memory.activations)
+    top = memory.activations_by_mode["budget"]
+    if memory.activations <= room:
+        return budget
+    b0, a0 = low if low is not None else (0.0, memory.activations_by_mode["full"])
+    if room < a0 or top <= a0:
+        return None
+    return b0 + (budget - b0) * (room - a0) / (top - a0)
+
+
 def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
     """One layer's all-gathered K and V (this TP rank's KV heads, whole sequence) and their
     gradients during the ring's backward: what CP adds while one attention runs."""
@@ -750,6 +785,7 @@ def _comm(
         out += _cp_comm(cfg, cp, intra[MeshAxis.cp], accum, tp, layers)
     if ep > 1:
         out += _ep_comm(cfg, ep, tp, cp, accum, layers)
+    out += _aux_comm(cfg, sizes, axes, accum, layers)
     return out
 
 
@@ -804,6 +840,41 @@ def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | N
     return [
         _collective(cfg, "ep", "all_to_all", ep, intra, forward, payload),
         _collective(cfg, "ep", "all_to_all_backward", ep, intra, backward, payload),
+    ]
+
+
+def _aux_comm(
+    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int, layers: int | None
+) -> list[CommEstimate]:
+    """The load-balancing loss's all-reduce (``model.moe.router_aux_loss_coef > 0``): each forward
+    sums the MoE layers' expert counts, probability sums and token counts over the ranks holding the
+    step's other tokens (framework.parallel.mesh.token_group: dp_replicate x dp_shard x cp, flattened
+    as ``dp_tokens``; tp and pp ranks see the same tokens) in one fp32 all-reduce, autograd's: its
+    backward all-reduces the gradient of the same size. ``aux_loss_scope=global``
+    (framework.models.moe.load_balancing_loss) sends the layer-summed 2 E + 1 values; ``layer``
+    (``layer_balancing_loss``, and always under a pipeline: framework.launch.entry.
+    aux_scope_under_pipeline) sends 2 E + 1 per layer. Once per micro batch, outside the checkpointed
+    blocks (the model's head computes it: never recomputed); under a pipeline once per stage a rank
+    holds (each stage's output carries its layers' share: moe.AuxLossAutoScaler). Nothing on one
+    data-parallel rank (token_group is None)."""
+    experts = num_experts(cfg.model)
+    if not experts or cfg.model.moe.router_aux_loss_coef <= 0:
+        return []
+    size = dict(zip(axes, sizes, strict=True))
+    group = tuple(a for a in (*DP_AXES, MeshAxis.cp) if size.get(a, 1) > 1)
+    ranks = math.prod(size[a] for a in group)
+    if ranks <= 1:
+        return []
+    pp = size.get(MeshAxis.pp, 1)
+    stages = cfg.parallel.pp_stages_per_rank if pp > 1 else 1
+    per_layer = pp > 1 or cfg.model.moe.aux_loss_scope.name == "layer"
+    n = cfg.model.n_layers if layers is None else layers  # every block of an MoE family is sparse
+    values = (2 * experts + 1) * (n // stages if per_layer else 1)
+    intra = _group_is_intra_node(sizes, axes, group, cfg.mesh.procs_per_node)
+    calls = accum * stages
+    return [
+        _collective(cfg, "dp_tokens", "aux_all_reduce", ranks, intra, calls, values * 4),
+        _collective(cfg, "dp_tokens", "aux_all_reduce_backward", ranks, intra, calls, values * 4),
     ]
 
 
@@ -947,6 +1018,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         warnings=tuple(warnings),
         **(pipe.fields() if pipe is not None else {}),
         loss_parallel=loss_parallel_on(cfg, tp),
+        activation_memory_budget=budget_of(cfg),
     )
 
 
@@ -1324,12 +1396,16 @@ def format_plan(plan: Plan) -> str:
     ]
     for mode, b in m.activations_by_mode.items():
         mark = "  <- chosen" if mode == plan.activation_checkpointing else ""
+        if mode == "budget" and plan.activation_memory_budget is not None:
+            mark += f" (sharding.activation_memory_budget={plan.activation_memory_budget:g})"
         lines.append(f"    acts {mode:<9}{_gib(b)}{mark}")
     lines.append(f"    total         {_gib(m.total)}  of {_gib(m.device).strip()} device")
-    lines.append("  comm per step   axis         collective      n  link   calls   volume/rank      time")
+    lines.append(
+        "  comm per step   axis         collective               n  link   calls   volume/rank      time"
+    )
     for c in plan.comm:
         lines.append(
-            f"                  {c.axis:<12} {c.collective:<14} {c.group_size:>3}  {c.link:<5} {c.calls:>6} "
+            f"                  {c.axis:<12} {c.collective:<23} {c.group_size:>3}  {c.link:<5} {c.calls:>6} "
             f"{c.volume_bytes / MIB:>10.1f} MiB {c.time_s * 1e3:>9.2f} ms"
         )
     lines.append(f"                  total {plan.comm_time_s * 1e3:.2f} ms")

@@ -11,7 +11,8 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
 node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``_ep_options``), activation checkpointing under
-``sharding.activation_checkpointing=auto`` (none, selective, selective_op, full), and the micro batch when
+``sharding.activation_checkpointing=auto`` (none, selective, selective_op, full, and under a compiled
+executor the compiler's budget at the largest ``activation_memory_budget`` that fits: ``_budget_candidate``), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
 framework.planner.stages.held_for_step; chosen only where it fits and is faster). Anything else the
@@ -35,7 +36,7 @@ from framework.config.schema import (
 )
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
-from framework.planner.plan import GIB, Plan, plan_for, runs_on_cpu, with_degrees
+from framework.planner.plan import GIB, Plan, largest_fitting_budget, plan_for, runs_on_cpu, with_degrees
 
 # Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
 # sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
@@ -50,6 +51,12 @@ SEARCHED_AC = (
     ActivationCheckpointing.selective_op,
     ActivationCheckpointing.full,
 )
+# sharding.activation_checkpointing=budget under auto: the budgets weighed span those measured
+# (benchmarks/PERF.md): BUDGET_MIN, the lowest that fed the planner's fit (the 7B at 0.5, round 5),
+# BUDGET_MAX the highest that ran (Llama-3-8B at 8K on one H200, 114.4 GiB, session 12); above it
+# the partitioner nears its default partition (1.0 ran out of memory there), which the plan's
+# linear _BUDGET_KEPT does not model. BUDGET_STEP: a chosen budget is rounded down to it.
+BUDGET_MIN, BUDGET_MAX, BUDGET_STEP = 0.5, 0.98, 0.01
 TOP = 10
 # The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
 MAX_PP = 16
@@ -81,6 +88,15 @@ class Candidate:
     bubble_s: float = 0.0
     # FSDP: units resharded after each forward (True), or held unsharded for the step (False).
     reshard_after_forward: bool = True
+    # sharding.activation_memory_budget when activation_checkpointing is budget, else None.
+    activation_memory_budget: float | None = None
+
+    @property
+    def ac(self) -> str:
+        """The AC column: the mode, and the compiler's budget where it has one."""
+        if self.activation_memory_budget is None:
+            return self.activation_checkpointing
+        return f"{self.activation_checkpointing} {self.activation_memory_budget:g}"
 
     def short(self) -> str:
         v = f" v{self.pp_stages_per_rank}" if self.pp_schedule.startswith("interleaved") else ""
@@ -279,8 +295,14 @@ def _configure(
     micro: int,
     pipeline: tuple[PPSchedule, int, int] | None = None,
     reshard_after_forward: bool | None = None,
+    budget: float | None = None,
 ) -> Config:
+    """``cfg`` with one candidate's choices written in; ``budget`` (with ``ac`` budget) is its
+    ``sharding.activation_memory_budget``, else the user's is kept."""
     out = with_degrees(cfg, d)
+    if budget is not None:
+        sharding = dataclasses.replace(out.sharding, activation_memory_budget=budget)
+        out = dataclasses.replace(out, sharding=sharding)
     if reshard_after_forward is not None:
         out = dataclasses.replace(
             out, sharding=dataclasses.replace(out.sharding, reshard_after_forward=reshard_after_forward)
@@ -324,6 +346,7 @@ def _candidate(plan: Plan, device: int, reshard_after_forward: bool = True) -> C
         pp_stages_per_rank=plan.pp_stages_per_rank,
         bubble_s=p.bubble_s,
         reshard_after_forward=reshard_after_forward,
+        activation_memory_budget=plan.activation_memory_budget,
     )
 
 
@@ -351,6 +374,118 @@ def _why(c: Candidate, best: Candidate, device_gib: float) -> str:
     return f"{name}: {mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms ({what})"
 
 
+def _plan(
+    cfg: Config,
+    d: Degrees,
+    ac: ActivationCheckpointing,
+    micro: int,
+    pipe: tuple[PPSchedule, int, int] | None,
+    raf: bool,
+    errors: list[str],
+    budget: float | None = None,
+) -> Plan | None:
+    """The plan of one set of choices, or None (its refusal appended to ``errors``)."""
+    try:
+        return plan_for(_configure(cfg, d, ac, micro, pipe, raf, budget), d, check_memory=False)
+    except ValueError as e:
+        errors.append(str(e))
+        return None
+
+
+def _ac_candidates(
+    cfg: Config,
+    d: Degrees,
+    micro: int,
+    pipe: tuple[PPSchedule, int, int] | None,
+    device: int,
+    errors: list[str],
+) -> list[Candidate]:
+    """Layout ``d`` at ``micro`` under each AC mode (``_ac_options``) and reshard option."""
+    out = []
+    for ac in _ac_options(cfg):
+        if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
+            continue
+        for raf in _reshard_options(cfg, d, pipe):
+            plan = _plan(cfg, d, ac, micro, pipe, raf, errors)
+            if plan is not None:
+                out.append(_candidate(plan, device, raf))
+    return out
+
+
+def _searches_budget(cfg: Config) -> bool:
+    """Whether auto weighs the compiler's budget: under ``activation_checkpointing=auto`` with a
+    compiled executor (the partitioner enforces it; eager has none: plan._check_executor)."""
+    return (
+        cfg.sharding.activation_checkpointing is ActivationCheckpointing.auto
+        and cfg.executor.mode is not ExecutorMode.eager
+    )
+
+
+def _budget_candidates(
+    cfg: Config,
+    d: Degrees,
+    micro: int,
+    pipe: tuple[PPSchedule, int, int] | None,
+    device: int,
+    group: list[Candidate],
+    errors: list[str],
+) -> list[Candidate]:
+    """The compiler's budget for layout ``d`` at ``micro``, one per reshard option, where the search
+    weighs it (``_searches_budget``) and AC none does not fit there (``group``: this layout's
+    candidates, ``_ac_candidates``): none recomputes nothing and
+    keeps what a budget of 1.0 keeps, so where it fits it beats every budget."""
+    if not _searches_budget(cfg):
+        return []
+    out = []
+    none = ActivationCheckpointing.none.value
+    for raf in _reshard_options(cfg, d, pipe):
+        none_fits = any(
+            c.fits and c.activation_checkpointing == none and c.reshard_after_forward == raf for c in group
+        )
+        plan = None if none_fits else _budget_plan(cfg, d, micro, pipe, raf, errors)
+        if plan is not None:
+            out.append(_candidate(plan, device, raf))
+    return out
+
+
+def _budget_plan(
+    cfg: Config,
+    d: Degrees,
+    micro: int,
+    pipe: tuple[PPSchedule, int, int] | None,
+    raf: bool,
+    errors: list[str],
+) -> Plan | None:
+    """The compiler's budget at the largest ``activation_memory_budget`` in [BUDGET_MIN, BUDGET_MAX]
+    that fits (rounded down to BUDGET_STEP), or at BUDGET_MAX, not fitting, when none does.
+
+    One budget per layout, not a list: a larger budget keeps more and recomputes less
+    (cost.recompute_fraction), so of those that fit the largest is the fastest. Three plans at most:
+    at BUDGET_MAX, then at the budget ``plan.largest_fitting_budget`` bounds from its memory (the
+    chord from full's activations: it fits by construction, a step or so low), then at the one
+    the chord from that budget gives (the memory model's own line there: the largest that fits)."""
+    top = _plan(cfg, d, ActivationCheckpointing.budget, micro, pipe, raf, errors, BUDGET_MAX)
+    if top is None or _fits(top):
+        return top
+    best, low = top, None
+    for _ in range(2):
+        bound = largest_fitting_budget(top.memory, BUDGET_MAX, low)
+        if bound is None:
+            break
+        value = max(BUDGET_MIN, round(int(round(bound / BUDGET_STEP, 6)) * BUDGET_STEP, 2))
+        if low is not None and value <= low[0]:
+            break
+        plan = _plan(cfg, d, ActivationCheckpointing.budget, micro, pipe, raf, errors, value)
+        if plan is None or not _fits(plan):
+            break
+        best, low = plan, (value, plan.memory.activations_by_mode[ActivationCheckpointing.budget.value])
+    return best
+
+
+def _fits(plan: Plan) -> bool:
+    return plan.memory.total <= plan.memory.device
+
+
 def search(cfg: Config) -> SearchResult:
     """Plan and cost every feasible layout; choose the fastest that fits.
 
@@ -368,17 +503,8 @@ def search(cfg: Config) -> SearchResult:
                 cfg, d, cfg.sharding.activation_checkpointing, cfg.train.micro_batch_size, pipe
             )
             for micro in _micro_options(trial_cfg, d):
-                for ac in _ac_options(cfg):
-                    if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
-                        continue
-                    for raf in _reshard_options(cfg, d, pipe):
-                        trial = _configure(cfg, d, ac, micro, pipe, raf)
-                        try:
-                            plan = plan_for(trial, d, check_memory=False)
-                        except ValueError as e:
-                            errors.append(str(e))
-                            continue
-                        cands.append(_candidate(plan, device, raf))
+                group = _ac_candidates(cfg, d, micro, pipe, device, errors)
+                cands += group + _budget_candidates(cfg, d, micro, pipe, device, group, errors)
     if not cands and errors and fixed_degrees(cfg) is not None:
         raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
@@ -408,6 +534,7 @@ def _candidate_config(cfg: Config, c: Candidate) -> Config:
         c.micro_batch_size,
         _pipeline_of(c),
         c.reshard_after_forward,
+        c.activation_memory_budget,
     )
 
 
@@ -430,7 +557,7 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
     return (
         f"sharding=auto: nothing fits mesh.hardware.memory_gib={hw.memory_gib:g} (mesh.hardware.name="
         f"{hw.name}) on {world} ranks: the smallest layout ({smallest.short()}, activation_checkpointing="
-        f"{smallest.activation_checkpointing}, micro batch {smallest.micro_batch_size}) needs "
+        f"{smallest.ac}, micro batch {smallest.micro_batch_size}) needs "
         f"{smallest.memory_gib:.3g} GiB per rank ({state:.3g} GiB parameters, gradients and optimizer "
         f"state); it would fit a device with >= {smallest.memory_gib:.3g} GiB{more}, or a smaller "
         f"train.seq_len / model{held}; or set the real mesh.hardware.memory_gib, or "
@@ -448,7 +575,7 @@ def format_search(result: SearchResult, top: int = TOP) -> str:
     ]
     for i, c in enumerate(result.candidates[:top], 1):
         rows.append(
-            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.activation_checkpointing:<12} "
+            f"  {i:>2} {c.layout:<10} {c.short():<28} {c.ac:<12} "
             f"{c.micro_batch_size:>5} {c.grad_accum_steps:>5} {c.memory_gib:>7.1f} "
             f"{c.predicted_step_time_s * 1e3:>9.1f} {c.predicted_mfu:>6.1%} "
             f"{c.predicted_tokens_per_s:>12,.0f}  {c.reason}"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.checkpoint import Checkpointer
 from framework.config.schema import (
@@ -601,3 +602,47 @@ def test_checkpoint_resumes_bitwise_and_reshards_across_ep_degrees(tmp_path: Pat
     losses = [*ep2[0]["losses"], *one["losses"], *four[0]["losses"]]
     for got, want in zip(losses, ref_losses, strict=True):
         assert abs(got - want) <= RTOL * abs(want), (losses, ref_losses)
+
+
+class _AllReduces(TorchDispatchMode):
+    """Records the element count and dtype of every functional all-reduce (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.calls.append((args[0].numel(), args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def _aux_count_worker(rank: int, world: int, scope: str) -> dict:
+    """One step's forwards and backwards (2 micro batches a rank) under ``_AllReduces``, and the plan's
+    aux rows. No gradient clipping: its norm's all-reduce is not the aux loss's."""
+    cfg = make_cfg(world, AUX, scope, dp_shard=world)
+    cfg.train.micro_batch_size = GLOBAL_BATCH // world // 2
+    model, mesh, plan = parallel_model(cfg)
+    dp_rank, _ = dp_mesh_info(mesh, plan)
+    n = GLOBAL_BATCH // world
+    mine = batches()[0][dp_rank * n : (dp_rank + 1) * n]
+    micro = cfg.train.micro_batch_size
+    with _AllReduces() as seen:
+        for i in range(0, n, micro):
+            model(mine[i : i + micro, :-1], mine[i : i + micro, 1:]).backward()
+    rows = [(c.collective, c.calls, c.bytes_per_call) for c in plan.comm if c.collective.startswith("aux_")]
+    return {"seen": [(k, str(t)) for k, t in seen.calls], "planned": rows, "accum": plan.grad_accum_steps}
+
+
+@pytest.mark.parametrize(("scope", "values"), [("global", 2 * NUM_EXPERTS + 1), ("layer", 2 * (2 * NUM_EXPERTS + 1))])
+def test_planned_aux_all_reduce_is_what_the_runtime_sends(scope: str, values: int) -> None:
+    """Issue 25: the plan's comm table lists the load-balancing loss's all-reduce as the runtime runs
+    it on dp_shard=2 (2 layers, 8 experts): per micro batch one fp32 all-reduce of 2 E + 1 values
+    (global; 2 E + 1 per layer under layer) in forward, and one of the same size in backward."""
+    for r in run_ranks(_aux_count_worker, 2, scope):
+        assert r["accum"] == 2
+        assert r["seen"] == [(values, "torch.float32")] * 2 * r["accum"], r["seen"]
+        assert sorted(r["planned"]) == [
+            ("aux_all_reduce", r["accum"], values * 4),
+            ("aux_all_reduce_backward", r["accum"], values * 4),
+        ]

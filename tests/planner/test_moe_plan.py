@@ -93,3 +93,50 @@ def test_auto_weighs_ep_with_the_other_degrees() -> None:
     tp2 = Degrees(dp_replicate=1, dp_shard=8, cp=1, tp=2, pp=1)
     assert [d.ep for d in _ep_options(cfg, tp2)] == [1, 4, 8]
     assert result.chosen_cfg.parallel.ep == result.chosen.degrees["ep"]
+
+
+def _tiny_plan(*overrides: str):  # type: ignore[no-untyped-def]
+    from framework.launch.recipes import compose_recipe
+
+    return make_plan(compose_recipe("qwen3_moe_tiny", ["run.dry_run=true", *overrides]))
+
+
+def _aux_rows(plan) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    return {c.collective: c for c in plan.comm if c.collective.startswith("aux_all_reduce")}
+
+
+def test_aux_loss_all_reduce_listed_with_its_bytes_and_group() -> None:
+    """Issue 25: qwen3_moe_tiny (8 experts, 4 layers, router_aux_loss_coef 0.01) on dp_shard=4: each
+    micro batch's forward all-reduces the layer-summed counts, probability sums and token count
+    (2 E + 1 fp32, aux_loss_scope=global), and its backward the gradient of the same size, over the
+    4 data-parallel ranks; scope layer sends 2 E + 1 per layer. On the critical path: in the step time."""
+    e, layers = 8, 4
+    plan = _tiny_plan("mesh=4", "parallel.dp_shard=4", "train.micro_batch_size=2")
+    rows = _aux_rows(plan)
+    assert set(rows) == {"aux_all_reduce", "aux_all_reduce_backward"}
+    accum = plan.grad_accum_steps
+    assert accum == 2  # 16 sequences over 4 ranks in micro batches of 2: the all-reduce per micro batch
+    for c in rows.values():
+        assert (c.axis, c.group_size, c.link, c.calls) == ("dp_tokens", 4, "intra", accum)
+        assert c.bytes_per_call == (2 * e + 1) * 4
+    layer = _aux_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4", "model.moe.aux_loss_scope=layer"))
+    assert layer["aux_all_reduce"].bytes_per_call == layers * (2 * e + 1) * 4
+    off = _tiny_plan("mesh=4", "parallel.dp_shard=4", "model.moe.router_aux_loss_coef=0")
+    assert plan.prediction.exposed_comm_s > off.prediction.exposed_comm_s
+    assert "aux_all_reduce" in format_plan(plan)
+
+
+def test_aux_loss_all_reduce_per_stage_under_a_pipeline() -> None:
+    """Under pp the term is each stage's layers' (scope layer, whatever the config says): pp=2 on 4
+    ranks, dp_shard=2, 1F1B over 8 micro batches: 8 calls each way of 2 layers x (2 E + 1) fp32."""
+    plan = _tiny_plan("mesh=4", "parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch_size=1")
+    rows = _aux_rows(plan)
+    assert plan.pp_stages_per_rank == 1 and plan.grad_accum_steps == 8
+    for c in rows.values():
+        assert (c.group_size, c.calls, c.bytes_per_call) == (2, 8, 2 * (2 * 8 + 1) * 4)
+
+
+def test_no_aux_all_reduce_without_the_loss_or_other_data_ranks() -> None:
+    assert not _aux_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4", "model.moe.router_aux_loss_coef=0"))
+    assert not _aux_rows(_tiny_plan("mesh=1"))  # dp = 1: token_group is None
+    assert not _aux_rows(_tiny_plan("mesh=2", "parallel.tp=2"))  # tp ranks hold the same tokens

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import ActivationCheckpointing
 from framework.launch.recipes import compose_recipe
-from framework.planner.plan import GIB
+from framework.planner.plan import GIB, format_plan
 from framework.planner.resolve import make_plan, resolve_batch
 from framework.planner.search import format_search, search
 from tests.entry import train_main
@@ -195,3 +195,63 @@ def test_search_weighs_several_micro_batch_counts_under_pp() -> None:
     assert {c.activation_checkpointing for c in pp2} == {"none", "selective", "selective_op", "full"}
     sharded = [c for c in result.candidates if c.degrees["pp"] > 1 and c.degrees["dp_shard"] > 1]
     assert {c.reshard_after_forward for c in sharded if c.pp_schedule != "zbv"} == {True, False}
+
+
+_H200_8B_8K = [
+    "run.device=cuda", "mesh/hardware=h200", "train.seq_len=8192", "model.vocab_size=128256",
+    "train.global_batch_size=1", "train.micro_batch_size=1", "train.optimizer_in_backward=true",
+    "train.grad_clip=0", "sharding=auto",
+]  # fmt: skip
+
+
+def test_auto_weighs_the_compiler_budget_only_under_a_compiled_executor() -> None:
+    """Issue 28: under executor=compile auto weighs sharding.activation_checkpointing=budget (where
+    AC none does not fit: a device of 125 GiB, none planned at 131.3); eager has no partitioner to
+    enforce a budget, so never there."""
+    small = [*_H200_8B_8K, "mesh.hardware.memory_gib=125"]
+    compiled = search(compose_recipe("llama3_8b", [*small, "executor=compile"]))
+    budgets = [c for c in compiled.candidates if c.activation_checkpointing == "budget"]
+    assert budgets and all(c.activation_memory_budget is not None for c in budgets)
+    eager = search(compose_recipe("llama3_8b", [*small, "executor=eager"]))
+    assert {c.activation_checkpointing for c in eager.candidates} <= {"none", "selective", "selective_op", "full"}
+    assert all(c.activation_memory_budget is None for c in eager.candidates)
+
+
+def test_auto_picks_the_largest_budget_that_fits_where_none_does_not() -> None:
+    """With the memory of a small device AC none does not fit; the largest budget that does recomputes
+    least, so it wins (and is written into the chosen config and printed), the budget below 1.0."""
+    from framework.planner.search import BUDGET_MAX, BUDGET_MIN, BUDGET_STEP
+
+    for gib, want in ((125, BUDGET_MAX), (114, None)):  # 0.98 planned at 115.5 GiB
+        cfg = compose_recipe("llama3_8b", [*_H200_8B_8K, "executor=compile", f"mesh.hardware.memory_gib={gib}"])
+        result = search(cfg)
+        none = next(c for c in result.candidates if c.activation_checkpointing == "none")
+        best = result.chosen
+        assert not none.fits and best.fits and best.activation_checkpointing == "budget"
+        budget = best.activation_memory_budget
+        assert budget is not None and BUDGET_MIN <= budget < 1.0
+        assert budget == want if want else budget < BUDGET_MAX
+        chosen = result.chosen_cfg.sharding
+        assert (chosen.activation_checkpointing, chosen.activation_memory_budget) == (
+            ActivationCheckpointing.budget,
+            budget,
+        )
+        if want is None:  # derived, not the cap: the next step up would not fit
+            up = compose_recipe("llama3_8b", [
+                *_H200_8B_8K, "executor=compile", f"mesh.hardware.memory_gib={gib}",
+                "sharding.activation_checkpointing=budget",
+                f"sharding.activation_memory_budget={round(budget + BUDGET_STEP, 2)}",
+            ])  # fmt: skip
+            with pytest.raises(ValueError, match=f"nothing fits mesh.hardware.memory_gib={gib}"):
+                search(up)
+        assert f"budget {budget:g}" in format_search(result)
+        plan = make_plan(cfg)
+        assert plan.activation_memory_budget == budget
+        assert f"<- chosen (sharding.activation_memory_budget={budget:g})" in format_plan(plan)
+
+
+def test_auto_keeps_none_over_a_budget_where_none_fits() -> None:
+    """AC none recomputes nothing: where it fits no budget is faster, and none is chosen (the
+    compiled 8B at 8K on one H200: none planned at 131.3 GiB of 140.4)."""
+    result = search(compose_recipe("llama3_8b", [*_H200_8B_8K, "executor=compile"]))
+    assert result.chosen.activation_checkpointing == "none" and result.chosen.fits
