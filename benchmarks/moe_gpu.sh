@@ -56,7 +56,9 @@ for phase in "$@"; do
       IFS=: read -r _ kernel exec f8 <<< "$phase"  # fw:grouped:compile[:float8]
       name="fw_${kernel}_${exec}${f8:+_$f8}_L$LAYERS"
       ov="model.moe.expert_kernel=$kernel executor=$exec"
-      [[ ${f8:-} == float8 ]] && ov="$ov model.float8=${FLOAT8:-rowwise}"
+      # float8 on the experts alone (the attention's Linear layers and the head kept bf16; the size
+      # filter, which keeps this shape's experts bf16, off)
+      [[ ${f8:-} == float8 ]] && ov="$ov model.float8=${FLOAT8:-rowwise} model.float8_size_filter=false model.float8_skip=[output,attention]"
       [[ ${PROFILE:-0} == 1 ]] && ov="$ov run.profile=true run.profile_wait=8 run.profile_warmup=1 run.profile_active=1"
       # shellcheck disable=SC2086  # the overrides are words
       timeout "${FW_TIMEOUT:-240}" python3 train.py "${common[@]}" $ov ${FW_EXTRA:-} \

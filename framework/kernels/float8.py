@@ -73,16 +73,21 @@ EXPERTS_CAPABILITY_MAJORS = (9, 10)
 def converts_experts(m: ModelConfig, fqn: str, dims: Iterable[int]) -> bool:
     """Do the stacked MoE experts at ``fqn`` (``layers.N.feed_forward.experts``) train in float8 under
     ``m``? Under any recipe but ``none``, unless a ``model.float8_skip`` entry is in the name
-    (``experts``, or ``feed_forward.experts`` to keep the routed ones only), and only where every GEMM
-    dim (``dims``: the model dim and the expert width) is a multiple of 16 (the float8 kernels').
-    No size filter: torchao's thresholds are the dense Linear GEMM's, whose M is the micro batch's
-    tokens; a grouped GEMM's M is k times that, split over the experts, and torchtitan's MoE float8
-    converts the listed modules without one (the benchmark, benchmarks/moe_gpu.sh, measures it)."""
+    (``experts``, or ``feed_forward.experts`` to keep the routed ones only), only where every GEMM dim
+    (``dims``: (out, in) of each expert GEMM) is a multiple of 16 (the float8 kernels'), and, under
+    ``model.float8_size_filter``, only where every expert GEMM passes rowwise's size threshold
+    (``pays_off``): at Qwen3-30B-A3B's experts (2048 x 768) float8 made the step 15% slower on an
+    H200 (benchmarks/PERF.md, session 13: the casts cost more than the faster GEMMs save), so small
+    experts stay bf16 unless ``model.float8_size_filter=false``."""
     if m.float8 is Float8Recipe.none:
         return False
     if any(s in fqn for s in m.float8_skip):
         return False
-    return all(d % 16 == 0 for d in dims)
+    dims = list(dims)
+    if any(d % 16 for d in dims):
+        return False
+    pairs = zip(dims[::2], dims[1::2], strict=True)
+    return not m.float8_size_filter or all(pays_off(EXPERTS_RECIPE, n, k) for n, k in pairs)
 
 
 def check_experts(m: ModelConfig) -> None:
