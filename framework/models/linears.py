@@ -143,3 +143,24 @@ def saved_activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int) -> in
         return 0
     per_block = [s for s in converted(m) if s.fqn.startswith("layers.0.")]
     return int(SAVED_BYTES_PER_INPUT * tokens * sum(s.in_features for s in per_block)) // tp
+
+
+def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """The bf16 copies of one block's weights that bf16 autocast makes for its GEMMs: every Linear
+    that ``model.float8`` leaves in bf16 and every stacked expert GEMM it leaves in bf16 (2 bytes a
+    weight; TP shards the Linear layers, expert parallelism the experts). The planner counts them
+    where a compiled backward keeps them (framework.planner.plan)."""
+    linears = {s.fqn for s in converted(m)}
+    experts = {(g.fqn, g.param) for g in converted_experts(m)}
+    dense = sum(
+        s.out_features * s.in_features
+        for s in linear_shapes(m)
+        if s.fqn.startswith("layers.0.") and s.fqn not in linears
+    )
+    stacked = sum(
+        g.num_experts * g.out_features * g.in_features
+        for g in expert_gemms(m)
+        if g.fqn.startswith("layers.0.") and (g.fqn, g.param) not in experts
+    )
+    return 2 * (dense // tp + stacked // ep)
+

@@ -114,6 +114,11 @@ _CALIBRATION_SHAPE = (16 * 2048, 2048, 8192, 16, 32, 8, 128256)  # tokens, dim, 
 # the casts below costed: 1.74x, i.e. float8 GEMMs at 0.87 of the bf16 GEMMs' fraction of peak.
 # Rowwise (not measured here) takes the same factor; its heavier casts are not costed apart.
 _FLOAT8_GEMM_SPEEDUP = {Float8Recipe.tensorwise: 1.74, Float8Recipe.rowwise: 1.74}
+# model.float8_fast_accum: the two backward GEMMs (2/3 of a Linear's float8 FLOPs) this much faster
+# again. Llama-3-8B at 8K on one H200, tensorwise, the same machine (benchmarks/PERF.md, session 13):
+# 595.1 -> 579.5 ms a step; the float8 GEMMs' backward share of the profile is ~173 ms (2/3 of
+# `_scaled_mm`'s 259 ms), so 173 / (173 - 15.6) = 1.10. One measurement: a fit.
+_FAST_ACCUM_BACKWARD_SPEEDUP = 1.10
 # Tensorwise dynamic scaling casts every operand of a converted Linear per GEMM (torchao's
 # Float8Linear): its amax (read bf16, 2 bytes) then the scaled cast (read 2, write 1): 5 bytes per
 # element of the input in each forward (recomputed ones included) and of the output gradient in
@@ -325,7 +330,9 @@ def predict_step(
     f8 = _float8_terms(cfg, recompute)
     speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
     expert_speedup = _FLOAT8_GEMM_SPEEDUP[EXPERTS_RECIPE]
-    f8_flops = f8.linear_flops / speedup - f8.expert_flops + f8.expert_flops / expert_speedup
+    backward = _FAST_ACCUM_BACKWARD_SPEEDUP if m.float8_fast_accum else 1.0
+    linear = f8.linear_flops * (1 / 3 + 2 / 3 / backward) / speedup
+    f8_flops = linear - f8.expert_flops + f8.expert_flops / expert_speedup
     compute_s = (flops - f8.linear_flops + f8_flops) * tokens / d.tp / peak
 
     width = m.n_layers * (2 * m.dim + m.ffn_dim)

@@ -28,7 +28,7 @@ from framework.config.schema import (
     ModelConfig,
 )
 from framework.models import family, model_spec
-from framework.models.linears import saved_activation_bytes_per_layer
+from framework.models.linears import bf16_weight_copy_bytes_per_layer, saved_activation_bytes_per_layer
 from framework.models.parts.layout import op_saved_values
 from framework.planner import stages as pipeline_stages
 from framework.planner.cost import CommEstimate, StepPrediction, predict_step
@@ -487,6 +487,32 @@ def _activation_bytes(
     return int(layers * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
 
 
+def _weight_copy_bytes(
+    cfg: Config, tp: int, dp_shard: int, ep: int, mode: ActivationCheckpointing, layers: int | None
+) -> int:
+    """The bf16 copies of the blocks' weights that a compiled backward keeps (``none``: every block;
+    ``selective``: the blocks it does not checkpoint), where the peak is at the forward's end (the
+    optimizer steps in backward, so no whole gradient lands on top later).
+
+    Under bf16 autocast over fp32 weights the compiled forward casts each weight to bf16 for its
+    GEMM and the partitioner saves the copy for the backward's input-gradient GEMM. Measured on one
+    H200 (seq 8192, micro 1, no recompute, the optimizer in backward; benchmarks/PERF.md session
+    13): Llama-3-8B with 16 and 24 layers peaked 3.91 GiB a block apart where the plan without this
+    term said 3.55 (0.36 GiB more a block; the block's bf16 weights are 0.41 GiB), and Qwen3-30B-A3B
+    with 8 layers (its 128 experts' bf16 copies 1.1 GiB a block) peaked 84.8 GiB against 75.0
+    planned without it. Counted from the weights, not fitted. Not counted: float8 layers (they keep
+    their own float8 copy, inside float8's fit), FSDP gathering in bf16 (the gathered weight is
+    the GEMM's operand), and a step after backward, whose peak the sum of every gradient and every
+    activation already over-counts (the 7B rows of benchmarks/PERF.md's memory table)."""
+    if cfg.executor.mode is ExecutorMode.eager or not autocast_bf16(cfg) or not cfg.train.optimizer_in_backward:
+        return 0
+    if dp_shard > 1 and cfg.sharding.param_dtype is DType.bfloat16:
+        return 0
+    n = cfg.model.n_layers if layers is None else layers
+    kept = n if mode is ActivationCheckpointing.none else n - (n + 1) // 2
+    return kept * bf16_weight_copy_bytes_per_layer(cfg.model, tp, ep)
+
+
 def budget_of(cfg: Config) -> float | None:
     """``sharding.activation_memory_budget`` where it applies (activation_checkpointing=budget), else None."""
     if cfg.sharding.activation_checkpointing is ActivationCheckpointing.budget:
@@ -603,6 +629,9 @@ def _memory(
         for mode in ActivationCheckpointing
         if mode != ActivationCheckpointing.auto
     }
+    ep = max((k[2] for k in _kinds(specs)), default=1) or 1
+    for mode in (ActivationCheckpointing.none, ActivationCheckpointing.selective):
+        by_mode[mode.value] += _weight_copy_bytes(cfg, tp, dp_shard, ep, mode, layers)
     if cfg.executor.mode == ExecutorMode.eager:
         del by_mode[ActivationCheckpointing.budget.value]  # compiled executors only
     acts = by_mode[cfg.sharding.activation_checkpointing.value]

@@ -309,3 +309,30 @@ def test_grad_dtype_is_refused_where_it_does_nothing() -> None:
         ):
             check_option_fields(cfg)
     check_option_fields(Config(model=ModelConfig(float8=Float8Recipe.rowwise)))  # the default passes
+
+
+def test_fast_accum_reaches_every_swapped_layer_and_the_plan() -> None:
+    """``model.float8_fast_accum``: torchao's fast accumulation in the two backward GEMMs too (its
+    default: the forward only), on every swapped layer, either recipe; the planner costs the backward
+    GEMMs faster; without float8 the launcher refuses it (it would do nothing)."""
+    base = ModelConfig(float8=Float8Recipe.tensorwise, float8_size_filter=False)
+    for recipe in (Float8Recipe.tensorwise, Float8Recipe.rowwise):
+        for fast in (False, True):
+            m = dataclasses.replace(base, float8=recipe, float8_fast_accum=fast)
+            c = float8_config(m, fsdp_all_gather=False)
+            assert c.gemm_config_output.use_fast_accum  # torchao's default for the forward
+            assert (c.gemm_config_grad_input.use_fast_accum, c.gemm_config_grad_weight.use_fast_accum) == (fast, fast)
+            model = build_model(m, 32)
+            names = apply_float8(model, m)
+            configs = {model.get_submodule(n).linear_mm_config for n in names}
+            assert {(mm.grad_input.use_fast_accum, mm.grad_weight.use_fast_accum) for mm in configs} == {(fast, fast)}
+    from framework.launch.recipes import compose_recipe
+    from framework.planner.resolve import make_plan
+
+    common = ["run.device=cuda", "mesh/hardware=h200", "executor=compile", "model.float8=tensorwise",
+              "model.float8_size_filter=false", "train.seq_len=2048"]  # fmt: skip
+    slow = make_plan(compose_recipe("llama1b", common)).prediction.compute_s
+    fast = make_plan(compose_recipe("llama1b", [*common, "model.float8_fast_accum=true"])).prediction.compute_s
+    assert fast < slow
+    with pytest.raises(ValueError, match=r"^model.float8_fast_accum=True does nothing with model.float8=none"):
+        check_option_fields(Config(model=ModelConfig(float8_fast_accum=True)))
