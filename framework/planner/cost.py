@@ -23,8 +23,9 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
 - **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
   TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes, a pipeline's
   tied-embedding transfers (between backward and the optimizer step, and after it) and an MoE
-  model's load-balancing all-reduces (latency-bound: 2 E + 1 floats) sit on the critical path. FSDP prefetches the next unit while one computes, so of its all-gathers the first
-  unit's of each pass is exposed, and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
+  model's load-balancing all-reduces (latency-bound: 2 E + 1 floats) and its sigmoid routers'
+  bias-update all-reduces (E int64 a layer, once a step) sit on the critical path. FSDP prefetches
+  the next unit while one computes, so of its all-gathers the first unit's of each pass is exposed, and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
   last one of the step; the rest overlaps the compute by ``comm_overlap`` and never by more than
   the compute lasts (``exposed_comm``). A pipeline's stage-to-stage sends overlap the steady state;
   those of the fill and the drain (2 (pp v - 1) of them) are on the critical path.
@@ -140,8 +141,16 @@ _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
 # the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied). An MoE
 # model's load-balancing all-reduce and its backward: the loss waits on the sums (funcol.wait_tensor
-# right after the all-reduce, framework.models.moe), and the routers' gradients on the backward's.
-_BLOCKING_COLLECTIVES = ("tied_reduce", "tied_broadcast", "aux_all_reduce", "aux_all_reduce_backward")
+# right after the all-reduce, framework.models.moe), and the routers' gradients on the backward's. The
+# sigmoid routers' bias update: a blocking dist.all_reduce per layer in the optimizer step's post-hook,
+# after the update, with no compute of the step left to hide it; the next forward reads the biases.
+_BLOCKING_COLLECTIVES = (
+    "tied_reduce",
+    "tied_broadcast",
+    "aux_all_reduce",
+    "aux_all_reduce_backward",
+    "bias_all_reduce",
+)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from framework.config.schema import (
     ExecutorMode,
     FusedCrossEntropy,
     ModelConfig,
+    RouterScore,
 )
 from framework.models import family, model_spec
 from framework.models.linears import bf16_weight_copy_bytes_per_layer, saved_activation_bytes_per_layer
@@ -668,10 +669,12 @@ def _link(cfg: Config, intra: bool) -> tuple[float, float]:
 def _collective(
     cfg: Config, axis: str, kind: str, n: int, intra: bool, calls: int, payload: int
 ) -> CommEstimate:
-    """Ring collectives: all-reduce sends 2(n-1)/n of the payload in 2(n-1) steps; all-gather and
-    reduce-scatter send (n-1)/n in n-1 steps."""
+    """Ring collectives: all-reduce (any ``kind`` naming one: ``aux_all_reduce``, ``bias_all_reduce``)
+    sends 2(n-1)/n of the payload in 2(n-1) steps; all-gather and reduce-scatter send (n-1)/n in n-1
+    steps."""
     alpha, beta = _link(cfg, intra)
-    steps, factor = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
+    ring = "all_reduce" in kind
+    steps, factor = (2 * (n - 1), 2 * (n - 1) / n) if ring else (n - 1, (n - 1) / n)
     per_call = steps * alpha + factor * payload / beta
     volume = int(factor * payload * calls)
     return CommEstimate(
@@ -815,6 +818,7 @@ def _comm(
     if ep > 1:
         out += _ep_comm(cfg, ep, tp, cp, accum, layers)
     out += _aux_comm(cfg, sizes, axes, accum, layers)
+    out += _bias_comm(cfg, sizes, axes, layers)
     return out
 
 
@@ -890,8 +894,7 @@ def _aux_comm(
     if not experts or cfg.model.moe.router_aux_loss_coef <= 0:
         return []
     size = dict(zip(axes, sizes, strict=True))
-    group = tuple(a for a in (*DP_AXES, MeshAxis.cp) if size.get(a, 1) > 1)
-    ranks = math.prod(size[a] for a in group)
+    group, ranks = _token_group(size)
     if ranks <= 1:
         return []
     pp = size.get(MeshAxis.pp, 1)
@@ -905,6 +908,43 @@ def _aux_comm(
         _collective(cfg, "dp_tokens", "aux_all_reduce", ranks, intra, calls, values * 4),
         _collective(cfg, "dp_tokens", "aux_all_reduce_backward", ranks, intra, calls, values * 4),
     ]
+
+
+def _token_group(size: dict[MeshAxis, int]) -> tuple[tuple[MeshAxis, ...], int]:
+    """The axes and ranks of framework.parallel.mesh.token_group (``dp_tokens``): dp_replicate x
+    dp_shard x cp, those of more than one rank; tp and pp ranks hold the same tokens."""
+    group = tuple(a for a in (*DP_AXES, MeshAxis.cp) if size.get(a, 1) > 1)
+    return group, math.prod(size[a] for a in group)
+
+
+# The sigmoid router's per-expert counts are int64 (framework.models.moe.sort_by_expert scatter-adds
+# into the dtype of torch.topk's indices); the bias update all-reduces them as they are.
+_EXPERT_COUNT_BYTES = 8
+
+
+def _bias_comm(
+    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], layers: int | None
+) -> list[CommEstimate]:
+    """The sigmoid routers' bias update (DeepSeek-V3's aux-loss-free balancing: ``model.moe.
+    router_score=sigmoid`` with ``bias_update_rate > 0``): after each optimizer step (an optimizer
+    step post-hook, framework.train.runner._update_biases) every MoE layer a rank holds sums the step's
+    tokens per expert over ``dp_tokens`` (framework.models.parts.sparse.update_expert_biases: one
+    ``dist.all_reduce`` of E int64 per layer, one layer after another), so that every data-parallel
+    replica moves its biases alike. Once per step, not per micro batch (the counts accumulate over
+    the step's forwards); under a pipeline each rank sums its own stages' layers. Nothing where the
+    router is softmax (no bias), the rate is 0 (no hook) or one rank holds the step's tokens
+    (token_group is None)."""
+    moe = cfg.model.moe
+    experts = num_experts(cfg.model)
+    if not experts or moe.router_score is not RouterScore.sigmoid or moe.bias_update_rate <= 0:
+        return []
+    size = dict(zip(axes, sizes, strict=True))
+    group, ranks = _token_group(size)
+    if ranks <= 1:
+        return []
+    n = cfg.model.n_layers if layers is None else layers  # every block of an MoE family is sparse
+    intra = _group_is_intra_node(sizes, axes, group, cfg.mesh.procs_per_node)
+    return [_collective(cfg, "dp_tokens", "bias_all_reduce", ranks, intra, n, experts * _EXPERT_COUNT_BYTES)]
 
 
 def _cp_comm(

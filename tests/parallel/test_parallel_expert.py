@@ -10,6 +10,7 @@ the expensive part on a 2-core machine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -32,6 +33,7 @@ from framework.config.schema import (
     ExecutorMode,
     ModelFamily,
     PPSchedule,
+    RouterScore,
 )
 from framework.data.sampler import BatchSampler
 from framework.models import build_model, materialize
@@ -42,6 +44,7 @@ from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.expert import ExpertParallel, expert_major_order, shard_experts
 from framework.planner.resolve import make_plan
 from framework.train.loop import build_optimizer, build_scheduler, train_step
+from framework.train.runner import _update_biases
 from tests.dist import run_ranks
 
 TOKENS = 24  # per rank, layer tests
@@ -605,15 +608,19 @@ def test_checkpoint_resumes_bitwise_and_reshards_across_ep_degrees(tmp_path: Pat
 
 
 class _AllReduces(TorchDispatchMode):
-    """Records the element count and dtype of every functional all-reduce (forward and backward)."""
+    """Records the element count and dtype of every functional all-reduce (forward and backward) in
+    ``calls``, and of every tensor of ``dist.all_reduce``'s (c10d's in-place op) in ``c10d``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[int, torch.dtype]] = []
+        self.c10d: list[tuple[int, torch.dtype]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops._c10d_functional.all_reduce.default:
             self.calls.append((args[0].numel(), args[0].dtype))
+        elif func is torch.ops.c10d.allreduce_.default:
+            self.c10d += [(t.numel(), t.dtype) for t in args[0]]
         return func(*args, **(kwargs or {}))
 
 
@@ -646,3 +653,44 @@ def test_planned_aux_all_reduce_is_what_the_runtime_sends(scope: str, values: in
             ("aux_all_reduce", r["accum"], values * 4),
             ("aux_all_reduce_backward", r["accum"], values * 4),
         ]
+
+
+def _bias_count_worker(rank: int, world: int, rate: float) -> dict:
+    """One optimizer step (2 micro batches a rank, the load-balancing loss off, no clipping) of the
+    sigmoid router at bias update rate ``rate``, its bias update hooked onto the optimizer as the
+    runner hooks it (framework.train.runner), under ``_AllReduces``; and the plan's bias rows."""
+    cfg = make_cfg(world, dp_shard=world)
+    cfg.model.moe.router_aux_loss_coef = 0.0
+    cfg.model.moe.router_score = RouterScore.sigmoid
+    cfg.model.moe.bias_update_rate = rate
+    cfg.train.grad_clip = 0.0
+    cfg.train.micro_batch_size = GLOBAL_BATCH // world // 2
+    model, mesh, plan = parallel_model(cfg)
+    opt = build_optimizer(model, cfg.train, CPU)
+    sched = build_scheduler(opt, cfg.train)
+    if rate > 0:
+        opt.register_step_post_hook(functools.partial(_update_biases, model))
+    dp_rank, _ = dp_mesh_info(mesh, plan)
+    n, micro = GLOBAL_BATCH // world, cfg.train.micro_batch_size
+    mine = batches()[0][dp_rank * n : (dp_rank + 1) * n]
+    mbs = [(mine[i : i + micro, :-1], mine[i : i + micro, 1:]) for i in range(0, n, micro)]
+    with _AllReduces() as seen:
+        train_step(model, opt, sched, mbs, cfg.train.grad_clip, CPU)
+    biases = [m.expert_bias.tolist() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    rows = [(c.collective, c.group_size, c.calls, c.bytes_per_call) for c in plan.comm if c.collective == "bias_all_reduce"]
+    return {"seen": [(k, str(t)) for k, t in seen.c10d], "planned": rows, "biases": biases}
+
+
+def test_planned_bias_all_reduce_is_what_the_runtime_sends() -> None:
+    """Issue 25: the plan's comm table lists the sigmoid routers' bias update as the runtime runs it
+    on dp_shard=2 (2 layers, 8 experts, 2 micro batches a rank): after the optimizer step one
+    ``dist.all_reduce`` of E int64 counts per layer, once a step; the ranks' biases then agree. At
+    bias_update_rate 0 neither the runtime nor the plan has any."""
+    ranks = run_ranks(_bias_count_worker, 2, 0.001)
+    for r in ranks:
+        assert r["seen"] == [(NUM_EXPERTS, "torch.int64")] * 2, r["seen"]
+        assert r["planned"] == [("bias_all_reduce", 2, 2, NUM_EXPERTS * 8)]
+        assert len(r["biases"]) == 2 and any(b != 0.0 for bias in r["biases"] for b in bias)
+    assert ranks[0]["biases"] == ranks[1]["biases"]
+    for r in run_ranks(_bias_count_worker, 2, 0.0):
+        assert r["seen"] == [] and r["planned"] == [] and not any(b for bias in r["biases"] for b in bias)

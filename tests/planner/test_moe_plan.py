@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from framework.config.schema import Config, ModelConfig, ModelFamily, MoEConfig, Strategy
 from framework.models import active_params, flops_per_token, num_params
 from framework.planner.layout import Degrees
@@ -140,3 +142,49 @@ def test_no_aux_all_reduce_without_the_loss_or_other_data_ranks() -> None:
     assert not _aux_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4", "model.moe.router_aux_loss_coef=0"))
     assert not _aux_rows(_tiny_plan("mesh=1"))  # dp = 1: token_group is None
     assert not _aux_rows(_tiny_plan("mesh=2", "parallel.tp=2"))  # tp ranks hold the same tokens
+
+
+SIGMOID = ("model.moe.router_score=sigmoid", "model.moe.bias_update_rate=0.001")
+
+
+def _bias_rows(plan) -> list[object]:  # type: ignore[no-untyped-def]
+    return [c for c in plan.comm if c.collective == "bias_all_reduce"]
+
+
+def test_bias_update_all_reduce_listed_once_a_step_per_layer() -> None:
+    """Issue 25: qwen3_moe_tiny (8 experts, 4 layers) with the sigmoid router and bias_update_rate >
+    0 on dp_shard=4: after each optimizer step every layer all-reduces its E int64 token counts over
+    the 4 data-parallel ranks (framework.models.parts.sparse.update_expert_biases): 4 calls of 64
+    bytes a step, however many micro batches; on the critical path: in the step time."""
+    from framework.launch.recipes import compose_recipe
+
+    e, layers = 8, 4
+    plan = _tiny_plan("mesh=4", "parallel.dp_shard=4", "train.micro_batch_size=2", *SIGMOID)
+    assert plan.grad_accum_steps == 2  # the counts accumulate over the micro batches: still once
+    (row,) = _bias_rows(plan)
+    assert (row.axis, row.group_size, row.link, row.calls) == ("dp_tokens", 4, "intra", layers)
+    assert row.bytes_per_call == e * 8
+    assert row.volume_bytes == int(2 * 3 / 4 * e * 8 * layers)  # a ring all-reduce: 2 (n-1)/n
+    # against a fixed bias (same router, no update): the whole row is exposed, at link_efficiency
+    cfg = compose_recipe("qwen3_moe_tiny", ["run.dry_run=true", "mesh=4"])
+    fixed = _tiny_plan("mesh=4", "parallel.dp_shard=4", "train.micro_batch_size=2", SIGMOID[0])
+    assert plan.prediction.exposed_comm_s - fixed.prediction.exposed_comm_s == pytest.approx(
+        row.time_s / cfg.mesh.hardware.link_efficiency
+    )
+    assert "bias_all_reduce" in format_plan(plan)
+
+
+def test_bias_update_all_reduce_per_rank_layers_under_a_pipeline() -> None:
+    """pp=2 on 4 ranks, dp_shard=2: each rank sums its stage's 2 layers over its 2 data ranks, once
+    a step (8 micro batches)."""
+    plan = _tiny_plan("mesh=4", "parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch_size=1", *SIGMOID)
+    (row,) = _bias_rows(plan)
+    assert plan.grad_accum_steps == 8
+    assert (row.group_size, row.calls, row.bytes_per_call) == (2, 2, 8 * 8)
+
+
+def test_no_bias_all_reduce_without_the_update_or_other_data_ranks() -> None:
+    assert not _bias_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4"))  # softmax: no bias
+    assert not _bias_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4", SIGMOID[0]))  # rate 0: fixed bias
+    assert not _bias_rows(_tiny_plan("mesh=1", *SIGMOID))  # dp = 1: token_group is None
+    assert not _bias_rows(_tiny_plan("mesh=2", "parallel.tp=2", *SIGMOID))  # tp ranks hold the same tokens
