@@ -940,6 +940,13 @@ RULES: dict[str, Rule] = {
     "executor.backend": Rule(
         _backend_valid, _backend_ok, ("no_such_backend",), context=(("executor.mode", "compile"),)
     ),
+    "executor.compile_loss": Rule(
+        "true (default) or false, only with a compiled executor; false with executor.scope=model is refused",
+        checked_by="framework.launch.rules.check_option_fields (only_with executor.mode) and "
+        "framework.planner.plan (executor.scope=model)",
+        bad=("false",),
+        context=(("executor.scope", "model"),),
+    ),
     "executor.warmup_steps": integer(0),
     "executor.autotune": TYPED,
     "executor.cache_dir": Rule(
