@@ -649,7 +649,7 @@ RULES: dict[str, Rule] = {
     "model.float8_fast_accum": Rule(
         "true or false (default), only with model.float8=tensorwise or rowwise",
         checked_by="framework.launch.rules.check_option_fields (model.float8_fast_accum is only_with float8)",
-        bad=("true",),
+        bad=(True,),
     ),
     # Off CUDA (in a dry run: the declared hardware), a missing package (a dry run warns), executor.scope=model
     # and TP are refused by framework.kernels.fused_ce before launch.
@@ -944,8 +944,7 @@ RULES: dict[str, Rule] = {
         "true (default) or false, only with a compiled executor; false with executor.scope=model is refused",
         checked_by="framework.launch.rules.check_option_fields (only_with executor.mode) and "
         "framework.planner.plan (executor.scope=model)",
-        bad=("false",),
-        context=(("executor.scope", "model"),),
+        bad=(False,),
     ),
     "executor.warmup_steps": integer(0),
     "executor.autotune": TYPED,
