@@ -130,6 +130,9 @@ class PipelineModel(nn.Module):
         self.document_eos = stages[0].document_eos
         self.schedule: _PipelineSchedule | None = None
         self.pp_group: dist.ProcessGroup | None = None
+        # The stages' data-parallel ranks (framework.models.token_group_of): the wrapper registers
+        # their layers, not the stages, so no Decoder among its modules carries it.
+        self.token_group = stages[0].token_group
         self.loss = PipelineLoss()
         self.tied: TiedWeight | None = None
 
@@ -161,6 +164,11 @@ def is_pipeline(model: nn.Module) -> TypeGuard[PipelineModel]:
     """Whether ``model`` is the wrapper ``parallelize`` returns for ``pp > 1``: the one place that
     tells a pipeline from a plain model (everything else asks here, or the helpers below)."""
     return isinstance(model, PipelineModel)
+
+
+def pipeline_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The ranks of ``model``'s pipeline (each holds its own stages); None without a pipeline."""
+    return model.pp_group if is_pipeline(model) else None
 
 
 def called_modules(model: nn.Module) -> list[nn.Module]:

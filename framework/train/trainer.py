@@ -43,6 +43,7 @@ from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
 from framework.models import balance_row, build_model, flops_per_token, lora, num_params
 from framework.parallel import build_mesh, dp_mesh_info
+from framework.parallel.pipeline import pipeline_group
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
 from framework.planner.resolve import check_plan
@@ -269,7 +270,8 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
-        row |= balance_row(p.runner.model)  # an MoE family's expert balance since the last row
+        if p.cfg.model.moe.num_experts:  # an MoE family's expert balance since the last row
+            row |= balance_row(p.runner.model, pipeline_group(p.runner.model))  # every rank: a collective
         if r.aux is not None:  # the load-balancing term the step's loss added, before its coefficient
             row["moe_aux_loss"] = r.aux
         p.watch.check(s.step)

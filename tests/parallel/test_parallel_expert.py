@@ -482,6 +482,19 @@ def test_step1_expert_load_under_pp2_equals_one_process() -> None:
     print(f"step 1's expert load under pp=2 (1F1B, ZB-V) = one process's: {want}")
 
 
+def test_a_pipeline_wrapper_names_its_stages_token_group() -> None:
+    """``token_group_of`` on the pipeline wrapper (what the bias update and the balance row are given)
+    is its stages' data-parallel group: the wrapper registers the stages' layers, not the stages, and
+    found no Decoder, so under pp x dp the sigmoid routers' bias summed one rank's load only."""
+    from framework.models import token_group_of
+    from framework.parallel.pipeline import PipelineModel, cut_stage
+
+    stage = cut_stage(moe_decoder(make_cfg(2)), range(0, 1), True, False)
+    group = object()
+    stage.token_group = group
+    assert token_group_of(PipelineModel([stage], [0], 2)) is group and token_group_of(stage) is group
+
+
 def test_global_scope_under_a_pipeline_becomes_layer_with_one_warning_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -4,7 +4,7 @@ so that the trunk, FSDP's units and activation checkpointing see one block like 
 
 From ``model.moe`` (``framework.config.schema.MoEConfig``) to the layer's own config, the spec's
 entries for the router and the stacked experts (with their per-expert Hub names), and the balance
-figures of a step (``take_load``: per layer, read and reset by the trainer at its log rows), and
+figures of a step (``gather_load``: per layer, read and reset by the trainer at its log rows), and
 those sums as state that a rebuild carries over (``routing_state``) or that a forward of no step's
 tokens leaves as they were (``routing_unchanged``).
 """
@@ -12,10 +12,12 @@ tokens leaves as they were (``routing_unchanged``).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from framework.config.schema import ModelConfig
@@ -87,10 +89,14 @@ class SparseMLP(moe.MoE):
 
 
 def count_load(block: nn.Module, _args: object, _out: object) -> None:
-    """The sparse block's forward hook: its MoE layers' counts into their sums, except in a recompute
-    inside backward (activation checkpointing), which routes the same tokens again."""
-    if torch.compiler.is_exporting():
-        return  # a trace (the freeze, on meta): no token was routed
+    """The sparse block's forward hook: its MoE layers' counts into their sums, for training forwards
+    only. Not in a recompute inside backward (activation checkpointing), which routes the same tokens
+    again, nor without gradients (validation, ``framework.generate``, the verifier's numerics check):
+    their tokens are no step's, and counted they would enter the next metrics row and move the sigmoid
+    routers' bias (``update_expert_biases``). Grad mode, as ``keep_aux`` reads it: compiled, Dynamo
+    guards on it already, so the check adds no recompile."""
+    if torch.compiler.is_exporting() or not torch.is_grad_enabled():
+        return  # a trace (the freeze, on meta), or a forward of no step's tokens
     if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         return  # eager activation checkpointing's recompute (a compiled one reruns no hook)
     for m in block.modules():
@@ -231,7 +237,10 @@ def routing_unchanged(model: nn.Module) -> Iterator[None]:
 
 def token_group_of(model: nn.Module) -> object | None:
     """The ranks holding the step's other tokens (``Decoder.token_group``, which framework.parallel
-    sets) of ``model``, wrapped or not, a pipeline's stages included; None: this process alone."""
+    sets) of ``model``, wrapped or not, a pipeline's stages included (``PipelineModel.token_group``:
+    the wrapper registers its stages' layers, not the stages); None: this process alone."""
+    if not isinstance(model, Decoder) and hasattr(model, "token_group"):
+        return model.token_group
     return next((m.token_group for m in model.modules() if isinstance(m, Decoder)), None)
 
 
@@ -268,14 +277,57 @@ def take_aux(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(parts).sum() if parts else None
 
 
-def balance_row(model: nn.Module) -> dict[str, object]:
-    """The experts' balance for a metrics row, from the tokens this rank routed since the last row
-    (``take_load``; resets it): per sparse block the max / mean tokens per expert (``moe_load``, 1.0 is
-    a perfectly balanced router, ``num_experts / top_k`` one expert taking every token), the worst
-    block's (``moe_load_max``), the assignments dropped over capacity and their share (with a
-    ``model.moe.capacity_factor``). Empty for a dense model. (The load-balancing loss, ``moe_aux_loss``,
-    is the step's: ``framework.parallel.step.StepResult.aux``.)"""
-    loads = take_load(model)
+# A sparse block's index in the whole model, from its module name: "layers.3", also under a wrapper
+# ("_orig_mod.layers.3", "layers.3._checkpoint_wrapped_module"); a pipeline keeps the whole model's
+# keys (framework.parallel.pipeline.PipelineModel).
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@torch.no_grad()
+def gather_load(
+    model: nn.Module, pp_group: dist.ProcessGroup | None = None
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer index in the whole model, tokens routed per expert, dropped) of every sparse block, in
+    layer order, summed since the last call (resets them) over the ranks that hold the step's other
+    tokens (``token_group_of``: the data-parallel ranks) and gathered over ``pp_group`` (a pipeline's
+    ranks, each holding its own stages' layers): what one process counts over the same batch.
+
+    Collective over both groups: every rank calls it at the same steps, one with no sparse block
+    too (it then adds nothing). One all-reduce of ``L x (E + 1)`` integers and one gather of as many
+    over the pipeline (objects: the stages hold different layers), at log rows only."""
+    mine = []
+    for name, layer in sparse_layers(model):
+        found = LAYER_INDEX.search(name)
+        assert found is not None, f"sparse block {name!r} is not under the decoder's layers"
+        if layer.load is None or layer.dropped is None:  # no training forward yet: nothing routed
+            zeros = torch.zeros(layer.cfg.num_experts + 1, dtype=torch.long, device=layer.gate.weight.device)
+            mine.append((int(found.group(1)), zeros))
+            continue
+        mine.append((int(found.group(1)), torch.cat([layer.load, layer.dropped.reshape(1)])))
+        layer.load.zero_()
+        layer.dropped.zero_()
+    group = token_group_of(model)
+    if mine and group is not None and dist.is_initialized():
+        packed = torch.stack([t for _, t in mine])
+        dist.all_reduce(packed, group=group)  # type: ignore[arg-type]
+        mine = [(i, t) for (i, _), t in zip(mine, packed, strict=True)]
+    rows = [(i, t.cpu()) for i, t in mine]
+    if pp_group is not None and dist.is_initialized():
+        parts: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(parts, rows, group=pp_group)
+        rows = [row for part in parts for row in part]
+    return [(i, t[:-1], t[-1]) for i, t in sorted(rows, key=lambda row: row[0])]
+
+
+def balance_row(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, object]:
+    """The experts' balance for a metrics row, from the tokens the whole model routed since the last
+    row over the step's whole batch (``gather_load``: every sparse block, every data-parallel rank's
+    tokens; resets it; a collective, every rank calls it): per sparse block in layer order the max /
+    mean tokens per expert (``moe_load``, 1.0 is a perfectly balanced router, ``num_experts / top_k``
+    one expert taking every token), the worst block's (``moe_load_max``), the assignments dropped
+    over capacity and their share (with a ``model.moe.capacity_factor``). Empty for a dense model.
+    (The load-balancing loss, ``moe_aux_loss``, is the step's: ``framework.parallel.step.StepResult.aux``.)"""
+    loads = gather_load(model, pp_group)
     if not loads:
         return {}
     ratios = []
