@@ -138,6 +138,12 @@ _FLOAT8_WEIGHT_BACKWARD_BYTES = 3.0
 # (fewer than 16 rows an expert) is not costed.
 _FLOAT8_EXPERT_WEIGHT_BYTES = 5.0
 _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
+# ... and those casts run at 1/2.4 of the bandwidth the counts above assume: Qwen3-30B-A3B cut to 8
+# layers on one H200 (seq 4096 x 2, compiled; benchmarks/PERF.md, session 13) stepped 30.6 ms slower
+# with float8 experts, of which the grouped GEMMs saved 7.3 ms (the profile): 37.9 ms of casts and
+# padding against 15.7 ms counted (torchao's per-group rowwise scale kernels, the padding copies).
+# One measurement: a fit.
+_FLOAT8_EXPERT_CAST_SLOWDOWN = 2.4
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
 # the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied). An MoE
 # model's load-balancing all-reduce and its backward: the loss waits on the sums (funcol.wait_tensor
@@ -207,9 +213,10 @@ class Float8Terms:
 
     linear_flops: float  # per token: the converted Linear layers' GEMMs (at the configured recipe)
     expert_flops: float  # per token: the converted MoE expert GEMMs (rowwise)
-    act_bytes: float  # per token: the activation casts of both
+    act_bytes: float  # per token: the Linear layers' activation casts
     weight_bytes: float  # per micro batch: the Linear layers' weight casts
     expert_weight_bytes: float  # per micro batch: every expert's weight casts (EP: / ep)
+    expert_act_bytes: float = 0.0  # per token: the expert GEMMs' activation casts
 
 
 def _float8_terms(cfg: Config, recompute: float) -> Float8Terms:
@@ -218,7 +225,7 @@ def _float8_terms(cfg: Config, recompute: float) -> Float8Terms:
     each token runs ``top_k`` rows through an expert GEMM."""
     m = cfg.model
     if m.float8 is Float8Recipe.none:
-        return Float8Terms(0.0, 0.0, 0.0, 0.0, 0.0)
+        return Float8Terms(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     blocks = f"{model_spec(m).blocks}."
     flops = act = weight = 0.0
     for s in converted(m):
@@ -227,17 +234,17 @@ def _float8_terms(cfg: Config, recompute: float) -> Float8Terms:
         flops += (6.0 + 2.0 * again) * w
         act += _float8_act_bytes(s.out_features, s.in_features, again)
         weight += w * (_FLOAT8_WEIGHT_BYTES * (1.0 + again) + _FLOAT8_WEIGHT_BACKWARD_BYTES)
-    e_flops = e_weight = 0.0
+    e_flops = e_weight = e_act = 0.0
     for g in converted_experts(m):
         w = float(g.out_features * g.in_features)
         e_flops += g.top_k * (6.0 + 2.0 * recompute) * w
-        act += g.top_k * _float8_act_bytes(g.out_features, g.in_features, recompute)
+        e_act += g.top_k * _float8_act_bytes(g.out_features, g.in_features, recompute)
         e_weight += (
             g.num_experts
             * w
             * (_FLOAT8_EXPERT_WEIGHT_BYTES * (1.0 + recompute) + _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES)
         )
-    return Float8Terms(flops, e_flops, act, weight, e_weight)
+    return Float8Terms(flops, e_flops, act, weight, e_weight, e_act)
 
 
 def _float8_act_bytes(out_features: int, in_features: int, again: float) -> float:
@@ -362,7 +369,8 @@ def predict_step(
     # float8's casts: the activations' per token (TP: each rank casts its shard), the weights' per
     # micro batch (this TP rank's whole weights, as the bf16 casts above)
     # (a pipeline rank: its share of both, below)
-    f8_casts = (tokens * f8.act_bytes + accum * (f8.weight_bytes + f8.expert_weight_bytes / d.ep)) / d.tp
+    f8_casts = (tokens * f8.act_bytes + accum * f8.weight_bytes) / d.tp
+    f8_casts += _FLOAT8_EXPERT_CAST_SLOWDOWN * (tokens * f8.expert_act_bytes + accum * f8.expert_weight_bytes / d.ep) / d.tp
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
     optimizer_s = local * _ADAMW_BYTES / hbm
