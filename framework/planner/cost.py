@@ -25,7 +25,8 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   tied-embedding transfers (between backward and the optimizer step, and after it) and an MoE
   model's load-balancing all-reduces (latency-bound: 2 E + 1 floats) and its sigmoid routers'
   bias-update all-reduces (E int64 a layer, once a step) sit on the critical path. FSDP prefetches
-  the next unit while one computes, so of its all-gathers the first unit's of each pass is exposed, and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
+  the next unit while one computes, so of its all-gathers the first unit's of each pass is exposed,
+  and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
   last one of the step; the rest overlaps the compute by ``comm_overlap`` and never by more than
   the compute lasts (``exposed_comm``). A pipeline's stage-to-stage sends overlap the steady state;
   those of the fill and the drain (2 (pp v - 1) of them) are on the critical path.
@@ -216,7 +217,7 @@ class Float8Terms:
     act_bytes: float  # per token: the Linear layers' activation casts
     weight_bytes: float  # per micro batch: the Linear layers' weight casts
     expert_weight_bytes: float  # per micro batch: every expert's weight casts (EP: / ep)
-    expert_act_bytes: float = 0.0  # per token: the expert GEMMs' activation casts
+    expert_act_bytes: float  # per token: the expert GEMMs' activation casts
 
 
 def _float8_terms(cfg: Config, recompute: float) -> Float8Terms:
