@@ -338,6 +338,11 @@ def _kinds(specs: list[ParamSpec]) -> dict[tuple[Any, ...], int]:
     return _MEMO.get(specs, "kinds", count)
 
 
+def _ep_of(specs: list[ParamSpec]) -> int:
+    """The expert-parallel degree the specs were built for (1 for a dense model or ep = 1)."""
+    return max((k[2] for k in _kinds(specs)), default=1) or 1
+
+
 def sum_local(specs: list[ParamSpec], tp: int, dp_shard: int, which: str = "all") -> int:
     """``sum(local_numel(s, tp, dp_shard) for s in specs)`` over all of them, those with optimizer
     state (``which="optimizer"``) or the expert stacks under ep (``"experts"``); ``"max"``: the
@@ -630,7 +635,7 @@ def _memory(
         for mode in ActivationCheckpointing
         if mode != ActivationCheckpointing.auto
     }
-    ep = max((k[2] for k in _kinds(specs)), default=1) or 1
+    ep = _ep_of(specs)
     for mode in (ActivationCheckpointing.none, ActivationCheckpointing.selective):
         by_mode[mode.value] += _weight_copy_bytes(cfg, tp, dp_shard, ep, mode, layers)
     if cfg.executor.mode == ExecutorMode.eager:
@@ -766,7 +771,7 @@ def _comm(
     full_local = sum_local(specs, tp, 1)  # one TP rank's unsharded parameters
     # Expert stacks under ep are gathered over their own group, dp_shard x cp / ep ranks.
     expert_local = sum_local(specs, tp, 1, "experts")
-    ep = max((k[2] for k in _kinds(specs)), default=1) or 1
+    ep = _ep_of(specs)
     groups = [(shard_axis, shard, full_local - expert_local)]
     if expert_local:
         groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
