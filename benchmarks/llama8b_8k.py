@@ -170,6 +170,23 @@ def attn(args: argparse.Namespace) -> None:
         row = {"kernel": "varlen_attn", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
     print(json.dumps(row), flush=True)
     results.append(row)
+    # The model's own variable-length path (framework.models.parts.attention._varlen over
+    # document_spans): aten's flash op, FlashAttention-2's kernel; then flash-attn-4's, swapped in
+    # behind the same ops by framework.kernels.fa4 (process-wide: these rows come last).
+    from framework.kernels import fa4
+    from framework.models.parts.attention import _varlen
+    from framework.models.parts.masks import document_spans
+
+    spans = document_spans(doc)
+    bench("model varlen (aten flash: FA2), document mask", lambda: _varlen(q, k, v, spans), masked_fwd)
+    if fa4.installed() and fa4.registry_has_fa4():
+        fa4.activate()
+        bench("FA4 (SDPA flash backend), causal", sdpa(SDPBackend.FLASH_ATTENTION), causal_fwd)
+        bench("model varlen (FA4), document mask", lambda: _varlen(q, k, v, spans), masked_fwd)
+        one = document_spans(torch.zeros_like(doc))  # the whole row as one span: causal
+        bench("model varlen (FA4), one span (causal)", lambda: _varlen(q, k, v, one), causal_fwd)
+    else:
+        print(json.dumps({"kernel": "FA4", "error": f"not installed: {fa4.missing()}"}), flush=True)
     # The block mask's own cost: built once per step from the tokens' document ids.
     torch.cuda.synchronize()
     for name, kw in (("eager", {}), ("_compile=True", {"_compile": True})):
@@ -342,12 +359,14 @@ def hand(args: argparse.Namespace) -> None:
         assert numerics == "float8" or not converted, "bf16 variants go before float8 ones"
         for block in model.layers.values():
             block.save_norms = barrier
-        # The mask is the model's: document ids from the EOS positions, FlexAttention's block mask.
+        # The mask is the model's: document ids from the EOS positions, then FlexAttention's block
+        # mask, or under --attention flash|fa4 the flash kernel's variable-length form over the
+        # documents' spans (as train.py picks them).
         model.document_eos = eos if mask == "mask" else None
         if mask == "mask":
-            # FlexAttention under the mask whatever the unmasked kernel (CPU: the dense mask, as the
-            # framework: flex has no backward there).
-            model.document_flex = dev.type == "cuda"
+            # CPU: the dense mask, as the framework (flex has no backward there).
+            varlen = dev.type == "cuda" and args.attention in ("flash", "fa4")
+            model.document_flex = None if varlen else dev.type == "cuda"
         # bf16 keeps the compiler's activation budget (--budget: the partitioner recomputes the cheapest
         # ops until the saved activations fit that fraction); float8 saves its inputs in float8, fits
         # without (the default 1.0).

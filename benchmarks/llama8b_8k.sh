@@ -5,19 +5,26 @@
 #
 #   bash benchmarks/llama8b_8k.sh PHASE...      (from the repo root on the GPU machine; tables in $OUT)
 #
-# Phases: setup (the wheels in .whl, the documents), attn (the attention kernels at the shape),
+# Phases: setup (the wheels in .whl, the documents), fa4park + fa4 (flash-attn-4, carried in two calls:
+# .whl_fa4/a then .whl_fa4/b, see those phases), attn (the attention kernels at the shape),
 # fw:NAME (one train.py run, NAME from the list below), hand (the hand loop's variants, HAND_VARIANTS),
 # lora (benchmarks/lora_gpu.sh, issue 27), table (the table of every run so far, into $OUT/results.md),
 # pack (logs, profiles and JSON into $OUT/logs.tgz: a device call brings back at most 8 files).
 # The BPE is trained on this machine first (it is carried in .whl/bpe128k.json):
 #   python benchmarks/gpu_bench.py's write_documents, then
 #   python -m framework.data tokenizer train .whl/bpe128k.json DOCS.jsonl --vocab-size 128000
-# Environment: STEPS (12), ATTN (model.attention for the unmasked runs: auto), FW_EXTRA (more overrides),
+# Environment: STEPS (12), ATTN (model.attention for the unmasked runs and the hand loop: auto), FW_EXTRA
+# (more overrides: model.attention=fa4 runs the masked ones on FA4's variable-length kernel),
 # TAG (appended to a fw run's directory name, so one variant can run twice with other FW_EXTRA).
 set -u
 OUT=${OUT:-outputs/llama8b_8k}
 mkdir -p "$OUT" /tmp/r /tmp/site
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDUCTOR_CACHE_DIR=/tmp/ind PYTHONPATH=/tmp/site:$PWD
+# /tmp/site: the carried wheels (pip --target skips the CuTe DSL's .pth, hence its dsl_packages).
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline TORCHINDUCTOR_CACHE_DIR=/tmp/ind
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+# flash-attn-4 keeps its compiled kernels on disk: each run (its own process) reuses them.
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernels
+export TVM_FFI_CACHE_DIR=/tmp/tvm_ffi
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.py sets it itself
 STEPS=${STEPS:-12}
 ATTN=${ATTN:-auto}
@@ -61,8 +68,18 @@ for phase in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
       free -g | head -2
       ;;
+    fa4park)  # call 1: carry .whl_fa4/a (the first 60 MB of the CuTe DSL's 92 MB libs wheel) and park it
+      mkdir -p /tmp/fa4_parts && cp .whl_fa4/a/part.00 /tmp/fa4_parts/ && ls -la /tmp/fa4_parts
+      ;;
+    fa4)  # call 2, at once on the same warm machine: carry .whl_fa4/b (the rest and the other wheels)
+      whl=/tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+      cat /tmp/fa4_parts/part.00 .whl_fa4/b/part.01 > $whl
+      echo "50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90  $whl" | sha256sum -c || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl_fa4/b/*.whl $whl || exit 1
+      python3 -c "import torch, flash_attn.cute.interface, cutlass; print(torch.__version__, 'cutlass', cutlass.__version__)"
+      ;;
     attn)
-      timeout 100 python3 benchmarks/llama8b_8k.py attn --docs $DOCS --bpe $BPE \
+      timeout "${ATTN_TIMEOUT:-240}" python3 benchmarks/llama8b_8k.py attn --docs $DOCS --bpe $BPE \
         --out /tmp/r/attn.json > /tmp/r/attn.log 2>&1
       echo "rc $?"; grep '^{\|documents' /tmp/r/attn.log
       ;;

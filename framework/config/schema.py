@@ -639,8 +639,9 @@ class DataConfig:
     # corpora larger than disk or RAM. Resume skips records without tokenizing them.
     streaming: bool = only_with("data.source", DataSource.hf, default=False)
     # Attention stops at document boundaries (EOS) and RoPE positions restart at each document:
-    # FlexAttention with a block mask on CUDA (model.attention=auto), else SDPA with a dense mask
-    # (CPU: FlexAttention has no backward there).
+    # FlexAttention with a block mask on CUDA (model.attention=auto), the flash kernel's
+    # variable-length form over the documents (model.attention=flash|fa4, CUDA; fa4 is the fastest),
+    # else SDPA with a dense mask (CPU: FlexAttention has no backward there).
     document_mask: bool = False
     # Several sources with weights; when set, it replaces source/path. The source of each sample is a
     # deterministic function of (train.seed, sample index).

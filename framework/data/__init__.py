@@ -16,7 +16,14 @@ a checkpoint resumes on any number of data-parallel ranks with no sample skipped
 """
 
 from framework.data.cli import main
-from framework.data.pipeline import Pipeline, build_data, check_data, document_eos, follow_tokenizer_vocab
+from framework.data.pipeline import (
+    Pipeline,
+    build_data,
+    check_data,
+    check_document_kernel,
+    document_eos,
+    follow_tokenizer_vocab,
+)
 from framework.data.prepare import prepare
 from framework.data.sampler import (
     BatchSampler,
@@ -37,6 +44,7 @@ __all__ = [
     "StreamSampler",
     "build_data",
     "check_data",
+    "check_document_kernel",
     "follow_tokenizer_vocab",
     "document_eos",
     "load_corpus",

@@ -25,9 +25,11 @@ import torch
 
 from framework.config.schema import (
     AttentionBackend,
+    CompileScope,
     Config,
     DataConfig,
     DataSource,
+    ExecutorMode,
     TokenizerKind,
     TrainConfig,
 )
@@ -298,18 +300,8 @@ def check_token_digest(path: Path, tok: Tokenizer) -> None:
 
 
 def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
-    """``data.document_mask``, and packed SFT rows (which always mask each example by itself):
-    the flash kernels (``model.attention=flash|fa4``) take no mask, and the masked attention would
-    run another SDPA kernel without a word."""
-    if document_eos_of_sft(cfg) is not None and cfg.model.attention in (
-        AttentionBackend.flash,
-        AttentionBackend.fa4,
-    ):
-        raise ValueError(
-            f"model.attention={cfg.model.attention.value} with data=sft and data.sft_pack=true: packed "
-            "examples attend each within itself through a document mask, which the flash kernel does "
-            "not take; use model.attention=auto, efficient, cudnn or math, or data.sft_pack=false"
-        )
+    """``data.document_mask``: an EOS to split on, data that has documents. (Its kernel under
+    ``model.attention=flash|fa4`` is checked against the device: ``check_document_kernel``.)"""
     if not cfg.data.document_mask:
         return
     if tok.eos_id is None:
@@ -325,12 +317,29 @@ def check_document_mask(cfg: Config, tok: Tokenizer) -> None:
         )
     if not cfg.data.mix and cfg.data.source is DataSource.synthetic:
         raise ValueError("data.document_mask=true with data=synthetic: random tokens have no documents")
-    if cfg.model.attention in (AttentionBackend.flash, AttentionBackend.fa4):
+
+
+def check_document_kernel(cfg: Config, device_type: str) -> None:
+    """Document masks (``data.document_mask``, packed SFT rows) under ``model.attention=flash|fa4``
+    run the flash kernel's variable-length form (framework.models.parts.attention), which is CUDA's
+    only, and count the documents on the host before each forward, which a whole-model graph cannot
+    hold. ``device_type``: where the run's attention runs (the declared hardware's in a dry run)."""
+    attention = cfg.model.attention
+    masked = cfg.data.document_mask or document_eos_of_sft(cfg) is not None
+    if not masked or attention not in (AttentionBackend.flash, AttentionBackend.fa4):
+        return
+    what = "data.document_mask=true" if cfg.data.document_mask else "data=sft with data.sft_pack=true"
+    if device_type != "cuda":
         raise ValueError(
-            f"data.document_mask=true with model.attention={cfg.model.attention.value}: the flash kernel "
-            "takes no attention mask; "
-            "use model.attention=auto (FlexAttention on CUDA, SDPA with a dense mask elsewhere), "
-            "efficient, cudnn or math (SDPA with a dense mask)"
+            f"{what} with model.attention={attention.value} on {device_type}: the flash kernel's "
+            "variable-length form runs on CUDA only; use model.attention=auto (SDPA with a dense mask "
+            "here), efficient or math"
+        )
+    if cfg.executor.mode is not ExecutorMode.eager and cfg.executor.scope is CompileScope.model:
+        raise ValueError(
+            f"{what} with model.attention={attention.value} and executor.scope=model: the flash "
+            "kernel's document spans are counted on the host before each forward, which one whole-model "
+            "graph cannot hold; use executor.scope=block, or model.attention=auto (FlexAttention)"
         )
 
 

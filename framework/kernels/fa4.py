@@ -16,6 +16,7 @@ its device (``framework.models.materialize``). ``check`` refuses before launch w
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from functools import partial
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from framework.config.schema import AttentionBackend, Config
+from framework.config.schema import ActivationCheckpointing, AttentionBackend, Config
 from framework.kernels.target import MissingPackage
 
 IMPL = "FA4_framework"  # this module's entry in torch's registry (torch's own is "FA4")
@@ -92,8 +93,8 @@ def check(
 ) -> None:
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
-    attention ops itself), on a torch without the registry, or without the package. (The document
-    mask, which no flash kernel takes, is refused with the other data checks, sft's packed rows too.)
+    attention ops itself), on a torch without the registry, or without the package. (Document
+    masks run its variable-length form: framework.data.check_document_kernel.)
     The last two are ``MissingPackage``: a dry run only warns of them (framework.kernels.target).
     ``head_dim``: the model's head size, from its spec (the caller reads it: kernels sit below models)."""
     if cfg.model.attention is not AttentionBackend.fa4:
@@ -167,3 +168,47 @@ def _flash_attn_bwd(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tens
     """flash-attn-4's backward: (dq, dk, dv) (a fourth, the sink's gradient, only with a sink)."""
     dq, dk, dv, *_ = importlib.import_module(KERNELS)._flash_attn_bwd(*args, **kwargs)
     return dq, dk, dv
+
+
+@functools.cache
+def flop_counter_takes_gqa() -> bool:
+    """Does this torch's flop counter count the flash op with fewer key/value heads than query heads?
+    The compiler's activation memory budget weighs recompute by it; torch 2.11's ``sdpa_flop_count``
+    asserts equal head counts, so a GQA model's compile failed there under ``budget`` with the flash
+    kernels (2.13's counts it). Probed once on meta tensors: no device, no kernel."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.empty(1, 4, 128, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.bfloat16)
+    try:
+        with FlopCounterMode(display=False):
+            torch.ops.aten._scaled_dot_product_flash_attention(q, kv, kv, 0.0, True)
+    except (AssertionError, RuntimeError):
+        return False
+    return True
+
+
+def budget_fails(cfg: Config, gqa_counted: bool) -> bool:
+    """Would the compiler's activation budget fail to compile this model's attention? The flash
+    kernels (``model.attention=flash|fa4``) on a GQA model, unmasked (a document mask runs the
+    variable-length op, which every torch here counts), where the flop counter cannot count it
+    (``gqa_counted``: ``flop_counter_takes_gqa()``). The search leaves ``budget`` out there."""
+    m = cfg.model
+    flash = m.attention in (AttentionBackend.flash, AttentionBackend.fa4)
+    return flash and m.n_heads != m.n_kv_heads and not cfg.data.document_mask and not gqa_counted
+
+
+def check_budget(cfg: Config, gqa_counted: bool) -> None:
+    """Refuse a user's ``activation_checkpointing=budget`` where ``budget_fails``: the compile would
+    fail at the first step."""
+    if cfg.sharding.activation_checkpointing is not ActivationCheckpointing.budget:
+        return
+    if budget_fails(cfg, gqa_counted):
+        m = cfg.model
+        raise ValueError(
+            f"model.attention={m.attention.value} with sharding.activation_checkpointing=budget: torch "
+            f"{torch.__version__}'s flop counter, which the budget's partitioner uses, rejects the flash "
+            f"kernel with {m.n_kv_heads} key/value heads for {m.n_heads} query heads (fixed in torch "
+            "2.13); use activation_checkpointing=none, selective or full, model.attention=auto, or a "
+            "newer torch"
+        )

@@ -112,6 +112,18 @@ def experts_notice(recipe: Float8Recipe) -> str | None:
     )
 
 
+def fast_accum_notice(fast_accum: bool) -> str | None:
+    """The one warning line for ``model.float8_fast_accum=true``, else None: measured to diverge
+    where the default did not (benchmarks/PERF.md, session 14), so it is not a free speed-up."""
+    if not fast_accum:
+        return None
+    return (
+        "model.float8_fast_accum=true: fast accumulation in the backward GEMMs diverged on Llama-3-8B "
+        "at 8K with document masks (loss 12.8 and grad norm 53 at step 12, where the default reached "
+        "9.8 and 7.8; benchmarks/PERF.md): watch the loss, or leave it false"
+    )
+
+
 def check_experts_device(recipe: Float8Recipe, capability: tuple[int, int] | None, name: str) -> None:
     """Refuse float8 experts where ``torch._scaled_grouped_mm`` has no kernel (below Hopper, e.g. Ada's
     8.9, which ``check_device`` lets through for the Linear layers). Call after ``check_device``."""

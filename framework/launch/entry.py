@@ -47,6 +47,7 @@ from framework.config.schema import (
     to_config,
     to_yaml,
 )
+from framework.data import check_document_kernel
 from framework.data.tokens import DATA_CHANGED, DataChanged
 from framework.kernels import fa4, float8, fused_ce, target
 from framework.launch import sweep
@@ -200,6 +201,8 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     tp = declared.tp if declared is not None else cfg.sharding.tp
     check_float8(cfg, device, tp)
     check_fa4(cfg, device)
+    fa4.check_budget(cfg, fa4.flop_counter_takes_gqa())
+    check_document_kernel(cfg, target.of_run(cfg, device).type)
     check_fused_ce(cfg, device, tp)
     pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg
@@ -299,6 +302,9 @@ def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     linears.check_shapes(cfg.model, tp)
     where = target.of_run(cfg, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
+    fast = float8.fast_accum_notice(cfg.model.float8_fast_accum)
+    if fast:
+        log.warning("%s", fast)
     experts = bool(linears.converted_experts(cfg.model))
     if experts:
         float8.check_experts_device(recipe, where.capability, where.name)

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from framework.config.schema import (
-    ActivationCheckpointing,
     BucketingConfig,
     ExecutorConfig,
     PeftConfig,
@@ -22,7 +21,7 @@ from framework.config.schema import (
     ShardingConfig,
 )
 from framework.models import Decoder, WeightLoader, materialize
-from framework.parallel.activation import apply_ac, apply_offload
+from framework.parallel.activation import activation_rung, apply_ac, apply_offload
 from framework.parallel.compile import apply_compile
 from framework.parallel.data_parallel import apply_ddp, apply_fsdp
 from framework.parallel.expert import apply_ep, moe_layers
@@ -202,16 +201,12 @@ def _parallelize_stage(
     apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)), plan.loss_parallel)
     experts = expert_meshes(mesh, plan)
     apply_ep(model, experts[0] if experts else None)
-    budget = (
-        sharding.activation_memory_budget
-        if sharding.activation_checkpointing == ActivationCheckpointing.budget
-        else None
-    )
+    ac, budget = activation_rung(sharding, executor)
     if layout.tp > 1:
         apply_compile(model, executor, device, budget)
-        apply_ac(model, sharding.activation_checkpointing)
+        apply_ac(model, ac)
     else:
-        apply_ac(model, sharding.activation_checkpointing)
+        apply_ac(model, ac)
         apply_compile(model, executor, device, budget)
     apply_offload(model, sharding.activation_offload)
     if layout.fsdp:

@@ -16,6 +16,7 @@ and of TP's reduce-scatters; recompute the rest (norms, RoPE, SiLU, the other ma
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from framework.config.schema import ActivationCheckpointing
+from framework.config.schema import ActivationCheckpointing, ExecutorConfig, ExecutorMode, ShardingConfig
 from framework.models import Decoder, blocks
+
+log = logging.getLogger("framework")
 
 # The matmuls whose outputs alternate between kept and recomputed (float8 Linear layers run
 # _scaled_mm), and the ops whose outputs are always kept: attention (each SDPA kernel; FlexAttention
@@ -121,3 +124,23 @@ def apply_offload(model: Decoder, on: bool) -> int:
     for block in units:
         block.forward = functools.partial(_offloaded, block.forward, pin)
     return len(units)
+
+
+def activation_rung(
+    sharding: ShardingConfig, executor: ExecutorConfig
+) -> tuple[ActivationCheckpointing, float | None]:
+    """The checkpointing to apply and the partitioner's memory budget (None: torch's default).
+    ``budget`` is the compiler's own recompute; on the eager executor, which the fallback ladder
+    reaches when compiling fails (users' eager + budget is refused before launch), nothing would
+    recompute, and the activations the budget kept off the device would not fit: checkpoint every
+    block instead (the memory of ``full``, its recompute), with one line saying so."""
+    ac = sharding.activation_checkpointing
+    if ac is not ActivationCheckpointing.budget:
+        return ac, None
+    if executor.mode is ExecutorMode.eager:
+        log.warning(
+            "executor.mode=eager (the fallback ladder's rung) with activation_checkpointing=budget, which "
+            "needs the compiler: checkpointing every block (full) instead"
+        )
+        return ActivationCheckpointing.full, None
+    return ac, sharding.activation_memory_budget

@@ -34,6 +34,7 @@ from framework.config.schema import (
     OptimizerName,
     PPSchedule,
 )
+from framework.kernels import fa4
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
 from framework.planner.plan import GIB, Plan, largest_fitting_budget, plan_for, runs_on_cpu, with_degrees
@@ -403,7 +404,7 @@ def _ac_candidates(
     """Layout ``d`` at ``micro`` under each AC mode (``_ac_options``) and reshard option."""
     out = []
     for ac in _ac_options(cfg):
-        if ac == ActivationCheckpointing.budget and cfg.executor.mode == ExecutorMode.eager:
+        if ac == ActivationCheckpointing.budget and not _budget_compiles(cfg):
             continue
         for raf in _reshard_options(cfg, d, pipe):
             plan = _plan(cfg, d, ac, micro, pipe, raf, errors)
@@ -414,11 +415,14 @@ def _ac_candidates(
 
 def _searches_budget(cfg: Config) -> bool:
     """Whether auto weighs the compiler's budget: under ``activation_checkpointing=auto`` with a
-    compiled executor (the partitioner enforces it; eager has none: plan._check_executor)."""
-    return (
-        cfg.sharding.activation_checkpointing is ActivationCheckpointing.auto
-        and cfg.executor.mode is not ExecutorMode.eager
-    )
+    compiled executor (the partitioner enforces it; eager has none: plan._check_executor), and an
+    attention op that this torch's partitioner can weigh (framework.kernels.fa4.budget_fails)."""
+    return cfg.sharding.activation_checkpointing is ActivationCheckpointing.auto and _budget_compiles(cfg)
+
+
+def _budget_compiles(cfg: Config) -> bool:
+    """A compiled executor, and an attention op this torch's partitioner can weigh."""
+    return cfg.executor.mode is not ExecutorMode.eager and not fa4.budget_fails(cfg, fa4.flop_counter_takes_gqa())
 
 
 def _budget_candidates(

@@ -201,7 +201,14 @@ class Ladder:
 
 
 def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    """The error's type and first line; where that line only introduces the cause (Dynamo's
+    ``BackendCompilerFailed: backend='inductor' raised:``), the cause's line too: the record must
+    say what failed, not only that the compiler did."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 def _gather_errors(error: E | None, lower: ExecutorMode | None) -> list[E | None]:

@@ -13,16 +13,19 @@ import pytest
 
 from framework.config.schema import (
     AttentionBackend,
+    CompileScope,
     Config,
     DataConfig,
     DataSource,
+    ExecutorConfig,
+    ExecutorMode,
     MixEntry,
     ModelConfig,
     TokenizerConfig,
     TokenizerKind,
     TrainConfig,
 )
-from framework.data import check_data
+from framework.data import check_data, check_document_kernel
 from framework.data.tokens import write_tokens
 from tests.corpus import ROOT, Corpus, write_corpus
 
@@ -274,10 +277,34 @@ def test_document_mask_needs_an_eos_and_a_masking_kernel(corpus: Corpus) -> None
     assert "bos_token" not in bos, bos  # ... and tokenizer.bos_token
     masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
     check_data(masked)
-    masked.model.attention = AttentionBackend.flash
-    refused(masked, "model.attention=flash", "model.attention=auto (FlexAttention on CUDA")
-    masked.model.attention = AttentionBackend.fa4
-    refused(masked, "model.attention=fa4", "takes no attention mask")
+    for attention in AttentionBackend:  # every kernel takes the mask (flash and fa4: on CUDA, below)
+        masked.model.attention = attention
+        check_data(masked)
+
+
+@pytest.mark.parametrize("attention", [AttentionBackend.flash, AttentionBackend.fa4])
+def test_flash_kernels_take_document_masks_on_cuda_in_blocks(corpus: Corpus, attention: AttentionBackend) -> None:
+    """The flash kernels' variable-length form: CUDA only, and not in one whole-model graph (the
+    spans are counted on the host); packed SFT rows are document masks too."""
+    masked = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), document_mask=True), bpe(corpus))
+    masked.model.attention = attention
+    check_document_kernel(masked, "cuda")
+    line = f"data.document_mask=true with model.attention={attention.value} on cpu: the flash kernel's"
+    with pytest.raises(ValueError, match=rf"^{line} variable-length form runs on CUDA only; use model.attention=auto"):
+        check_document_kernel(masked, "cpu")
+    masked.executor = ExecutorConfig(mode=ExecutorMode.compile, scope=CompileScope.model)
+    with pytest.raises(ValueError, match=r"and executor.scope=model: .* use executor.scope=block, or model.attention=auto"):
+        check_document_kernel(masked, "cuda")
+    masked.executor = ExecutorConfig(mode=ExecutorMode.compile)
+    check_document_kernel(masked, "cuda")
+    sft = cfg(DataConfig(source=DataSource.sft, path=str(corpus.jsonl), sft_pack=True))
+    sft.model.attention = attention
+    with pytest.raises(ValueError, match=r"^data=sft with data.sft_pack=true with model.attention=.* on cpu"):
+        check_document_kernel(sft, "cpu")
+    sft.data.sft_pack = False
+    check_document_kernel(sft, "cpu")  # unpacked rows: no mask
+    masked.model.attention = AttentionBackend.auto
+    check_document_kernel(masked, "cpu")  # SDPA's dense mask
 
 
 # -- through train.py, in this process: exit 2, one line, no run dir ------------------------------

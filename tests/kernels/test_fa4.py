@@ -177,3 +177,30 @@ def test_missing_names_the_part_of_the_install_that_is_absent(
         refused(fa4_cfg(), H100, "cutlass.cute", fa4.CUTE_PIP_NAME, "dsl_packages")
     elif lacking is not None:
         refused(fa4_cfg(), H100, f"needs the {lacking} package")
+
+
+@pytest.mark.parametrize("attention", [AttentionBackend.flash, AttentionBackend.fa4])
+def test_budget_is_refused_and_not_searched_where_torch_cannot_count_gqa_flash(
+    attention: AttentionBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's flop counter rejects the flash op with GQA, and the budget's partitioner uses it
+    (the 8B's compile failed on the H200: benchmarks/PERF.md, session 14). Where it cannot count,
+    a user's budget is refused and sharding=auto leaves budget out; a document mask (the
+    variable-length op), MHA, another kernel, or a torch that counts it (2.13's) pass."""
+    common = ("recipe=llama3_8b", "run.device=cuda", "mesh/hardware=h200", "executor=compile",
+              "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1")  # fmt: skip
+    cfg = compose_config(*common, f"model.attention={attention.value}", "sharding.activation_checkpointing=budget")
+    fa4.check_budget(cfg, gqa_counted=True)
+    line = rf"^model.attention={attention.value} with sharding.activation_checkpointing=budget: torch .* rejects"
+    with pytest.raises(ValueError, match=line + r" the flash kernel with 8 key/value heads for 32 query heads"):
+        fa4.check_budget(cfg, gqa_counted=False)
+    masked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
+    fa4.check_budget(masked, gqa_counted=False)
+    auto = compose_config(*common, "sharding.activation_checkpointing=budget")
+    fa4.check_budget(auto, gqa_counted=False)
+    # The search: a torch that cannot count it (2.11's, which this host's torch is not) skips budget.
+    free = compose_config(*common, f"model.attention={attention.value}", "sharding=auto")
+    assert search._searches_budget(free) == fa4.flop_counter_takes_gqa()
+    monkeypatch.setattr(fa4, "flop_counter_takes_gqa", lambda: False)
+    assert not search._searches_budget(free) and not search._budget_compiles(cfg)
+    assert search._budget_compiles(masked)

@@ -336,3 +336,13 @@ def test_fast_accum_reaches_every_swapped_layer_and_the_plan() -> None:
     assert fast < slow
     with pytest.raises(ValueError, match=r"^model.float8_fast_accum=True does nothing with model.float8=none"):
         check_option_fields(Config(model=ModelConfig(float8_fast_accum=True)))
+
+
+def test_fast_accum_warns_before_launch(caplog: pytest.LogCaptureFixture) -> None:
+    """It diverged where the default did not (benchmarks/PERF.md): one line before launch says so."""
+    assert float8.fast_accum_notice(False) is None
+    cfg = compose_config("model.float8=tensorwise", "model.float8_size_filter=false", "model.float8_fast_accum=true")
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        check_float8(on(cfg, "h100_sxm"), torch.device("cpu"), 1)
+    lines = [r.getMessage() for r in caplog.records if "float8_fast_accum" in r.getMessage()]
+    assert lines == [float8.fast_accum_notice(True)] and "diverged" in lines[0]

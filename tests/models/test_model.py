@@ -200,3 +200,116 @@ def test_materialize_loads_init_from_through_the_callers_loader() -> None:
     mine, theirs = model.state_dict(), source.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert torch.equal(model.rope, source.rope)  # the non-persistent RoPE tables, filled again after the load
+
+
+def _spans_rows() -> tuple[torch.Tensor, int]:
+    """Rows of packed documents: several per row, a leading EOS, a row with one document."""
+    eos = 1
+    tokens = torch.randint(2, 64, (3, 21), generator=torch.Generator().manual_seed(0))
+    tokens[0, [4, 9, 10]] = eos
+    tokens[1, 0] = eos
+    return tokens, eos
+
+
+def test_document_spans_cut_the_flattened_rows_at_every_document() -> None:
+    """The offsets a variable-length kernel takes: every document of every row is one span, in
+    order, none crosses a row; zero-length spans pad the count to a power of two (at least 16); and
+    attending causally within each span is the dense document mask's attention."""
+    import torch.nn.functional as F
+
+    from framework.models.parts.masks import MIN_SPANS, dense_document_mask, document_ids, document_spans
+
+    tokens, eos = _spans_rows()
+    doc = document_ids(tokens, eos)
+    cu = document_spans(doc).cu_seqlens
+    b, s = doc.shape
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == b * s
+    spans = [(int(a), int(z)) for a, z in zip(cu[:-1], cu[1:], strict=True) if z > a]
+    flat = doc.flatten()
+    expected = sum(int(r.max() - r.min()) + 1 for r in doc)  # documents per row, summed
+    assert len(spans) == expected == 7  # 4 + 2 + 1
+    for a, z in spans:
+        assert a // s == (z - 1) // s, (a, z)  # within one row
+        assert (flat[a:z] == flat[a]).all()  # one document
+    assert spans[0][0] == 0 and spans[-1][1] == b * s  # back to back over every token
+    assert all(z1 == a2 for (_, z1), (a2, _) in zip(spans, spans[1:], strict=False))
+    assert len(cu) - 1 == MIN_SPANS and (cu[len(spans) :] == b * s).all()
+    many = torch.arange(40).repeat_interleave(2)[None]  # 40 documents: the next power of two
+    assert len(document_spans(many).cu_seqlens) - 1 == 64
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, s, 4, 8, generator=g) for _ in range(3))
+    dense = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=dense_document_mask(doc)
+    ).transpose(1, 2)
+    qf, kf, vf = (t.reshape(b * s, 4, 8) for t in (q, k, v))
+    per_span = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(t[a:z].transpose(0, 1)[None] for t in (qf, kf, vf)), is_causal=True
+            )[0].transpose(0, 1)
+            for a, z in spans
+        ]
+    )
+    assert (per_span - dense.reshape(b * s, 4, 8)).abs().max() < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the flash kernels)")
+@pytest.mark.parametrize("attention", ["flash", "fa4"])
+def test_varlen_flash_trains_like_the_dense_mask_on_cuda(attention: str) -> None:
+    """Under model.attention=flash|fa4 the document mask runs the flash kernel's variable-length
+    form: its loss and gradients match SDPA with the dense mask (bf16 autocast, eager and with
+    compiled blocks), and compiled blocks do not recompile when the document count changes."""
+    from framework.config.schema import AttentionBackend
+    from framework.kernels import fa4
+    from framework.models import decoder
+    from framework.models.parts.masks import DocumentSpans
+
+    if attention == "fa4":
+        major = torch.cuda.get_device_capability()[0]
+        if major not in fa4.CAPABILITY_MAJORS or not fa4.installed() or not fa4.registry_has_fa4():
+            pytest.skip("model.attention=fa4 needs flash-attn-4 on a Hopper or Blackwell GPU")
+        fa4.activate()
+    eos = 1
+    cfg = ModelConfig(
+        dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=64,
+        attention=AttentionBackend(attention),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 64, (2, 513), generator=g)
+    tokens[0, [30, 100, 101, 300]] = eos
+    tokens[1, [7, 400]] = eos
+    x, y = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+    results = {}
+    for kind in ("varlen", "dense", "compiled"):
+        model = decoder(cfg, 512, document_eos=eos).cuda()
+        model.init_weights(0)
+        model.document_flex = False if kind == "dense" else None
+        if kind == "compiled":
+            for block in model.layers.values():
+                block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        results[kind] = (loss.item(), model.layers["0"].attention.wq.weight.grad.float())
+    for kind in ("varlen", "compiled"):
+        assert abs(results[kind][0] - results["dense"][0]) < 2e-3 * abs(results["dense"][0])
+        diff = (results[kind][1] - results["dense"][1]).norm() / results["dense"][1].norm()
+        assert diff < 2e-2, (kind, diff)
+    # The mask is the spans (not a dense mask that another SDPA kernel ran without a word) ...
+    doc = torch.zeros_like(x)
+    assert isinstance(model.document_attention_mask(x, doc), DocumentSpans)
+    # ... and 40 documents (64 spans, not 16) reuse the compiled blocks' graphs.
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    many = x.clone()
+    many[:, ::25] = eos
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(many, y).backward()
+    assert len(model.document_attention_mask(many, model_ids(many, eos)).cu_seqlens) - 1 == 64
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def model_ids(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    from framework.models.parts.masks import document_ids
+
+    return document_ids(tokens, eos)

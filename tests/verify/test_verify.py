@@ -474,3 +474,13 @@ def test_shipped_verify_configs_compose() -> None:
     for path in sorted((ROOT / "conf" / "verify").glob("*.yaml")):
         merged = OmegaConf.merge(OmegaConf.structured(VerifyConfig), OmegaConf.load(path))
         assert isinstance(OmegaConf.to_object(merged), VerifyConfig), path
+
+
+def test_a_compile_error_record_names_its_cause() -> None:
+    """Dynamo's first line only says that the backend raised; the record carries the cause's line."""
+    from framework.verify.fallback import _first_line
+
+    wrapped = RuntimeError("backend='inductor' raised:\n\nAssertionError: a shape disagrees\n\nSet TORCH_LOGS=...")
+    assert _first_line(wrapped) == "RuntimeError: backend='inductor' raised: AssertionError: a shape disagrees"
+    assert _first_line(ValueError("plain line\nmore")) == "ValueError: plain line"
+    assert _first_line(KeyError()) == "KeyError: "

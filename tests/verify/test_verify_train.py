@@ -26,8 +26,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     nan = ["checkpoint=sync", "checkpoint.every_steps=4", "verify.inject_nan_steps=[4,5,6]"]
     procs = {
         # A registered backend whose package is not installed (TVM): the first compiled call fails.
-        # (An unregistered name is refused before launch by framework.launch.rules.)
-        "compile": train(out["compile"], *TINY, "executor=compile", "executor.backend=tvm"),
+        # (An unregistered name is refused before launch by framework.launch.rules.) With the
+        # compiler's own recompute (budget), which the eager rung replaces by whole-block checkpoints.
+        "compile": train(
+            out["compile"], *TINY, "executor=compile", "executor.backend=tvm",
+            "sharding.activation_checkpointing=budget", "sharding.activation_memory_budget=0.5",
+        ),  # fmt: skip
         "nan": train(out["nan"], *TINY, *nan),
         # verify off: plain steps are read one step late (the trainer's lag), rollback included.
         "nan_lagged": train(out["nan_lagged"], *TINY[1:], *nan),
@@ -44,6 +48,8 @@ def test_compile_failure_falls_back_to_eager_and_trains(runs: dict[str, Path]) -
     assert any("compile_error" in e for e in summary["events"])
     events = [r for r in read_metrics(run) if r.get("event") == "fallback/compile_error"]
     assert len(events) == 1 and "compile -> eager" in events[0]["detail"] and "tvm" in events[0]["detail"]
+    log = (run / "train.log").read_text()
+    assert "activation_checkpointing=budget, which needs the compiler: checkpointing every block (full)" in log
     report = json.loads((run / "verification.json").read_text())
     assert report["fallbacks"][0]["trigger"] == "compile_error"
     verdicts = {c["name"]: c["verdict"] for c in report["checks"]}

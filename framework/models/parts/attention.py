@@ -1,4 +1,5 @@
-"""Grouped-query attention through SDPA (a chosen backend), or FlexAttention under a document mask.
+"""Grouped-query attention through SDPA (a chosen backend); under a document mask FlexAttention,
+the flash kernel's variable-length form (``model.attention=flash|fa4``), or SDPA's dense mask.
 
 Options a family picks when it builds its block (framework.models.<family>.model): ``qk_norm``, an
 RMSNorm over each query and key head before RoPE (Qwen3).
@@ -16,7 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from framework.config.schema import AttentionBackend, ModelConfig
 from framework.models.parts.cache import KVCache
-from framework.models.parts.masks import causal_band
+from framework.models.parts.masks import DocumentSpans, causal_band
 from framework.models.parts.norm import RMSNorm
 from framework.models.parts.rope import apply_rope
 
@@ -101,14 +102,32 @@ class Attention(nn.Module):
     def _attend_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Causal within each document: FlexAttention for a BlockMask, SDPA for a dense mask
-        (TorchScript compiles only the dense case: it cannot name BlockMask)."""
+        """Causal within each document: FlexAttention for a BlockMask, the variable-length flash
+        kernel for ``DocumentSpans``, SDPA for a dense mask (TorchScript compiles only the dense
+        case: it cannot name the other two)."""
         if torch.jit.is_scripting():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
         else:
             if isinstance(mask, BlockMask):
                 return _flex(q)(q, k, v, block_mask=mask, enable_gqa=self.gqa)
+            if isinstance(mask, DocumentSpans):
+                return _varlen(q, k, v, mask)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans) -> torch.Tensor:
+    """Causal attention within each span of the flattened rows, through aten's flash-attention op in
+    its variable-length form (FlashAttention-2's kernel, or flash-attn-4's once framework.kernels.fa4
+    has swapped it in: torch's registry replaces that op too). Its autograd formula is aten's own.
+    q, k, v: (batch, heads, seq, head_dim) views of (batch, seq, heads, head_dim) tensors, so the
+    flattening below copies nothing; GQA needs no expansion (the kernel reads each KV head for its
+    group). The longest span is bounded by ``seq``: a constant, so the graph never depends on the
+    data (the kernels size their grids from the offsets)."""
+    b, h, s, d = q.shape
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    cu = spans.cu_seqlens
+    out = torch.ops.aten._flash_attention_forward(*flat, cu, cu, s, s, 0.0, True, False)[0]
+    return out.view(b, s, h, d).transpose(1, 2)
 
 
 _FLEX_COMPILED: list[Callable[..., torch.Tensor]] = []

@@ -42,6 +42,7 @@ from framework.models.parts.masks import (
     document_block_mask,
     document_ids,
     document_positions,
+    document_spans,
     flex_trains_on,
 )
 from framework.models.parts.mlp import FeedForward
@@ -118,8 +119,9 @@ class Decoder(nn.Module):
         self.max_seq_len = max_seq_len
         # data.document_mask: the EOS id whose positions end documents (None = plain causal attention).
         self.document_eos = document_eos
-        # The document mask's kernel: None = FlexAttention where it trains (``flex_trains_on``) and
-        # model.attention=auto, else SDPA with the dense mask; True / False force one (tests).
+        # The document mask's kernel: None = the flash kernel's variable-length form under
+        # model.attention=flash|fa4 on CUDA, FlexAttention where it trains (``flex_trains_on``) under
+        # model.attention=auto, else SDPA with the dense mask; True / False force flex / dense (tests).
         self.document_flex: bool | None = None
         # The family's attention window (its spec: Mistral); None = full causal attention, an
         # attribute TorchScript drops the branch on.
@@ -291,13 +293,16 @@ class Decoder(nn.Module):
         return moe.load_balancing_loss(stats, self.token_group)  # type: ignore[arg-type]
 
     def document_attention_mask(self, tokens: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-        """FlexAttention's ``BlockMask``, or SDPA's dense mask (see ``document_flex``). TorchScript
-        cannot name BlockMask (the annotation leaves it out): a scripted model takes the dense mask."""
+        """The documents' spans for the flash kernels, FlexAttention's ``BlockMask``, or SDPA's dense
+        mask (see ``document_flex``). TorchScript cannot name the first two (the annotation leaves
+        them out): a scripted model takes the dense mask."""
         if torch.jit.is_scripting():
             return dense_document_mask(doc)
         else:
             flex = self.document_flex
             if flex is None:
+                if tokens.is_cuda and self.cfg.attention in (AttentionBackend.flash, AttentionBackend.fa4):
+                    return document_spans(doc)  # type: ignore[return-value]
                 flex = flex_trains_on(tokens.device) and self.cfg.attention is AttentionBackend.auto
             return document_block_mask(doc) if flex else dense_document_mask(doc)
 

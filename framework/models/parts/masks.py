@@ -1,7 +1,10 @@
-"""Attention masks: the sliding-window band and the packed-document masks (SDPA's dense mask or
-FlexAttention's ``BlockMask``), and the token flags that mark documents."""
+"""Attention masks: the sliding-window band and the packed-document masks (SDPA's dense mask,
+FlexAttention's ``BlockMask``, or the documents' spans for a variable-length flash kernel), and the
+token flags that mark documents."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -79,3 +82,35 @@ def flex_trains_on(device: torch.device) -> bool:
     compiled): forward only ("FlexAttention does not support backward on CPU"), so training on CPU
     takes SDPA with the dense mask; meta (freezing) traces the dense path too."""
     return device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The packed documents as a variable-length flash kernel takes them: the rows flattened to one
+    sequence of ``batch * seq`` tokens, cut at ``cu_seqlens`` (int32 offsets, first 0, last the total,
+    padded at the end with zero-length spans to a power-of-two count). Each span attends causally
+    within itself, so the kernel does only the documents' own work, where a block mask also pays for
+    the blocks that straddle two documents."""
+
+    cu_seqlens: torch.Tensor
+
+
+# Fewest spans a ``DocumentSpans`` holds (zero-length ones pad it): rows of a few documents all get
+# the same count, so a CUDA-graph executor records one graph for them.
+MIN_SPANS = 16
+
+
+def document_spans(doc: torch.Tensor) -> DocumentSpans:
+    """``DocumentSpans`` of ``document_ids`` (batch, seq): a span starts at each row's first token
+    and wherever the id changes. Counting the spans reads one number back from the device (the
+    kernel's launch needs their offsets, not a bound), so this runs outside compiled graphs; the
+    offsets' length is marked dynamic, so a compiled block does not recompile when it changes."""
+    b, s = doc.shape
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    offsets = starts.flatten().nonzero().flatten().to(torch.int32)
+    spans = max(MIN_SPANS, 1 << (offsets.numel() - 1).bit_length())
+    cu = torch.full((spans + 1,), b * s, dtype=torch.int32, device=doc.device)
+    cu[: offsets.numel()] = offsets
+    torch._dynamo.maybe_mark_dynamic(cu, 0)
+    return DocumentSpans(cu)
