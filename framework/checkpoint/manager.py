@@ -326,9 +326,13 @@ class Checkpointer:
         if self.channel.rank == 0 and gone is None:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / state.RNG_DIR).mkdir(parents=True)
+                # No parents: a root deleted since the check above must fail here, not come back
+                # (rank 0 made the root when it took the lock).
+                tmp.mkdir()
+                (tmp / state.RNG_DIR).mkdir()
             except OSError as e:
-                err = f"rank 0: cannot create {tmp}: {e!r}"
+                gone = self._root_stamp.gone() if self._root_stamp is not None else None
+                err = None if gone is not None else f"rank 0: cannot create {tmp}: {e!r}"
         err, gone = self.channel.broadcast((err, gone))
         if gone is not None:  # every rank: nothing is written, the run stops
             raise DirGone(stopped(gone, f"at the save of step {step}"))

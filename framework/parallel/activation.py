@@ -105,8 +105,38 @@ def apply_ac(model: Decoder, mode: ActivationCheckpointing) -> int:
 
 
 def _offloaded(forward: Callable[..., torch.Tensor], pin: bool, *args: Any) -> torch.Tensor:
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_to_host, pin), _from_host):
         return forward(*args)
+
+
+def _to_host(pin: bool, t: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    """A saved tensor's copy in (pinned) host memory, with its strides. torch's ``save_on_cpu``
+    copies into a contiguous buffer, and a compiled block's backward asserts the strides it saved
+    with: on the H200 the 8B's first step failed so (benchmarks/PERF.md, session 14). Always a copy,
+    also from the CPU, so that CPU runs check the same strides."""
+    strides = t.stride() if _dense(t) else torch.empty(t.shape).stride()
+    host = torch.empty_strided(t.shape, strides, dtype=t.dtype, pin_memory=pin and t.is_cuda)
+    host.copy_(t, non_blocking=pin and t.is_cuda)
+    return t.device, host
+
+
+def _from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, host = packed
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return out.copy_(host, non_blocking=host.is_pinned())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill its storage span once each (a permuted contiguous tensor): its strides can
+    be allocated as they are. Expanded or sliced views are saved contiguous instead."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def is_offloaded(block: nn.Module) -> bool:

@@ -374,6 +374,31 @@ def test_activation_offload_keeps_loss_and_gradients(mode: ActivationCheckpointi
     ]
 
 
+def test_activation_offload_under_compiled_blocks_keeps_the_saved_strides() -> None:
+    """Offloaded around compiled blocks (Inductor), the saved tensors come back with the strides the
+    compiled backward asserts (torch's save_on_cpu returned them contiguous, and the 8B's first
+    step failed on the H200: benchmarks/PERF.md, session 14); loss and gradients are the compiled
+    model's without offload. Transposed saved tensors included (the attention's q, k, v views)."""
+    cfg = Config()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    results = []
+    for offload in (False, True):
+        torch._dynamo.reset()
+        model = build_model(cfg.model, SEQ)
+        apply_compile(model, ExecutorConfig(mode=ExecutorMode.compile, compile_loss=False), torch.device("cpu"))
+        apply_offload(model, offload)
+        materialize(model, "cpu", 0)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    t = torch.randn(2, 3, 4).transpose(1, 2)
+    host = activation._to_host(False, t)[1]
+    assert host.stride() == t.stride() and torch.equal(activation._from_host((t.device, host)), t)
+    view = torch.randn(3, 1).expand(3, 4)  # not dense: saved contiguous
+    assert activation._to_host(False, view)[1].is_contiguous()
+
+
 def test_compile_loss_false_compiles_the_blocks_only(reference: list[float]) -> None:
     """executor.compile_loss=false: each block compiled, the loss head left eager (the model's own
     ``head_loss``, not a compiled wrapper); training through the head matches eager."""
