@@ -788,6 +788,8 @@ class HardwareConfig:
     # Step-time model (framework.planner.cost); where each figure comes from is in the profile's YAML file.
     gemm_efficiency: float = 0.11  # fraction of peak_tflops the model's GEMMs and attention reach
     hbm_gbps: float = 20.0  # memory bandwidth of the pointwise work and the optimizer step, GB/s
+    # pinned host <-> device copies, GB/s one direction (sharding.activation_offload's transfers)
+    host_link_gbps: float = 10.0
     link_efficiency: float = 0.08  # fraction of the link bandwidths a collective achieves
     comm_overlap: float = 0.0  # fraction of FSDP/DDP communication hidden under compute
     # CUDA compute capability [major, minor] of the device, e.g. [9, 0] for Hopper; [] (no CUDA GPU)

@@ -796,6 +796,7 @@ RULES: dict[str, Rule] = {
     "mesh.hardware.numa_per_host": integer(1),
     "mesh.hardware.gemm_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.hbm_gbps": number(0, lo_open=True),
+    "mesh.hardware.host_link_gbps": number(0, lo_open=True),
     "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.comm_overlap": number(0, 1),
     "mesh.hardware.compute_capability": Rule(

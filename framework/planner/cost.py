@@ -173,6 +173,9 @@ class StepPrediction:
     tokens_per_s: float  # whole job
     mfu: float  # 6N + 12LHQT flops per token (no recompute) over world x peak
     bubble_s: float = 0.0  # pipeline: the busiest rank's idle time in the schedule's fill and drain
+    # sharding.activation_offload: the saved activations' copies to host memory and back, on the
+    # compute stream (torch's saved-tensor hooks copy where they are called), so not hidden
+    offload_s: float = 0.0
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -325,6 +328,7 @@ def predict_step(
     unit_bytes: list[int],
     pipeline: tuple[float, float] | None = None,
     local_params: int | None = None,
+    offload_bytes: int = 0,
 ) -> StepPrediction:
     """Predicted time of one optimizer step for layout ``d`` (``cfg`` has its micro batch and AC mode).
 
@@ -334,7 +338,8 @@ def predict_step(
     point-to-point sends between stages are on the critical path (like TP's collectives).
     ``local_params``: the elements of this rank's parameter shards (the optimizer's and the gradient
     accumulation's work); by default the unsharded units over dp_shard x cp, which under ep misses
-    that the experts are sharded over fewer ranks.
+    that the experts are sharded over fewer ranks. ``offload_bytes``: the saved activations of one
+    micro batch that ``sharding.activation_offload`` moves to host memory (and back in backward).
     """
     hw, m = cfg.mesh.hardware, cfg.model
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
@@ -383,12 +388,15 @@ def predict_step(
         memory_s = ((pointwise + logits + f8_casts) * fraction + casts + accumulate) / hbm
         bubble_s = (compute_s + memory_s) * bubble
 
+    offload_s = 2 * accum * offload_bytes / (hw.host_link_gbps * 1e9)
+    if pipeline is not None:
+        offload_s *= pipeline[0]
     window = compute_s + memory_s
     hops = 2 * (d.pp * cfg.parallel.pp_stages_per_rank - 1) if d.pp > 1 else 0
     total, exposed = exposed_comm(
         comm, max(1, len(unit_bytes)), window, hw.link_efficiency, hw.comm_overlap, hops
     )
-    step = compute_s + memory_s + optimizer_s + exposed + bubble_s
+    step = compute_s + memory_s + optimizer_s + exposed + bubble_s + offload_s
     job_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops_per_token(m, cfg.train.seq_len) * job_tokens / (step * hw.peak_tflops * 1e12 * d.world_size)
     return StepPrediction(
@@ -401,4 +409,5 @@ def predict_step(
         tokens_per_s=job_tokens / step,
         mfu=mfu,
         bubble_s=bubble_s,
+        offload_s=offload_s,
     )

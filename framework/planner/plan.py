@@ -404,16 +404,17 @@ def autocast_bf16(cfg: Config) -> bool:
     return cfg.mesh.hardware.name != "cpu"
 
 
-def offloaded_activation_bytes(cfg: Config) -> int:
+def offloaded_activation_bytes(cfg: Config, tp: int | None = None, cp: int = 1) -> int:
     """What ``sharding.activation_offload`` keeps in host memory for one rank: the blocks' saved
     activations of one micro batch (the head's logits stay on the device), for the configured AC
-    mode (``auto``: as ``none``, the most it can pick), TP degree ``sharding.tp``, no CP."""
+    mode (``auto``: as ``none``, the most it can pick), TP degree ``tp`` (default ``sharding.tp``),
+    CP degree ``cp``."""
     mode = cfg.sharding.activation_checkpointing
     if mode is ActivationCheckpointing.auto:
         mode = ActivationCheckpointing.none
     if mode is ActivationCheckpointing.budget and cfg.executor.mode is ExecutorMode.eager:
         mode = ActivationCheckpointing.none  # refused by plan; counted as none here
-    return _activation_bytes(cfg, max(1, cfg.sharding.tp), mode, head=False)
+    return _activation_bytes(cfg, tp or max(1, cfg.sharding.tp), mode, head=False, cp=cp)
 
 
 def _activation_bytes(
@@ -1060,6 +1061,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         units,
         pipeline=(pipe.fraction, pipe.bubble) if pipe is not None else None,
         local_params=sum_local(specs, tp, shard),
+        offload_bytes=offloaded_activation_bytes(cfg, tp, d.cp) if cfg.sharding.activation_offload else 0,
     )
     if check_memory and memory.total > memory.device and not (cfg.run.dry_run or cfg.run.allow_over_memory):
         _check_held_fits(cfg, d, memory)
@@ -1457,7 +1459,9 @@ def format_plan(plan: Plan) -> str:
     pr = plan.prediction
     lines += [
         f"  predicted step  {pr.step_time_s * 1e3:.1f} ms (compute {pr.compute_s * 1e3:.1f}, exposed comm "
-        f"{pr.exposed_comm_s * 1e3:.1f}, optimizer {pr.optimizer_s * 1e3:.1f}); MFU {pr.mfu:.1%}, "
+        f"{pr.exposed_comm_s * 1e3:.1f}, optimizer {pr.optimizer_s * 1e3:.1f}"
+        + (f", activation offload {pr.offload_s * 1e3:.1f}" if pr.offload_s else "")
+        + f"); MFU {pr.mfu:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s",
         f"  batch           global {plan.global_batch_size} = dp {plan.dp_degree} x micro "
         f"{plan.micro_batch_size} x accum {plan.grad_accum_steps}; seq {plan.seq_len}",

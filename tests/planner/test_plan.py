@@ -474,6 +474,23 @@ def test_activation_offload_leaves_one_block_and_the_logits_on_the_device() -> N
     assert logits > 0  # what is left beyond one block is the head's
 
 
+def test_activation_offload_costs_its_copies_over_the_host_link() -> None:
+    """The step pays the offloaded activations' copy to the host and back at mesh.hardware's
+    host_link_gbps (measured 55 GB/s on the H200 host), per micro batch, not hidden: the 8B at 8K on
+    one H200 would spend 1.4 s a step on them, so offloading does not pay there."""
+    from framework.planner.plan import offloaded_activation_bytes
+
+    common = ("mesh/hardware=h200", "sharding=ddp", "train.seq_len=8192", "train.global_batch_size=2", "train.micro_batch_size=1",
+              "sharding.activation_checkpointing=none", "run.allow_over_memory=true")  # fmt: skip
+    plain = make_plan(_composed("llama3_8b", *common)).prediction
+    cfg = _composed("llama3_8b", *common, "sharding.activation_offload=true")
+    offload = make_plan(cfg).prediction
+    expected = 2 * 2 * offloaded_activation_bytes(cfg) / (cfg.mesh.hardware.host_link_gbps * 1e9)
+    assert cfg.mesh.hardware.host_link_gbps == 55.0 and plain.offload_s == 0.0
+    assert offload.offload_s == pytest.approx(expected) and 2.5 < offload.offload_s < 3.0
+    assert offload.step_time_s == pytest.approx(plain.step_time_s + offload.offload_s)
+
+
 def test_schedule_micro_batch_rule_is_torchs() -> None:
     """stages.schedule_accepts agrees with torch's interleaved schedule classes, which raise on a
     micro-batch count that is not a multiple of their rounds, max(1, n // pp) (constructed here on
