@@ -355,6 +355,19 @@ def train_main(run_dir: Path, *overrides: str) -> None:
             ],
             "not a readable parquet file",
         ),
+        (
+            [
+                "data=jsonl",
+                "data.path={jsonl}",
+                "tokenizer=hf",
+                "tokenizer.path={bpe}",
+                "model.vocab_size=512",
+                "data.document_mask=true",
+                "model.attention=flash",
+            ],
+            "model.attention=flash on cpu: the flash kernel's variable-length form runs on CUDA only; use "
+            "model.attention=auto",
+        ),
     ],
 )
 def test_train_py_refuses_bad_data_with_exit_2_and_no_run_dir(
@@ -367,6 +380,7 @@ def test_train_py_refuses_bad_data_with_exit_2_and_no_run_dir(
         "bpe": corpus.bpe,
         "missing": tmp_path / "none.bin",
         "bad_parquet": tmp_path / "bad.parquet",
+        "jsonl": corpus.jsonl,
     }
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
