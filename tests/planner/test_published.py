@@ -33,12 +33,12 @@ PINNED = {
     "405B 8K, 8192 GPUs": 136.84,
     "405B 8K, 16384 GPUs": 124.81,
     "405B 128K, 16384 GPUs": 62.96,
-    "8B FSDP 8 GPUs, eager": 5851.41,
-    "8B FSDP 8 GPUs, compile": 8140.73,
-    "8B FSDP 128 GPUs, eager": 5731.71,
+    "8B FSDP 8 GPUs, eager": 5547.33,
+    "8B FSDP 8 GPUs, compile": 7563.88,
+    "8B FSDP 128 GPUs, eager": 5439.63,
     "8B FSDP 128 GPUs, compile": 6121.81,
-    "8B FSDP 8 x TP 8, 64 GPUs": 4734.50,
-    "70B FSDP 32 x TP 8, 256 GPUs": 617.73,
+    "8B FSDP 8 x TP 8, 64 GPUs": 4528.92,
+    "70B FSDP 32 x TP 8, 256 GPUs": 583.58,
 }
 
 
@@ -113,6 +113,13 @@ def test_layouts_that_ran_with_their_memory_published_fit(rows: dict[str, dict[s
     for row in published.ROWS:
         if row.memory_gib:
             assert rows[row.label]["fits"], (row.label, rows[row.label]["memory_gib"], row.memory_gib)
+
+
+def test_every_prediction_within_20_percent_of_the_published_figure(rows: dict[str, dict[str, object]]) -> None:
+    """Issue 26's goal, on every row (the H100 500 W profile's peak fitted within the interval its
+    source gives: conf/mesh/hardware/h100_96gb_500w.yaml)."""
+    errors = {label: float(r["error"]) for label, r in rows.items()}  # type: ignore[arg-type]
+    assert len(errors) == len(published.ROWS) and all(abs(e) <= 0.20 for e in errors.values()), errors
 
 
 def test_auto_pick_at_least_as_fast_as_the_published_layout(rows: dict[str, dict[str, object]]) -> None:
