@@ -54,6 +54,8 @@ variant() {  # NAME -> its overrides
     bf16_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger ;;
     bf16_selective_nomask) echo sharding.activation_checkpointing=selective model.attention=$ATTN ;;
     bf16_selective_mask) echo sharding.activation_checkpointing=selective data.document_mask=true ;;
+    fp8_none_mask_fa4) echo sharding.activation_checkpointing=none data.document_mask=true model.attention=fa4 "${f8[@]}" ;;
+    bf16_budget_mask_fa4) echo sharding.activation_checkpointing=budget sharding.activation_memory_budget=$BUDGET data.document_mask=true model.attention=fa4 ;;
     fp8_none_mask_liger) echo sharding.activation_checkpointing=none data.document_mask=true model.fused_cross_entropy=liger "${f8[@]}" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
