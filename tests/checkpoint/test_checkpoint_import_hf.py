@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import export_hf, import_hf, init_from  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402

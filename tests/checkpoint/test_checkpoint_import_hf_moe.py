@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import init_from  # noqa: E402
 from framework.config.schema import Config, Strategy  # noqa: E402

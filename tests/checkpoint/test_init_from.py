@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402

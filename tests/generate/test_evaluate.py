@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.data.sft import IGNORE_INDEX  # noqa: E402
 from framework.generate.evaluate import batches_of, data_rows  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="peft is in the dev extra: the LoRA tests compare with it")
 
 from framework.checkpoint import init_from  # noqa: E402
 from framework.checkpoint.export_hf import export_hf  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import export_hf, import_hf, init_from  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from framework.checkpoint.init_from import load
 from framework.config.schema import replace_model
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import export_hf, import_hf  # noqa: E402
 from framework.checkpoint.export_hf import hf_config  # noqa: E402
