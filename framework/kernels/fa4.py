@@ -16,10 +16,9 @@ its device (``framework.models.materialize``). ``check`` refuses before launch w
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +169,7 @@ def _flash_attn_bwd(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tens
     return dq, dk, dv
 
 
-@functools.cache
+@cache
 def flop_counter_takes_gqa() -> bool:
     """Does this torch's flop counter count the flash op with fewer key/value heads than query heads?
     The compiler's activation memory budget weighs recompute by it; torch 2.11's ``sdpa_flop_count``

@@ -114,9 +114,12 @@ def _to_host(pin: bool, t: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
     copies into a contiguous buffer, and a compiled block's backward asserts the strides it saved
     with: on the H200 the 8B's first step failed so (benchmarks/PERF.md, session 14). Always a copy,
     also from the CPU, so that CPU runs check the same strides."""
-    strides = t.stride() if _dense(t) else torch.empty(t.shape).stride()
-    host = torch.empty_strided(t.shape, strides, dtype=t.dtype, pin_memory=pin and t.is_cuda)
-    host.copy_(t, non_blocking=pin and t.is_cuda)
+    pinned = pin and t.is_cuda
+    if _dense(t):
+        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=pinned)
+    else:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    host.copy_(t, non_blocking=pinned)
     return t.device, host
 
 

@@ -45,8 +45,12 @@ def document_positions(doc: torch.Tensor) -> torch.Tensor:
     """Each token's position within its document, (batch, seq) int64: RoPE restarts at every
     document, so a document packed after others is rotated as it would be alone."""
     idx = torch.arange(doc.shape[1], device=doc.device).expand(doc.shape)
-    starts = torch.cat([torch.ones_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], dim=1)
-    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+    return idx - torch.where(document_starts(doc), idx, 0).cummax(dim=1).values
+
+
+def document_starts(doc: torch.Tensor) -> torch.Tensor:
+    """Where a document starts, (batch, seq) bool: each row's first token and wherever the id changes."""
+    return torch.cat([torch.ones_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], dim=1)
 
 
 def document_mask(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -106,9 +110,7 @@ def document_spans(doc: torch.Tensor) -> DocumentSpans:
     kernel's launch needs their offsets, not a bound), so this runs outside compiled graphs; the
     offsets' length is marked dynamic, so a compiled block does not recompile when it changes."""
     b, s = doc.shape
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    offsets = starts.flatten().nonzero().flatten().to(torch.int32)
+    offsets = document_starts(doc).flatten().nonzero().flatten().to(torch.int32)
     spans = max(MIN_SPANS, 1 << (offsets.numel() - 1).bit_length())
     cu = torch.full((spans + 1,), b * s, dtype=torch.int32, device=doc.device)
     cu[: offsets.numel()] = offsets
