@@ -892,7 +892,7 @@ class ShardingConfig:
         "sharding.activation_checkpointing", ActivationCheckpointing.budget, default=0.5
     )
     # Keep each block's saved activations in pinned host memory until backward (torch's
-    # save_on_cpu), instead of on the device; refused before launch when the host cannot hold them.
+    # saved-tensor hooks, strides kept), instead of on the device; refused before launch when the host cannot hold them.
     activation_offload: bool = False
 
 
