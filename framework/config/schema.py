@@ -891,8 +891,9 @@ class ShardingConfig:
     activation_memory_budget: float = only_with(
         "sharding.activation_checkpointing", ActivationCheckpointing.budget, default=0.5
     )
-    # Keep each block's saved activations in pinned host memory until backward (torch's
-    # saved-tensor hooks, strides kept), instead of on the device; refused before launch when the host cannot hold them.
+    # Keep each block's saved activations in pinned host memory until backward (saved-tensor hooks
+    # that keep strides), instead of on the device; refused before launch when the host cannot hold
+    # them.
     activation_offload: bool = False
 
 
