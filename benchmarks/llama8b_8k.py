@@ -6,7 +6,8 @@ loop, and the table that puts them beside the framework's ``train.py`` runs.
     python benchmarks/llama8b_8k.py hand --docs D.jsonl --bpe B.json --out hand.json \
         --variants bf16:nomask,bf16:mask,float8b:nomask,float8:nomask [--profile-dir DIR]
                  # float8b: float8 with the norm outputs saved, as train.py's float8 runs do; float8: without;
-                 # float8f: float8b with fast accumulation in backward; float8n: float8b, no optimizer step
+                 # float8f: float8b with fast accumulation in backward; float8n: float8b, no optimizer step;
+                 # float8m: float8b with AdamW's moments in bf16; a third field: rows a step (float8m:mask:2)
     python benchmarks/llama8b_8k.py table --hand hand.json --runs RUN_DIR... > table.md
 
 The hand loop is the strongest simple loop for the same memory budget written without the
@@ -42,7 +43,26 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 PEAK_TFLOPS = 989.0
 # Cleared by the float8n variant (a diagnostic, not a training loop): gradients dropped unapplied, to
 # measure what the optimizer's side-stream work costs the step.
-OPTIMIZER = {"step": True}
+OPTIMIZER: dict = {"step": True, "bf16_moments": False}
+
+
+def _adamw_bf16(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+    lr: float, b1: float, b2: float, eps: float, wd: float,
+) -> None:  # fmt: skip
+    """AdamW in fp32 over bf16 moments, in place (the float8m variant; compiled: one kernel)."""
+    count = step + 1
+    g32 = g.float()
+    m32 = m.float() * b1 + g32 * (1 - b1)
+    v32 = v.float() * b2 + g32 * g32 * (1 - b2)
+    denom = v32.sqrt() / (1 - b2**count).sqrt() + eps
+    p.copy_(p * (1 - lr * wd) - lr / (1 - b1**count) * m32 / denom)
+    m.copy_(m32.to(torch.bfloat16))
+    v.copy_(v32.to(torch.bfloat16))
+    step.copy_(count)
+
+
+_ADAMW_BF16 = torch.compile(_adamw_bf16, fullgraph=True, dynamic=True)
 
 
 def packed_rows(docs: Path, bpe: Path, rows: int, seq: int) -> tuple[torch.Tensor, int]:
@@ -255,13 +275,23 @@ def attach_optimizer_in_backward(
     side = torch.cuda.Stream() if cuda else None
     norm_sq = torch.zeros((), device=next(model.parameters()).device)
     opts = {}
+    moments: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
+
+    def bf16_step(p: torch.Tensor) -> None:
+        if p not in moments:
+            zeros = torch.zeros(p.numel(), device=p.device, dtype=torch.bfloat16)
+            moments[p] = (zeros, zeros.clone(), torch.zeros((), device=p.device))
+        m, v, count = moments[p]
+        wd = 0.1 if p.ndim >= 2 else 0.0
+        _ADAMW_BF16(p.detach().view(-1), p.grad.view(-1), m, v, count, lr, 0.9, 0.95, 1e-8, wd)
 
     def hook(p: torch.Tensor) -> None:
         if not OPTIMIZER["step"]:  # the float8n diagnostic: the step without the optimizer's work
             p.grad = None
             return
+        update = bf16_step if OPTIMIZER["bf16_moments"] else lambda p: opts[p].step()
         if side is None:
-            opts[p].step()
+            update(p)
             p.grad = None
             return
         side.wait_stream(torch.cuda.current_stream())
@@ -270,10 +300,11 @@ def attach_optimizer_in_backward(
                 g = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
                 norm_sq.add_(g.square())
                 opts[p].found_inf = (~torch.isfinite(g)).float()
-            opts[p].step()
+            update(p)
         p.grad.record_stream(side)
         p.grad = None
 
+    OPTIMIZER["opts"] = opts  # float8m frees their fp32 moments before its first step
     handles = []
     for p in model.parameters():
         opts[p] = torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
@@ -323,7 +354,8 @@ def hand(args: argparse.Namespace) -> None:
         [f"recipe={args.recipe}", f"train.seq_len={args.seq}", f"model.attention={args.attention}"]
     )
     m = cfg.model
-    rows, eos = packed_rows(args.docs, args.bpe, args.steps + 2, args.seq)
+    most = max(int((v.split(":") + ["1"])[2]) for v in args.variants.split(","))  # rows a step
+    rows, eos = packed_rows(args.docs, args.bpe, (args.steps + 2) * most, args.seq)
     rows = rows.to(dev)
     from tokenizers import Tokenizer
 
@@ -336,13 +368,20 @@ def hand(args: argparse.Namespace) -> None:
     results = []
     converted = False
     for variant in args.variants.split(","):
-        numerics, mask = variant.split(":")
+        numerics, mask, *rest = variant.split(":")
+        batch = int(rest[0]) if rest else 1
         # float8b: float8 with the norms' outputs saved (framework.kernels.saved_copy), as
         # train.py's float8 runs have them; float8: without it (the A/B in one process).
         # float8f: float8b with fast accumulation in the backward GEMMs (model.float8_fast_accum);
         # float8n: float8b with no optimizer step (a diagnostic bound).
-        barrier = numerics in ("float8b", "float8f", "float8n")
+        barrier = numerics in ("float8b", "float8f", "float8n", "float8m")
         fast, OPTIMIZER["step"] = numerics == "float8f", numerics != "float8n"
+        # bf16 moments from the first float8m on (their fp32 ones are freed: list float8m last)
+        if numerics == "float8m" and not OPTIMIZER["bf16_moments"]:
+            for opt in OPTIMIZER["opts"].values():
+                opt.state.clear()  # the fp32 moments of the variants before: their memory is needed
+            OPTIMIZER["bf16_moments"] = True
+        assert OPTIMIZER["bf16_moments"] <= (numerics == "float8m"), "float8m variants go last"
         label = numerics
         numerics = "float8" if barrier else numerics
         if numerics == "float8" and not converted:
@@ -383,11 +422,12 @@ def hand(args: argparse.Namespace) -> None:
         events = []
         losses = []
         for i in range(args.steps):
-            b = rows[i % rows.shape[0]]
+            start = (i * batch) % (rows.shape[0] - batch + 1)
+            b = rows[start : start + batch]
             timer = _Timer(dev.type == "cuda")
             timer.start()
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = model(b[None, :-1], b[None, 1:])
+                loss = model(b[:, :-1], b[:, 1:])
             loss.backward()
             _sync(side)
             timer.stop()
@@ -401,10 +441,11 @@ def hand(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         times = [t.seconds() for t in events[args.warmup :]]
         step = statistics.median(times)
-        tps = args.seq / step
+        tps = args.seq * batch / step
         row = {
             "what": f"hand {label}{' saved norms' if barrier else ''} {'masked' if mask == 'mask' else 'unmasked'} attention={args.attention}"
-            + (f" budget={args.budget}" if numerics == "bf16" and args.budget < 1 else ""),
+            + (f" budget={args.budget}" if numerics == "bf16" and args.budget < 1 else "")
+            + (f" batch={batch}" if batch > 1 else ""),
             "numerics": numerics, "mask": mask == "mask",
             "ac": f"budget {args.budget}" if numerics == "bf16" and args.budget < 1 else "none",
             "tokens_per_s": tps, "step_ms": step * 1e3,

@@ -15,7 +15,8 @@
 #   python -m framework.data tokenizer train .whl/bpe128k.json DOCS.jsonl --vocab-size 128000
 # Environment: STEPS (12), ATTN (model.attention for the unmasked runs and the hand loop: auto), FW_EXTRA
 # (more overrides: model.attention=fa4 runs the masked ones on FA4's variable-length kernel),
-# TAG (appended to a fw run's directory name, so one variant can run twice with other FW_EXTRA).
+# TAG (appended to a fw run's directory name, so one variant can run twice with other FW_EXTRA),
+# BATCH (rows a step, 1), LOG_EVERY (train.log_every: STEPS).
 set -u
 OUT=${OUT:-outputs/llama8b_8k}
 mkdir -p "$OUT" /tmp/r /tmp/site
@@ -27,15 +28,16 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 export TVM_FFI_CACHE_DIR=/tmp/tvm_ffi
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the hand loop; train.py sets it itself
 STEPS=${STEPS:-12}
+BATCH=${BATCH:-1}  # 8K rows a step (train.global_batch_size = micro_batch_size: one micro batch)
 ATTN=${ATTN:-auto}
 BUDGET=${BUDGET:-0.85}  # sharding.activation_memory_budget of the budget variants
 DOCS=/tmp/docs/docs.jsonl
 WHL=${WHL:-.whl}  # the carried wheels and BPE (a copy of the tree elsewhere: WHL=PATH)
 BPE=$WHL/bpe128k.json
 common=(recipe=llama3_8b run.device=cuda mesh/hardware=h200 executor=compile data=jsonl "data.path=$DOCS"
-  tokenizer=hf "tokenizer.path=$BPE" model.vocab_size=128256 train.seq_len=8192 train.global_batch_size=1
-  train.micro_batch_size=1 train.optimizer_in_backward=true train.grad_clip=0 "train.steps=$STEPS"
-  "train.log_every=$STEPS" train.eval_every=0 checkpoint=none logger.progress_bar=false freeze=none
+  tokenizer=hf "tokenizer.path=$BPE" model.vocab_size=128256 train.seq_len=8192 "train.global_batch_size=$BATCH"
+  "train.micro_batch_size=$BATCH" train.optimizer_in_backward=true train.grad_clip=0 "train.steps=$STEPS"
+  "train.log_every=${LOG_EVERY:-$STEPS}" train.eval_every=0 checkpoint=none logger.progress_bar=false freeze=none
   logger.plot=false)
 f8=(model.float8=tensorwise model.float8_size_filter=false)
 

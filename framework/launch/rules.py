@@ -312,6 +312,24 @@ def _muon_valid(c: Config) -> str:
     )
 
 
+def _state_dtype_ok(v: Any, c: Config) -> bool:
+    from framework.config.schema import DType
+    from framework.train.loop import OWN_CLASS
+
+    if v is DType.float32:
+        return True
+    return v is DType.bfloat16 and c.optimizer._target_ == OWN_CLASS[c.optimizer.name]
+
+
+def _state_dtype_valid(c: Config) -> str:
+    return (
+        "float32, or bfloat16 (the framework's AdamW, framework.train.adamw) with the option's own "
+        f"optimizer._target_ (not {c.optimizer._target_})"
+        if c.optimizer._target_ != "torch.optim.AdamW"
+        else "float32 or bfloat16"
+    )
+
+
 def _momentum_ok(v: Any, c: Config) -> bool:
     return _is_number(v) and 0 <= v < 1 and not (c.optimizer.nesterov and v == 0)
 
@@ -322,11 +340,16 @@ def _optimizer_class(c: Config) -> type | None:
     import torch
 
     from framework.config.instantiate import check_target
+    from framework.config.schema import DType
 
     try:
         cls = check_target(c.optimizer._target_, c.run.instantiate_allow, where="optimizer._target_")
     except ValueError:
         return None
+    if c.optimizer.state_dtype is DType.bfloat16 and _state_dtype_ok(DType.bfloat16, c):
+        from framework.train.adamw import AdamW
+
+        return AdamW  # what build_optimizer builds: its keyword arguments are checked
     return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
 
 
@@ -421,7 +444,9 @@ def _class_kwargs(cls: type) -> list[str] | None:
     params = list(inspect.signature(cls).parameters.values())[1:]  # the first is the params
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
-    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    config_only = getattr(cls, "CONFIG_ONLY", ())  # the framework's AdamW: set by config keys
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.name not in config_only]
 
 
 def _kwargs_names_ok(v: Any, c: Config) -> bool:
@@ -440,8 +465,11 @@ def _kwargs_valid(c: Config) -> str:
     cls = _optimizer_class(c)
     takes = _class_kwargs(cls) if cls is not None else None
     names = "" if takes is None else f": {', '.join(k for k in takes if k not in RESERVED_KWARGS)}"
+    what = f"optimizer._target_={c.optimizer._target_}"
+    if cls is not None and hasattr(cls, "CONFIG_ONLY"):
+        what = f"the framework's AdamW of optimizer.state_dtype={c.optimizer.state_dtype.value}"
     text = (
-        f"keyword arguments that optimizer._target_={c.optimizer._target_} takes{names} (not "
+        f"keyword arguments that {what} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
     if _kwargs_names_ok(c.optimizer.kwargs, c):  # the names are fine, a value is not: say which
@@ -734,6 +762,7 @@ RULES: dict[str, Rule] = {
     "optimizer.nesterov": TYPED,  # its relation to momentum: optimizer.momentum
     "optimizer.muon_adjust_lr": TYPED,
     "optimizer.muon_ns_steps": integer(1, 99, what="torch.optim.Muon refuses 100 or more"),
+    "optimizer.state_dtype": Rule(_state_dtype_valid, _state_dtype_ok, ("float16",)),
     "lr_scheduler.name": TYPED,
     "lr_scheduler.decay_fraction": number(0, 1, bad=(-0.1, 1.5, math.nan)),
     # run

@@ -40,7 +40,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, Float8Recipe
+from framework.config.schema import (
+    ActivationCheckpointing,
+    Config,
+    DType,
+    ExecutorMode,
+    Float8Recipe,
+    OptimizerName,
+)
 from framework.kernels.float8 import EXPERTS_RECIPE
 from framework.models import active_params, flops_per_token, model_spec
 from framework.models.linears import converted, converted_experts
@@ -78,6 +85,24 @@ _LOGIT_BYTES = 12.0
 # plus the bf16 copy it leaves for autocast (6) and zeroing the gradient (4): 38 bytes, which is
 # the 1B profile's 10 ms for 1.24B parameters at 4.8 TB/s (39 bytes).
 _ADAMW_BYTES = 38.0
+# optimizer.state_dtype=bfloat16 (framework.train.adamw): each moment read and written in 2 bytes, not 4.
+_BF16_MOMENTS_SAVE = 8.0
+
+
+def adamw_step_bytes(cfg: Config) -> float:
+    """HBM bytes the optimizer step moves per parameter (``_ADAMW_BYTES``, less the bf16 moments')."""
+    return _ADAMW_BYTES - (_BF16_MOMENTS_SAVE if bf16_moments(cfg) else 0.0)
+
+
+def adamw_state_bytes(cfg: Config) -> int:
+    """Bytes of optimizer state per parameter: two moments, fp32 or (``optimizer.state_dtype``) bf16."""
+    return 2 * (2 if bf16_moments(cfg) else 4)
+
+
+def bf16_moments(cfg: Config) -> bool:
+    return cfg.optimizer.name is OptimizerName.adamw and cfg.optimizer.state_dtype is DType.bfloat16
+
+
 # Autocast casts each fp32 weight to bf16 once per forward (read 4, write 2).
 _CAST_BYTES = 6.0
 # Accumulating a micro batch's fp32 gradient into the previous ones: read both, write one.
@@ -110,12 +135,13 @@ _SMS = 132
 _CALIBRATION_SHAPE = (16 * 2048, 2048, 8192, 16, 32, 8, 128256)  # tokens, dim, ffn, layers, heads, kv, vocab
 # model.float8: the converted Linear layers' GEMMs (forward, input gradient, weight gradient) run on
 # the float8 tensor cores at this multiple of the bf16 rate. Hopper's dense float8 peak is twice its
-# bf16 peak (H100 / H200 datasheets: 1979 vs 989 TFLOP/s); the factor below is fitted to the one
-# float8 pair measured here, llama3_8b at seq 8192, micro 1, full AC, optimizer in backward on one
-# H200 (issue 28): bf16 8,670 tok/s, float8 tensorwise (size filter off) 10,814 tok/s, 1.247x, with
-# the casts below costed: 1.74x, i.e. float8 GEMMs at 0.87 of the bf16 GEMMs' fraction of peak.
-# Rowwise (not measured here) takes the same factor; its heavier casts are not costed apart.
-_FLOAT8_GEMM_SPEEDUP = {Float8Recipe.tensorwise: 1.74, Float8Recipe.rowwise: 1.74}
+# bf16 peak (H100 / H200 datasheets: 1979 vs 989 TFLOP/s). Tensorwise: measured, not fitted: the 8B's
+# float8 GEMMs ran 3.43e14 FLOP in 259 ms of `_scaled_mm` (benchmarks/PERF.md, session 12), 1,324
+# TFLOP/s = 0.669 of their peak, where h200.yaml's bf16 GEMMs run at 0.68 of theirs: 2 x 0.669 /
+# 0.68 = 1.97. (Session 10's 1.74 was fitted to one full-AC pair and left every no-recompute float8
+# run 11-17% slow in the plan; benchmarks/PERF.md, session 15.) Rowwise (the MoE experts' recipe,
+# whose casts _FLOAT8_EXPERT_CAST_SLOWDOWN was fitted with) keeps 1.74.
+_FLOAT8_GEMM_SPEEDUP = {Float8Recipe.tensorwise: 1.97, Float8Recipe.rowwise: 1.74}
 # model.float8_fast_accum: the two backward GEMMs (2/3 of a Linear's float8 FLOPs) this much faster
 # again. Llama-3-8B at 8K on one H200, tensorwise, the same machine (benchmarks/PERF.md, session 13):
 # 595.1 -> 579.5 ms a step; the float8 GEMMs' backward share of the profile is ~173 ms (2/3 of
@@ -379,7 +405,7 @@ def predict_step(
     f8_casts += _FLOAT8_EXPERT_CAST_SLOWDOWN * (tokens * f8.expert_act_bytes + accum * f8.expert_weight_bytes / d.ep) / d.tp
     accumulate = (accum - 1) * local * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
-    optimizer_s = local * _ADAMW_BYTES / hbm
+    optimizer_s = local * adamw_step_bytes(cfg) / hbm
     bubble_s = 0.0
     if pipeline is not None:
         fraction, bubble = pipeline

@@ -32,7 +32,7 @@ from framework.models import family, model_spec
 from framework.models.linears import bf16_weight_copy_bytes_per_layer, saved_activation_bytes_per_layer
 from framework.models.parts.layout import op_saved_values
 from framework.planner import stages as pipeline_stages
-from framework.planner.cost import CommEstimate, StepPrediction, predict_step
+from framework.planner.cost import CommEstimate, StepPrediction, adamw_state_bytes, bf16_moments, predict_step
 from framework.planner.layout import (
     DP_AXES,
     Degrees,
@@ -54,10 +54,10 @@ MIB = 1024**2
 AUTO_BUCKET_MIN_MB = 1.0
 AUTO_BUCKET_MAX_MB = 256.0
 _DTYPE_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
-# Master weights, gradients and AdamW's two moments are kept in fp32 (FSDP2 keeps the sharded
-# parameter in its original dtype; ``param_dtype`` only changes the all-gathered compute copy).
+# Master weights and gradients are kept in fp32 (FSDP2 keeps the sharded parameter in its original
+# dtype; ``param_dtype`` only changes the all-gathered compute copy); AdamW's two moments too, unless
+# optimizer.state_dtype=bfloat16 (framework.planner.cost.adamw_state_bytes).
 _MASTER_BYTES = 4
-_ADAMW_STATES = 2
 
 
 __all__ = ["DP_AXES", "MeshAxis"]
@@ -90,6 +90,7 @@ class MemoryEstimate:
     activations_by_mode: dict[str, int]
     total: int
     device: int
+    optimizer_state: str = "fp32"  # the moments' dtype (optimizer.state_dtype)
 
 
 @dataclass(frozen=True)
@@ -612,9 +613,7 @@ def _memory(
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
         grads = 2 * sum_local(specs, tp, dp_shard, "max") * _MASTER_BYTES
-    optimizer = (
-        sum_local(specs, tp, dp_shard, "optimizer") * _MASTER_BYTES * _ADAMW_STATES
-    )
+    optimizer = sum_local(specs, tp, dp_shard, "optimizer") * adamw_state_bytes(cfg)
     comm_buffers = 0
     if dp_shard > 1:
         # The unit being computed plus the one prefetched (param_dtype), and one unit's unsharded
@@ -649,7 +648,8 @@ def _memory(
         acts = min(acts, _activation_bytes(cfg, tp, mode, 1, 1.0, head, cp))
     total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)
-    return MemoryEstimate(params, grads, optimizer, comm_buffers, acts, by_mode, total, device)
+    state = "bf16" if bf16_moments(cfg) else "fp32"
+    return MemoryEstimate(params, grads, optimizer, comm_buffers, acts, by_mode, total, device, state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1469,7 +1469,7 @@ def format_plan(plan: Plan) -> str:
         "  memory per rank",
         f"    params        {_gib(m.params)}",
         f"    grads         {_gib(m.grads)}",
-        f"    optimizer     {_gib(m.optimizer)}  (AdamW, 2 fp32 states)",
+        f"    optimizer     {_gib(m.optimizer)}  (AdamW, 2 {m.optimizer_state} states)",
         f"    comm buffers  {_gib(m.comm_buffers)}",
     ]
     for mode, b in m.activations_by_mode.items():

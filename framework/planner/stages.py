@@ -28,6 +28,7 @@ import math
 
 from framework.config.schema import Config, FusedCrossEntropy, PPSchedule
 from framework.models import model_spec
+from framework.planner.cost import adamw_step_bytes
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Split backward (input, then weight gradients). With data parallelism their FSDP stages stay unsharded
@@ -36,8 +37,6 @@ ZERO_BUBBLE = (PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Bytes per token of the embedding's forward gather and backward scatter-add of one row (fp32: read
 # and write the row forward, read the gradient and add it into the weight's gradient backward).
 _EMBED_BYTES_PER_ELEM = 16.0
-# AdamW over a parameter (framework.planner.cost._ADAMW_BYTES): read param, grad, 2 moments, write 3 + casts.
-_ADAMW_BYTES = 38.0
 
 
 def held_for_step(cfg: Config, pp: int) -> bool:
@@ -248,12 +247,13 @@ def layer_costs(cfg: Config, tokens: float) -> tuple[float, float, float]:
     hbm = hw.hbm_gbps * 1e9
     spec = model_spec(m)
     hd = spec.head_dim
+    adamw = adamw_step_bytes(cfg)
     block_params = sum(math.prod(w.shape) for w in spec.block)
     block = tokens * (6.0 * block_params + 12.0 * m.n_heads * hd * seq) / peak
-    block += (tokens * (2 * m.dim + m.ffn_dim) * 40.0 + block_params * _ADAMW_BYTES) / hbm
+    block += (tokens * (2 * m.dim + m.ffn_dim) * 40.0 + block_params * adamw) / hbm
     table = m.vocab_size * m.dim
-    embed = (tokens * m.dim * _EMBED_BYTES_PER_ELEM + table * _ADAMW_BYTES) / hbm
-    head = tokens * 6.0 * table / peak + (tokens * m.vocab_size * 12.0 + table * _ADAMW_BYTES) / hbm
+    embed = (tokens * m.dim * _EMBED_BYTES_PER_ELEM + table * adamw) / hbm
+    head = tokens * 6.0 * table / peak + (tokens * m.vocab_size * 12.0 + table * adamw) / hbm
     return block, embed, head
 
 

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from framework.config.instantiate import check_target, safe_instantiate
 from framework.config.schema import (
+    DType,
     LRSchedulerConfig,
     LRSchedulerName,
     OptimizerConfig,
@@ -45,6 +46,7 @@ from framework.parallel.step import (
     total_grad_norm,
     update,
 )
+from framework.train.adamw import AdamW
 
 
 def lr_lambda(cfg: TrainConfig, sched: LRSchedulerConfig | None = None) -> Callable[[int], float]:
@@ -170,6 +172,8 @@ def build_optimizer(
     groups = _decay_groups([p for _n, p in named], cfg.weight_decay)
     if not own:
         return make(groups, lr=cfg.lr, **kwargs)
+    if opt.name is OptimizerName.adamw and opt.state_dtype is DType.bfloat16:
+        return AdamW(groups, **(adam | {"state_dtype": opt.state_dtype.value} | kwargs))
     if opt.name is OptimizerName.sgd:
         return make(groups, **({"lr": cfg.lr, "momentum": opt.momentum, "nesterov": opt.nesterov} | kwargs))
     return make(groups, **(adam | kwargs))  # adamw, adam
