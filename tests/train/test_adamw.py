@@ -257,3 +257,40 @@ def test_on_cuda_in_backward_matches_the_plain_step() -> None:
         sa, sb = opt_a.state[a], opt_b.state[b]
         assert sb["exp_avg"].dtype is torch.bfloat16 and float(sb["step"]) == float(sa["step"]) == 3
         torch.testing.assert_close(sb["exp_avg"], sa["exp_avg"], rtol=1e-2, atol=1e-5)
+
+
+def _fsdp_weights(rank: int, world: int, strategy: str, shape: list[int]) -> dict[str, torch.Tensor]:
+    """Four bf16-moment AdamW steps on ``world`` gloo ranks under ``strategy``: the full weights."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from tests.parallel.test_parallel import GLOBAL_BATCH, batches, make_cfg, parallel_model
+
+    model, _mesh, _plan = parallel_model(make_cfg(strategy, shape))
+    opt = build_optimizer(model, TRAIN, CPU, BF16)
+    n = GLOBAL_BATCH // world
+    for batch in batches():
+        x = batch[rank * n : (rank + 1) * n]
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    moments = {type(s["exp_avg"]) for s in opt.state.values()}
+    assert moments == ({DTensor} if strategy == "fsdp" and world > 1 else {torch.Tensor}), moments
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    return {k.removeprefix("module."): v.detach().clone() for k, v in full.items()}
+
+
+def test_bf16_moments_under_fsdp_on_two_ranks_equal_one_process() -> None:
+    """FSDP2 shards the weights and, through them, the moments (DTensors): each rank updates its
+    shard elementwise, and the weights equal one process's. The reduce-scatter sums gradients in
+    another order, so a moment that lands on a bf16 rounding boundary rounds the other way: a few
+    elements move by a fraction of one step's lr; the rest agree to fp32 rounding."""
+    from tests.dist import run_ranks
+
+    one = run_ranks(_fsdp_weights, 1, "ddp", [1])[0]
+    two = run_ranks(_fsdp_weights, 2, "fsdp", [2])
+    for name, w in one.items():
+        for r in two:
+            torch.testing.assert_close(r[name], w, rtol=0, atol=0.05 * TRAIN.lr)
+            assert ((r[name] - w).abs() > 1e-5).float().mean() < 0.01, name
