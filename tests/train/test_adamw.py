@@ -294,3 +294,15 @@ def test_bf16_moments_under_fsdp_on_two_ranks_equal_one_process() -> None:
         for r in two:
             torch.testing.assert_close(r[name], w, rtol=0, atol=0.05 * TRAIN.lr)
             assert ((r[name] - w).abs() > 1e-5).float().mean() < 0.01, name
+
+
+def test_a_bf16_moment_checkpoint_resumes_with_fp32_moments(tmp_path) -> None:
+    """Back to the default: torch's AdamW takes the saved bf16 moments (cast to fp32) and the saved
+    groups, which lack its own keys (amsgrad, maximize, ...): it trains on."""
+    resumed, opt2, sched2 = _resume(tmp_path, BF16, OptimizerConfig(), _batches(6))
+    assert type(opt2) is torch.optim.AdamW
+    for s in opt2.state.values():
+        assert s["exp_avg"].dtype is torch.float32 and float(s["step"]) == 3
+    _run(resumed, opt2, sched2, _batches(6)[3:])
+    assert all(torch.isfinite(p).all() for p in resumed.parameters())
+    assert {float(s["step"]) for s in opt2.state.values()} == {6.0}
