@@ -26,6 +26,7 @@ from framework.config.schema import (
     ExecutorMode,
     FusedCrossEntropy,
     ModelConfig,
+    OptimizerName,
     RouterScore,
 )
 from framework.models import family, model_spec
@@ -1184,7 +1185,7 @@ def _check_fits(
         f"{memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f}, comm buffers "
         f"{memory.comm_buffers / GIB:.1f}{held_msg}): use sharding=auto "
         f"(the planner's choice), a larger parallel.dp_shard or parallel.tp, "
-        f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size"
+        f"sharding.activation_checkpointing=full, or a smaller train.micro_batch_size{moments_hint(cfg, memory)}"
     )
     if memory.total > memory.device:
         # A dry run is for planning layouts, including ones that do not fit: it reports; a launch
@@ -1197,6 +1198,17 @@ def _check_fits(
                 f"or set the real mesh.hardware.memory_gib, or run.allow_over_memory=true to launch anyway"
             )
         warnings.append(mem_msg)
+
+
+def moments_hint(cfg: Config, memory: MemoryEstimate) -> str:
+    """What ``optimizer.state_dtype=bfloat16`` would take off a plan that does not fit (AdamW's fp32
+    moments only): the one memory lever that changes no layout, named with its cost (numerics)."""
+    if bf16_moments(cfg) or cfg.optimizer.name is not OptimizerName.adamw or memory.optimizer == 0:
+        return ""
+    return (
+        f", or optimizer.state_dtype=bfloat16 (AdamW's moments in bf16: {memory.optimizer / 2 / GIB:.1f} "
+        f"GiB less per rank; other numerics, docs/configuration.md)"
+    )
 
 
 def _check_held_fits(cfg: Config, d: Degrees, memory: MemoryEstimate) -> None:

@@ -37,7 +37,15 @@ from framework.config.schema import (
 from framework.kernels import fa4
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
-from framework.planner.plan import GIB, Plan, largest_fitting_budget, plan_for, runs_on_cpu, with_degrees
+from framework.planner.plan import (
+    GIB,
+    Plan,
+    largest_fitting_budget,
+    moments_hint,
+    plan_for,
+    runs_on_cpu,
+    with_degrees,
+)
 
 # Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
 # sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
@@ -564,8 +572,8 @@ def _nothing_fits(cfg: Config, smallest: Candidate) -> str:
         f"{smallest.ac}, micro batch {smallest.micro_batch_size}) needs "
         f"{smallest.memory_gib:.3g} GiB per rank ({state:.3g} GiB parameters, gradients and optimizer "
         f"state); it would fit a device with >= {smallest.memory_gib:.3g} GiB{more}, or a smaller "
-        f"train.seq_len / model{held}; or set the real mesh.hardware.memory_gib, or "
-        f"run.allow_over_memory=true to launch anyway"
+        f"train.seq_len / model{held}{moments_hint(trial, m)}; or set the real mesh.hardware.memory_gib, "
+        f"or run.allow_over_memory=true to launch anyway"
     )
 
 

@@ -591,3 +591,13 @@ def test_no_recompute_memory_within_5_percent_of_the_one_h200_peaks(
         "train.optimizer_in_backward=true", "train.grad_clip=0", "sharding.activation_checkpointing=none",
     ])  # fmt: skip
     assert make_plan(cfg).memory.total / GIB == pytest.approx(peak_gib, rel=0.05)
+
+
+def test_a_layout_too_large_names_bf16_moments() -> None:
+    """The user's own layout (not auto) refused for memory: the line names the moments' lever too."""
+    from framework.launch.recipes import compose_recipe
+
+    overrides = ["mesh/hardware=h100_sxm", "train.seq_len=8192", "train.global_batch_size=1"]
+    cfg = compose_recipe("llama3_8b", [*overrides, "train.micro_batch_size=1", "sharding=fsdp"])
+    with pytest.raises(ValueError, match=r"too small for .*optimizer.state_dtype=bfloat16 \(AdamW's moments"):
+        make_plan(cfg)

@@ -261,3 +261,22 @@ def test_auto_keeps_none_over_a_budget_where_none_fits() -> None:
     none = next(c for c in full.candidates if c.activation_checkpointing == "none")
     assert not none.fits
     assert (full.chosen.activation_checkpointing, full.chosen.activation_memory_budget) == ("budget", 0.98)
+
+
+def test_nothing_fits_names_bf16_moments_and_they_make_it_fit() -> None:
+    """Llama-3-8B at 8K on one 80 GB H100, AdamW with fp32 moments: nothing fits (108 GiB with full
+    recompute); the refusal names optimizer.state_dtype=bfloat16 with what it takes off, and with it
+    the search finds a layout that fits. A run that already has bf16 moments is not told again."""
+    overrides = [
+        "mesh/hardware=h100_sxm", "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1",
+        "sharding=auto", "train.optimizer_in_backward=true", "train.grad_clip=0",
+    ]  # fmt: skip
+    hint = r"optimizer.state_dtype=bfloat16 \(AdamW's moments in bf16: 29.9 GiB"
+    with pytest.raises(ValueError, match=hint):
+        search(compose_recipe("llama3_8b", overrides))
+    fits = search(compose_recipe("llama3_8b", [*overrides, "optimizer.state_dtype=bfloat16"])).chosen
+    assert fits.fits and fits.memory_gib < 79.6
+    too_long = [*overrides, "optimizer.state_dtype=bfloat16", "train.seq_len=65536"]
+    with pytest.raises(ValueError, match="nothing fits") as refused:
+        search(compose_recipe("llama3_8b", too_long))
+    assert "state_dtype" not in str(refused.value)
