@@ -89,6 +89,11 @@ _ADAMW_BYTES = 38.0
 _BF16_MOMENTS_SAVE = 8.0
 
 
+def bf16_moments(cfg: Config) -> bool:
+    """``optimizer.state_dtype=bfloat16`` under AdamW (framework.train.adamw)."""
+    return cfg.optimizer.name is OptimizerName.adamw and cfg.optimizer.state_dtype is DType.bfloat16
+
+
 def adamw_step_bytes(cfg: Config) -> float:
     """HBM bytes the optimizer step moves per parameter (``_ADAMW_BYTES``, less the bf16 moments')."""
     return _ADAMW_BYTES - (_BF16_MOMENTS_SAVE if bf16_moments(cfg) else 0.0)
@@ -97,10 +102,6 @@ def adamw_step_bytes(cfg: Config) -> float:
 def adamw_state_bytes(cfg: Config) -> int:
     """Bytes of optimizer state per parameter: two moments, fp32 or (``optimizer.state_dtype``) bf16."""
     return 2 * (2 if bf16_moments(cfg) else 4)
-
-
-def bf16_moments(cfg: Config) -> bool:
-    return cfg.optimizer.name is OptimizerName.adamw and cfg.optimizer.state_dtype is DType.bfloat16
 
 
 # Autocast casts each fp32 weight to bf16 once per forward (read 4, write 2).

@@ -78,6 +78,14 @@ def _warm(device: torch.device, dtype: torch.dtype, state: torch.dtype, hyper: t
     _compiled()(p, g, m, v, torch.zeros((), device=device), one, one, *hyper)
 
 
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """torch.optim's closure protocol: re-evaluate the loss, with autograd on, before the update."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The elements this rank holds (a DTensor's shard: the update is elementwise), flattened."""
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -136,10 +144,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             dtype = STATE_DTYPES[group["state_dtype"]]
             beta1, beta2 = group["betas"]

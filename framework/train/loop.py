@@ -46,7 +46,7 @@ from framework.parallel.step import (
     total_grad_norm,
     update,
 )
-from framework.train.adamw import AdamW
+from framework.train.adamw import AdamW, closure_loss
 
 
 def lr_lambda(cfg: TrainConfig, sched: LRSchedulerConfig | None = None) -> Callable[[int], float]:
@@ -109,10 +109,7 @@ class Combined(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for o in self.parts:
             o.step()
         return loss

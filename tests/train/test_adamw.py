@@ -11,6 +11,7 @@ from framework.config.schema import Config, DType, ModelConfig, OptimizerConfig,
 from framework.models import build_model, materialize
 from framework.train.adamw import AdamW, _compiled, _update
 from framework.train.loop import attach_in_backward, build_optimizer, build_scheduler, train_step
+from tests.train.test_loop import _fixed_batches
 
 CPU = torch.device("cpu")
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
@@ -22,17 +23,6 @@ def _model() -> torch.nn.Module:
     m = build_model(MODEL, TRAIN.seq_len)
     materialize(m, CPU, seed=0)
     return m
-
-
-def _batches(n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(1)
-    ramp = torch.arange(512) % 256
-    out = []
-    for _ in range(n):
-        starts = torch.randint(0, 256, (8,), generator=g)
-        seq = torch.stack([ramp[s : s + 17] for s in starts])
-        out.append([(seq[:, :-1], seq[:, 1:])])
-    return out
 
 
 def _pair(n: int = 6, **kw) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -113,7 +103,7 @@ def test_state_dtype_bfloat16_trains_and_halves_the_state() -> None:
         model = _model()
         opt = build_optimizer(model, TRAIN, CPU, opt_cfg)
         sched = build_scheduler(opt, TRAIN)
-        batch = _batches(1)[0]  # one batch again and again: the loss must fall fast
+        batch = _fixed_batches(1)[0]  # one batch again and again: the loss must fall fast
         losses = [train_step(model, opt, sched, batch, 1.0, CPU).loss for _ in range(12)]
         state = sum(
             t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step"
@@ -134,7 +124,7 @@ def test_bf16_moments_in_backward_match_the_plain_step() -> None:
     opt, opt_ib = build_optimizer(plain, cfg, CPU, BF16), build_optimizer(inb, cfg, CPU, BF16)
     sched, sched_ib = build_scheduler(opt, cfg), build_scheduler(opt_ib, cfg)
     ib = attach_in_backward(opt_ib)
-    for b in _batches(3):
+    for b in _fixed_batches(3):
         train_step(plain, opt, sched, b, 0.0, CPU)
         train_step(inb, opt_ib, sched_ib, b, 0.0, CPU, in_backward=ib)
     for a, b in zip(plain.parameters(), inb.parameters(), strict=True):
@@ -172,7 +162,7 @@ def _resume(tmp_path, saved_with: OptimizerConfig, resumed_with: OptimizerConfig
 
 
 def test_bf16_moments_resume_from_dcp_bitwise(tmp_path) -> None:
-    batches = _batches(6)
+    batches = _fixed_batches(6)
     unbroken = _model()
     opt = build_optimizer(unbroken, TRAIN, CPU, BF16)
     _run(unbroken, opt, build_scheduler(opt, TRAIN), batches)
@@ -185,13 +175,13 @@ def test_bf16_moments_resume_from_dcp_bitwise(tmp_path) -> None:
 
 def test_a_fp32_moment_checkpoint_resumes_with_bf16_moments(tmp_path) -> None:
     """Switching optimizer.state_dtype on resume: the saved fp32 moments load, rounded to bf16."""
-    resumed, opt2, sched2 = _resume(tmp_path, OptimizerConfig(), BF16, _batches(6))
+    resumed, opt2, sched2 = _resume(tmp_path, OptimizerConfig(), BF16, _fixed_batches(6))
     assert type(opt2) is AdamW
     for s in opt2.state.values():
         assert (
             s["exp_avg"].dtype is torch.bfloat16 and float(s["step"]) == 3 and s["exp_avg_sq"].abs().sum() > 0
         )
-    _run(resumed, opt2, sched2, _batches(6)[3:])
+    _run(resumed, opt2, sched2, _fixed_batches(6)[3:])
     assert all(torch.isfinite(p).all() for p in resumed.parameters())
 
 
@@ -245,7 +235,7 @@ def test_on_cuda_in_backward_matches_the_plain_step() -> None:
         opt = build_optimizer(model, cfg, cuda, BF16)
         sched = build_scheduler(opt, cfg)
         ib = attach_in_backward(opt) if in_backward else None
-        for b in _batches(3):
+        for b in _fixed_batches(3):
             batch = [(x.to(cuda), y.to(cuda)) for x, y in b]
             train_step(model, opt, sched, batch, 0.0, cuda, in_backward=ib)
         torch.cuda.synchronize()
@@ -299,10 +289,10 @@ def test_bf16_moments_under_fsdp_on_two_ranks_equal_one_process() -> None:
 def test_a_bf16_moment_checkpoint_resumes_with_fp32_moments(tmp_path) -> None:
     """Back to the default: torch's AdamW takes the saved bf16 moments (cast to fp32) and the saved
     groups, which lack its own keys (amsgrad, maximize, ...): it trains on."""
-    resumed, opt2, sched2 = _resume(tmp_path, BF16, OptimizerConfig(), _batches(6))
+    resumed, opt2, sched2 = _resume(tmp_path, BF16, OptimizerConfig(), _fixed_batches(6))
     assert type(opt2) is torch.optim.AdamW
     for s in opt2.state.values():
         assert s["exp_avg"].dtype is torch.float32 and float(s["step"]) == 3
-    _run(resumed, opt2, sched2, _batches(6)[3:])
+    _run(resumed, opt2, sched2, _fixed_batches(6)[3:])
     assert all(torch.isfinite(p).all() for p in resumed.parameters())
     assert {float(s["step"]) for s in opt2.state.values()} == {6.0}
