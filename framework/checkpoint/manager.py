@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import time
 import warnings
@@ -40,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -55,6 +57,23 @@ _ASYNC_TYPE = {
     AsyncMode.thread: AsyncCheckpointerType.THREAD,
     AsyncMode.process: AsyncCheckpointerType.PROCESS,
 }
+
+
+class _OwnFolderOnly(FileSystem):
+    """Makes the checkpoint's own folder and never its parents: torch's writer makes them all, so a
+    save in flight when the run dir was deleted brought the run dir back (or filled a user's new
+    folder at its path). Rank 0 made the ``.tmp`` before DCP starts; gone, the write fails instead."""
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        Path(path).mkdir(exist_ok=True)
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer with ``_OwnFolderOnly`` (a module-level class: the process async mode pickles it)."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _OwnFolderOnly()
 
 
 @dataclass
@@ -367,7 +386,7 @@ class Checkpointer:
 
     def _dcp_save(self, payload: dict[str, Any], p: _Pending) -> Future | None:
         tmp = p.tmp
-        writer = FileSystemWriter(tmp, sync_files=True)
+        writer = _Writer(tmp, sync_files=True)
         no_dist = not dist_ready()
         if self.cfg.async_mode is AsyncMode.none:
             dcp.save(payload, storage_writer=writer, process_group=self._save_pg, no_dist=no_dist)
@@ -418,25 +437,12 @@ class Checkpointer:
         if errors:
             if channel.rank == 0:
                 shutil.rmtree(p.tmp, ignore_errors=True)
-                self._undo_recreated()
             channel.barrier()
         return errors
 
     def _root_gone(self) -> str | None:
         """Rank 0: why the root is no longer this run's (deleted during the run), else None."""
         return self._root_stamp.gone() if self._root_stamp is not None else None
-
-    def _undo_recreated(self) -> None:
-        """Rank 0, after a failed save into a root deleted under it: DCP's writer had made the
-        ``.tmp`` again with its parents; remove those parents while they are empty (``os.rmdir``
-        removes nothing else: a folder someone made there with files in it stays)."""
-        if self._root_gone() is None:
-            return
-        for folder in (self.root, self.root.parent):
-            try:
-                folder.rmdir()
-            except OSError:
-                return
 
     def _report(self, p: _Pending, errors: list[str]) -> None:
         """Main thread: record a save's outcome (``last_error``, counters) and warn on rank 0."""

@@ -19,13 +19,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
-from framework.checkpoint.manager import _payload_bytes
+from framework.checkpoint.manager import _payload_bytes, _Writer
 from framework.checkpoint.store import tmp_dir
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity, ModelConfig
 from framework.models import build_model, materialize
@@ -232,6 +235,19 @@ def test_failed_save_keeps_previous_and_reports_on_all_ranks(tmp_path: Path) -> 
     assert "File too large" in res[0]["error"] or "Errno 27" in res[0]["error"], res[0]["error"]
     assert res[0]["after"] == "step_000003"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000003"]
+
+
+def test_a_write_into_a_deleted_run_dir_fails_and_brings_no_folder_back(tmp_path: Path) -> None:
+    """The run dir deleted between rank 0 making the save's ``.tmp`` and DCP's write (CI saw it with
+    2 ranks): torch's writer makes the folder with its parents, so the run dir came back and a user's
+    folder made at its path collided with it. The run's writer fails and makes nothing."""
+    tmp = tmp_dir(tmp_path / "run" / "checkpoints", 2)
+    payload = {"w": torch.ones(3)}
+    with pytest.raises((OSError, CheckpointException)):
+        dcp.save(payload, storage_writer=_Writer(tmp, sync_files=True), no_dist=True)
+    assert list(tmp_path.iterdir()) == []
+    dcp.save(payload, storage_writer=FileSystemWriter(tmp), no_dist=True)  # torch's own: it comes back
+    assert (tmp_path / "run" / "checkpoints").is_dir()
 
 
 def _preempt_worker(rank: int, world: int) -> tuple[bool, bool, int | None, bool]:
