@@ -154,8 +154,10 @@ def test_save_4_ranks_ddp_load_2_fsdp_and_1_plain_bitwise(tmp_path: Path) -> Non
         assert any("saved by 4 ranks and is loaded by" in w for w in loaded[0]["warnings"])
 
 
-def test_async_thread_save_blocks_less_and_keeps_the_saved_step(tmp_path: Path) -> None:
-    saved = run_ranks(_save_worker, 2, str(tmp_path), "thread")
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_save_blocks_less_and_keeps_the_saved_step(tmp_path: Path, mode: str) -> None:
+    """process (``checkpoint=large``): DCP pickles the writer into its own saving process."""
+    saved = run_ranks(_save_worker, 2, str(tmp_path), mode)
     assert all(r["error"] is None for r in saved)
     ckpt = tmp_path / "step_000003"
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -166,7 +168,7 @@ def test_async_thread_save_blocks_less_and_keeps_the_saved_step(tmp_path: Path) 
     # The loop trained one step after save() returned; the checkpoint still holds step 3's state.
     loaded = run_ranks(_load_worker, 1, str(tmp_path), "plain")
     assert loaded[0]["digest"] == saved[0]["digest"]
-    print(f"async thread save blocked {max(r['blocked_s'] for r in saved) * 1e3:.1f} ms")
+    print(f"async {mode} save blocked {max(r['blocked_s'] for r in saved) * 1e3:.1f} ms")
 
 
 def _async_commit_worker(rank: int, world: int, root: str) -> dict[str, Any]:
