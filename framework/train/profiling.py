@@ -69,7 +69,13 @@ class StepProfiler:
         )
 
     def _on_trace_ready(self, prof: profile) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            # No parents: a run dir deleted during the run must not come back for a trace (the run
+            # stops at its next metrics write, framework.train.run_dir_watch).
+            self.out_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            log.warning("profile: trace of rank %d not written: %s", self.rank, e)
+            return
         prof.export_chrome_trace(str(self.trace_path))
         self._top = top_operators(prof)
         self.top_path.write_text(json.dumps(self._top, indent=2) + "\n")

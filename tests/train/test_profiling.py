@@ -43,3 +43,18 @@ def test_rank_selection(tmp_path: Path) -> None:
     assert not isinstance(every, NullProfiler) and every.trace_path.name == "trace_rank1.json"
     with pytest.raises(ValueError, match="profile_active=0"):
         make_profiler(RunConfig(profile=True, profile_active=0), tmp_path, 0)
+
+
+def test_a_run_dir_deleted_before_the_trace_is_not_made_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The window closes after the run dir went: the trace is skipped with a warning (the run stops
+    at its next metrics write), and no folder comes back at the run dir's path."""
+    run = tmp_path / "run"
+    run.mkdir()
+    prof = make_profiler(RunConfig(profile=True, profile_wait=1, profile_warmup=1, profile_active=1), run, 0)
+    run.rmdir()
+    with caplog.at_level("WARNING", logger="framework"):
+        _train(prof, steps=4)
+    assert not run.exists()
+    assert "trace of rank 0 not written" in caplog.text
