@@ -18,6 +18,12 @@ from framework.planner.resolve import make_plan  # noqa: E402
 
 H200 = ["mesh/hardware=h200", "run.device=cuda"]
 IN_BACKWARD = ["train.optimizer_in_backward=true", "train.grad_clip=0"]
+ISSUE_28 = ["executor=compile", "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1",
+            "sharding=fsdp", "sharding.activation_checkpointing=none", *IN_BACKWARD]  # fmt: skip
+MASKED = ["data.document_mask=true", "model.attention=fa4"]
+FLOAT8 = ["model.float8=tensorwise", "model.float8_size_filter=false"]
+BF16_MOMENTS = ["optimizer.state_dtype=bfloat16"]
+TWO_ROWS = ["train.global_batch_size=2", "train.micro_batch_size=2"]
 # (label, recipe, overrides, measured tokens/s, source in PERF.md, used for calibration). None: the
 # declared topology is not the machine's (mesh.shape=[2,1] declares 2 nodes, so the planner costs
 # the replicas' all-reduce on the inter-node link; the run had both GPUs on one host's NVLink).
@@ -39,6 +45,18 @@ ROWS: list[tuple[str, str, list[str], float, str, bool | None]] = [
     ("1B hsdp 2x1 (= ddp by degrees)", "llama1b", ["executor=compile", "mesh.shape=[2,1]", "sharding=hsdp", "train.global_batch_size=8", "train.micro_batch_size=4"], 104_927, "multi-GPU s2", None),
     ("1B tp=2, micro 4, gathered logits", "llama1b", ["executor=compile", "mesh=2", "sharding=tp", "sharding.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.loss_parallel=false"], 73_001, "multi-GPU s2", True),
     ("7B fsdp 2 GPUs, micro 4", "llama7b", ["executor=compile", "mesh=2", "sharding=fsdp", "train.global_batch_size=8", "train.micro_batch_size=4"], 22_462, "multi-GPU s2", False),
+    # Llama-3-8B at 8K on one H200 (issue 28): the runs as filed (synthetic data, full AC), then the
+    # masked rows of sessions 14-15 (real packed text, FA4's varlen kernel, no recompute unless named).
+    ("8B 8K bf16, full AC", "llama3_8b", [*ISSUE_28, "data=synthetic", "sharding.activation_checkpointing=full"], 8_670, "issue 28", False),
+    ("8B 8K float8, full AC", "llama3_8b", [*ISSUE_28, "data=synthetic", "sharding.activation_checkpointing=full", *FLOAT8], 10_814, "issue 28", False),
+    ("8B 8K float8 masked", "llama3_8b", [*ISSUE_28, *MASKED, *FLOAT8], 14_146, "s15 m1", False),
+    ("8B 8K float8 masked", "llama3_8b", [*ISSUE_28, *MASKED, *FLOAT8], 13_939, "s15 m3", False),
+    ("8B 8K float8 masked, moments bf16", "llama3_8b", [*ISSUE_28, *MASKED, *FLOAT8, *BF16_MOMENTS], 14_244, "s15 m1", False),
+    ("8B 8K float8 masked, moments bf16, 2 rows", "llama3_8b", [*ISSUE_28, *MASKED, *FLOAT8, *BF16_MOMENTS, *TWO_ROWS], 16_200, "s15 m3", False),
+    ("8B 8K float8 masked, moments bf16, 2 rows", "llama3_8b", [*ISSUE_28, *MASKED, *FLOAT8, *BF16_MOMENTS, *TWO_ROWS], 15_802, "s15 m1", False),
+    ("8B 8K bf16 masked, moments bf16", "llama3_8b", [*ISSUE_28, *MASKED, *BF16_MOMENTS], 10_809, "s15 m3", False),
+    ("8B 8K bf16 masked, AC budget 0.98", "llama3_8b", [*ISSUE_28, *MASKED, "sharding.activation_checkpointing=budget", "sharding.activation_memory_budget=0.98"], 10_464, "s14 Z", False),
+    ("8B 8K bf16, activation offload", "llama3_8b", [*ISSUE_28, "sharding.activation_offload=true"], 3_331, "s15 m4", False),
 ]  # fmt: skip
 
 
