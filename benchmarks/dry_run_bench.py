@@ -13,7 +13,8 @@ import time
 
 from framework.config.schema import ActivationCheckpointing, Config, HardwareConfig, ModelConfig, Strategy
 from framework.launch.dry_run import dry_run, format_dry_run
-from framework.planner.plan import GIB, format_plan
+from framework.planner.params import GIB
+from framework.planner.report import format_plan
 from framework.planner.resolve import resolve
 
 LLAMA70B = ModelConfig(

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
     "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
     "recipes": (
-        "framework.launch.recipes",
+        "framework.launch.recipe_cli",
         [],
         "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)",
     ),

@@ -224,7 +224,7 @@ def write_run_config(run_dir: Path, *overrides: str) -> None:
     from framework.launch import recipes
     from framework.launch.entry import prelaunch
     from framework.launch.ranks import register_resolvers
-    from framework.planner.plan import plan_to_dict
+    from framework.planner.report import plan_to_dict
     from framework.planner.resolve import write_plan
 
     config.register()

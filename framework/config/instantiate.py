@@ -2,11 +2,14 @@
 
 Configs are data, shared across teams as recipes; a ``_target_`` turns data into a call. Hydra 1.3
 has only a blocklist, and alias paths slipped past it (advisory GHSA-37p2-j732-x8pj:
-``logging.os.system`` reaches ``os.system`` through an allowed-looking module). So a target passes
-only if its dotted path starts with an allowed module prefix AND every module and object met while
-resolving it really lives under an allowed prefix: ``framework.launch.entry.os.system`` is refused because
-``framework.launch.entry.os`` is the module ``os``; a function imported into an allowed module is refused
-when its ``__module__`` is not allowed. Nothing outside the allowlist is ever imported.
+``logging.os.system`` reaches ``os.system`` through an allowed-looking module). So the allowlist
+is exact names: the callback and optimizer classes the docs name (``BUILTIN_ALLOW``), plus what
+``run.instantiate_allow`` adds. There a package may be granted whole, written with its trailing dot
+(``mypkg.``): the user's own code, trusted on the command line or in conf/, never by a recipe. Under
+a prefix, every module and object met while resolving the path must really live under an allowed
+prefix too: ``mypkg.os.system`` is refused because ``mypkg.os`` is the module ``os``. Nothing grants
+``framework.`` by default: a config could then call any framework function (a data tool, the
+command line's ``main``) with arguments it chose. Nothing outside the allowlist is ever imported.
 
 ``check_targets`` runs at compose time (``framework.launch.entry``), before anything runs;
 ``safe_instantiate`` is the only way framework code should call ``hydra.utils.instantiate``.
@@ -20,17 +23,35 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework.config.schema import SHIPPED_CALLBACKS
+
 TARGET_KEY = "_target_"
+# torch.optim's optimizer classes: what optimizer._target_ may name (conf/optimizer/*.yaml and "your
+# own class" in docs/configuration.md). Named one by one, never the module: torch.optim holds
+# functions and submodules too.
+TORCH_OPTIMIZERS = (
+    "ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
+    "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam",
+)  # fmt: skip
+# Always allowed, before run.instantiate_allow: exact classes only, so that no config can call a
+# framework function (a data tool, a command's main) with arguments it chose.
+BUILTIN_ALLOW = (*SHIPPED_CALLBACKS.values(), *(f"torch.optim.{name}" for name in TORCH_OPTIMIZERS))
 
 
 def _prefixes(allow: list[str]) -> list[str]:
-    """``torch.optim.`` and ``torch.optim`` both mean the module ``torch.optim`` and what lies below it."""
-    return [a.rstrip(".") for a in allow if a.strip(".")]
+    """The entries that grant a module and what lies below it: those written with a trailing dot."""
+    return [a.rstrip(".") for a in allow if a.endswith(".") and a.strip(".")]
 
 
 def is_allowed_name(name: str, allow: list[str]) -> bool:
-    """True when the dotted ``name`` is one of the allowed modules or lies below one."""
-    return any(name == p or name.startswith(p + ".") for p in _prefixes(allow))
+    """True when the dotted ``name`` is an exact entry, or one of the prefix entries' modules or below one."""
+    return name in allow or any(name == p or name.startswith(p + ".") for p in _prefixes(allow))
+
+
+def _leads_to_prefix(dotted: str, allow: list[str]) -> bool:
+    """True for the packages a prefix entry lies in (``hydra``, ``hydra._internal`` of
+    ``hydra._internal.core_plugins.``): the path down to a granted module, not a place of its own."""
+    return any(p.startswith(dotted + ".") for p in _prefixes(allow))
 
 
 def _home(obj: Any) -> str:
@@ -42,16 +63,20 @@ def _home(obj: Any) -> str:
 
 
 def check_target(path: Any, allow: list[str], where: str = "_target_") -> Any:
-    """Raise ValueError unless ``path`` and everything it resolves through are on the allowlist;
-    return what it resolves to (importing only allowed modules), for checks of its kind."""
+    """Raise ValueError unless ``path`` is an exact entry of ``BUILTIN_ALLOW`` or ``allow``, or lies under
+    a prefix entry of ``allow`` with everything it resolves through; return what it resolves to
+    (importing only allowed modules), for checks of its kind."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where}={path!r}: a _target_ must be a dotted path string")
+    extra, allow = list(allow), [*BUILTIN_ALLOW, *allow]
     if not is_allowed_name(path, allow):
         raise ValueError(
-            f"{where}={path!r} is not on the instantiation allowlist run.instantiate_allow={allow}; "
-            "configs are data: add the module prefix to run.instantiate_allow (in conf/ or on the command line) "
-            "if you trust it"
+            f"{where}={path!r} is not on the instantiation allowlist (the shipped callbacks, torch.optim's "
+            f"optimizer classes, and run.instantiate_allow={extra}); configs are data: add the class "
+            "(or your package as `mypkg.`) to run.instantiate_allow (in conf/ or on the command line) if "
+            "you trust it"
         )
+    exact = path in allow  # named whole: trusted as written, whatever modules it passes through
     parts = path.split(".")
     try:
         obj: Any = importlib.import_module(parts[0])
@@ -69,7 +94,7 @@ def check_target(path: Any, allow: list[str], where: str = "_target_") -> Any:
         else:
             raise ValueError(f"{where}={path!r} cannot be resolved: no attribute {parts[i]!r}")
         home = _home(obj)
-        if not is_allowed_name(home, allow):
+        if not exact and not _leads_to_prefix(dotted, allow) and not is_allowed_name(home, allow):
             raise ValueError(
                 f"{where}={path!r} is refused: {dotted!r} is really {home!r}, which is not on the "
                 f"instantiation allowlist {allow} (an alias path, see GHSA-37p2-j732-x8pj)"
@@ -98,7 +123,10 @@ def find_targets(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
 # ``hydra.hydra_logging`` (``class`` and ``()`` name a callable that gets the node's keys).
 # Narrow on purpose: ``hydra.utils.call`` or ``logging.config.fileConfig`` (which evals) would be
 # instantiation of anything.
-HYDRA_ALLOW = ["hydra._internal.core_plugins.", "hydra.experimental.callbacks.", "hydra_plugins.", "optuna."]
+HYDRA_ALLOW = [
+    "hydra._internal.core_plugins.", "hydra.experimental.callbacks.", "hydra_plugins.", "optuna.",
+    "framework.launch.entry.RunDirCheck", "framework.launch.sweep.SweepSummary",  # conf/config.yaml's
+]  # fmt: skip
 LOGGING_ALLOW = [
     "logging.StreamHandler", "logging.FileHandler", "logging.NullHandler", "logging.Formatter",
     "logging.Filter", "logging.handlers.", "colorlog.",
@@ -144,7 +172,7 @@ def check_hydra_targets(hydra_tree: Any, allow: list[str]) -> int:
             raise ValueError(f"{key}={value!r}: a target under hydra.* must be a literal dotted path")
         if isinstance(value, str) and is_allowed_name(value, names):
             # Hydra's own: every object met while resolving it must still live in its package.
-            check_target(value, [*allow, *(n.split(".")[0] for n in names)], where=key)
+            check_target(value, [*allow, *names], where=key)
         else:
             check_target(value, allow, where=key)  # anything else: the user's allowlist, as outside hydra.*
     return len(found)

@@ -755,9 +755,11 @@ class RunConfig:
     profile_wait: int = only_with("run.profile", True, default=1)
     profile_warmup: int = only_with("run.profile", True, default=1)
     profile_active: int = only_with("run.profile", True, default=3)
-    # Default-deny allowlist of module prefixes that a config's `_target_` may name (framework.config.instantiate).
-    # Set it in conf/ or on the command line; a recipe that sets it is refused.
-    instantiate_allow: list[str] = field(default_factory=lambda: ["framework.", "torch.optim.", "torch.nn."])
+    # What a config's `_target_` may name besides the shipped callbacks and torch.optim's optimizer
+    # classes (framework.config.instantiate, default-deny): exact names (`mypkg.MyCallback`), or a
+    # package with its trailing dot (`mypkg.`). Set it in conf/ or on the command line; a recipe that
+    # sets it is refused.
+    instantiate_allow: list[str] = field(default_factory=list)
     # Fault injection, to test recovery on your own setup: rank `fault_rank` (-1 = every rank) SIGKILLs
     # itself after step `fault_kill_at_step` (-1 = off), on the launcher's first attempt only; or
     # raises from inside the forward of step `fault_raise_at_step` (-1 = off), to test the cleanup.

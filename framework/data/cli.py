@@ -73,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--column", default="text")
     tr.add_argument("--force", action="store_true", help="replace an OUT that is not a trained tokenizer")
     args = parser.parse_args(argv)
-    if args.cmd == "prepare" and args.workers < 0:
-        parser.error(f"--workers {args.workers}: valid: 0 (one per core, at most 8) or a count >= 1")
     try:
+        if args.cmd == "prepare":
+            from framework.data.prepare import check_workers
+
+            check_workers(args.workers)  # before anything is read or written
         check_output_file("OUT", args.out)
         if args.cmd == "prepare":
             return _prepare(args)

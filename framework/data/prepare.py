@@ -133,6 +133,21 @@ def _chunks(records: Iterator[Record]) -> Iterator[list[Record]]:
         yield chunk
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity under a batch scheduler, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_workers(workers: int) -> None:
+    """ValueError unless ``workers`` is 0 (one per core, at most 8) or 1..the usable cores (at least 2)."""
+    most = max(2, usable_cores())  # two on a one-core machine: what the equivalence test runs
+    if not 0 <= workers <= most:
+        raise ValueError(
+            f"--workers {workers}: valid: 0 (one per core, at most 8) or 1 to {most} (the cores this "
+            "process may use; each worker is a process)"
+        )
+
+
 def prepare(
     out: Path,
     inputs: list[str],
@@ -147,9 +162,11 @@ def prepare(
 ) -> int:
     """Tokenize ``inputs`` into ``out`` (+ sidecar); returns the number of tokens written.
 
-    ``workers=0``: one per CPU core (at most 8); ``workers=1`` encodes in this process.
-    ``force`` replaces an OUT / OUT.json that ``prepare`` did not write (refused otherwise).
+    ``workers=0``: one per CPU core (at most 8); ``workers=1`` encodes in this process; more than
+    the cores this process may use is refused (each worker is a process: 10**9 of them forked without
+    bound). ``force`` replaces an OUT / OUT.json that ``prepare`` did not write (refused otherwise).
     """
+    check_workers(workers)
     tok_cfg = tokenizer or TokenizerConfig()
     tok = load_tokenizer(tok_cfg)
     if add_bos and tok.bos_id is None:
@@ -163,7 +180,7 @@ def prepare(
     check_outputs([out, out.with_suffix(".json")], files)
     check_prepare_outputs(out, force)
     total = sum(f.stat().st_size for _, f in files)
-    workers = workers or min(8, os.cpu_count() or 1)
+    workers = workers or min(8, usable_cores())
     writer = TokenWriter(out, tok.vocab_size)
     # disable=None: tqdm shows the bar on a terminal only (not in logs and tests).
     bar = tqdm(

@@ -37,7 +37,8 @@ from framework.config.schema import Config, Float8Recipe
 from framework.models import build_model, linears
 from framework.parallel import build_mesh, parallelize
 from framework.parallel.float8 import is_float8
-from framework.planner.plan import GIB, Plan, pp_rank_param_bytes, pp_rank_specs
+from framework.planner.params import GIB
+from framework.planner.plan import Plan, pp_rank_param_bytes, pp_rank_specs
 from framework.planner.resolve import check_plan
 
 

@@ -68,7 +68,8 @@ from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import fixed_degrees
-from framework.planner.plan import Plan, format_plan, plan_to_dict
+from framework.planner.plan import Plan
+from framework.planner.report import format_plan, plan_to_dict
 from framework.planner.resolve import PLAN_FILE, resolve, write_plan
 from framework.planner.search import SearchResult, format_search, search_to_dict
 from framework.planner.topology import (

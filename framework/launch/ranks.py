@@ -166,7 +166,7 @@ def check_offload_memory(cfg: Config, available: int | None = None) -> None:
     bytes, default MemAvailable). A dry run plans for other hosts: not checked."""
     if not cfg.sharding.activation_offload or cfg.run.dry_run:
         return
-    from framework.planner.plan import offloaded_activation_bytes
+    from framework.planner.memory import offloaded_activation_bytes
 
     ranks = cfg.mesh.procs_per_node
     need = ranks * offloaded_activation_bytes(cfg)

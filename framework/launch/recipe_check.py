@@ -33,6 +33,10 @@ The rules, each closing one way in:
   ``nccl.preset_env``: only known NCCL variables, none that loads a library or names a file
   (``CODE_LOADING_NCCL``).
 
+- **No instructions to Hydra**: no key that starts with ``_`` at any depth (inside lists of lists
+  too): ``_target_`` builds an object, ``_args_`` / ``_partial_`` / ``_recursive_`` / ``_convert_``
+  change the call. The one exception, ``optimizer._target_``, must name an allowed optimizer class.
+
 ``_target_`` values are checked on the composed config (framework.config.instantiate), the ``hydra``
 node included.
 """
@@ -279,6 +283,39 @@ def _check_defaults(entries: Any) -> str | None:
     return None
 
 
+# The one key a recipe may set that starts with `_`: the optimizer's class, checked against the
+# allowlist of exact classes like every other target (framework.config.instantiate).
+RECIPE_UNDERSCORE_KEYS = ("optimizer._target_",)
+
+
+def _underscore_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every mapping key that starts with `_`, at any depth (inside lists of lists too), as its path."""
+    out: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            out += [key] if str(k).startswith("_") else []
+            out += _underscore_keys(v, key)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _underscore_keys(v, f"{prefix}[{i}]")
+    return out
+
+
+def _check_underscore_keys(body: dict[str, Any]) -> str | None:
+    """Keys that start with `_` are Hydra's instructions (``_target_`` builds an object, ``_args_``
+    passes positional arguments, ``_partial_`` / ``_recursive_`` / ``_convert_`` change how): a
+    recipe is values, so it sets none of them, at any depth, but ``optimizer._target_``."""
+    for key in _underscore_keys(body):
+        if key not in RECIPE_UNDERSCORE_KEYS:
+            return (
+                f"it sets {key}: a key starting with `_` is an instruction to Hydra (_target_ builds an "
+                "object, _args_ / _partial_ / _recursive_ / _convert_ change the call); a recipe is "
+                f"values only (the one such key it may set: {', '.join(RECIPE_UNDERSCORE_KEYS)})"
+            )
+    return None
+
+
 def _walk_strings(node: Any, prefix: str = "") -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     if isinstance(node, dict):
@@ -471,7 +508,7 @@ def refusal(node: Any, folder: Path | None = None) -> str | None:
         check_expansion(body)
     except ValueError as e:
         return str(e)
-    return check_places(node, folder)[0]
+    return check_places(node, folder)[0] or _check_underscore_keys(body)
 
 
 def check_choices(choices: Any) -> None:

@@ -15,27 +15,22 @@ Safety: a recipe is untrusted input. Each file is read with a bounded parser and
 (framework.launch.recipe_check: no Hydra keys or groups, no ``@package`` defaults, no resolvers, bounded
 interpolation, no keys that reach code or the process) before Hydra sees it. A refused recipe is
 registered empty and recorded in ``REFUSED``; ``framework.launch.entry`` refuses to run it, and checks the
-composed result again. ``python -m framework.recipes list | validate NAME`` inspects
+composed result again. ``python -m framework recipes list | validate NAME`` (framework.launch.recipe_cli) inspects
 the roots.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 import importlib.util
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from framework.launch import recipe_check
 
@@ -223,8 +218,9 @@ def provenance(recipe_name: str | None, config_yaml: str) -> dict[str, Any]:
     }
 
 
-def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
-    """Compose ``recipe=NAME`` with the shipped conf/ through Hydra's compose API (returns the typed Config)."""
+def compose_nodes(name: str, overrides: list[str] | None = None) -> tuple[Any, Any]:
+    """``recipe=NAME`` composed with the shipped conf/ through Hydra's compose API: (the task config,
+    the ``hydra`` node), both untyped and unchecked; a refused recipe raises ValueError first."""
     from hydra import compose, initialize_config_dir
 
     from framework.config import schema as config
@@ -241,8 +237,15 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
             overrides=config.quote_numeric_choices([f"recipe={name}", *(overrides or [])]),
             return_hydra_config=True,
         )
-    hydra_cfg = dcfg.hydra
-    task = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
+    return OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"]), dcfg.hydra
+
+
+def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
+    """Compose ``recipe=NAME`` with the shipped conf/ (returns the typed Config), after the checks on
+    the composed result (RecipeRefused) and on its keys."""
+    from framework.config import schema as config
+
+    task, hydra_cfg = compose_nodes(name, overrides)
     allow = OmegaConf.select(task, "run.instantiate_allow", default=None)
     allow = list(allow) if allow is not None else config.RunConfig().instantiate_allow
     try:
@@ -255,98 +258,3 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
     return config.to_config(task)
 
 
-def _cmd_list() -> int:
-    register()
-    recipes = discover()
-    width = max(len(n) for n in recipes)
-    for r in recipes.values():
-        state = f"  [REFUSED: {REFUSED[r.name].split(': ', 1)[1]}]" if r.name in REFUSED else ""
-        print(f"{r.name:<{width}}  {r.description or '(no description)'}  <- {r.path}{state}")
-    return 0
-
-
-def _cmd_validate(name: str, overrides: list[str]) -> int:
-    from framework.checkpoint import init_from
-    from framework.data import check_data
-    from framework.launch.rules import check as check_rules
-    from framework.launch.rules import check_model_shape
-    from framework.planner.plan import format_plan
-    from framework.planner.resolve import make_plan
-    from framework.planner.topology import validate_mesh
-
-    recipes = discover()
-    if name not in recipes:
-        print(f"error: no recipe {name!r}; known: {sorted(recipes)}", file=sys.stderr)
-        return 2
-    register()
-    if name in REFUSED:  # unsafe: a bad input, as for train.py
-        print(f"error: {REFUSED[name]}", file=sys.stderr)
-        return 2
-    try:
-        cfg = compose_recipe(name, overrides)
-        # The launcher's checks (framework.launch.entry.validate), in its order: an HF config.json's shape,
-        # the data, a chat template's budget; bounds that only train.py enforced were "valid" here.
-        cfg = init_from.resolve(cfg, overrides, check_shape=check_model_shape)
-        validate_mesh(cfg.mesh)
-        check_rules(cfg)
-        check_data(cfg)
-        # Validating plans like a dry run: a layout over the device memory is reported, not refused.
-        plan = make_plan(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)))
-    except RecipeRefused as e:
-        print(f"error: recipe {name!r} ({recipes[name].path}) is refused: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OmegaConfBaseException, HydraException) as e:  # bad input, as train.py says it
-        print(
-            f"error: recipe {name!r} ({recipes[name].path}) is invalid: {_one_line(e, overrides)}",
-            file=sys.stderr,
-        )
-        return 2
-    except Exception as e:  # noqa: BLE001 - not the input: the validator itself failed
-        print(
-            f"error: validating recipe {name!r} failed inside the framework ({type(e).__name__}: "
-            f"{_one_line(e, overrides)}); this is a bug, not your recipe",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"recipe {name} ({recipes[name].path}, sha256 {recipes[name].sha256[:12]}): valid")
-    print(format_plan(plan))
-    return 0
-
-
-def _one_line(e: BaseException, overrides: list[str]) -> str:
-    """A compose error as train.py words it (framework.config.override_errors), else the first line."""
-    from framework.config.override_errors import explain
-
-    line = explain(e, overrides) if isinstance(e, (HydraException, ValueError)) else None
-    return line or (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-EXIT_CODES = (
-    "exit status: 0 valid (the plan is printed); 2 a bad input: no such recipe, a refused (unsafe) "
-    "recipe, an override or value that train.py would refuse, one line on stderr; 1 the validator "
-    "itself failed (a bug)"
-)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.recipes", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="every recipe with its source and one-line description")
-    val = sub.add_parser(
-        "validate",
-        help="compose a recipe, check it as train.py does, dry-run its plan (exit 0 valid, 2 invalid)",
-        description="Compose a recipe with the overrides, run train.py's checks, dry-run its plan.",
-        epilog=EXIT_CODES,
-    )
-    val.add_argument("name")
-    val.add_argument("overrides", nargs="*", help="extra overrides, e.g. mesh=8 sharding=fsdp")
-    args = parser.parse_args(argv)
-    try:
-        return _cmd_list() if args.cmd == "list" else _cmd_validate(args.name, args.overrides)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

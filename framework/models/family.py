@@ -27,7 +27,7 @@ class Family:
     -> its HF ``config.json`` key, beyond the fields every family here shares
     (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
     ``activation_values``: the values one block saves for backward per token (the planner's memory
-    term, ``framework.planner.plan``), from the shape.
+    term, ``framework.planner.memory``), from the shape.
     ``config``: its schema, the option ``model=NAME`` (``framework.config.schema.MODEL_SCHEMAS``):
     the shared ``ModelConfig`` keys plus the family's own (Mistral's ``sliding_window``). The config
     layer sits below the models, so the class is declared there and the record points at it.

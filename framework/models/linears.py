@@ -149,7 +149,7 @@ def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1) -
     """The bf16 copies of one block's weights that bf16 autocast makes for its GEMMs: every Linear
     that ``model.float8`` leaves in bf16 and every stacked expert GEMM it leaves in bf16 (2 bytes a
     weight; TP shards the Linear layers, expert parallelism the experts). The planner counts them
-    where a compiled backward keeps them (framework.planner.plan)."""
+    where a compiled backward keeps them (framework.planner.memory)."""
     linears = {s.fqn for s in converted(m)}
     experts = {(g.fqn, g.param) for g in converted_experts(m)}
     dense = sum(

@@ -37,7 +37,8 @@ from framework.parallel.mesh import (
 )
 from framework.parallel.pipeline import PipelineModel, build_schedule, cut_stage, tie_stages
 from framework.parallel.tensor import apply_tp
-from framework.planner.plan import DP_AXES, MeshAxis, Plan
+from framework.planner.layout import DP_AXES, MeshAxis
+from framework.planner.plan import Plan
 from framework.planner.stages import ZERO_BUBBLE, stage_ids
 
 __all__ = ["build_mesh", "dp_mesh_info", "parallelize"]

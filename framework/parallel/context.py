@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework.models import Decoder
 from framework.parallel.mesh import sub_mesh
-from framework.planner.plan import MeshAxis, Plan
+from framework.planner.layout import MeshAxis
+from framework.planner.plan import Plan
 
 SequenceShard = Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager]
 

@@ -7,7 +7,8 @@ import math
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from framework.planner.plan import DP_AXES, MeshAxis, Plan
+from framework.planner.layout import DP_AXES, MeshAxis
+from framework.planner.plan import Plan
 
 DP_SHARD_CP = "dp_shard_cp"  # the flattened dp_shard x cp axis FSDP2 shards over
 EP = "ep"  # expert parallelism: the inner ep ranks of dp_shard (framework.parallel.expert)

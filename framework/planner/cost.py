@@ -119,7 +119,7 @@ _RECOMPUTE = {"none": 0.0, "selective": 0.5, "full": 1.0, "budget": 0.5}
 # all-gathers K and V before the attention that needs them), and expert parallelism's all-to-alls
 # (the experts wait for their rows; framework.parallel.expert runs them on the compute stream).
 _BLOCKING_AXES = ("tp", "cp", "ep")
-# FSDP's mesh axes (framework.planner.plan._comm names the flattened dp_shard x cp group dp_shard_cp,
+# FSDP's mesh axes (framework.planner.comm.step_comm names the flattened dp_shard x cp group dp_shard_cp,
 # and the group an expert stack is sharded over under ep dp_shard_mod_ep).
 _FSDP_AXES = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
 # Each TP collective costs this much beyond its alpha-beta time: DTensor's redistribution, the
@@ -173,7 +173,7 @@ _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
 # One measurement: a fit.
 _FLOAT8_EXPERT_CAST_SLOWDOWN = 2.4
 # A pipeline's tied embedding: its gradient is reduced after backward and its weight sent back after
-# the optimizer step, with no compute left to hide behind (framework.planner.plan._pp_tied). An MoE
+# the optimizer step, with no compute left to hide behind (framework.planner.pipeline.tied_weight_comm). An MoE
 # model's load-balancing all-reduce and its backward: the loss waits on the sums (funcol.wait_tensor
 # right after the all-reduce, framework.models.moe), and the routers' gradients on the backward's. The
 # sigmoid routers' bias update: a blocking dist.all_reduce per layer in the optimizer step's post-hook,

@@ -23,9 +23,9 @@ from framework.planner.plan import (
     explicit_degrees_equal,
     needs_search,
     plan_for,
-    plan_from_dict,
     with_degrees,
 )
+from framework.planner.report import plan_from_dict
 from framework.planner.search import SearchResult, search
 
 PLAN_FILE = "plan.json"

@@ -37,15 +37,9 @@ from framework.config.schema import (
 from framework.kernels import fa4
 from framework.planner import stages as pipeline_stages
 from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
-from framework.planner.plan import (
-    GIB,
-    Plan,
-    largest_fitting_budget,
-    moments_hint,
-    plan_for,
-    runs_on_cpu,
-    with_degrees,
-)
+from framework.planner.memory import largest_fitting_budget, moments_hint, runs_on_cpu
+from framework.planner.params import GIB
+from framework.planner.plan import Plan, plan_for, with_degrees
 
 # Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
 # sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
@@ -257,7 +251,7 @@ def _reshard_options(cfg: Config, d: Degrees, pipe: tuple[PPSchedule, int, int] 
 
 def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
     """The user's mode, or under ``auto`` every searched one (selective_op only for a dense model:
-    framework.planner.plan counts what it keeps for a dense block only)."""
+    framework.planner.memory counts what it keeps for a dense block only)."""
     ac = cfg.sharding.activation_checkpointing
     if ac != ActivationCheckpointing.auto:
         return [ac]

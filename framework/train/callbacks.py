@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from framework.config.instantiate import TARGET_KEY, check_target, safe_instantiate
+from framework.config.instantiate import TARGET_KEY, check_target, find_targets
 from framework.config.schema import SHIPPED_CALLBACKS, Config, LoggerKind
 from framework.record.metrics import Metrics
 from framework.record.train_state import TrainState
@@ -172,9 +172,30 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def _plain_values(where: str, node: Mapping[str, Any]) -> dict[str, Any]:
+    """A callback's values, which are data: no Hydra instantiation key (``_args_``, ``_partial_``,
+    ``_recursive_``...) and no ``_target_`` at any depth (Hydra would build it and pass it in)."""
+    reserved = [k for k in node if str(k).startswith("_") and k != TARGET_KEY]
+    if reserved:
+        raise ValueError(
+            f"{where}.{reserved[0]} is refused: a callback takes keyword values only, and keys that "
+            "start with `_` are Hydra's instructions (positional arguments, partial calls, recursion)"
+        )
+    values = {k: v for k, v in node.items() if k != TARGET_KEY}
+    nested = find_targets(values, where)
+    if nested:
+        raise ValueError(
+            f"{nested[0][0]}={nested[0][1]!r} is refused: a callback's values are plain data, never "
+            "another object to build"
+        )
+    return values
+
+
 def build_one(name: str, node: Any, allow: list[str]) -> Callback:
     """The callback ``callbacks.NAME`` describes, through the allowlist; ValueError (one line) when
-    it names no class, one off the allowlist, a value the class does not take, or no callback."""
+    it names no class, one off the allowlist, a class that is not a callback, a value the class does
+    not take, or anything but plain values. The class is called directly with those values (not
+    through Hydra), so nothing else in the node is ever built or called."""
     where = f"callbacks.{name}"
     if not isinstance(node, Mapping) or TARGET_KEY not in node:
         raise ValueError(
@@ -182,32 +203,24 @@ def build_one(name: str, node: Any, allow: list[str]) -> Callback:
             f"holding NAME: {{{TARGET_KEY}: module.Class, ...}}, added with callbacks=[default,NAME]; "
             f"callbacks.{name}=null switches a shipped one off"
         )
+    values = _plain_values(where, node)
     cls = check_target(node[TARGET_KEY], allow, where=f"{where}.{TARGET_KEY}")
-    values = {k: v for k, v in node.items() if k != TARGET_KEY}
-    if not callable(cls):
-        raise ValueError(f"{where}.{TARGET_KEY}={node[TARGET_KEY]!r} is not a class or function")
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise ValueError(
+            f"{where}.{TARGET_KEY}={node[TARGET_KEY]!r} is not a callback class: it needs the hooks of "
+            "framework.train.callbacks.Callback (subclass it)"
+        )
     try:
-        inspect.signature(cls).bind(**{k: v for k, v in values.items() if not k.startswith("_")})
+        inspect.signature(cls).bind(**values)
     except TypeError as e:
         takes = ", ".join(p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs"))
         raise ValueError(
             f"{where}: {_one_line(e)}; {node[TARGET_KEY]} takes: {takes or 'no values'}"
         ) from None
-    except ValueError:  # a builtin without a signature: the call below says what is wrong
-        pass
     try:
-        cb = safe_instantiate(dict(node), allow)
-    except ValueError:
-        raise
+        return cls(**values)
     except Exception as e:  # noqa: BLE001 - the class refused its values: one line, before launch
-        cause = e.__cause__ or e
-        raise ValueError(f"{where}: {node[TARGET_KEY]} refused its values: {_one_line(cause)}") from None
-    if not isinstance(cb, Callback):
-        raise ValueError(
-            f"{where}.{TARGET_KEY}={node[TARGET_KEY]!r} built a {type(cb).__name__}, not a callback: it "
-            "needs the hooks of framework.train.callbacks.Callback (subclass it)"
-        )
-    return cb
+        raise ValueError(f"{where}: {node[TARGET_KEY]} refused its values: {_one_line(e)}") from None
 
 
 def build_callbacks(nodes: Mapping[str, Any], allow: list[str]) -> Callbacks:

@@ -6,7 +6,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config.instantiate import check_target, check_targets, is_allowed_name, safe_instantiate
+from framework.config.instantiate import (
+    BUILTIN_ALLOW,
+    check_target,
+    check_targets,
+    is_allowed_name,
+    safe_instantiate,
+)
+from framework.config.schema import SHIPPED_CALLBACKS, RunConfig
 
 ALLOW = ["framework.", "torch.optim.", "torch.nn."]
 
@@ -40,9 +47,43 @@ def test_refused_targets_name_the_reason(path: str, allow: list[str], message: s
 
 def test_prefix_matches_module_boundaries() -> None:
     assert is_allowed_name("torch.optim", ["torch.optim."])
-    assert is_allowed_name("torch.optim.adamw", ["torch.optim"])
-    assert not is_allowed_name("torch.optimizer_evil", ["torch.optim"])
+    assert is_allowed_name("torch.optim.adamw", ["torch.optim."])
+    assert not is_allowed_name("torch.optimizer_evil", ["torch.optim."])
     assert not is_allowed_name("anything", [])
+
+
+def test_an_entry_without_a_trailing_dot_is_one_name() -> None:
+    """``torch.optim.AdamW`` grants that class, not what lies below or beside it."""
+    assert is_allowed_name("torch.optim.AdamW", ["torch.optim.AdamW"])
+    assert not is_allowed_name("torch.optim.AdamW.step", ["torch.optim.AdamW"])
+    assert not is_allowed_name("torch.optim.adamw", ["torch.optim"])
+    assert check_target("torch.optim.AdamW", ["torch.optim.AdamW"]) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "framework.data.cli.main",  # round 4: a data tool run with a recipe's arguments
+        "framework.__main__.main",  # every subcommand, with command-line trust
+        "framework.checkpoint.export_hf.export",
+        "torch.optim.lr_scheduler",  # a module of torch.optim, not an optimizer class
+        "torch.nn.Linear",
+        "torch.load",
+    ],
+)
+def test_the_default_allowlist_names_classes_not_packages(path: str) -> None:
+    assert RunConfig().instantiate_allow == [] and not any(a.endswith(".") for a in BUILTIN_ALLOW)
+    with pytest.raises(ValueError, match="not on the instantiation allowlist"):
+        check_target(path, RunConfig().instantiate_allow)
+
+
+def test_the_builtin_allowlist_is_the_shipped_callbacks_and_torch_optimizers() -> None:
+    """Each builtin entry resolves to a class: a callback the docs name or a torch optimizer."""
+    assert set(SHIPPED_CALLBACKS.values()) <= set(BUILTIN_ALLOW)
+    for name in BUILTIN_ALLOW:
+        cls = check_target(name, [])
+        assert isinstance(cls, type), name
+        assert name in SHIPPED_CALLBACKS.values() or issubclass(cls, torch.optim.Optimizer), name
 
 
 def test_scan_finds_nested_and_interpolated_targets() -> None:

@@ -180,3 +180,13 @@ def test_the_refusal_is_one_line_naming_the_file(corpus: Corpus, tmp_path: Path,
     assert main(["prepare", str(tmp_path / "t.bin"), str(corpus.jsonl), "--workers", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "t.json" in err and "--force" in err
+
+
+@pytest.mark.parametrize("workers", ["-1", "1000000000"])
+def test_workers_are_bounded_by_the_cores(tmp_path: Path, capsys: pytest.CaptureFixture[str], workers: str) -> None:
+    """--workers forked without bound (923 processes in 100 s): now one line, exit 2, nothing written."""
+    (tmp_path / "a.txt").write_text("hello")
+    assert main(["prepare", str(tmp_path / "o.bin"), str(tmp_path / "a.txt"), "--workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--workers {workers}: valid: 0 (one per core" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]

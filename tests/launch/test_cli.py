@@ -66,7 +66,7 @@ def test_real_commands_through_the_entry_point() -> None:
         timeout=120,
     )
     old = subprocess.run(
-        [sys.executable, "-m", "framework.launch.recipes", "list"],
+        [sys.executable, "-m", "framework.launch.recipe_cli", "list"],
         capture_output=True,
         text=True,
         env=ENV,

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from framework.config import schema as config
-from framework.launch import recipe_check, recipes
+from framework.launch import recipe_check, recipe_cli
 
 CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
 
@@ -163,11 +163,11 @@ def test_validate_refuses_the_attack_and_a_bomb_does_not_touch_other_recipes(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     start = time.perf_counter()
-    assert recipes.main(["validate", "good"]) == 0  # the bomb next to it is never expanded
+    assert recipe_cli.main(["validate", "good"]) == 0  # the bomb next to it is never expanded
     assert "recipe good" in capsys.readouterr().out
-    assert recipes.main(["validate", "bomb"]) == 2
+    assert recipe_cli.main(["validate", "bomb"]) == 2
     assert "uses YAML anchors/aliases" in capsys.readouterr().err
-    assert recipes.main(["validate", "evil"]) == 2
+    assert recipe_cli.main(["validate", "evil"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: recipe 'evil'") and "is refused" in err and err.count("\n") == 1
     assert time.perf_counter() - start < 30.0
@@ -193,7 +193,7 @@ def test_validate_refuses_the_attack_and_a_bomb_does_not_touch_other_recipes(
 def test_composed_result_is_checked(
     root: Path, capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
 ) -> None:
-    assert recipes.main(["validate", "good", *overrides]) == 2
+    assert recipe_cli.main(["validate", "good", *overrides]) == 2
     err = capsys.readouterr().err
     assert "is refused" in err and message in err, err
 
@@ -275,7 +275,7 @@ def test_command_line_only_keys_are_refused_in_a_recipe_and_accepted_on_the_comm
 ) -> None:
     guard = recipe_check.COMMAND_LINE_ONLY[key]
     name = "sets_" + key.replace(".", "_").replace("[]", "")
-    assert recipes.main(["validate", name]) == 2
+    assert recipe_cli.main(["validate", name]) == 2
     err = capsys.readouterr().err
     written = key.replace("[]", "[0]")
     assert err.count("\n") == 1 and f"it sets {written}=" in err, err
@@ -289,7 +289,7 @@ def test_command_line_only_keys_are_refused_in_a_recipe_and_accepted_on_the_comm
     context = [f"{k}={json.dumps(v)}" for k, v in guard.context]
     # On the command line the key is not refused as a place: `validate` then runs the launcher's own
     # checks, which may refuse the example value itself (a path that does not exist, /etc/passwd as data).
-    code = recipes.main(["validate", "good", *context, value])
+    code = recipe_cli.main(["validate", "good", *context, value])
     out = capsys.readouterr()
     assert "a recipe may set values" not in out.err and "it sets" not in out.err, out.err
     assert (code == 0 and "valid" in out.out) or (code != 0 and out.err.count("error:") == 1), out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.launch import recipes
+from framework.launch import recipe_cli, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 TEAM_RECIPE = """# Team recipe: the tiny model with a shorter schedule.
@@ -61,6 +61,23 @@ READS_ENV = """# Writes a secret into config.yaml.
 model:
   name: ${oc.env:FRAMEWORK_TEST_SECRET}
 """
+# Round 4: a framework function called with the recipe's arguments, through a list of lists (which
+# the place check read as one value) under `_args_` (a key starting with `_`); the composed check
+# accepted any target under `framework.`. Without the refusal the marker file appeared.
+ARGS_IN_LISTS = """# Looks like a callback's values.
+callbacks:
+  profiler:
+    _args_: [[{{_target_: framework.data.cli.main, _args_: [[prepare, "{marker}", "{src}"]]}}]]
+"""
+MAIN_TARGET = """# The command line's own entry, with command-line trust.
+optimizer:
+  _target_: framework.__main__.main
+"""
+BAD_CALLBACK_VALUE = """# A value the profiler callback does not take: safe, but train.py refuses it.
+callbacks:
+  profiler:
+    every: 3
+"""
 # 9 levels of 9 aliases: 9^9 = 387 million strings from 431 bytes.
 ALIAS_BOMB = (
     '# An alias bomb.\na: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
@@ -92,6 +109,9 @@ def team_package(tmp_path: Path) -> tuple[Path, Path]:
     (folder / "evil_env.yaml").write_text(READS_ENV)
     (folder / "evil_alias_bomb.yaml").write_text(ALIAS_BOMB)
     (folder / "evil_doubling.yaml").write_text(DOUBLING)
+    (folder / "evil_args_in_lists.yaml").write_text(ARGS_IN_LISTS.format(src=ROOT / "README.md", marker=marker))
+    (folder / "evil_main_target.yaml").write_text(MAIN_TARGET)
+    (folder / "bad_callback_value.yaml").write_text(BAD_CALLBACK_VALUE)
     return site, marker
 
 
@@ -120,7 +140,7 @@ def test_refusal_reasons() -> None:
 def test_list_shows_extra_roots_with_source_and_description(team_package: tuple[Path, Path]) -> None:
     site, _ = team_package
     out = subprocess.run(
-        [sys.executable, "-m", "framework.launch.recipes", "list"],
+        [sys.executable, "-m", "framework.launch.recipe_cli", "list"],
         cwd=ROOT,
         env=_env(site, "pkg://teamrecipes.llama"),
         capture_output=True,
@@ -144,14 +164,14 @@ def test_validate_prints_the_plan_or_the_error(
     monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", "pkg://teamrecipes.llama")
     # sharding=ddp: under auto the search's choice for this tiny model moves with the cost model
     # (since pipelines carry tied embeddings it plans zbv on 2 ranks); what is tested is the printing.
-    assert recipes.main(["validate", "team_tiny", "mesh=2", "sharding=ddp"]) == 0
+    assert recipe_cli.main(["validate", "team_tiny", "mesh=2", "sharding=ddp"]) == 0
     out = capsys.readouterr().out
     assert "team_tiny" in out and "valid" in out and "plan: ddp on 2 ranks" in out
-    assert recipes.main(["validate", "team_tiny", "mesh=4", "sharding=ddp", "train.global_batch_size=6"]) == 2
+    assert recipe_cli.main(["validate", "team_tiny", "mesh=4", "sharding=ddp", "train.global_batch_size=6"]) == 2
     assert "global_batch_size=6" in capsys.readouterr().err
-    assert recipes.main(["validate", "evil_widen"]) == 2
+    assert recipe_cli.main(["validate", "evil_widen"]) == 2
     assert "is refused: it sets run.instantiate_allow" in capsys.readouterr().err
-    assert recipes.main(["validate", "evil_repackage"]) == 2  # was reported "valid"
+    assert recipe_cli.main(["validate", "evil_repackage"]) == 2  # was reported "valid"
     assert "evil_repackage" in capsys.readouterr().err
 
 
@@ -166,6 +186,8 @@ def test_validate_prints_the_plan_or_the_error(
         ("evil_env", "calls the resolver 'oc.env'"),
         ("evil_alias_bomb", "uses YAML anchors/aliases"),
         ("evil_doubling", "logger.tags.20 would expand to more than 1048576 characters"),
+        ("evil_args_in_lists", "it sets callbacks.profiler._args_: a key starting with `_` is an instruction"),
+        ("evil_main_target", "optimizer._target_='framework.__main__.main' is not on the instantiation allowlist"),
     ],
 )
 def test_unsafe_recipe_is_refused_before_anything_runs(
@@ -190,9 +212,34 @@ def test_unsafe_recipe_is_refused_before_anything_runs(
         monkeypatch.syspath_prepend(str(site))  # what PYTHONPATH gives a fresh interpreter
         proc = train_forked(*argv, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: recipe '{name}'"), proc.stderr
+    # A target is judged on the composed config, where it may have come from the command line too.
+    prefix = "error: " if name == "evil_main_target" else f"error: recipe '{name}'"
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(prefix), proc.stderr
     assert message in proc.stderr and "hunter2" not in proc.stdout + proc.stderr
     assert not run_dir.exists() and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("evil_args_in_lists", "is refused: it sets callbacks.profiler._args_"),
+        ("evil_main_target", "is refused: optimizer._target_='framework.__main__.main' is not on the"),
+        ("bad_callback_value", "callbacks.profiler: got an unexpected keyword argument 'every'"),
+    ],
+)
+def test_validate_runs_every_check_train_py_runs(
+    team_package: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    name: str, message: str,
+) -> None:
+    """`recipes validate` called the round-4 recipes valid: it now runs the launcher's own checks (the
+    composed targets, the callbacks built once), and nothing of the payload runs."""
+    site, marker = team_package
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", "pkg://teamrecipes.llama")
+    monkeypatch.syspath_prepend(str(site))
+    assert recipe_cli.main(["validate", name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: recipe '{name}'") and message in err[0], err
+    assert not marker.exists()
 
 
 def test_a_root_may_not_replace_a_shipped_recipe_nor_link_files_from_outside(
@@ -209,21 +256,21 @@ def test_a_root_may_not_replace_a_shipped_recipe_nor_link_files_from_outside(
     (root / "team_tiny.yaml").write_text(TEAM_RECIPE)
     (root / "alias.yaml").symlink_to(root / "team_tiny.yaml")  # inside the root: fine
     monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
-    assert recipes.main(["list"]) == 0
+    assert recipe_cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "hunter2" not in out
     lines = {line.split()[0]: line for line in out.splitlines()}
     assert "REFUSED: it is a symlink that leaves its root" in lines["leak"], lines["leak"]
     assert "REFUSED: it has the name of the shipped recipe" in lines["llama_tiny"], lines["llama_tiny"]
     assert "REFUSED" not in lines["alias"] and "REFUSED" not in lines["team_tiny"]
-    assert recipes.main(["validate", "llama_tiny"]) == 2
+    assert recipe_cli.main(["validate", "llama_tiny"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rename the root's file" in err, err
     run = tmp_path / "run"
     assert train_main(f"hydra.run.dir={run}") == 2  # the default recipe is llama_tiny: not replaced
     err = capsys.readouterr().err
     assert "the name of the shipped recipe" in err and not run.exists(), err
-    assert recipes.main(["validate", "alias"]) == 0
+    assert recipe_cli.main(["validate", "alias"]) == 0
     monkeypatch.delenv("FRAMEWORK_RECIPE_PATH")
     recipes.register()  # the shipped llama_tiny again, for the tests that follow in this process
     assert "llama_tiny" not in recipes.REFUSED
@@ -277,7 +324,7 @@ def test_validate_uses_the_launchers_checks(
     """`recipes validate` called these valid while train.py hung or refused them: it now runs the
     same checks (the rules, init_from's config.json, the data and its chat template)."""
     monkeypatch.chdir(recipes.SHIPPED_ROOT.parent)  # the recipes' data paths are relative to the repo
-    assert recipes.main(["validate", name, *overrides(tmp_path)]) == 2
+    assert recipe_cli.main(["validate", name, *overrides(tmp_path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], errors
 
@@ -298,16 +345,16 @@ def test_validate_exits_2_with_train_py_s_one_line_for_a_bad_input(
 ) -> None:
     """Every bad input is exit 2 and one line, as train.py says it: a bad value was exit 1 and a
     bad override Hydra's several lines (its search path, full_key, object_type)."""
-    assert recipes.main(["validate", "llama_tiny", *overrides]) == 2
+    assert recipe_cli.main(["validate", "llama_tiny", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: recipe 'llama_tiny' (") and message in err[0], err
-    assert recipes.main(["validate", "no_such_recipe"]) == 2
+    assert recipe_cli.main(["validate", "no_such_recipe"]) == 2
     assert "error: no recipe 'no_such_recipe'; known: [" in capsys.readouterr().err
 
 
 def test_validate_help_states_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        recipes.main(["validate", "--help"])
+        recipe_cli.main(["validate", "--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "exit status: 0 valid (the plan is printed); 2 a bad input" in out

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schema as config
 from framework.config.schema import Config, RunConfig
-from framework.launch import recipes
+from framework.launch import recipe_cli, recipes
 from framework.launch.entry import check_dir_creatable, prelaunch
 from framework.launch.ranks import check_local_resources, cpu_rank_cap, register_resolvers
 from framework.launch.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
@@ -383,7 +383,7 @@ def test_unbounded_counts_are_refused_before_launch(
     run = tmp_path / "run"
     proc = train_forked(f"hydra.run.dir={run}", *overrides, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60)
     capfd.readouterr()
-    code = recipes.main(["validate", RECIPE, *overrides])
+    code = recipe_cli.main(["validate", RECIPE, *overrides])
     validate = capfd.readouterr()
     for returncode, out, err in ((proc.returncode, proc.stdout, proc.stderr), (code, validate.out, validate.err)):
         assert returncode != 0, out[-2000:]
@@ -407,7 +407,7 @@ def test_activation_offload_beyond_the_hosts_memory_is_refused_with_the_bytes(
     activations are twice what this host has available (MemAvailable) is refused before launch with
     the bytes needed and available; one that fits passes the check (the bytes are the planner's)."""
     from framework.launch.ranks import check_offload_memory, host_available_bytes
-    from framework.planner.plan import offloaded_activation_bytes
+    from framework.planner.memory import offloaded_activation_bytes
 
     on = {"sharding.activation_offload": True}
     one = offloaded_activation_bytes(config.to_config(with_values(base, {**on, "train.micro_batch_size": 1})))

@@ -376,7 +376,7 @@ def _plan_cfg(world: int = 8, **parallel: object) -> Config:
 
 
 def test_split_by_cost_gives_the_head_stage_fewer_blocks_and_is_printed() -> None:
-    from framework.planner.plan import format_plan
+    from framework.planner.report import format_plan
 
     plan = make_plan(_plan_cfg(8, pp=8, pp_microbatches=16))
     blocks = [b - a for a, b in plan.pp_split]

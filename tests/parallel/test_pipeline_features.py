@@ -250,15 +250,15 @@ def test_plan_counts_the_tied_copy_as_the_dry_run_measures_it() -> None:
     measures both, and the plan counts the copy as a parameter (and gradient) without AdamW moments."""
     from framework.launch.dry_run import dry_run, format_dry_run
     from framework.planner.cost import adamw_state_bytes
-    from framework.planner.plan import _MASTER_BYTES
+    from framework.planner.params import MASTER_BYTES
 
     cfg = tied_cfg(2, pp=2, pp_schedule="zbv", pp_stages_per_rank=2)  # zbv runs without dp
     resolved = resolve(cfg)
     report = dry_run(resolved.cfg, resolved.plan)
     assert report.measured_param_bytes == report.estimated_param_bytes, format_dry_run(report)
     memory = resolved.plan.memory
-    copy_bytes = cfg.model.vocab_size * cfg.model.dim * _MASTER_BYTES
-    assert memory.optimizer == (memory.params - copy_bytes) // _MASTER_BYTES * adamw_state_bytes(cfg)
+    copy_bytes = cfg.model.vocab_size * cfg.model.dim * MASTER_BYTES
+    assert memory.optimizer == (memory.params - copy_bytes) // MASTER_BYTES * adamw_state_bytes(cfg)
 
 
 # Per-micro-batch inputs: document masks (every stage needs the rows' document ids) and sft's

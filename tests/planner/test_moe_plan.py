@@ -9,7 +9,7 @@ import pytest
 from framework.config.schema import Config, ModelConfig, ModelFamily, MoEConfig, Strategy
 from framework.models import active_params, flops_per_token, num_params
 from framework.planner.layout import Degrees
-from framework.planner.plan import format_plan
+from framework.planner.report import format_plan
 from framework.planner.resolve import make_plan
 from framework.planner.search import _ep_options, search
 

@@ -21,16 +21,10 @@ from framework.config.schema import (
 from framework.launch.rules import check_option_fields
 from framework.models import build_model, num_params
 from framework.planner.cost import _EAGER_POINTWISE, _LOGIT_BYTES
-from framework.planner.plan import (
-    _COMPILED_LOGIT_BYTES,
-    _EAGER_LOGIT_BYTES,
-    GIB,
-    check_world_size,
-    format_plan,
-    param_specs,
-    plan_from_dict,
-    plan_to_dict,
-)
+from framework.planner.memory import _COMPILED_LOGIT_BYTES, _EAGER_LOGIT_BYTES
+from framework.planner.params import GIB, param_specs
+from framework.planner.plan import check_world_size
+from framework.planner.report import format_plan, plan_from_dict, plan_to_dict
 from framework.planner.resolve import make_plan
 
 GPU = HardwareConfig(
@@ -478,7 +472,7 @@ def test_activation_offload_costs_its_copies_over_the_host_link() -> None:
     """The step pays the offloaded activations' copy to the host and back at mesh.hardware's
     host_link_gbps (measured 55 GB/s on the H200 host), per micro batch, not hidden: the 8B at 8K on
     one H200 would spend 1.4 s a step on them, so offloading does not pay there."""
-    from framework.planner.plan import offloaded_activation_bytes
+    from framework.planner.memory import offloaded_activation_bytes
 
     common = ("mesh/hardware=h200", "sharding=ddp", "train.seq_len=8192", "train.global_batch_size=2", "train.micro_batch_size=1",
               "sharding.activation_checkpointing=none", "run.allow_over_memory=true")  # fmt: skip

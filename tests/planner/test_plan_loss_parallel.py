@@ -9,7 +9,8 @@ import json
 import pytest
 
 from framework.config.schema import ExecutorMode
-from framework.planner.plan import _TP_LOGIT_EXTRA_BYTES, _activation_bytes, plan_from_dict, plan_to_dict
+from framework.planner.memory import _TP_LOGIT_EXTRA_BYTES, activation_bytes
+from framework.planner.report import plan_from_dict, plan_to_dict
 from framework.planner.resolve import make_plan
 from tests.planner.test_plan import BIG, GPU, cfg_for
 
@@ -31,13 +32,13 @@ def test_logits_are_a_vocabulary_shard_per_rank(executor: ExecutorMode, per_logi
     """Off: the full logits on every TP rank, plus the gathered copy's term; on: 1/tp of them."""
     logits = MBS * SEQ * BIG.vocab_size
     mode = big_tp(True).sharding.activation_checkpointing
-    on = _activation_bytes(big_tp(True, executor), TP, mode)
-    off = _activation_bytes(big_tp(False, executor), TP, mode)
+    on = activation_bytes(big_tp(True, executor), TP, mode)
+    off = activation_bytes(big_tp(False, executor), TP, mode)
     assert off - on == int(logits * (per_logit + _TP_LOGIT_EXTRA_BYTES)) - logits * per_logit // TP
     plan_on, plan_off = make_plan(big_tp(True, executor)), make_plan(big_tp(False, executor))
     assert plan_off.memory.total - plan_on.memory.total == off - on
     # No TP: the setting changes nothing.
-    one = lambda lp: _activation_bytes(big_tp(lp, executor), 1, mode)  # noqa: E731
+    one = lambda lp: activation_bytes(big_tp(lp, executor), 1, mode)  # noqa: E731
     assert one(True) == one(False)
 
 

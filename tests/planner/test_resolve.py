@@ -21,7 +21,7 @@ import pytest
 from framework.config.schema import Config, Strategy
 from framework.launch.worker import load_run
 from framework.planner import layout, plan, resolve, search
-from framework.planner.plan import plan_to_dict
+from framework.planner.report import plan_to_dict
 from framework.planner.resolve import PLAN_FILE, load_plan, make_plan, write_plan
 from tests.dist import run_ranks, train_rank
 from tests.entry import ROOT, write_run_config

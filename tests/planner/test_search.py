@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import ActivationCheckpointing
 from framework.launch.recipes import compose_recipe
-from framework.planner.plan import GIB, format_plan
+from framework.planner.params import GIB
+from framework.planner.report import format_plan
 from framework.planner.resolve import make_plan, resolve_batch
 from framework.planner.search import format_search, search
 from tests.entry import train_main

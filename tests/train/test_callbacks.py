@@ -205,6 +205,14 @@ def test_logger_wandb_still_selects_the_wandb_callback_and_a_resume_continues_it
         (["+callbacks.recorder.tga=x"], f"unexpected keyword argument 'tga'; {MODULE}.Recorder takes: tag"),
         (["callbacks.recorder._target_=os.system"], "callbacks.recorder._target_='os.system' is not on"),
         (["run.profile=true", "callbacks.profiler=null"], "run.profile=true is set, but the profiler"),
+        # Round 4: a callback's node is values, never instructions or objects for Hydra to build.
+        (["+callbacks.recorder._args_=[x]"], "callbacks.recorder._args_ is refused: a callback takes keyword"),
+        (["+callbacks.recorder._partial_=true"], "callbacks.recorder._partial_ is refused"),
+        (
+            ["callbacks.recorder.tag={_target_: torch.optim.SGD}"],
+            "callbacks.recorder.tag._target_='torch.optim.SGD' is refused: a callback's values are plain data",
+        ),
+        (["callbacks.recorder._target_=torch.optim.SGD"], "='torch.optim.SGD' is not a callback class"),
     ],
 )
 def test_bad_callbacks_are_one_line_before_launch(
