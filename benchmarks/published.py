@@ -30,8 +30,8 @@ from framework.config.schema import ActivationCheckpointing, Config, PPSchedule 
 from framework.launch.recipes import compose_recipe  # noqa: E402
 from framework.models import flops_per_token  # noqa: E402
 from framework.planner.layout import fixed_degrees  # noqa: E402
-from framework.planner.params import GIB
-from framework.planner.plan import Plan, plan_for
+from framework.planner.params import GIB  # noqa: E402
+from framework.planner.plan import Plan, plan_for  # noqa: E402
 from framework.planner.search import Candidate, search  # noqa: E402
 
 LLAMA3_PAPER = (

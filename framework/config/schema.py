@@ -793,6 +793,10 @@ class HardwareConfig:
     numa_per_host: int = 1
     # Step-time model (framework.planner.cost); where each figure comes from is in the profile's YAML file.
     gemm_efficiency: float = 0.11  # fraction of peak_tflops the model's GEMMs and attention reach
+    # A measured kernel table (conf/mesh/hardware/tables/NAME.json, benchmarks/kernel_tables.py): the
+    # planner prices each GEMM, grouped GEMM and attention call at its own shape's rate from it and
+    # gemm_efficiency goes unused; null: gemm_efficiency for every FLOP.
+    kernel_table: Optional[str] = None
     hbm_gbps: float = 20.0  # memory bandwidth of the pointwise work and the optimizer step, GB/s
     # pinned host <-> device copies, GB/s one direction (sharding.activation_offload's transfers)
     host_link_gbps: float = 10.0

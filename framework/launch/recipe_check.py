@@ -167,6 +167,7 @@ NOT_PLACES: dict[str, str] = {
     "optimizer._target_": "a class, checked against the allowlist",
     "optimizer.kwargs": "keyword values of the optimizer class (names checked against its signature)",
     "mesh.hardware.name": "a label",
+    "mesh.hardware.kernel_table": "a table's name inside conf/mesh/hardware/tables (no path: refused)",
     "nccl.preset": "a label",
     "nccl.socket_ifname": "interface names",
     "executor.backend": "a registered torch.compile backend",

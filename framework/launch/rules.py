@@ -828,6 +828,11 @@ RULES: dict[str, Rule] = {
     "mesh.hardware.host_link_gbps": number(0, lo_open=True),
     "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.comm_overlap": number(0, 1),
+    "mesh.hardware.kernel_table": Rule(
+        "null or the name of a measured table, conf/mesh/hardware/tables/NAME.json (benchmarks/kernel_tables.py)",
+        checked_by="framework.planner.kernels.load_table (via the planner: every entry a finite rate above 0)",
+        bad=("nosuch", "../h100_sxm"),
+    ),
     "mesh.hardware.compute_capability": Rule(
         "[] (no CUDA GPU) or [major, minor] of a CUDA GPU, e.g. [9, 0] for Hopper, [8, 0] for A100",
         lambda v, _c: _capability_ok(v),

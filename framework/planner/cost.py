@@ -51,6 +51,8 @@ from framework.config.schema import (
 from framework.kernels.float8 import EXPERTS_RECIPE
 from framework.models import active_params, flops_per_token, model_spec
 from framework.models.linears import converted, converted_experts
+from framework.planner.compute import ComputeTerms, table_compute
+from framework.planner.kernels import load_table
 from framework.planner.layout import loss_head_compiled, loss_parallel_on
 
 if TYPE_CHECKING:
@@ -200,6 +202,12 @@ class StepPrediction:
     tokens_per_s: float  # whole job
     mfu: float  # 6N + 12LHQT flops per token (no recompute) over world x peak
     bubble_s: float = 0.0  # pipeline: the busiest rank's idle time in the schedule's fill and drain
+    # Of compute_s, where a kernel table priced it (framework.planner.compute): the Linear GEMMs, the
+    # experts' grouped GEMMs, attention; all 0 where mesh.hardware.gemm_efficiency did.
+    gemm_s: float = 0.0
+    grouped_s: float = 0.0
+    attention_s: float = 0.0
+    compute_source: str = "gemm_efficiency"  # or "kernel_table NAME (kernel for attention)"
     # sharding.activation_offload: the saved activations' copies to host memory and back, on the
     # compute stream (torch's saved-tensor hooks copy where they are called), so not hidden
     offload_s: float = 0.0
@@ -225,6 +233,14 @@ def _op_recompute_flops_per_token(cfg: Config) -> float:
     hd = model_spec(m).head_dim
     q, kv = m.n_heads * hd, m.n_kv_heads * hd
     return 2.0 * m.n_layers * (m.dim * kv + q * m.dim + m.dim * m.ffn_dim)
+
+
+def _expert_flops_per_token(cfg: Config, recompute: float) -> float:
+    """The routed experts' GEMM flops per token: top-k of each MoE layer's experts, forward and
+    backward (6 per weight) and the recomputed forward (2 x ``recompute``); 0 for a dense model."""
+    spec = model_spec(cfg.model)
+    per_expert = sum(math.prod(w.shape[1:]) for w in spec.block if w.experts)
+    return (6.0 + 2.0 * recompute) * cfg.model.moe.num_experts_per_tok * per_expert * spec.n_layers
 
 
 def recompute_fraction(cfg: Config) -> float:
@@ -382,7 +398,15 @@ def predict_step(
     backward = _FAST_ACCUM_BACKWARD_SPEEDUP if m.float8_fast_accum else 1.0
     linear = f8.linear_flops * (1 / 3 + 2 / 3 / backward) / speedup
     f8_flops = linear - f8.expert_flops + f8.expert_flops / expert_speedup
-    compute_s = (flops - f8.linear_flops + f8_flops) * tokens / d.tp / peak
+    # The MoE sublayer runs whole on every TP rank (framework.parallel.tensor.block_plan): TP divides
+    # the rest of the work, never the experts'.
+    experts = f8.expert_flops / expert_speedup if f8.expert_flops else _expert_flops_per_token(cfg, recompute)
+    dense = flops - f8.linear_flops + f8_flops - experts
+    compute_s = (dense / d.tp + experts) * tokens / peak
+    terms = None
+    if hw.kernel_table:
+        terms = table_compute(cfg, d, load_table(hw.kernel_table), accum, recompute, backward, expert_speedup)
+        compute_s = terms.total_s
 
     width = m.n_layers * (2 * m.dim + m.ffn_dim)
     # A recomputed forward runs its pointwise work again (a third of the forward and backward's);
@@ -437,4 +461,15 @@ def predict_step(
         mfu=mfu,
         bubble_s=bubble_s,
         offload_s=offload_s,
+        **(_terms(terms, hw.kernel_table, pipeline[0] if pipeline is not None else 1.0) if terms else {}),
     )
+
+
+def _terms(terms: ComputeTerms, table: str | None, fraction: float) -> dict[str, float | str]:
+    """The kernel table's compute terms for StepPrediction (a pipeline rank's share of them)."""
+    return {
+        "gemm_s": terms.gemm_s * fraction,
+        "grouped_s": terms.grouped_s * fraction,
+        "attention_s": terms.attention_s * fraction,
+        "compute_source": f"kernel_table {table} (attention: {terms.attention_kernel})",
+    }

@@ -259,10 +259,12 @@ def _cp_ring_bytes(cfg: Config, tp: int, cp: int) -> int:
 
 def moe_tokens(cfg: Config, tp: int, cp: int) -> tuple[int, int]:
     """(top-k, rows one rank dispatches per MoE layer and micro batch: its tokens x top-k); (0, 0)
-    for a dense model. A rank's tokens are its micro batch's sequence shard (1/cp) and, with
-    sequence parallelism, its 1/tp of those (each TP rank dispatches its own tokens)."""
+    for a dense model. A rank's tokens are its micro batch's sequence shard (1/cp), all of them
+    under TP: the MoE sublayer runs whole on every TP rank, on the gathered sequence
+    (framework.parallel.tensor.block_plan), so ``tp`` divides nothing."""
+    del tp
     k = cfg.model.moe.num_experts_per_tok if num_experts(cfg.model) else 0
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp // tp
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // cp
     return k, tokens * k
 
 

@@ -1,0 +1,127 @@
+"""Compute time of one step on one rank from a measured kernel table (framework.planner.kernels):
+every GEMM of every layer at its own shape, the experts' grouped GEMMs at the rows each expert gets,
+attention at its sequence length and head dim.
+
+Shapes are the runtime's (framework.parallel): under TP with sequence parallelism each Linear runs on
+the micro batch's gathered tokens with its out (column-parallel) or in (row-parallel) dim split; an
+MoE sublayer (router and experts) runs whole on every TP rank (framework.parallel.tensor.block_plan);
+under expert parallelism a rank's local experts get the rows of its whole ep group; CP gives each
+rank 1/cp of the tokens and of the causal attention. Activation checkpointing runs the blocks'
+forward again (``recompute``: the share of it; selective_op recomputes GEMMs, no attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from framework.config.schema import ActivationCheckpointing, AttentionBackend, Config, Float8Recipe
+from framework.models import model_spec
+from framework.models.linears import converted, converted_experts, linear_shapes
+from framework.models.spec import TPStyle
+from framework.planner.kernels import KernelTable
+
+if TYPE_CHECKING:
+    from framework.planner.layout import Degrees
+
+# Where the table has no kernel of its own: FlashAttention-4 and the memory-efficient kernel are
+# priced at FlashAttention-2's rates (FA4 is faster on Hopper: a pessimistic assumption, named in the
+# plan), cuDNN at its own.
+_ATTENTION_TABLE = {AttentionBackend.cudnn: "cudnn"}
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """Seconds a step of one rank spends in each kind of kernel (recompute included)."""
+
+    gemm_s: float  # the Linear layers and the router (bf16 or float8)
+    grouped_s: float  # the MoE experts' grouped GEMMs
+    attention_s: float
+    attention_kernel: str  # the table's kernel that priced attention
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.grouped_s + self.attention_s
+
+
+def table_compute(
+    cfg: Config,
+    d: Degrees,
+    table: KernelTable,
+    accum: int,
+    recompute: float,
+    fast_accum_speedup: float,
+    expert_float8_speedup: float,
+) -> ComputeTerms:
+    """The step's compute on one rank (the whole model: a pipeline rank's share is the caller's)."""
+    m = cfg.model
+    tokens = max(1.0, cfg.train.micro_batch_size * cfg.train.seq_len / d.cp)  # one micro batch's GEMM rows
+    block_recompute = recompute
+    op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
+    gemm = _linear_s(cfg, d, table, tokens, block_recompute, fast_accum_speedup)
+    grouped = _experts_s(cfg, d, table, tokens, block_recompute, expert_float8_speedup)
+    kernel = _ATTENTION_TABLE.get(m.attention, "flash")
+    attention = _attention_s(cfg, d, table, kernel, 0.0 if op else block_recompute)
+    return ComputeTerms(gemm * accum, grouped * accum, attention * accum, kernel)
+
+
+def _linear_s(
+    cfg: Config, d: Degrees, table: KernelTable, tokens: float, recompute: float, fast_accum: float
+) -> float:
+    """One micro batch's Linear GEMMs (blocks and head) and routers, each at its TP shard's shape."""
+    m = cfg.model
+    float8 = {s.fqn for s in converted(m)} if m.float8 is not Float8Recipe.none else set()
+    kind = f"float8_{m.float8.value}"
+    blocks = f"{model_spec(m).blocks}."
+    total = 0.0
+    for s in linear_shapes(m):
+        out, inp = s.out_features, s.in_features
+        if s.tp_style == "colwise":
+            out = max(1, out // d.tp)
+        else:
+            inp = max(1, inp // d.tp)
+        again = recompute if s.fqn.startswith(blocks) else 0.0
+        if s.fqn in float8:  # model.float8_fast_accum speeds the two backward GEMMs up
+            fwd, fwd_bwd = table.gemm_parts(kind, tokens, out, inp)
+            total += fwd * (1.0 + again) + (fwd_bwd - fwd) / fast_accum
+        else:
+            total += table.gemm_s("bf16", tokens, out, inp, again)
+    spec = model_spec(m)
+    routers = [w for w in spec.block if w.tp is TPStyle.moe and not w.experts and len(w.shape) == 2]
+    for w in routers:  # whole on every TP rank
+        total += spec.n_layers * table.gemm_s("bf16", tokens, w.shape[0], w.shape[1], recompute)
+    return total
+
+
+def _experts_s(
+    cfg: Config, d: Degrees, table: KernelTable, tokens: float, recompute: float, float8_speedup: float
+) -> float:
+    """One micro batch's expert GEMMs on one rank: its local experts (E / ep) get ep x tokens x top_k / E
+    rows each, on every TP rank alike; the rank's forward FLOPs are those of its own tokens' rows."""
+    m = cfg.model
+    spec = model_spec(m)
+    stacks = [w for w in spec.block if w.experts]
+    if not stacks:
+        return 0.0
+    k, experts = m.moe.num_experts_per_tok, stacks[0].experts
+    rows_per_expert = d.ep * tokens * k / experts
+    dim, width = m.dim, stacks[-1].shape[-1]  # down_proj is (E, dim, width)
+    flop = sum(2.0 * tokens * k * w.shape[1] * w.shape[2] for w in stacks)  # forward, the rank's rows
+    seconds = table.grouped_s(rows_per_expert, dim, width, flop, recompute)
+    converted_here = bool(converted_experts(m)) and m.float8 is not Float8Recipe.none
+    return spec.n_layers * (seconds / float8_speedup if converted_here else seconds)
+
+
+def _attention_s(cfg: Config, d: Degrees, table: KernelTable, kernel: str, recompute: float) -> float:
+    """One micro batch's attention on one rank: its heads (n_heads / tp) over the rank's 1/cp of the
+    causal work, at the table's rate for the sequence length (a sliding window: the window's)."""
+    m = cfg.model
+    spec = model_spec(m)
+    seq, hd = cfg.train.seq_len, spec.head_dim
+    heads = m.n_heads / d.tp
+    window = spec.sliding_window
+    span = min(window, seq) if window > 0 else seq
+    # Forward FLOPs the causal mask leaves: scores and values, 2 x 2 x head_dim per (query, key) pair.
+    pairs = seq * span - span * span / 2 if window > 0 else seq * seq / 2
+    flop = 4.0 * cfg.train.micro_batch_size * heads * pairs * hd / d.cp
+    return spec.n_layers * table.attention_s(kernel, span, hd, True, flop, recompute)
