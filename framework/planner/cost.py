@@ -52,6 +52,7 @@ from framework.kernels.float8 import EXPERTS_RECIPE
 from framework.models import active_params, flops_per_token, model_spec
 from framework.models.linears import converted, converted_experts
 from framework.planner.compute import ComputeTerms, table_compute
+from framework.planner.confidence import describe, step_range, term_sources
 from framework.planner.kernels import load_table
 from framework.planner.layout import loss_head_compiled, loss_parallel_on
 
@@ -208,6 +209,11 @@ class StepPrediction:
     grouped_s: float = 0.0
     attention_s: float = 0.0
     compute_source: str = "gemm_efficiency"  # or "kernel_table NAME (kernel for attention)"
+    # How sure (framework.planner.confidence): the step's range, each term moved by the spread of
+    # what it rests on, and one line naming each term's kind (measured, counted, fitted) and source.
+    low_s: float = 0.0
+    high_s: float = 0.0
+    sources: str = ""
     # sharding.activation_offload: the saved activations' copies to host memory and back, on the
     # compute stream (torch's saved-tensor hooks copy where they are called), so not hidden
     offload_s: float = 0.0
@@ -448,6 +454,10 @@ def predict_step(
         comm, max(1, len(unit_bytes)), window, hw.link_efficiency, hw.comm_overlap, hops
     )
     step = compute_s + memory_s + optimizer_s + exposed + bubble_s + offload_s
+    parts = {"compute": compute_s, "memory": memory_s, "optimizer": optimizer_s, "comm": exposed,
+             "bubble": bubble_s, "offload": offload_s}  # fmt: skip
+    origin = term_sources(cfg)
+    low, high = step_range(parts, origin)
     job_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     mfu = flops_per_token(m, cfg.train.seq_len) * job_tokens / (step * hw.peak_tflops * 1e12 * d.world_size)
     return StepPrediction(
@@ -461,6 +471,9 @@ def predict_step(
         mfu=mfu,
         bubble_s=bubble_s,
         offload_s=offload_s,
+        low_s=low,
+        high_s=high,
+        sources=describe(origin, parts),
         **(_terms(terms, hw.kernel_table, pipeline[0] if pipeline is not None else 1.0) if terms else {}),
     )
 

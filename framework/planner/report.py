@@ -59,11 +59,13 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"    {p.axis:<13} size {p.size:<5} stride {p.stride:<5} {p.describe()}")
     pr = plan.prediction
     lines += [
-        f"  predicted step  {pr.step_time_s * 1e3:.1f} ms (compute {pr.compute_s * 1e3:.1f}, exposed comm "
-        f"{pr.exposed_comm_s * 1e3:.1f}, optimizer {pr.optimizer_s * 1e3:.1f}"
+        f"  predicted step  {pr.step_time_s * 1e3:.1f} ms (compute {pr.compute_s * 1e3:.1f}, memory-bound "
+        f"{pr.memory_s * 1e3:.1f}, exposed comm {pr.exposed_comm_s * 1e3:.1f}, optimizer {pr.optimizer_s * 1e3:.1f}"
+        + (f", bubble {pr.bubble_s * 1e3:.1f}" if pr.bubble_s else "")
         + (f", activation offload {pr.offload_s * 1e3:.1f}" if pr.offload_s else "")
         + f"); MFU {pr.mfu:.1%}, "
         f"{pr.tokens_per_s:,.0f} tokens/s",
+        f"                  range {pr.low_s * 1e3:.1f}-{pr.high_s * 1e3:.1f} ms: {pr.sources}",
         f"  batch           global {plan.global_batch_size} = dp {plan.dp_degree} x micro "
         f"{plan.micro_batch_size} x accum {plan.grad_accum_steps}; seq {plan.seq_len}",
         f"  params          {plan.num_params:,} total, {plan.params_per_rank:,} per rank",
