@@ -617,6 +617,44 @@ def markdown_table() -> str:
     return "\n".join(out)
 
 
+def _classes(row: Row) -> list[str]:
+    """The classes a row falls in, for the per-class lines of ``summary``."""
+    moe = row.recipe.startswith(("qwen3_30b", "qwen3_235b", "mixtral"))
+    out = ["MoE" if moe else "dense", "float8" if row.float8 != "none" else "bf16"]
+    out += ["long (>8K)"] if row.seq_len > 8192 else []
+    out += ["pipeline"] if row.pp > 1 else []
+    out += ["TP >= 4"] if row.tp >= 4 else []
+    out += ["H200"] if "h200" in row.profile else []
+    return out
+
+
+def _line(name: str, errs: list[float]) -> str:
+    inside = sum(abs(e) <= 0.2 for e in errs)
+    median = sorted(abs(e) for e in errs)[len(errs) // 2]
+    mean = sum(errs) / len(errs)
+    return f"| {name} | {len(errs)} | {inside} | {median:.1%} | {mean:+.1%} |"
+
+
+def summary(results: list[tuple[Row, float, float | None]]) -> str:
+    """Per source and per class: rows (exact layouts only), how many within +-20%, the median |error|
+    and the mean signed error (the bias); memory where the source publishes it."""
+    exact = [(r, e, m) for r, e, m in results if r.exact]
+    lines = ["", "| source / class | rows | within 20% | median abs error | mean error |", "|---|---|---|---|---|"]
+    for key in dict.fromkeys(source_key(r) for r, _, _ in exact):
+        lines.append(_line(key, [e for r, e, _ in exact if source_key(r) == key]))
+    for cls in ("dense", "MoE", "bf16", "float8", "long (>8K)", "pipeline", "TP >= 4", "H200"):
+        errs = [e for r, e, _ in exact if cls in _classes(r)]
+        if errs:
+            lines.append(_line(f"*{cls}*", errs))
+    mem = [m for _, _, m in exact if m is not None]
+    if mem:
+        lines.append(
+            f"\nmemory where published: {sum(abs(m) <= 0.15 for m in mem)} of {len(mem)} within +-15% "
+            f"(median |error| {sorted(abs(m) for m in mem)[len(mem) // 2]:.1%})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if "--markdown" in argv:
         print(markdown_table())
@@ -634,6 +672,7 @@ def main(argv: list[str]) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     errors: list[float] = []
+    results: list[tuple[Row, float, float | None]] = []  # (row, speed error, memory error where published)
     for row in ROWS:
         try:
             plan, cfg = predict(row)
@@ -649,6 +688,7 @@ def main(argv: list[str]) -> int:
         if row.exact:
             errors.append(err)
         mem = plan.memory.total / 2**30
+        results.append((row, err, mem / row.memory_gib - 1.0 if row.memory_gib else None))
         theirs = f"{row.memory_gib:.1f}" if row.memory_gib else "-"
         over = "" if plan.memory.total <= plan.memory.device else " (over)"
         print(
@@ -659,6 +699,7 @@ def main(argv: list[str]) -> int:
     if errors:
         within = sum(abs(e) <= 0.2 for e in errors)
         print(f"\n{within} of {len(errors)} exact rows within +-20%")
+        print(summary(results))
     print(
         f"\n{len(ROWS)} rows; sources and assumptions: benchmarks/published_rows.md; {_EAGER_LOSS} (compile_loss=False rows)"
     )

@@ -264,16 +264,32 @@ def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | N
     _, rows = moe_tokens(cfg, tp, cp)
     elem = 2 if autocast_bf16(cfg) else 4
     payload = rows * cfg.model.dim * elem
-    span, ppn = ep * tp, cfg.mesh.procs_per_node
-    intra = span <= ppn and ppn % span == 0
+    ppn = cfg.mesh.procs_per_node
+    # The group's ranks on this rank's node, itself included: ep ranks tp apart fill ppn / tp slots.
+    local = max(1, min(ep, ppn // tp)) if ppn % tp == 0 else 1
     mode = cfg.sharding.activation_checkpointing
     recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
     forward = 2 * (n + recomputed.get(mode, 0)) * accum
     backward = 2 * n * accum
     return [
-        collective(cfg, "ep", "all_to_all", ep, intra, forward, payload),
-        collective(cfg, "ep", "all_to_all_backward", ep, intra, backward, payload),
+        all_to_all(cfg, "ep", "all_to_all", ep, local, forward, payload),
+        all_to_all(cfg, "ep", "all_to_all_backward", ep, local, backward, payload),
     ]
+
+
+def all_to_all(cfg: Config, axis: str, kind: str, n: int, local: int, calls: int, payload: int) -> CommEstimate:
+    """An all-to-all over ``n`` ranks, ``local`` of them (this one included) on this rank's node:
+    1/n of the payload stays, (local - 1)/n goes over NVLink and (n - local)/n over the network, both
+    at once (NCCL posts every peer's transfer together), so a call lasts as long as the slower of
+    the two; one latency a peer, the network's where any peer is off the node."""
+    intra_bytes = payload * (local - 1) / n
+    inter_bytes = payload * (n - local) / n
+    a_in, b_in = link_of(cfg, True)
+    a_out, b_out = link_of(cfg, False)
+    per_call = (n - 1) * (a_out if inter_bytes else a_in) + max(intra_bytes / b_in, inter_bytes / b_out)
+    link = "intra" if not inter_bytes else ("inter" if not intra_bytes else "mixed")
+    volume = int((intra_bytes + inter_bytes) * calls)
+    return CommEstimate(axis, kind, n, link, calls, payload, volume, per_call * calls)
 
 
 def _aux_comm(

@@ -71,9 +71,15 @@ def test_experts_sharded_over_ep_and_the_all_to_all_costed() -> None:
 
 
 def test_all_to_all_over_nodes_when_the_ep_group_spans_them() -> None:
+    """An ep group over 2 nodes of 4: 3/8 of each call's payload goes over NVLink, 4/8 over the
+    network, at once; the call lasts as long as the network's share."""
     plan = make_plan(moe_cfg([2, 4], dp_shard=8, ep=8))
     a2a = next(c for c in plan.comm if c.collective == "all_to_all")
-    assert (a2a.group_size, a2a.link) == (8, "inter")
+    assert (a2a.group_size, a2a.link) == (8, "mixed")
+    assert a2a.volume_bytes == int(7 / 8 * a2a.bytes_per_call * a2a.calls)
+    hw = moe_cfg([2, 4]).mesh.hardware
+    network = a2a.bytes_per_call * 4 / 8 / (hw.inter_node_gbps * 1e9) + 7 * hw.inter_node_latency_us * 1e-6
+    assert a2a.time_s == pytest.approx(network * a2a.calls)
     assert not any(c.axis == "dp_shard_mod_ep" for c in plan.comm)  # each expert on one rank
 
 
