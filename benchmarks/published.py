@@ -342,6 +342,24 @@ def _memory_text(r: dict[str, object]) -> str:
     return text + (f" / {theirs:.1f} ({mine / theirs - 1:+.0%})" if theirs else " / -")
 
 
+def winning_term(forced: Plan, pick: Candidate) -> str:
+    """The term of the plan that makes ``sharding=auto``'s pick faster than the forced layout: the one
+    whose seconds a step drop the most (per token: the two may differ in batch per step)."""
+    p = forced.prediction
+    scale = pick.predicted_tokens_per_s * pick.predicted_step_time_s / (p.tokens_per_s * p.step_time_s)
+    terms = {
+        "compute": (p.compute_s, pick.compute_s),
+        "memory-bound": (p.memory_s, pick.memory_bound_s),
+        "optimizer": (p.optimizer_s, pick.optimizer_s),
+        "exposed comm": (p.exposed_comm_s, pick.exposed_comm_s),
+        "bubble": (p.bubble_s, pick.bubble_s),
+    }
+    gains = {k: a - b / scale for k, (a, b) in terms.items()}
+    best = max(gains, key=lambda k: gains[k])
+    a, b = terms[best]
+    return f"{best}: {a:.2f} s -> {b / scale:.2f} s a step's tokens"
+
+
 def main() -> int:
     rows = table()
     print(
@@ -359,8 +377,8 @@ def main() -> int:
     within = sum(abs(float(r["error"])) <= 0.20 for r in rows)  # type: ignore[arg-type]
     print(f"\n{within} of {len(rows)} within +-20%")
     print("\nsharding=auto on the same job (degrees, micro batch, schedule, AC, reshard policy free):\n")
-    print("| run | auto's pick | GiB | predicted tok/s/GPU | forced (published layout) | auto / forced |")
-    print("|---|---|---|---|---|---|")
+    print("| run | auto's pick | GiB | predicted tok/s/GPU | forced (published layout) | auto / forced | wins by |")
+    print("|---|---|---|---|---|---|---|")
     slower = 0
     for r in rows:
         pick: Candidate = r["auto"]  # type: ignore[assignment]
@@ -369,7 +387,8 @@ def main() -> int:
         slower += bool(r["fits"]) and ratio < 1.0
         print(
             f"| {r['label']} | {r['auto_layout']} | {pick.memory_gib:.1f} | {r['auto_predicted']:,.0f} | "
-            f"{r['predicted']:,.0f}{note} | {ratio:.3f} |"
+            f"{r['predicted']:,.0f}{note} | {ratio:.3f} | "
+            f"{winning_term(r['plan'], pick) if ratio > 1.3 else ''} |"  # type: ignore[arg-type]
         )
     verdict = "yes" if not slower else f"no ({slower} slower)"
     print(f"\nauto predicted at least as fast as every forced layout that fits: {verdict}")
