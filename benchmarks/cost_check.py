@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from framework.launch.recipes import compose_recipe  # noqa: E402
 from framework.planner.resolve import make_plan  # noqa: E402
 
-H200 = ["mesh/hardware=h200", "run.device=cuda"]
+H200 = ["mesh/hardware=h200", "run.device=cuda", *sys.argv[1:]]  # extra overrides: e.g. mesh.hardware.kernel_table=h100_sxm
 IN_BACKWARD = ["train.optimizer_in_backward=true", "train.grad_clip=0"]
 ISSUE_28 = ["executor=compile", "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1",
             "sharding=fsdp", "sharding.activation_checkpointing=none", *IN_BACKWARD]  # fmt: skip

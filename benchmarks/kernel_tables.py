@@ -182,6 +182,54 @@ def grouped_row(rows: int, dim: int, width: int, device: torch.device) -> dict |
     return {**row, "fwd_tflops": flop / f / 1e9, "fwd_bwd_tflops": 3 * flop / fb / 1e9}
 
 
+# The MoE sublayer around its experts (router, sort by expert, gather, weighting, scatter-add): the
+# framework's own layer (framework/models/moe.py, loaded by path: it imports torch only), compiled as
+# a block is, forward + backward, against its experts alone on the same rows.
+MOE_SHAPES = ((2048, 768, 128, 8), (4096, 1536, 128, 8), (4096, 14336, 8, 2), (7168, 2048, 256, 8))
+MOE_TOKENS = (4096, 16384)
+
+
+def _moe_module():  # noqa: ANN202 - the module framework/models/moe.py
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "framework" / "models" / "moe.py"
+    spec = importlib.util.spec_from_file_location("framework_moe_standalone", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def moe_row(tokens: int, dim: int, width: int, experts: int, k: int, device: torch.device) -> dict:
+    """One MoE sublayer, compiled, forward + backward, and its experts alone on the rows it routed:
+    the difference is what routing, permutation and combine cost."""
+    moe = _moe_module()
+    layer = moe.MoE(moe.MoEConfig(dim, width, experts, k)).to(device, torch.bfloat16)
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    compiled, experts_compiled = torch.compile(layer), torch.compile(layer.experts)
+    with torch.no_grad():
+        routing = layer.gate(x)
+        d = moe.sort_by_expert(routing.indices, experts, None)
+        rows = x[d.token].detach().requires_grad_()
+    gy = torch.randn(rows.shape[0], dim, device=device, dtype=torch.bfloat16)
+
+    def whole() -> None:
+        torch.autograd.backward(compiled(x), g)
+
+    def experts_only() -> None:
+        torch.autograd.backward(experts_compiled(rows, d.counts), gy)
+
+    row = {"tokens": tokens, "dim": dim, "width": width, "experts": experts, "top_k": k}
+    try:
+        total, alone = sustained_ms(whole, device), sustained_ms(experts_only, device)
+    except (RuntimeError, NotImplementedError) as e:
+        return {**row, "error": " ".join(str(e).split())[:200]}
+    return {**row, "layer_ms": total, "experts_ms": alone, "overhead_ms": total - alone}
+
+
 def gemm_shapes(smoke: bool, float8: bool = False) -> list[tuple[int, int, int]]:
     """The (tokens, out, in) entries timed; float8 on every other token count from 512 wide (its
     small GEMMs lose to the casts anyway, which the planner counts apart)."""
@@ -231,6 +279,11 @@ def measure(args: argparse.Namespace) -> dict:
                 if row is not None:
                     table["grouped_gemm"]["bf16"].append(row)
         print(f"grouped gemm: {time.time() - start:.0f}s", flush=True)
+        shapes = [] if args.no_moe else MOE_SHAPES[:1] if small else MOE_SHAPES
+        table["moe_overhead"] = [
+            moe_row(t, *shape, device) for shape in shapes for t in (MOE_TOKENS[:1] if small else MOE_TOKENS)
+        ]
+        print(f"moe overhead: {time.time() - start:.0f}s", flush=True)
     return table
 
 
@@ -239,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="a few shapes: the code path, not a table")
+    parser.add_argument("--no-moe", action="store_true", help="skip the MoE layer's overhead (its compiles: ~6 min)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device(args.device)

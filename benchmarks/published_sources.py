@@ -518,6 +518,16 @@ def published_tokens_per_s_gpu(row: Row, cfg: Config) -> float:
     return row.tflops_per_gpu * 1e12 / per_token
 
 
+# The attention kernel each source ran, priced from the kernel table as this framework's nearest
+# (framework.planner.compute): NVIDIA's Megatron/NeMo stacks run Transformer Engine, whose fused
+# attention on Hopper is cuDNN's; llm-foundry's MPT runs FlashAttention-2 (attn_impl flash, its
+# published_rows.md section). The rest (torchtitan, KempnerForge) call torch's SDPA: model.attention=auto.
+ATTENTION = {
+    "Megatron-Bridge": "cudnn", "NeMo 24.07": "cudnn", "NeMo long sequence": "cudnn", "NeMo AutoModel": "cudnn",
+    "Megatron-LM README": "cudnn", "Megatron-MoE-ModelZoo": "cudnn", "llm-foundry": "flash",
+}  # fmt: skip
+
+
 def overrides(row: Row, ac: str, virtual: int = 1) -> list[str]:
     """published.overrides plus what a ``Row`` adds: expert parallelism, float8, the reduction dtype."""
     out = [
@@ -531,6 +541,7 @@ def overrides(row: Row, ac: str, virtual: int = 1) -> list[str]:
         out.append(f"parallel.ep={row.ep}")
     if row.float8 != "none":
         out.append(f"model.float8={row.float8}")
+    out.append(f"model.attention={ATTENTION.get(source_key(row), 'auto')}")
     return out
 
 

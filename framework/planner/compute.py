@@ -24,10 +24,12 @@ from framework.planner.kernels import KernelTable
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
 
-# Where the table has no kernel of its own: FlashAttention-4 and the memory-efficient kernel are
-# priced at FlashAttention-2's rates (FA4 is faster on Hopper: a pessimistic assumption, named in the
-# plan), cuDNN at its own.
-_ATTENTION_TABLE = {AttentionBackend.cudnn: "cudnn"}
+# The table's kernel that prices each model.attention: auto is cuDNN's (what SDPA picks on Hopper in
+# torch 2.11: the 1B profile's attention ran in cuDNN's kernels, benchmarks/PERF.md), flash is torch's
+# FlashAttention-2. Where the table has no kernel of its own: FlashAttention-4 at cuDNN's rates (it
+# ran 9% faster than cuDNN at 8K, PERF.md round 15: a pessimistic assumption, named in the plan), the
+# memory-efficient and math kernels at FA2's (slower still: optimistic for them).
+_ATTENTION_TABLE = {AttentionBackend.flash: "flash", AttentionBackend.efficient: "flash", AttentionBackend.math: "flash"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ def table_compute(
     op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
     gemm = _linear_s(cfg, d, table, tokens, block_recompute, fast_accum_speedup)
     grouped = _experts_s(cfg, d, table, tokens, block_recompute, expert_float8_speedup)
-    kernel = _ATTENTION_TABLE.get(m.attention, "flash")
+    kernel = _ATTENTION_TABLE.get(m.attention, "cudnn")
+    kernel = kernel if (kernel, True) in table.attention else "flash"  # a table without cuDNN's rows
     attention = _attention_s(cfg, d, table, kernel, 0.0 if op else block_recompute)
     return ComputeTerms(gemm * accum, grouped * accum, attention * accum, kernel)
 
@@ -109,7 +112,11 @@ def _experts_s(
     flop = sum(2.0 * tokens * k * w.shape[1] * w.shape[2] for w in stacks)  # forward, the rank's rows
     seconds = table.grouped_s(rows_per_expert, dim, width, flop, recompute)
     converted_here = bool(converted_experts(m)) and m.float8 is not Float8Recipe.none
-    return spec.n_layers * (seconds / float8_speedup if converted_here else seconds)
+    seconds = seconds / float8_speedup if converted_here else seconds
+    # Routing, permutation and combine around the experts: the rank's routed rows (its tokens x top-k)
+    # at the table's measured time per row and element of dim, and again in a recomputed forward.
+    around = table.moe_overhead_s * tokens * k * dim * (1.0 + recompute / 3.0)
+    return spec.n_layers * (seconds + around)
 
 
 def _attention_s(cfg: Config, d: Degrees, table: KernelTable, kernel: str, recompute: float) -> float:

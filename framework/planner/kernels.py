@@ -79,6 +79,9 @@ class KernelTable:
     gemm: dict[str, Grid]  # GEMM_KINDS -> (tokens, out, in)
     attention: dict[tuple[str, bool], Grid]  # (kernel, causal) -> (seq, head_dim)
     grouped: dict[tuple[int, int], Grid]  # (dim, expert width) -> (rows per expert,)
+    # The MoE sublayer's work around its experts (router, sort, gather, weighting, scatter-add), per
+    # routed row and element of dim, forward + backward: the median over the measured shapes.
+    moe_overhead_s: float = 0.0
 
     def gemm_parts(self, kind: str, tokens: float, out: int, inp: int) -> tuple[float, float]:
         """(forward, forward + backward) seconds of a Linear layer's GEMMs for ``tokens`` rows of
@@ -218,9 +221,28 @@ def parse_table(name: str, raw: Any) -> KernelTable:
         grouped[(dim, width)] = grid
     if not grouped:
         raise ValueError(f"{where}: no grouped_gemm.bf16 entries (the MoE experts' rates)")
+    overhead = _moe_overhead(where, raw.get("moe_overhead") or [])
     return KernelTable(
-        name, str(raw.get("device", "")), str(raw.get("command", "")), gemm, attention, grouped
+        name, str(raw.get("device", "")), str(raw.get("command", "")), gemm, attention, grouped, overhead
     )
+
+
+def _moe_overhead(where: str, rows: Any) -> float:
+    """Seconds per routed row and element of dim: each entry's layer time less its experts' time, over
+    tokens x top-k x dim; the median of the entries (0 without any)."""
+    per: list[float] = []
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        at = f"{where} moe_overhead[{i}]"
+        if not isinstance(row, dict) or "error" in row:
+            continue
+        values = [row.get(k) for k in ("tokens", "top_k", "dim", "overhead_ms")]
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values):
+            raise ValueError(f"{at}: tokens, top_k, dim and overhead_ms must be finite numbers, got {values}")
+        tokens, k, dim, ms = values
+        if tokens <= 0 or k <= 0 or dim <= 0:
+            raise ValueError(f"{at}: tokens={tokens}, top_k={k}, dim={dim}: expected positive counts")
+        per.append(max(ms, 0.0) / 1e3 / (tokens * k * dim))
+    return sorted(per)[len(per) // 2] if per else 0.0
 
 
 @functools.cache

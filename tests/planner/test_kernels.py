@@ -164,7 +164,9 @@ def test_the_plan_names_where_its_compute_came_from(tmp_path: Path, monkeypatch:
     load_table.cache_clear()
     (tmp_path / "syn.json").write_text(json.dumps(flat_table(400.0)))
     try:
-        base = compose_recipe("llama_125m", ["mesh/hardware=h100_sxm", "run.dry_run=true"])
+        base = compose_recipe(
+            "llama_125m", ["mesh/hardware=h100_sxm", "mesh.hardware.kernel_table=null", "run.dry_run=true"]
+        )
         legacy = make_plan(base).prediction
         hw = dataclasses.replace(base.mesh.hardware, kernel_table="syn")
         cfg = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, hardware=hw))
@@ -174,3 +176,18 @@ def test_the_plan_names_where_its_compute_came_from(tmp_path: Path, monkeypatch:
     assert legacy.compute_source == "gemm_efficiency" and legacy.gemm_s == 0.0
     assert measured.compute_source == "kernel_table syn (attention: flash)"
     assert measured.compute_s == pytest.approx(measured.gemm_s + measured.grouped_s + measured.attention_s)
+
+
+def test_the_shipped_h100_table_loads_and_prices_a_step_at_its_measured_rates() -> None:
+    """conf/mesh/hardware/tables/h100_sxm.json (benchmarks/kernel_tables.py on the lent H100) loads,
+    names its device and command, and prices the GEMMs of a large dense step between the slowest and
+    the fastest bf16 rate it measured."""
+    table = load_table("h100_sxm")
+    assert "H100" in table.device and "kernel_tables.py" in table.command and table.moe_overhead_s > 0
+    rates = [r.fwd_bwd for r in table.gemm["bf16"].rates.values()]
+    cfg = _cfg("llama3_8b", "train.seq_len=8192", "train.micro_batch_size=1", "train.global_batch_size=1")
+    terms = table_compute(cfg, Degrees(1, 1, 1, 1, 1, 1), table, 1, 0.0, 1.0, 1.0)
+    spec, m = model_spec(cfg.model), cfg.model
+    linear = sum(math.prod(w.shape) for w in spec.block if len(w.shape) == 2) * m.n_layers + m.vocab_size * m.dim
+    achieved = 6 * linear * 8192 / terms.gemm_s / 1e12
+    assert min(rates) < achieved < max(rates)

@@ -30,9 +30,9 @@ published = _load()
 
 # Predicted tokens/s per GPU of each row (framework.planner.cost as of this commit).
 PINNED = {
-    "405B 8K, 8192 GPUs": 136.84,
-    "405B 8K, 16384 GPUs": 124.81,
-    "405B 128K, 16384 GPUs": 62.96,
+    "405B 8K, 8192 GPUs": 135.41,
+    "405B 8K, 16384 GPUs": 123.49,
+    "405B 128K, 16384 GPUs": 71.6,
     "8B FSDP 8 GPUs, eager": 5547.33,
     "8B FSDP 8 GPUs, compile": 7563.88,
     "8B FSDP 128 GPUs, eager": 5439.63,
