@@ -1,8 +1,8 @@
 """Causal attention's rate by head dim and sequence length: the sweep the planner's attention cost needs.
 
 The planner costs attention as 12·L·H·Q·T flops a token at the GEMM rate (framework.planner.cost),
-which is 0.34 of the peak on the causal count; measured, it ran at 0.24 (1B profile, head dim 64,
-2K) and 0.44 (8B at 8K, head dim 128): benchmarks/PERF.md, "Session 16". This prints, per SDPA
+which is 0.34 of the peak on the causal count; what it runs at by shape is this sweep's question
+(benchmarks/PERF.md, "Session 16"). This prints, per SDPA
 backend, the forward + backward time of one layer's causal attention at a fixed number of tokens a
 call (GQA 32 / 8 heads), and the rate on the causal count: 6·H·Q·T flops a token over the peak.
 

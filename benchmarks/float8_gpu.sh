@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Float8 rounds on one H200 (benchmarks/PERF.md, round 12). Usage: bash benchmarks/float8_gpu.sh PHASE...
-#   smoke   train.py on llama_tiny with float8, verify=on (numerics figures) and injected NaNs (the fallback)
-#   speed   the 1B speed table (benchmarks/rounds/r12_speed.txt)
-#   rowwise the 1B rowwise rows (r12_rowwise.txt)
-#   7b      the 7B rows (r12_7b.txt)
-#   diag    which layers / which learning rate make tensorwise miss parity on the 125M (after parity)
-#   parity  the 125M for STEPS (default 500) steps on the stdlib corpus: bf16 vs tensorwise vs rowwise, plot
-# Run dirs go to /tmp (a run dir holds more files than a device call brings back); tables, logs and
-# the plot go to $OUT.
+# Float8 training on one GPU: speed beside bf16 and the hand loop, loss parity with bf16, and what
+# closes the parity gap. Usage: bash benchmarks/float8_gpu.sh PHASE...
+#   smoke         train.py on llama_tiny with float8, verify=on (numerics figures) and injected NaNs (the fallback)
+#   speed         the 1B speed table (benchmarks/rounds/r12_speed.txt)
+#   rowwise       the 1B rowwise rows (r12_rowwise.txt)
+#   7b            the 7B rows (r12_7b.txt)
+#   fused_ce      the 1B's loss head as a fused linear cross-entropy (liger, cce) beside bf16 and float8,
+#                 framework and hand loop, float8 with CUDA graphs (r13_speed.txt); prints the versions of
+#                 triton, liger-kernel and cut-cross-entropy first
+#   parity        the 125M for STEPS (default 500) steps on the stdlib corpus: bf16 vs tensorwise vs rowwise, plot
+#   diag          which layers / which learning rate make tensorwise miss parity on the 125M (after parity)
+#   parity_levers the 125M's float8 parity gap against the gradients' float8 format and fast accumulation
+#                 (r13_parity.txt, 500 steps), tables and plot
+# Float8 parity over seeds: benchmarks/float8_seeds.sh. Run dirs go to /tmp (a run dir holds more files
+# than a device call brings back); tables, logs and the plots go to $OUT.
 set -u
 OUT=${OUT:-outputs/float8}
 mkdir -p "$OUT"
@@ -57,6 +63,25 @@ for phase in "$@"; do
       python3 benchmarks/float8_parity.py --out "$OUT/parity_125m.png" --title "llama_125m (bytes, stdlib corpus, b16 x 2048): float8 vs bf16" \
         bf16=/tmp/par/none tensorwise=/tmp/par/tensorwise rowwise=/tmp/par/rowwise | tee "$OUT/parity_125m.md"
       tar czf "$OUT/parity_metrics.tgz" -C /tmp par
+      ;;
+    fused_ce)
+      python3 -c "import torch, triton, torchao, liger_kernel, cut_cross_entropy as c; print(torch.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name())"
+      python3 benchmarks/gpu_bench.py --variants benchmarks/rounds/r13_speed.txt --steps ${BENCH_STEPS:-20} --out /tmp/bench_fused_ce
+      cp /tmp/bench_fused_ce/bench.md "$OUT/bench_fused_ce.md"
+      tar czf "$OUT/logs_fused_ce.tgz" -C /tmp/bench_fused_ce $(cd /tmp/bench_fused_ce && ls *.log *.json)
+      ;;
+    parity_levers)
+      d=/tmp/bench_levers
+      python3 benchmarks/gpu_bench.py --variants benchmarks/rounds/r13_parity.txt --steps 500 --out $d
+      cp $d/bench.md "$OUT/bench_parity_levers.md"
+      python3 benchmarks/float8_parity.py --out "$OUT/parity_levers.png" \
+        --title "llama_125m, stdlib bytes, b16x2048, lr 6e-4 / warmup 10: what closes the float8 gap" \
+        bf16=$d/v00-llama_125m-compile tensorwise=$d/v01-llama_125m-compile \
+        tensorwise_grad_e4m3=$d/v02-llama_125m-compile tensorwise_no_fast_accum=$d/v03-llama_125m-compile | tee "$OUT/parity_levers.md"
+      tar czf "$OUT/logs_parity_levers.tgz" -C $d $(cd $d && ls *.log *.json) $(cd $d && ls -d v0*/metrics.jsonl)
+      ;;
+    *)
+      echo "unknown phase $phase (smoke speed rowwise 7b fused_ce parity diag parity_levers)"; exit 2
       ;;
   esac
 done

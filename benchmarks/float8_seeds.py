@@ -1,5 +1,5 @@
 """Float8 loss parity over seeds: runs named ``NUMERICS_sSEED`` under one root (the first numerics
-is the reference, bf16), as ``benchmarks/gpu_round15_parity.sh`` writes them.
+is the reference, bf16), as ``benchmarks/float8_seeds.sh`` writes them.
 
     python benchmarks/float8_seeds.py ROOT --out parity.png [--numerics bf16,e5m2,e4m3]
 

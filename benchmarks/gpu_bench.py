@@ -241,9 +241,9 @@ def hand_loop(recipe: str, variant: str, steps: int, warmup: int, extra: list[st
 
 
 def float8_diagnostics(marks: list[str]) -> None:
-    """A diagnostic float8 numerics for the parity rounds (PERF.md round 13), not a config option:
-    ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision. (Round 13's
-    ``bench:go_e4m3`` is now the option ``model.float8_grad_dtype``.)"""
+    """A diagnostic float8 numerics for the parity question (float8_gpu.sh parity_levers), not a config
+    option: ``bench:no_fast_accum`` accumulates the forward float8 GEMM at full precision. The
+    gradients' float8 format is the option ``model.float8_grad_dtype``."""
     if "bench:no_fast_accum" not in marks:
         return
     import framework.parallel.float8 as f8

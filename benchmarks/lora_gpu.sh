@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # LoRA vs full fine-tuning of the Llama-3-8B shape on one H200 (issue 27, point 5): peak memory and
-# tokens/s from each run's summary.json. Measured in session 10: benchmarks/PERF.md.
+# tokens/s from each run's summary.json (figures: benchmarks/PERF.md, python -m benchmarks).
 # Usage: bash benchmarks/lora_gpu.sh   (STEPS=20, SEQ=2048 by default; run dirs in /tmp, table in $OUT)
 # Random weights are enough for memory and speed (model.init_from=HF_DIR for a real 8B); the base
 # of the bf16 rows is held in bf16 (peft.base_dtype=bfloat16), the rest autocasts to bf16 on CUDA.

@@ -49,8 +49,9 @@ TITAN_2506 = (
 # torchtitan's H100s: 96 GB HBM2e, 2.4 TB/s, 500 W power limit; "the actual peak TFLOPs number is between
 # SXM and NVL, and we don't know its exact value" (the 2024-12 file's footnote 2). Predicted with
 # conf/mesh/hardware/h100_96gb_500w.yaml (that memory and bandwidth; the peak that fits these six
-# rows best within the footnote's interval, its lower end 835: the midpoint 912 until session 14);
-# until 2026-12 with the 700 W SXM figures, which put the 8-GPU rows 21% and 34% high.
+# rows best within the footnote's interval, its lower end 835). The figures that chose that profile
+# and that peak: benchmarks/PERF.md, "Session 9: the planner against published large runs (issue 26)"
+# and "Session 14: issue 26's last row: the 500 W H100's peak fitted to torchtitan's six rows".
 TITAN_HW = "H100 96GB HBM2e at 500 W (Grand Teton), 400 Gb/s RDMA per GPU"
 TITAN_PROFILE = "h100_96gb_500w"
 META_HW = "H100 SXM 80GB at 700 W (Grand Teton), 400 Gb/s RoCE per GPU"

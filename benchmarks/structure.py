@@ -168,13 +168,14 @@ def hook(opt, args, kwargs):
     for fi in inspect.stack():
         f = os.path.realpath(fi.filename)
         if inside(fi.filename) and fi.function != "<module>":
-            stack.append((f, fi.frame.f_code.co_firstlineno, fi.function))
+            code = fi.frame.f_code
+            stack.append((f, code.co_firstlineno, getattr(code, "co_qualname", fi.function)))
     stack = stack[::-1]
     rel = lambda f: os.path.relpath(f, root)
     res = {
-        "path": [f"{rel(f)}:{n}" for f, _, n in stack],
+        "path": [f"{rel(f)}:{l} {n}" for f, l, n in stack],
         "path files": len({f for f, _, _ in stack}),
-        "path lines": sum(lines(f, l, n) for f, l, n in stack),
+        "path lines": sum(lines(f, l, n.rpartition('.')[2]) for f, l, n in stack),
         "ran files": len({f for f, _ in ran.values()}),
         "ran functions": len(ran),
         "ran lines": sum(lines(f, l, n) for (_, l), (f, n) in ran.items()),

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from framework.config.schema import GROUPS
-from framework.launch import docs
+from framework.launch import code_refs, docs
 from tests.entry import train_forked
+from tests.test_structure import LAYERS
 
 
 def test_config_reference_and_help_are_not_stale() -> None:
@@ -177,3 +178,46 @@ def test_each_first_page_command_not_run_here_plans_and_fits(tmp_path: Path, arg
     line's on the GPU it names; on the CPU profile the 1B plans 109 of 24 GiB)."""
     hardware = NOT_ON_CPU[args][1]
     test_each_readme_dry_run_exits_0_and_fits_its_devices(tmp_path, f"{args} {hardware} run.dry_run=true")
+
+
+ARCHITECTURE = docs.ROOT / "docs" / "architecture.md"
+
+
+def test_the_architecture_map_has_the_layers_of_the_structure_test() -> None:
+    """docs/architecture.md's layer table is tests/test_structure.py's LAYERS, in order; the README
+    links it."""
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", ARCHITECTURE.read_text(), re.M)
+    assert [name for _, name in rows] == LAYERS
+    assert [int(n) for n, _ in rows] == list(range(1, len(LAYERS) + 1))
+    assert "](docs/architecture.md)" in (docs.ROOT / "README.md").read_text()
+
+
+def test_the_architecture_map_names_code_that_exists_at_its_lines() -> None:
+    """Every ``FILE.py:LINE NAME`` of the map is the line where NAME is defined now (``python -m
+    framework.docs`` rewrites them), the path to the first step among them; every other file it
+    names exists (``NAME`` stands for the new thing's name)."""
+    page = ARCHITECTURE.read_text()
+    refs = code_refs.references(page)
+    assert len(refs) >= 30
+    assert [(f, line) for f, line, name in refs if code_refs.line_of(f, name) != line] == []
+    path = [f"{f}:{name}" for f, _, name in refs]
+    assert path[:2] == ["train.py:main", "framework/launch/entry.py:run_job"]
+    assert "framework/parallel/step.py:update" in path and "framework/train/trainer.py:train" in path
+    named = set(re.findall(r"`((?:framework|tests|conf|docs|benchmarks|recipes)/[\w./-]+\.(?:py|yaml|md))`", page))
+    named |= {f for f, _, _ in refs}
+    assert len(named) >= 25
+    assert sorted(f for f in named if "NAME" not in f and not (docs.ROOT / f).is_file()) == []
+
+
+def test_a_moved_or_removed_definition_is_caught() -> None:
+    """The check can fail: a wrong line is rewritten to the definition's, a name that is gone raises
+    (the map must then be edited by hand)."""
+    assert code_refs.render("see framework/train/trainer.py:1 train.") == (
+        f"see framework/train/trainer.py:{code_refs.line_of('framework/train/trainer.py', 'train')} train."
+    )
+    nested = "framework/train/runner.py:1 StepRunner.step.<locals>.attempt"
+    assert code_refs.render(nested) != nested and code_refs.render(code_refs.render(nested)) == code_refs.render(nested)
+    with pytest.raises(ValueError, match="no definition of no_such_function"):
+        code_refs.render("framework/train/trainer.py:10 no_such_function")
+    with pytest.raises(ValueError, match="no such file"):
+        code_refs.render("framework/train/gone.py:10 train")

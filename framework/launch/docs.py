@@ -3,8 +3,9 @@
 Both are rendered from the code, so they cannot drift: the typed schemas of framework.config.schema (each
 field's type, default and the comment next to it), the options found in conf/ and the recipe roots,
 and ``GROUP_DESCRIPTIONS`` below. ``python -m framework.docs`` rewrites docs/config.md (between its
-markers) and conf/hydra/help/ (framework.yaml: ``--help``; full.yaml: ``--help --all``); ``--check``
-exits 1 when one is stale (the test suite runs it).
+markers) and conf/hydra/help/ (framework.yaml: ``--help``; full.yaml: ``--help --all``), and the line
+numbers of docs/architecture.md's ``FILE.py:LINE NAME`` references (framework.launch.code_refs);
+``--check`` exits 1 when one is stale (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import schema as config_mod
+from framework.launch import code_refs
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
@@ -336,6 +338,9 @@ def stale() -> list[Path]:
     for path, full in HELP_FILES.items():
         if not path.is_file() or path.read_text() != render_help(full):
             out.append(path)
+    for page in code_refs.PAGES:  # ValueError: a name the page refers to is gone
+        if page.is_file() and code_refs.render(page.read_text()) != page.read_text():
+            out.append(page)
     return out
 
 
@@ -351,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     if args.check:
-        old = stale()
+        try:
+            old = stale()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         for path in old:
             print(f"stale: {path.relative_to(ROOT)} (run `python -m framework.docs`)", file=sys.stderr)
         return 1 if old else 0
@@ -360,9 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     REFERENCE.write_text(replace_section(old, render_reference()))
     for path, full in HELP_FILES.items():
         path.write_text(render_help(full))
-    print(
-        f"wrote {REFERENCE.relative_to(ROOT)} and {', '.join(str(p.relative_to(ROOT)) for p in HELP_FILES)}"
-    )
+    pages = [page for page in code_refs.PAGES if page.is_file()]
+    try:
+        fresh = [code_refs.render(page.read_text()) for page in pages]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for page, text in zip(pages, fresh, strict=True):
+        page.write_text(text)
+    written = [REFERENCE, *HELP_FILES, *pages]
+    print(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in written)}")
     return 0
 
 

@@ -64,6 +64,7 @@ from framework.parallel.step import (
     StepTimer,
     autocast,
     clip_grads,
+    group_lrs,
     step_result,
     targets_counted,
     to_device,
@@ -394,7 +395,7 @@ def pipeline_step(
     A tied weight's two uses are summed before the norm and its copy updated after the step."""
     assert model.schedule is not None
     timer = StepTimer(device)
-    lr = scheduler.get_last_lr()[0]
+    lrs = group_lrs(optimizer)  # this step's rates, before update() moves them
     x = to_device(torch.cat([b[0] for b in micro_batches]), device, io)
     y = to_device(torch.cat([b[1] for b in micro_batches]), device, io)
     args, kwargs = _stage_args(model, x, y)
@@ -415,7 +416,7 @@ def pipeline_step(
     if model.tied is not None:
         model.tied.broadcast()
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io, aux)
+    return step_result(total, norm, finite, lrs, timer, io, aux)
 
 
 def _step_loss(model: PipelineModel, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

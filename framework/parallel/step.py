@@ -89,7 +89,9 @@ class StepResult:
     loss_t: torch.Tensor  # this rank's mean loss (device); averaged over ranks when read
     grad_norm_t: torch.Tensor  # before clipping
     finite_t: torch.Tensor
-    lr: float
+    # The learning rate of each optimizer param group, as this step's update used it (the scheduler
+    # moves them to the next step's right after the update: read them here, not from the scheduler).
+    lrs: tuple[float, ...]
     _timer: StepTimer
     # An MoE model's load-balancing term as the loss added it, before its coefficient: the mean over
     # the step's micro batches, of the whole model (framework.models.take_aux; a pipeline's summed
@@ -115,6 +117,11 @@ class StepResult:
         return mean_over_ranks(torch.tensor(self._fetch()[0], dtype=torch.float64))
 
     @property
+    def lr(self) -> float:
+        """The first param group's rate (the logged ``lr``; every group's: ``lrs``)."""
+        return self.lrs[0]
+
+    @property
     def grad_norm(self) -> float:
         return self._fetch()[1]
 
@@ -137,17 +144,27 @@ def step_result(
     total: torch.Tensor,
     norm: torch.Tensor,
     finite: torch.Tensor,
-    lr: float,
+    lrs: list[float],
     timer: StepTimer,
     io: HostIO | None,
     aux: torch.Tensor | None = None,
 ) -> StepResult:
-    result = StepResult(total, norm, finite, lr, timer, aux)
+    """A step's figures; ``lrs``: ``group_lrs`` read before the update (the rates it ran with)."""
+    result = StepResult(total, norm, finite, tuple(float(v) for v in lrs), timer, aux)
     if io is not None and io.cuda:
         figures = [total, norm, finite] + ([aux] if aux is not None else [])
         packed = torch.stack([t.float() for t in figures])
         result._host, result._ready = io.to_host(packed)
     return result
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each param group's learning rate now: read before ``update``, the rates the step runs with.
+
+    Why the groups and not ``scheduler.get_last_lr()``: they are what the optimizer reads, also
+    when a callback's ``before_step`` set one (framework.train.callbacks); the scheduler then
+    writes the next step's over them."""
+    return [float(g["lr"]) for g in optimizer.param_groups]
 
 
 class StepTimer:

@@ -10,23 +10,38 @@ to check it (an unknown name, a target off the allowlist, a value the class does
 exit 2) and again on every rank. So construction must be cheap and touch nothing: the work starts in
 ``setup`` or ``on_resume``.
 
-The hooks, in the order a run calls them (every rank calls every hook; ``run.is_main`` is rank 0):
+The hooks, in the order a run calls them (every rank calls every hook; ``run.is_main`` is rank 0).
+What each sees of the learning rate: the scheduler moves inside the optimizer step, right after the
+update, so from the end of step ``k`` on ``run.runner.scheduler.get_last_lr()`` (and the param
+groups' ``"lr"``) are the rates of step ``k + 1``. Step ``k``'s own rates are the scheduler's in
+``before_step(run, k)`` and ``run.last.result.lrs`` (one per param group) in ``on_step_read``:
 
 - ``setup(run)``: before the model is built (``run.runner`` and ``run.metrics`` are still None);
 - ``on_resume(run, step, extra)``: once, before the first step, after the checkpoint (if any) was
   loaded: ``step`` is where training continues (0: a fresh start), ``extra`` the checkpoint's extra
   state ({} when none);
-- ``after_step(run, step)``: optimizer step ``step`` was queued (its figures may not be read yet);
+- ``before_step(run, step)``: optimizer step ``step`` is about to be queued: ``run.state.step`` is
+  ``step - 1``, the scheduler and the optimizer's param groups hold the rates step ``step`` will run
+  with (a rate set here in ``param_groups[i]["lr"]`` is the one it runs with; the scheduler sets
+  the next step's over it); the previous step's figures may not be read yet (the lag);
+- ``after_step(run, step)``: optimizer step ``step`` was queued (its figures may not be read yet;
+  the scheduler already holds step ``step + 1``'s rates);
 - ``on_step_read(run, step)``: its figures were read, judged and logged (under the lag one step
-  later); the runner's ``Step`` is ``run.last`` (``run.last.result.loss`` is an all-reduce: read it
-  on every rank or on none);
+  later, after step ``step + 1`` was queued); the runner's ``Step`` is ``run.last``:
+  ``run.last.result.lrs`` are the rates it ran with, ``run.last.result.loss`` is an all-reduce (read
+  it on every rank or on none);
 - ``on_rebuild(run, step)``: judging step ``step`` made the fallback ladder replace the executed
   model (``run.runner.mode`` and ``run.runner.model`` are the new ones; hooks on the old model are
-  gone); it comes just before that step's ``on_step_read``;
-- ``on_save(run, step)``: a checkpoint of ``step`` was written (or handed to the async writer);
+  gone; the new scheduler carries the old one's position); it comes just before that step's
+  ``on_step_read``;
+- ``on_save(run, step)``: a checkpoint of ``step`` was written (or handed to the async writer), after
+  that step's ``on_step_read``;
 - ``on_finish(run, summary)``: after the final evaluation, before summary.json is written (a
   callback may fill its field of the ``framework.train.trainer.Summary``);
 - ``close()``: always, also after an exception (the ``with`` block of the run).
+
+A rollback (a bad step, ``verify.max_bad_steps``) loads an earlier checkpoint: the step numbers that
+follow it are heard again, from ``before_step`` on, with the rates of the restored schedule.
 
 Why these: they are the moments the loop already has (framework.train.trainer), so a callback
 changes nothing of a run that does not ask for it, and the loop calls one verb per moment.
@@ -74,6 +89,9 @@ class Callback(Protocol):
         return None
 
     def on_resume(self, run: RunContext, step: int, extra: dict[str, Any]) -> None:
+        return None
+
+    def before_step(self, run: RunContext, step: int) -> None:
         return None
 
     def after_step(self, run: RunContext, step: int) -> None:
@@ -125,6 +143,10 @@ class Callbacks:
         self._model = run.runner.model if run.runner is not None else None
         for cb in self._each():
             cb.on_resume(run, step, extra)
+
+    def before_step(self, step: int) -> None:
+        for cb in self._each():
+            cb.before_step(self._ctx(), step)
 
     def after_step(self, step: int) -> None:
         for cb in self._each():

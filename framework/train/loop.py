@@ -39,6 +39,7 @@ from framework.parallel.step import (
     StepTimer,
     autocast,
     clip_grads,
+    group_lrs,
     ratio_over_ranks,
     step_result,
     targets_counted,
@@ -420,7 +421,7 @@ def plain_step(
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
         torch.compiler.cudagraph_mark_step_begin()
-    lr = scheduler.get_last_lr()[0]
+    lrs = group_lrs(optimizer)  # this step's rates, before update() moves them
     n = len(micro_batches)
     total = torch.zeros((), device=device)
     take_aux(model)  # forwards before this step (DDP's bucket settling, a verifier's check) count not
@@ -439,7 +440,7 @@ def plain_step(
     finite = torch.isfinite(norm) & torch.isfinite(total)
     update(optimizer, scheduler, finite)
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io, take_aux(model))
+    return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
 
 
 def _step_in_backward(
@@ -460,7 +461,7 @@ def _step_in_backward(
     timer = StepTimer(device)
     if device.type == "cuda":
         torch.compiler.cudagraph_mark_step_begin()
-    lr = scheduler.get_last_lr()[0]
+    lrs = group_lrs(ib.main)  # this step's rates, before the scheduler moves them
     ((x, y),) = micro_batches
     x, y = to_device(x, device, io), to_device(y, device, io)
     ib.norm_sq.zero_()
@@ -479,7 +480,7 @@ def _step_in_backward(
     ib.main.step()
     scheduler.step()
     timer.stop()
-    return step_result(total, norm, finite, lr, timer, io, take_aux(model))
+    return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
 
 
 @torch.no_grad()

@@ -205,7 +205,8 @@ def run(cfg: Config, plan: Plan, run_dir: Path, keep: list[object] | None = None
 def train(p: Parts, state: TrainState) -> None:
     """The loop, to ``train.steps`` or a preemption. Each step: validate when due; queue the step;
     read the figures that are due (count, verify, log); roll back when the verifier asks; save
-    when the checkpointer decides. The callbacks hear of each queued, read and saved step.
+    when the checkpointer decides. The callbacks hear of each step before and after it is queued,
+    when it is read and when it is saved.
 
     The lag (``StepRunner.defer``): the runner queues step k+1 before the host reads step k, so the
     device does not idle while the host logs. A bad step found one step late rolls back and undoes
@@ -215,6 +216,7 @@ def train(p: Parts, state: TrainState) -> None:
     while state.step < cfg.train.steps:
         if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0:
             validate(p, state, state.step)
+        p.callbacks.before_step(state.step + 1)  # the scheduler holds this step's rates
         queued = runner.step(p.data.sampler, state.step + 1)
         state.step, state.tokens_seen = queued.step, state.tokens_seen + state.tokens_per_step
         p.callbacks.after_step(state.step)

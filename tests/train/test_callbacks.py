@@ -25,6 +25,7 @@ from framework.verify.baseline import PerfFigures, baseline_key, device_name, sa
 from tests.config.test_config import compose_config
 from tests.entry import ROOT, train_main
 from tests.train.test_train import train
+from tests.train.test_train_golden import reference_lr
 
 MODULE = "team_cb_recorder"  # a name no other test imports (the forked launcher imports it)
 RECORDER = '''
@@ -73,12 +74,49 @@ class Recorder(Callback):
 '''
 
 
+LR_MODULE = "team_cb_lr"
+LR_RECORDER = '''
+"""A team's learning-rate callback: the rates each hook sees, one JSON line each; ``halve_at``: halve
+every group's rate before that step, as a callback that adjusts the schedule would."""
+
+import json
+
+from framework.train.callbacks import Callback
+
+
+class LrRecorder(Callback):
+    def __init__(self, halve_at: int = -1) -> None:
+        self.halve_at = halve_at
+
+    def _log(self, run, hook, step, lrs):
+        row = {"hook": hook, "step": step, "lrs": list(lrs)}
+        with (run.run_dir / f"lrs_rank{run.rank}.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\\n")
+
+    def before_step(self, run, step):
+        if step == self.halve_at:
+            for group in run.runner.optimizer.param_groups:
+                group["lr"] /= 2
+        self._log(run, "before", step, [g["lr"] for g in run.runner.optimizer.param_groups])
+        self._log(run, "before_scheduler", step, run.runner.scheduler.get_last_lr())
+
+    def after_step(self, run, step):
+        self._log(run, "after_scheduler", step, run.runner.scheduler.get_last_lr())
+
+    def on_step_read(self, run, step):
+        self._log(run, "read", step, run.last.result.lrs)
+'''
+
+
 def _install(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:
-    """The team's two files, and the command line that uses them."""
+    """The team's two files, and the command line that uses them (and its learning-rate callback,
+    ``callbacks=[default,lr]``)."""
     code, conf = tmp / "code", tmp / "conf" / "callbacks"
     code.mkdir(parents=True)
     conf.mkdir(parents=True)
     (code / f"{MODULE}.py").write_text(RECORDER)
+    (code / f"{LR_MODULE}.py").write_text(LR_RECORDER)
+    (conf / "lr.yaml").write_text(f"lr:\n  _target_: {LR_MODULE}.LrRecorder\n  halve_at: -1\n")
     (conf / "recorder.yaml").write_text(
         textwrap.dedent(f"""\
             # A team's callback: every hook to hooks_rank<R>.jsonl.
@@ -89,7 +127,7 @@ def _install(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str
     )
     monkeypatch.syspath_prepend(str(code))  # the launcher, forked from this process, validates it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(code), str(ROOT)]))  # the spawned ranks
-    allow = ",".join([*RunConfig().instantiate_allow, f"{MODULE}."])
+    allow = ",".join([*RunConfig().instantiate_allow, f"{MODULE}.", f"{LR_MODULE}."])
     return tmp / "conf", [
         f"hydra.searchpath=[file://{tmp / 'conf'}]",
         "callbacks=[default,recorder]",
@@ -146,6 +184,43 @@ def test_a_new_callback_is_one_module_and_one_yaml(tmp_path: Path, monkeypatch: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         _check_launch(_hooks(run, rank), 6, 8, [8])
+
+
+@pytest.mark.parametrize("mesh", ["1", "2"])
+def test_a_learning_rate_callback_sees_the_rate_each_step_ran_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh: str
+) -> None:
+    """Under warmup then cosine, step k's rate (an independent formula, the golden test's) is what
+    ``before_step(k)`` reads from the optimizer and the scheduler, and what ``on_step_read(k)`` reads
+    in ``run.last.result.lrs``, for every param group, on every rank, with the lag on (step 2 is read
+    after step 3 was queued); ``after_step(k)`` already sees step k + 1's. A rate a callback sets in
+    ``before_step`` is the one the step runs with (and logs); the schedule resumes after it."""
+    _, (search, _recorder, allow) = _install(tmp_path, monkeypatch)
+    run, steps, warmup, lr, floor = tmp_path / "run", 6, 4, 1e-3, 0.1
+    proc = train(
+        run, search, allow, "callbacks=[default,lr]", "callbacks.lr.halve_at=5", f"mesh={mesh}",
+        f"train.steps={steps}", f"train.warmup_steps={warmup}", f"train.lr={lr}", f"train.min_lr_ratio={floor}",
+        "lr_scheduler=cosine", "train.seq_len=32", "train.eval_every=0", "train.log_every=3",
+        "logger.plot=false", "freeze=none", "checkpoint=none",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = {k: reference_lr(k - 1, lr, warmup, steps, floor) for k in range(1, steps + 2)}
+    ran = dict(expected) | {5: expected[5] / 2}  # the callback halved step 5's
+    for rank in range(int(mesh)):
+        rows = [json.loads(line) for line in (run / f"lrs_rank{rank}.jsonl").read_text().splitlines()]
+        seen: dict[str, dict[int, list[float]]] = {}
+        for r in rows:
+            seen.setdefault(r["hook"], {})[r["step"]] = r["lrs"]
+        assert all(len(v) == 2 for v in seen["read"].values())  # AdamW's two groups: decay, no decay
+        for k in range(1, steps + 1):
+            assert seen["before"][k] == pytest.approx([ran[k]] * 2, rel=1e-12), k
+            assert seen["read"][k] == pytest.approx([ran[k]] * 2, rel=1e-12), k
+            assert seen["before_scheduler"][k] == pytest.approx([expected[k]] * 2, rel=1e-12), k
+            assert seen["after_scheduler"][k] == pytest.approx([expected[k + 1]] * 2, rel=1e-12), k
+        order = [(r["hook"], r["step"]) for r in rows if r["hook"] in ("after_scheduler", "read")]
+        assert order.index(("read", 2)) > order.index(("after_scheduler", 3))  # read one step late
+    logged = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
+    assert logged == pytest.approx({3: ran[3], 6: ran[6]}, rel=1e-12)
 
 
 def test_a_rebuild_is_heard_and_the_fault_callback_rearms_on_the_new_model(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Round 15 on one H200 (benchmarks/PERF.md): flash-attn-4 through torch's flash-attention registry.
-# Usage, from the source tree: bash benchmarks/gpu_round15.sh PHASE...
+# FlashAttention-4 (flash-attn-4) through torch's flash-attention registry on one GPU: its install from
+# wheels carried in two device calls, the kernels at the 1B's attention shape, the speed rows.
+# Usage, from the source tree: bash benchmarks/fa4_gpu.sh PHASE...
 #   install  join the nvidia-cutlass-dsl-libs-cu13 wheel (92 MB, over what one device call carries)
 #            from its parts: part.00 copied to /tmp/fa4_parts by an earlier call on the same warm
 #            machine, the rest in $WHEELS with the other wheels; pip install --target /tmp/site
@@ -8,7 +9,7 @@
 #   speed    gpu_bench.py --variants $VARIANTS (default benchmarks/rounds/r15_fa4.txt)
 # Tables and logs go to $OUT (a device call brings back at most 8 files).
 set -u
-OUT=${OUT:-outputs/r15}
+OUT=${OUT:-outputs/fa4_gpu}
 WHEELS=${WHEELS:-../.whl_fa4/b}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -34,9 +35,9 @@ for phase in "$@"; do
       ;;
     speed)
       timeout "${SPEED_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --variants "${VARIANTS:-benchmarks/rounds/r15_fa4.txt}" \
-        --steps "${BENCH_STEPS:-20}" --out /tmp/b15 | tee "$OUT/speed_rows.md"
-      cp /tmp/b15/bench.md "$OUT/bench_speed.md" 2>/dev/null
-      tar czf "$OUT/logs_speed.tgz" -C /tmp/b15 $(cd /tmp/b15 && ls *.log *.json 2>/dev/null)
+        --steps "${BENCH_STEPS:-20}" --out /tmp/fa4_speed | tee "$OUT/speed_rows.md"
+      cp /tmp/fa4_speed/bench.md "$OUT/bench_speed.md" 2>/dev/null
+      tar czf "$OUT/logs_speed.tgz" -C /tmp/fa4_speed $(cd /tmp/fa4_speed && ls *.log *.json 2>/dev/null)
       ;;
   esac
 done

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Round 15 on one H200 (benchmarks/PERF.md): float8 loss parity over seeds. For each seed, the 125M on
-# bytes of the stdlib corpus (as rounds 12-13), 500 steps at the recipe's lr 6e-4 / warmup 10, in
+# Float8 loss parity over seeds, on one GPU. For each seed, the 125M on
+# bytes of the stdlib corpus, 500 steps at the recipe's lr 6e-4 / warmup 10, in
 # three numerics with the same seed and batches: bf16, float8 tensorwise with e5m2 output gradients
 # (torchao's default), and with e4m3 ones (model.float8_grad_dtype). The three runs of a seed share
 # the GPU at once (their speeds mean nothing here; the loss does), seed after seed, so a timeout
-# still leaves whole seeds. Usage: OUT=DIR DEADLINE_S=N bash benchmarks/gpu_round15_parity.sh
-# Run dirs go to /tmp/r15; $OUT gets runs.tgz (metrics, summaries, logs; refreshed after each seed),
+# still leaves whole seeds. Usage: OUT=DIR DEADLINE_S=N bash benchmarks/float8_seeds.sh
+# Run dirs go to /tmp/float8_seeds; $OUT gets runs.tgz (metrics, summaries, logs; refreshed after each seed),
 # then the table and plot of benchmarks/float8_seeds.py.
 set -u
-OUT=${OUT:-outputs/r15}
+OUT=${OUT:-outputs/float8_seeds}
 mkdir -p "$OUT"
 SEEDS=${SEEDS:-"0 1 2"}
 STEPS=${STEPS:-500}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-430}))
-RUNS=/tmp/r15
+RUNS=/tmp/float8_seeds
 mkdir -p $RUNS
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, torchao; print(torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name())"
@@ -27,7 +27,7 @@ numerics() {  # NAME -> its overrides
     e4m3) echo "$tw model.float8_grad_dtype=e4m3" ;;
   esac
 }
-need=100 # seconds a seed needs; then the last seed's own time
+need=100 # seconds a seed needs, a first guess; then the last seed's own time
 for seed in $SEEDS; do
   left=$((DEADLINE - SECONDS))
   if ((left < need)); then
