@@ -373,6 +373,7 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_run_dir("hydra.run.dir", str(config.hydra.run.dir))
+        _refuse_locked_run_dir(config, Path(str(config.hydra.run.dir)))
         note_run_dir(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -383,8 +384,43 @@ def _refuse_run_dir(key: str, value: str) -> None:
     try:
         check_dir_creatable(key, value)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(str(e))
+
+
+def _refuse_locked_run_dir(config: DictConfig, run_dir: Path) -> None:
+    """Refuse (exit 2) a run dir that a live run holds, before Hydra rewrites its ``.hydra/`` files
+    and appends to its ``train.log``: the later check (``check_checkpoint_lock``) came only after
+    Hydra had written into the live run's records. Held means: the run dir's ``checkpoints/LOCK``,
+    or the ``checkpoint.dir`` this launch would lock, belongs to a live process. Rank 0 (or the
+    launcher) only, as the later check: a torchrun rank on another host cannot tell a live lock
+    from its own job's. A ``checkpoint.dir`` that does not read plainly is the validation's to report."""
+    if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
+        return
+    from framework.checkpoint import lock
+
+    own = run_dir / "checkpoints"
+    owner = lock.blocking_owner(own, str(run_dir))
+    if owner is not None:
+        _refuse(
+            f"hydra.run.dir={str(run_dir)!r} belongs to a live run: {owner.describe()} holds "
+            f"{own / lock.LOCK}, and a second launch there would overwrite its files; valid: another "
+            f"hydra.run.dir, or wait for that run to end (if it is gone, remove {own / lock.LOCK})"
+        )
+    try:
+        enabled = OmegaConf.select(config, "checkpoint.enabled", default=False)
+        root = OmegaConf.select(config, "checkpoint.dir", default=None)
+    except OmegaConfBaseException:
+        return
+    if enabled is True and isinstance(root, str) and root:
+        owner = lock.blocking_owner(Path(root), str(run_dir))
+        if owner is not None:
+            _refuse(lock.refusal(Path(root), owner))
+
+
+def _refuse(message: str) -> None:
+    """One line on stderr, exit 2: a refusal before Hydra has written anything."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_job(dcfg: DictConfig) -> float | None:
