@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from framework.checkpoint.export_hf import (
-    EXPORT_MARKER,
     check_out_dir,
     checkpoint_model_state,
+    finish_export,
     permute_rope_rows,
 )
 from framework.config.schema import ModelConfig, PeftConfig
@@ -84,7 +84,7 @@ def export_adapter(
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, modules, base), indent=2) + "\n")
     marker = {"written_by": "framework.checkpoint export-hf --adapter", "architecture": ["PEFT LoRA"]}
-    (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    finish_export(out_dir, marker, [ADAPTER_WEIGHTS, ADAPTER_CONFIG])
     return out_dir
 
 
