@@ -143,14 +143,17 @@ def test_every_key_refuses_its_out_of_range_values(
 def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(
     base: DictConfig, family_base: dict[str, DictConfig]
 ) -> None:
-    """The class, not the example: every float key refuses nan and inf, every int key a 1000-digit value."""
+    """The class, not the example: every float key refuses nan, inf and 1e300, every int key 10**18
+    and a 1000-digit value (model.moe.router_aux_loss_coef=1e18 and nccl.timeout_s=1e300 passed; the
+    second was an OverflowError in every rank)."""
     hints = dict(schema_keys())
     typed = {id(b): config.to_config(b) for b in (base, *family_base.values())}
     for key, rule in RULES.items():
         if rule.ok is None:
             continue
         default = typed[id(base_for(key, base, family_base))]
-        bads = [math.nan, math.inf] if hints[key] is float else [10**1000] if hints[key] is int else []
+        floats, ints = [math.nan, math.inf, 1e300], [10**18, 10**1000]
+        bads = floats if hints[key] is float else ints if hints[key] is int else []
         for bad in bads:
             cfg = copy.deepcopy(default)
             for k, v in (*rule.context, (key, bad)):
