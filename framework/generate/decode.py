@@ -18,7 +18,6 @@ Decoding stops at the tokenizer's EOS (and, for an HF folder, at every ``eos_tok
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import warnings
@@ -231,15 +230,15 @@ def load_run(path: Path, config: Path | None, device: torch.device) -> Loaded:
     return Loaded(load_model(checkpoint, cfg, device), tokenizer, stop, checkpoint)
 
 
-def generation_stop_ids(folder: Path) -> set[int]:
+def generation_stop_ids(folder: Path, vocab_size: int | None = None) -> set[int]:
     """``eos_token_id`` of an HF folder's generation_config.json (an id or a list; Llama 3's instruct
-    models end a turn on <|eot_id|>, not on the tokenizer's EOS); empty when absent or unreadable."""
-    try:
-        value = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return set()
-    values = value if isinstance(value, list) else [value]
-    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+    models end a turn on <|eot_id|>, not on the tokenizer's EOS); empty when it has none. ValueError
+    (one line) for a file that does not parse or an id that is not one of ``vocab_size``'s: such
+    values were dropped silently (framework.checkpoint.import_hf.check_eos_ids)."""
+    from framework.checkpoint.import_hf import check_eos_ids, read_generation_config
+
+    config = read_generation_config(folder, "PATH", vocab_size)
+    return set() if config is None else check_eos_ids(config.get("eos_token_id"), vocab_size, str(folder))
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
