@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pickle
-import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,12 +41,33 @@ def _save_steps(root: Path, steps: list[int], **cfg: object) -> Checkpointer:
     return ck
 
 
+class _Kept(logging.Handler):
+    """The framework logger's warning lines, kept (what the console and train.log show)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged_warnings() -> Iterator[list[str]]:
+    """The warning lines the framework logs within (a skipped checkpoint, a failed save)."""
+    kept, logger = _Kept(), logging.getLogger("framework")
+    logger.addHandler(kept)
+    try:
+        yield kept.lines
+    finally:
+        logger.removeHandler(kept)
+
+
 def _latest_with_warnings(ck: Checkpointer) -> tuple[Path | None, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as lines:
         # The read-only search (Checkpointer.latest() also moves rejected ones aside).
         latest = find_latest(ck.root, ck.channel, ck.cfg.integrity)
-    return latest, [str(w.message) for w in caught]
+    return latest, lines
 
 
 def _biggest_shard(path: Path) -> Path:
@@ -206,14 +229,14 @@ def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(t
     shard.write_bytes(bytes(data))
 
     fresh, fresh_opt, fresh_sch = _state(5)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as caught:
         found = ck.load_latest(fresh, fresh_opt, fresh_sch)
     assert found.path == step_dir(tmp_path, 2) and found.extra == {"step": 2}
     assert found.load_failed
     assert [Path(n).name for n, _ in found.rejected] == ["step_000006", "step_000004"]
     assert "sha256" in found.rejected[0][1] and "does not load" in found.rejected[1][1], found.rejected
-    assert all("moved to" in str(w.message) for w in caught if "skipping" in str(w.message))
+    skipped = [line for line in caught if line.startswith("skipping checkpoint")]
+    assert len(skipped) == 2 and all("moved to" in line for line in skipped), caught
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
     # Moved aside with the reason, never deleted: neither retention nor a new save of step 4 or 6 touches them.
