@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from framework.record.run_dir import cannot_create_in
+
 
 def check_output_file(flag: str, out: Path, example: str = "out.bin") -> None:
     """Refuse an output path that is a folder, sits under a file, or is in a folder this user cannot
@@ -25,6 +27,11 @@ def check_output_file(flag: str, out: Path, example: str = "out.bin") -> None:
                 raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(parent)!r} is a file")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(parent)!r} is not writable")
+            why = cannot_create_in(parent)  # /proc, /sys: writable to root by os.access, not in fact
+            if why is not None:
+                raise ValueError(
+                    f"{flag} {str(out)!r} cannot be written: nothing can be created in {str(parent)!r} ({why})"
+                )
             break
     if out.exists() and not os.access(out, os.W_OK):
         raise ValueError(f"{flag} {str(out)!r} is read-only")

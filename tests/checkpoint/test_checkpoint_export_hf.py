@@ -298,7 +298,9 @@ def _unwritable_folder(tmp: Path) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "a read-only folder", "in a read-only folder"])
+@pytest.mark.parametrize(
+    "case", ["a file", "under a file", "a read-only folder", "in a read-only folder", "in /proc"]
+)
 def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
     saved_step: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
@@ -320,6 +322,7 @@ def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
         out, message = {
             "a file": (notes, "is a file; valid: a folder to write"),
             "under a file": (notes / "hf", f"cannot be created: '{notes}' is a file"),
+            "in /proc": (Path("/proc/x"), "cannot be written: nothing can be created in '/proc' ("),
         }[case]
         args = []
     before = sorted(p.name for p in tmp_path.iterdir())

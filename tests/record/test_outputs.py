@@ -33,3 +33,12 @@ def test_text_of_a_binary_file_is_none(tmp_path: Path) -> None:
     blob = tmp_path / "blob"
     blob.write_bytes(b"\xff\xfe\x00")
     assert text_of(blob) is None and text_of(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_file_in_proc_is_refused_before_any_work() -> None:
+    """``evaluate --report /proc/x.json``: a FileNotFoundError traceback after the model was scored."""
+    with pytest.raises(
+        ValueError, match=r"^--report '/proc/x.json' cannot be written: nothing can be created"
+    ):
+        check_replaceable("--report", Path("/proc/x.json"), _ours, "a report", False, "r.json")
