@@ -347,10 +347,8 @@ def export_checkpoint(
     write (unless ``force``).
     """
 
-    from omegaconf import OmegaConf
-
     from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
-    from framework.config.schema import to_config
+    from framework.config.run_file import read_run_config
     from framework.data.tokenizer import load_tokenizer
 
     checkpoint = Path(checkpoint).expanduser().resolve()
@@ -361,13 +359,9 @@ def export_checkpoint(
             "(with manifest.json), a checkpoint root or a run dir holding one"
         )
     check_out_dir(Path(out_dir), step_dir, force)
+    given = run_config is not None  # a --config that is missing is refused, the default may be
     run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
-    cfg = None
-    if run_config.is_file():
-        try:
-            cfg = to_config(OmegaConf.load(run_config))
-        except Exception as e:  # noqa: BLE001 - any schema error: one line
-            raise ValueError(f"--config {run_config}: not a framework run config: {e}") from None
+    cfg = read_run_config(run_config, f"--config {run_config}") if given or run_config.is_file() else None
     shape = saved_shape(step_dir)
     if cfg is None and shape is None:
         raise ValueError(

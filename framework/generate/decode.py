@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from framework.config.schema import Config, to_config
+from framework.config.schema import Config
 from framework.data.tokenizer import Tokenizer
 from framework.models import Decoder, KVCache, build_model, forward_cached
 
@@ -118,24 +117,10 @@ def parse_device(name: str) -> torch.device:
 
 def load_run_config(path: Path) -> Config:
     """The typed config of a run's ``config.yaml``; anything else (a folder, another YAML, a TOML
-    file) is one line naming the file rather than a parser traceback."""
-    from omegaconf.errors import OmegaConfBaseException
-    from yaml import YAMLError
+    file, /etc/passwd) is one line naming the file, never quoting it (framework.config.run_file)."""
+    from framework.config.run_file import read_run_config
 
-    if not path.is_file():
-        what = (
-            "does not exist"
-            if not path.exists()
-            else "is a folder"
-            if path.is_dir()
-            else "is not a regular file (a FIFO, a socket or a device)"
-        )
-        raise ValueError(f"--config={path} {what}; valid: a run's config.yaml")
-    try:
-        return to_config(OmegaConf.load(path))
-    except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, TypeError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--config={path} is not a run's config.yaml ({why})") from None
+    return read_run_config(path, f"--config={path}")
 
 
 def check_path(path: Path) -> Path:
