@@ -460,6 +460,30 @@ def _class_kwargs(cls: type) -> list[str] | None:
     return [p.name for p in params if p.kind in kinds and p.name not in config_only]
 
 
+def _flag_kwargs(cls: type) -> list[str]:
+    """The keyword arguments of ``cls`` that are switches (a bool default or a ``bool`` /
+    ``bool | None`` annotation): torch tests them for truth, so ``foreach=yes`` (a string) or
+    ``amsgrad=1`` passed the probe and did something else than written, or nothing."""
+    import inspect
+
+    flags = []
+    for name, p in list(inspect.signature(cls).parameters.items())[1:]:
+        text = str(p.annotation).replace("typing.", "").replace("<class 'bool'>", "bool")
+        if isinstance(p.default, bool) or text in ("bool", "bool | None", "Optional[bool]"):
+            flags.append(name)
+    return flags
+
+
+def _bad_flag(v: Any, c: Config) -> str | None:
+    """The first switch of ``optimizer.kwargs`` whose value is not true, false (or null where the
+    class's default is): ``foreach=yes`` was accepted."""
+    cls = _optimizer_class(c)
+    if cls is None:
+        return None
+    flags = _flag_kwargs(cls)
+    return next((k for k, x in v.items() if k in flags and not isinstance(x, bool) and x is not None), None)
+
+
 def _kwargs_names_ok(v: Any, c: Config) -> bool:
     if not all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v):
         return False
@@ -469,7 +493,9 @@ def _kwargs_names_ok(v: Any, c: Config) -> bool:
 
 
 def _kwargs_ok(v: Any, c: Config) -> bool:
-    return _kwargs_names_ok(v, c) and (not v or _probe_error(c, with_kwargs=True) is None)
+    if not _kwargs_names_ok(v, c) or _bad_flag(v, c) is not None:
+        return False
+    return not v or _probe_error(c, with_kwargs=True) is None
 
 
 def _kwargs_valid(c: Config) -> str:
@@ -483,6 +509,9 @@ def _kwargs_valid(c: Config) -> str:
         f"keyword arguments that {what} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
+    flag = _bad_flag(c.optimizer.kwargs, c) if _kwargs_names_ok(c.optimizer.kwargs, c) else None
+    if flag is not None:
+        return f"{flag}=true or {flag}=false ({flag}={c.optimizer.kwargs[flag]!r} is not a boolean)"
     if _kwargs_names_ok(c.optimizer.kwargs, c):  # the names are fine, a value is not: say which
         return _failing_kwargs(c)
     return text
@@ -771,7 +800,7 @@ RULES: dict[str, Rule] = {
         _kwargs_valid,
         _kwargs_ok,
         ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1})
-        + ({"differentiable": True}, {"foreach": True, "fused": True}),
+        + ({"differentiable": True}, {"foreach": True, "fused": True}, {"foreach": "yes"}, {"amsgrad": 1}),
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)

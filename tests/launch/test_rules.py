@@ -163,6 +163,18 @@ def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(
                 check(cfg)
 
 
+@pytest.mark.parametrize("kwargs", [{"foreach": "yes"}, {"amsgrad": 1}, {"maximize": "maybe"}])
+def test_an_optimizer_switch_that_is_not_a_boolean_is_refused(
+    base: DictConfig, tmp_path: Path, kwargs: dict[str, Any]
+) -> None:
+    """``+optimizer.kwargs.foreach=yes``: torch tests a switch for truth, so a string passed the probe
+    and the run trained (exit 0) with whatever the string's truth meant."""
+    [(name, value)] = kwargs.items()
+    msg = refusal(base, {"optimizer.kwargs": kwargs}, tmp_path)
+    assert f"valid: {name}=true or {name}=false ({name}={value!r} is not a boolean)" in msg, msg
+    prelaunch(with_values(base, {"optimizer.kwargs": {name: True}}), tmp_path / "ok", RECIPE)
+
+
 def test_unknown_key_is_refused_with_the_nearest_valid_key(base: DictConfig) -> None:
     d = copy.deepcopy(base)
     with pytest.raises(ValueError, match=r"train.lrr is not a config key .*did you mean train.lr\?"):
