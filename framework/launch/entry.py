@@ -44,6 +44,7 @@ from framework.config.schema import (
     ExecutorMode,
     Float8Recipe,
     RunConfig,
+    VerifyConfig,
     to_config,
     to_yaml,
 )
@@ -236,6 +237,24 @@ def check_verify_files(cfg: Config) -> None:
             )
         if not path.exists():
             check_dir_creatable("verify.baseline", v.baseline)
+    check_baseline_store(v)
+
+
+def check_baseline_store(v: VerifyConfig) -> None:
+    """Before launch: the store the run compares with (``verify.baseline``, else the default) reads
+    as a store, and one ``verify.save_baseline=true`` rewrites can be rewritten (its folder takes
+    the temporary file): both were found only after training, as a traceback."""
+    from framework.verify.baseline import load_store, store_path
+
+    path = store_path(v)
+    load_store(path)
+    if v.save_baseline:
+        check_dir_creatable("verify.baseline", str(path.parent))
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(
+                f"verify.baseline={str(path)!r} is read-only and verify.save_baseline=true rewrites it; "
+                "valid: a store you can write, or verify.save_baseline=false"
+            )
 
 
 def check_warmup(cfg: Config) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
 import re
@@ -287,6 +288,35 @@ def test_verify_files_are_checked_before_launch(base: DictConfig, tmp_path: Path
     for i, (values, message) in enumerate(cases):
         assert message in refusal(base, on | values, tmp_path / f"t{i}")
     assert notes.read_text() == "not json"
+
+
+STORE_FIGURES = {"step_p50_s": 0.1, "step_p99_s": 0.2, "tokens_per_s": 1000.0}
+BAD_STORES = [
+    ("[]", "is not a baseline store; valid: a JSON object {'version': 1"),
+    ('{"version": 1, "baselines": 5}', "is not a baseline store; valid: a JSON object"),
+    ('{"version": 1, "baselines": {"k": {"figures": {"x": 1}}}}', "its entry 'k' has figures ['x'], not "),
+    ('{"version": 1, "baselines": {"k": 3}}', "its entry 'k' has no figures"),
+    (
+        json.dumps({"version": 1, "baselines": {"k": {"figures": STORE_FIGURES | {"tokens_per_s": 0}}}}),
+        "its entry 'k' has tokens_per_s=0, not a finite number > 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("store", "message"), BAD_STORES, ids=[m.split(";")[0][:30] for _, m in BAD_STORES])
+def test_a_baseline_store_that_does_not_read_is_refused_before_training(
+    base: DictConfig, tmp_path: Path, store: str, message: str
+) -> None:
+    """A store that is a list, of another shape, or with an entry compare_perf cannot use was a
+    traceback after training (ZeroDivisionError for tokens_per_s=0), or nothing at all."""
+    path = tmp_path / "store" / "baselines.json"
+    path.parent.mkdir()
+    path.write_text(store)
+    msg = refusal(base, {"verify.enabled": True, "verify.baseline": str(path)}, tmp_path / "t")
+    assert msg.startswith(f"verify.baseline={str(path)!r}") and message in msg, msg
+    good = {"version": 1, "baselines": {"k": {"figures": STORE_FIGURES, "recorded": 1.0}}}
+    path.write_text(json.dumps(good))
+    prelaunch(with_values(base, {"verify.enabled": True, "verify.baseline": str(path)}), tmp_path / "r", RECIPE)
 
 
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:
