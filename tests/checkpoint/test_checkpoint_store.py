@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,3 +248,32 @@ def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(t
     ck.save(6, model, opt, sch, {"step": 6})
     assert len(list((tmp_path / "corrupt").iterdir())) == 4
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["corrupt", "step_000006"]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"step": 1000}, "'extra.step' is 1000, not the checkpoint's step 2"),
+        ({"step": -3}, "'extra.step' is -3, not the checkpoint's step 2"),
+        ({"step": "2"}, "'extra.step' is '2', not the checkpoint's step 2"),
+        ({"tokens_seen": "lots"}, "'extra.tokens_seen' is 'lots', expected an integer >= 0"),
+        ({"data": {"consumed_batches": -7}}, "'extra.data' is {'consumed_batches': -7}, expected the sampler"),
+        ({"data": {"consumed_batches": 2, "seed": "x"}}, "'extra.data.seed' is 'x', expected an integer"),
+        ({"config_hash": 5}, "'extra.config_hash' is 5, expected a str or null"),
+    ],
+)
+def test_the_trainers_part_of_extra_json_is_checked(tmp_path: Path, change: dict, words: str) -> None:
+    """extra.json's ``extra`` was taken as it was: ``step: 1000`` in step_000002 resumed at step 1000
+    and trained nothing (exit 0), -3 ran until the kernel killed it, the others were tracebacks. Now
+    the checkpoint fails its check like any malformed one (set aside on resume=auto)."""
+    from framework.checkpoint.state import EXTRA_FILE, read_extra
+
+    ck = _save_steps(tmp_path, [2])
+    ck.close()
+    path = step_dir(tmp_path, 2) / EXTRA_FILE
+    doc = json.loads(path.read_text())
+    assert read_extra(path.parent)["extra"] == {"step": 2}
+    doc["extra"] |= {"tokens_seen": 4, "data": {"consumed_batches": 2, "seed": 0}} | change
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}: {words}")):
+        read_extra(path.parent)
