@@ -52,6 +52,7 @@ from framework.data import check_document_kernel
 from framework.data.tokens import DATA_CHANGED, DataChanged
 from framework.kernels import fa4, float8, fused_ce, target
 from framework.launch import sweep
+from framework.launch.failures import describe_failures
 from framework.launch.ranks import (
     adopt_submitit_environment,
     apply_allocator_environment,
@@ -107,27 +108,6 @@ def note_run_dir(run_dir: Path) -> None:
     created = [p for p in (path, *path.parents) if not p.exists()]
     inside = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
     _BEFORE_HYDRA[str(path)] = (inside, created)
-
-
-def describe_failures(failures: dict[int, Any]) -> str:
-    """Which rank failed first, and how: a rank killed by a signal is the cause, and the ranks that then
-    lost their peer (gloo's "Connection closed by peer", exit 1) are consequences. torchelastic's
-    first failure is the lowest rank, so a killed pipeline rank 1 was reported as rank 0's exit 1."""
-
-    def how(f: Any) -> str:
-        if f.exitcode < 0:
-            return f"was killed by {f.signal_name()}"
-        return f"exited with {f.exitcode}" + (
-            f" ({f.message})" if f.message and "traceback" not in f.message else ""
-        )
-
-    killed = sorted((r for r, f in failures.items() if f.exitcode < 0), key=lambda r: failures[r].timestamp)
-    order = killed + sorted((r for r in failures if r not in killed), key=lambda r: failures[r].timestamp)
-    first, rest = order[0], order[1:]
-    text = f"rank {first} {how(failures[first])}"
-    if rest:
-        text += "; then " + ", ".join(f"rank {r} {how(failures[r])}" for r in rest)
-    return text
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -733,8 +713,11 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
     Each rank reads the run dir's config.yaml and plan.json (framework.launch.worker.load_run)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from framework.train.trainer import checkpoint_root
+
+    checkpoints = checkpoint_root(cfg, run_dir) if cfg.checkpoint.enabled else None
     try:
-        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
+        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts, checkpoints)
     except ChildFailedError as e:
         message = e.get_first_failure()[1].message
         # framework.launch.worker.tell_launcher: a data file changed, the run dir was deleted

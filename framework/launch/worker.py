@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import Config, to_config
 from framework.data.tokens import DataChanged
+from framework.launch.failures import is_lost_peer
 from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
 from framework.planner.plan import Plan
@@ -31,6 +32,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
     root.addHandler(console)
     if rank == 0:
         handler = logging.FileHandler(run_dir / "train.log")
@@ -86,8 +88,17 @@ def main(run_dir: Path) -> int:
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
         tell_launcher(str(e))
         return 1
-    except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
-        logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
+    except Exception as e:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
+        # A collective that lost its peer is a consequence of another rank's death, which the
+        # launcher reports in one line: its traceback goes to the run's log file only (rank 0's).
+        lost = is_lost_peer(e)
+        logging.getLogger("framework").error(
+            "rank %d %s:\n%s",
+            rank,
+            "lost a peer rank" if lost else "failed",
+            traceback.format_exc(),
+            extra={"file_only": lost},
+        )
         return 1
 
 
