@@ -37,6 +37,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.checkpoint.lock import LockHeld, Owner
 from framework.config.schema import (
     AttentionBackend,
     AuxLossScope,
@@ -65,6 +66,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.launch.worker import LOCK_HELD
 from framework.models import linears, model_spec
 from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
@@ -458,8 +460,11 @@ def run_job(dcfg: DictConfig) -> float | None:
                     sweep.write_job(run_dir, overrides, "running", config_sha256=sha)
                 marked = True
             recipe = hydra_cfg.runtime.choices.get("recipe")
-            from_rank_zero(rank, torchrun, lambda: write_run_files(job, run_dir, recipe))
-            result = _run(run_dir, rank, job.nccl_env if job is not None else None)
+            owner, _ = from_rank_zero(rank, torchrun, lambda: write_run_files(job, run_dir, recipe))
+            try:
+                result = _run(run_dir, rank, job.nccl_env if job is not None else None)
+            finally:
+                release_launch_lock(job, run_dir, owner)
         except JobFailed as e:
             # A refusal before launch (exit 2, no run dir kept) is one line on stderr; a failure whose
             # run dir stays, or a sweep's job, also goes to the job's log.
@@ -550,15 +555,16 @@ def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJ
     return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg), found)
 
 
-def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None:
+def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> Owner | None:
     """The launcher's (rank 0's) last checks and the run files every rank reads: ``config.yaml``,
     ``plan.json`` (with the search), provenance and the NCCL record. JobFailed (exit 2) on a refusal,
-    before anything is written."""
+    before anything is written. Returns the checkpoint lock this launch took (``take_launch_lock``)."""
     cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
     try:
         check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
         check_resume_model(cfg, run_dir)
         check_export_dir(cfg, run_dir)
+        owner = take_launch_lock(cfg, run_dir)
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
     config_yaml = job.config_yaml
@@ -573,6 +579,7 @@ def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None
     write_nccl_record(run_dir, nccl_env)
     if nccl_env:
         log.info("nccl: %s", describe_nccl(nccl_env))
+    return owner
 
 
 def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
@@ -674,6 +681,9 @@ def _run_torchrun_rank(cfg: Config, plan: Plan, run_dir: Path, rank: int) -> flo
     except (DataChanged, DirGone) as e:  # one line on each rank (every rank saw it), not a traceback
         log.error("error: %s", data_changed_report(run_dir, cfg, e))
         finish(1)
+    except LockHeld as e:  # another launch took the checkpoint root first: its one line
+        log.error("error: %s", e)
+        finish(2)
     failed = None
     if rank == 0:
         finish_run(run_dir, cfg)
@@ -697,6 +707,8 @@ def _run_in_process(cfg: Config, plan: Plan, run_dir: Path, started: float) -> f
         trainer.run(cfg, plan, run_dir)
     except (DataChanged, DirGone) as e:  # the ranks closed every part (the lock too) on the way out
         raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
+    except LockHeld as e:  # another launch took the checkpoint root first: its one line, no traceback
+        raise JobFailed(str(e), 2) from None
     finally:
         _end_in_process_group()
     finish_run(run_dir, cfg)
@@ -725,6 +737,8 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         if isinstance(message, str) and message.startswith(str(run_dir / PLAN_FILE)):  # a rank refused it
             raise JobFailed(message, 2) from None
+        if isinstance(message, str) and message.startswith(LOCK_HELD):  # framework.launch.worker
+            raise JobFailed(message.removeprefix(LOCK_HELD), 2) from None
         raise JobFailed(
             f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
         ) from e
@@ -814,6 +828,33 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
+
+
+def take_launch_lock(cfg: Config, run_dir: Path) -> Owner | None:
+    """The checkpoint root's lock, taken by the launcher before it writes the run files, and handed
+    to the ranks (framework.checkpoint.lock: the lock of a rank's own launcher is the rank's). Why:
+    two launches of one run dir started seconds apart both passed the lock check, since the first
+    run's rank takes the lock only once its model is built; the second then rewrote the first's
+    config.yaml and plan.json and failed inside its ranks with a LockHeld traceback. Of two launches
+    racing here, one gets the lock and the other a LockHeld line (exit 2). None for a dry run or
+    without checkpointing (nothing to lock)."""
+    if not cfg.checkpoint.enabled or cfg.run.dry_run:
+        return None
+    from framework.checkpoint import lock
+    from framework.train.trainer import checkpoint_root
+
+    return lock.acquire(checkpoint_root(cfg, run_dir), str(run_dir))
+
+
+def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | None) -> None:
+    """The launcher's lock, released if it still holds it (the ranks never took it over: they failed
+    first); never a lock the ranks or another run hold."""
+    if owner is None or job is None:
+        return
+    from framework.checkpoint import lock
+    from framework.train.trainer import checkpoint_root
+
+    lock.release(checkpoint_root(job.cfg, run_dir), owner)
 
 
 def check_export_dir(cfg: Config, run_dir: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from framework.checkpoint.lock import LockHeld
 from framework.config.schema import Config, to_config
 from framework.data.tokens import DataChanged
 from framework.launch.failures import is_lost_peer
@@ -23,6 +24,9 @@ from framework.parallel.process import KEPT_PARTS, finish
 from framework.planner.plan import Plan
 from framework.planner.resolve import load_plan
 from framework.record.run_dir import DirGone
+
+# How a rank's LockHeld reaches the launcher's ChildFailedError (framework.launch.entry._run_spawned).
+LOCK_HELD = "checkpoint lock held: "
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -84,6 +88,10 @@ def main(run_dir: Path) -> int:
     try:
         trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
+    except LockHeld as e:  # another launch took the checkpoint root first: one line, exit 2
+        if not tell_launcher(f"{LOCK_HELD}{e}"):
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     except (DataChanged, DirGone) as e:  # one line, not a traceback: the user changed a file
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
         tell_launcher(str(e))

@@ -195,3 +195,38 @@ def test_a_checkpoint_dir_a_live_run_holds_is_refused_before_hydra_writes_the_ru
     assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir={str(root)!r} is in use by run"), err
     assert sorted(p.name for p in run.iterdir()) == ["train.log"]
     assert (run / "train.log").read_text() == "their log\n"
+
+
+def test_a_second_launch_while_the_first_starts_is_one_line_and_the_first_keeps_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two launches of one run dir seconds apart: the first's rank takes the checkpoint lock only once
+    its model is built, so the second passed every check, rewrote the first's config.yaml and failed
+    inside its rank with a LockHeld traceback. The launcher now holds the lock from before it writes
+    the run files (its rank takes it over), so the second is refused in one line."""
+    import time
+
+    from framework.checkpoint import lock
+    from tests.entry import start_forked
+
+    run = tmp_path / "run"
+    first = start_forked(
+        f"hydra.run.dir={run}", "train.steps=200", "checkpoint=sync", log=tmp_path / "first.log"
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "config.yaml").is_file() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert (run / "config.yaml").is_file(), (tmp_path / "first.log").read_text()[-3000:]
+        owner = lock.read(run / "checkpoints")
+        assert owner is not None and owner.pid == first.pid  # the launcher's, before any rank built
+        written = (run / "config.yaml").read_text()
+        assert train_main(f"hydra.run.dir={run}", "train.steps=3", "checkpoint=sync") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"error: hydra.run.dir={str(run)!r} belongs to a live run"
+        ), err
+        assert (run / "config.yaml").read_text() == written
+    finally:
+        first.kill()
+        first.wait(60)
