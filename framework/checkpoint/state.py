@@ -211,6 +211,10 @@ def read_extra(step_dir: Path) -> dict[str, Any]:
     return doc
 
 
+# What a resume reads from the ``extra`` the trainer writes (framework.checkpoint.session).
+RESUMED_KEYS = ("step", "data")
+
+
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -222,6 +226,11 @@ def _trainer_extra_error(extra: dict[str, Any], step: int, name: str) -> str | N
     ``int``, and a string ``tokens_seen`` or a config hash that is a number were tracebacks."""
     if step < 0 or (name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step):
         return f"'step' is {step}, not this step dir's ({name})"
+    missing = [k for k in RESUMED_KEYS if k not in extra]
+    if (
+        "config_hash" in extra and missing
+    ):  # the trainer's (framework.checkpoint.session): a KeyError on resume
+        return f"'extra' lacks {missing}, which the trainer writes and a resume reads"
     if "step" in extra and (not _count(extra["step"]) or extra["step"] != step):
         return f"'extra.step' is {extra['step']!r:.40}, not the checkpoint's step {step}"
     if "tokens_seen" in extra and not _count(extra["tokens_seen"]):

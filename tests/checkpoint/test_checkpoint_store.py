@@ -260,6 +260,7 @@ def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(t
         ({"data": {"consumed_batches": -7}}, "'extra.data' is {'consumed_batches': -7}, expected the sampler"),
         ({"data": {"consumed_batches": 2, "seed": "x"}}, "'extra.data.seed' is 'x', expected an integer"),
         ({"config_hash": 5}, "'extra.config_hash' is 5, expected a str or null"),
+        ({"data": None}, "'extra' lacks ['data'], which the trainer writes and a resume reads"),
     ],
 )
 def test_the_trainers_part_of_extra_json_is_checked(tmp_path: Path, change: dict, words: str) -> None:
@@ -273,7 +274,12 @@ def test_the_trainers_part_of_extra_json_is_checked(tmp_path: Path, change: dict
     path = step_dir(tmp_path, 2) / EXTRA_FILE
     doc = json.loads(path.read_text())
     assert read_extra(path.parent)["extra"] == {"step": 2}
-    doc["extra"] |= {"tokens_seen": 4, "data": {"consumed_batches": 2, "seed": 0}} | change
+    trainers = {"tokens_seen": 4, "data": {"consumed_batches": 2, "seed": 0}, "config_hash": "ab"}
+    doc["extra"] |= trainers | {"wandb_run_id": None, "model": None}
+    path.write_text(json.dumps(doc))
+    assert read_extra(path.parent)["extra"]["tokens_seen"] == 4
+    doc["extra"] |= change
+    doc["extra"] = {k: v for k, v in doc["extra"].items() if v is not None or k != "data"}
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="^" + re.escape(f"{path}: {words}")):
         read_extra(path.parent)
