@@ -740,7 +740,9 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
         if isinstance(message, str) and message.startswith(LOCK_HELD):  # framework.launch.worker
             raise JobFailed(message.removeprefix(LOCK_HELD), 2) from None
         raise JobFailed(
-            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
+            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}; "
+            f"{after_failure(cfg, run_dir, checkpoints)}",
+            1,
         ) from e
     finish_run(run_dir, cfg)
     if signum is not None:
@@ -752,6 +754,18 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
             raise JobFailed(message, 128 + signum)
         log.warning("%s", message)
     return _check_saves(run_dir)
+
+
+def after_failure(cfg: Config, run_dir: Path, checkpoints: Path | None) -> str:
+    """What happens after the ranks failed for good: no restart is left, and how to go on from the
+    newest checkpoint (framework.launch.failures.resume_point says which)."""
+    left = f"no restart left (run.max_restarts={cfg.run.max_restarts})"
+    from framework.checkpoint import store
+
+    committed = store.committed(checkpoints) if checkpoints is not None else []
+    if not committed:
+        return f"{left}, and no checkpoint was saved"
+    return f"{left}; run again with hydra.run.dir={run_dir} to resume from {committed[-1][1]}"
 
 
 def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:

@@ -230,3 +230,21 @@ def test_a_second_launch_while_the_first_starts_is_one_line_and_the_first_keeps_
     finally:
         first.kill()
         first.wait(60)
+
+
+def test_ranks_that_failed_for_good_say_how_to_go_on(tmp_path: Path) -> None:
+    """The line after the last restart said which rank died but not what now: no restart is left,
+    and the newest checkpoint, if any, is where a run of the same run dir resumes."""
+    from framework.launch.entry import after_failure
+
+    cfg, root = Config(), tmp_path / "checkpoints"
+    assert (
+        after_failure(cfg, tmp_path, None)
+        == "no restart left (run.max_restarts=0), and no checkpoint was saved"
+    )
+    step = root / "step_000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text('{"step": 4}')
+    assert after_failure(cfg, tmp_path, root) == (
+        f"no restart left (run.max_restarts=0); run again with hydra.run.dir={tmp_path} to resume from {step}"
+    )
