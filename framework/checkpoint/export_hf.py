@@ -234,11 +234,53 @@ def export_hf(
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = generation_config(bos, eos, pad, source_generation_config(source))
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    marker = {"written_by": "framework.checkpoint export-hf", "architecture": cfg["architectures"]}
-    (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    if not save_tokenizer(tokenizer, out_dir):
+    tokenizer_files = save_tokenizer(tokenizer, out_dir)
+    if not tokenizer_files:
         log.warning("HF export %s: no tokenizer given, so AutoTokenizer will not load the folder", out_dir)
+    written = ["model.safetensors", "config.json", "generation_config.json", *tokenizer_files]
+    marker = {"written_by": "framework.checkpoint export-hf", "architecture": cfg["architectures"]}
+    finish_export(out_dir, marker, written)
     return out_dir
+
+
+# What an export's marker lists before it named its files: its ``written_by`` -> the files it wrote.
+_UNLISTED_FILES = {
+    "framework.checkpoint export-hf": ("model.safetensors", "config.json", "generation_config.json"),
+    "framework.checkpoint export-hf --adapter": ("adapter_model.safetensors", "adapter_config.json"),
+}
+
+
+def earlier_export_files(out_dir: Path) -> set[str]:
+    """The files an earlier export into ``out_dir`` says it wrote (its marker's ``files``; for a
+    marker older than that list, the files its kind writes), as plain names: a marker is a file
+    anyone could edit, so a name with a path in it (``../x``) is never one of ours."""
+    try:
+        marker = json.loads((out_dir / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(marker, dict):
+        return set()
+    files = marker.get("files", _UNLISTED_FILES.get(str(marker.get("written_by")), ()))
+    if not isinstance(files, list | tuple):
+        return set()
+    return {f for f in files if isinstance(f, str) and f not in ("", ".", "..") and Path(f).name == f}
+
+
+def finish_export(out_dir: Path, marker: dict[str, object], written: list[str]) -> None:
+    """Write the export's marker (with the ``files`` it wrote) and remove what an earlier export
+    into the same folder wrote that this one did not: an adapter's ``adapter_config.json`` left
+    beside merged weights makes transformers apply the adapter a second time. Files the marker does
+    not name (the user's own) stay."""
+    stale = earlier_export_files(out_dir) - set(written) - {EXPORT_MARKER}
+    marker = {**marker, "files": sorted(written)}
+    (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    for name in sorted(stale):
+        path = out_dir / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            log.info(
+                "HF export %s: removed %s, which an earlier export wrote and this one does not", out_dir, name
+            )
 
 
 def checkpoint_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -305,10 +347,8 @@ def export_checkpoint(
     write (unless ``force``).
     """
 
-    from omegaconf import OmegaConf
-
     from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
-    from framework.config.schema import to_config
+    from framework.config.run_file import read_run_config
     from framework.data.tokenizer import load_tokenizer
 
     checkpoint = Path(checkpoint).expanduser().resolve()
@@ -319,13 +359,9 @@ def export_checkpoint(
             "(with manifest.json), a checkpoint root or a run dir holding one"
         )
     check_out_dir(Path(out_dir), step_dir, force)
+    given = run_config is not None  # a --config that is missing is refused, the default may be
     run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
-    cfg = None
-    if run_config.is_file():
-        try:
-            cfg = to_config(OmegaConf.load(run_config))
-        except Exception as e:  # noqa: BLE001 - any schema error: one line
-            raise ValueError(f"--config {run_config}: not a framework run config: {e}") from None
+    cfg = read_run_config(run_config, f"--config {run_config}") if given or run_config.is_file() else None
     shape = saved_shape(step_dir)
     if cfg is None and shape is None:
         raise ValueError(

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from framework.checkpoint.export_hf import (
-    EXPORT_MARKER,
     check_out_dir,
     checkpoint_model_state,
+    finish_export,
     permute_rope_rows,
 )
 from framework.config.schema import ModelConfig, PeftConfig
@@ -84,7 +84,7 @@ def export_adapter(
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, modules, base), indent=2) + "\n")
     marker = {"written_by": "framework.checkpoint export-hf --adapter", "architecture": ["PEFT LoRA"]}
-    (out_dir / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    finish_export(out_dir, marker, [ADAPTER_WEIGHTS, ADAPTER_CONFIG])
     return out_dir
 
 
@@ -95,10 +95,8 @@ def export_adapter_checkpoint(
     ``export_checkpoint``'s checks of CHECKPOINT and OUT. The run's ``config.yaml`` gives the
     ``peft`` settings and the base (``model.init_from``, recorded as ``base_model_name_or_path``).
     Raises ValueError (one line) before writing anything."""
-    from omegaconf import OmegaConf
-
     from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
-    from framework.config.schema import to_config
+    from framework.config.run_file import read_run_config
 
     checkpoint = Path(checkpoint).expanduser().resolve()
     step_dir = framework_checkpoint(checkpoint, "CHECKPOINT") if checkpoint.is_dir() else None
@@ -108,7 +106,7 @@ def export_adapter_checkpoint(
     run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
     if not run_config.is_file():
         raise ValueError(f"--adapter: no {run_config}; pass --config RUN_DIR/config.yaml of the LoRA run")
-    cfg = to_config(OmegaConf.load(run_config))
+    cfg = read_run_config(run_config, f"--config {run_config}")
     if cfg.peft.method.value != "lora":
         raise ValueError(
             f"--adapter: {run_config} has peft.method={cfg.peft.method.value}; valid: a LoRA run's"

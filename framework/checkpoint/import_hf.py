@@ -107,6 +107,8 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         raise ValueError(f"{where} has no {CONFIG_FILE} (expected a Hugging Face model folder)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {CONFIG_FILE} does not parse: {e}") from None
+    if not isinstance(config, dict):  # a list or a string: an AttributeError traceback at its first field
+        raise ValueError(f"{where}: {CONFIG_FILE} is a JSON {type(config).__name__}; valid: a JSON object")
     if (path / INDEX_FILE).is_file():
         check_inside(path, INDEX_FILE, where)
         try:
@@ -153,9 +155,10 @@ def _check_names(names: list[object], where: str) -> None:
             )
 
 
-def read_generation_config(folder: Path, key: str) -> dict[str, object] | None:
+def read_generation_config(folder: Path, key: str, vocab_size: int | None = None) -> dict[str, object] | None:
     """An HF folder's ``generation_config.json`` as a dict; None when it has none. ValueError naming
-    ``key`` and the file when it is not a JSON object (transformers would refuse it too)."""
+    ``key`` and the file when it is not a JSON object (transformers would refuse it too), or when its
+    ``eos_token_id`` is not a token id of ``vocab_size`` (``check_eos_ids``)."""
     path = Path(folder) / GENERATION_CONFIG
     if not path.is_file():
         return None
@@ -167,7 +170,25 @@ def read_generation_config(folder: Path, key: str) -> dict[str, object] | None:
         raise ValueError(
             f"{key}={str(folder)!r}: {GENERATION_CONFIG} is {type(value).__name__}; valid: a JSON object"
         )
+    check_eos_ids(value.get("eos_token_id"), vocab_size, f"{key}={str(folder)!r}: {GENERATION_CONFIG}")
     return value
+
+
+def check_eos_ids(value: object, vocab_size: int | None, where: str) -> set[int]:
+    """The stop ids an ``eos_token_id`` names (null: none). ValueError (``where`` has
+    eos_token_id=VALUE; what is valid) for anything but a token id below ``vocab_size`` (2**32 when
+    unknown) or a non-empty list of them: a string, a bool, -1 or an id past the vocabulary were
+    dropped silently, so decoding never stopped where the model's authors meant it to."""
+    if value is None:
+        return set()
+    top = vocab_size or 2**32
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < top for i in ids):
+        raise ValueError(
+            f"{where} has eos_token_id={value!r}; valid: null, a token id in 0..{top - 1} or a non-empty "
+            "list of them"
+        )
+    return set(ids)
 
 
 def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, Any]:
@@ -190,6 +211,12 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     # transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}; older
     # releases and Meta's conversions write rope_theta and rope_scaling at the top level.
     params, scaling = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):  # a string ("linear"): an AttributeError traceback
+            raise ValueError(
+                f"{where}: config.json has {name}={value!r}; valid: null or an object such as "
+                '{"rope_type": "llama3", "factor": 8.0, ...}'
+            )
     kinds = {d.get("rope_type", d.get("type", "default")) for d in (params, scaling)} - {"default"}
     rope_type = next(iter(kinds)) if len(kinds) == 1 else "default" if not kinds else "mixed"
     rope = {**params, **scaling} if scaling and rope_type != "default" else params

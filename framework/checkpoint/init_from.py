@@ -154,7 +154,9 @@ def check_resume_model(step_dir: Path, model_cfg: ModelConfig, key: str) -> None
         if k.startswith("moe."):
             v = getattr(m.moe, k.removeprefix("moe."))
         else:
-            v = model_spec(m).head_dim if k == "head_dim" else getattr(m, k, None)  # another family's key: none
+            v = (
+                model_spec(m).head_dim if k == "head_dim" else getattr(m, k, None)
+            )  # another family's key: none
         return str(v).lower() if isinstance(v, bool) else getattr(v, "value", v)
 
     keys = [k for k in SHAPE_KEYS if k != "moe"] + [f"moe.{k}" for k in MOE_SHAPE]
@@ -247,9 +249,8 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         spec = model_spec(model_cfg)
         import_hf.check_against(hf, expected, spec.hf_names(), KEY, experts=spec.hf_experts())
         check_float_weights(hf)
-        import_hf.read_generation_config(
-            path, KEY
-        )  # the export carries it through: refused now, not after training
+        # The export carries it through (and generate stops on its eos ids): refused now.
+        import_hf.read_generation_config(path, KEY, model_cfg.vocab_size)
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)

@@ -7,7 +7,9 @@ directory the other run just emptied (a checkpoint without ``extra.json``). So t
 with the owner's name.
 
 A lock whose owner is gone is taken over, and the log says so: the owner's pid (and its
-launcher's pid, which outlives a restart of the ranks) is dead on this host. A lock held from
+launcher's pid, which outlives a restart of the ranks) is dead on this host. The launcher takes the
+lock before it writes the run files (framework.launch.entry.take_launch_lock) and its ranks take it
+over silently: a lock held by a rank's own launcher is the rank's. A lock held from
 another host cannot be checked from here; it is refused, naming that host, so that the user
 removes it knowingly. The owner's own later attempts (an elastic restart: the same launcher) take
 it over without a fight.
@@ -101,6 +103,8 @@ def blocking_owner(root: Path, run_id: str) -> Owner | None:
         return owner
     if owner.pid == mine.pid or (owner.launcher_pid is not None and owner.launcher_pid == mine.launcher_pid):
         return None
+    if mine.launcher_pid is not None and owner.pid == mine.launcher_pid:  # our launcher's, handed to us
+        return None
     if _pid_alive(owner.pid) or _pid_alive(owner.launcher_pid):
         return owner
     return None
@@ -137,7 +141,8 @@ def acquire(root: Path, run_id: str) -> Owner:
             if owner is not None:
                 raise LockHeld(refusal(root, owner)) from None
             old = read(root)
-            if old is not None and old.pid != mine.pid:
+            handed = old is not None and mine.launcher_pid is not None and old.pid == mine.launcher_pid
+            if old is not None and old.pid != mine.pid and not handed:
                 ours = old.launcher_pid is not None and old.launcher_pid == mine.launcher_pid
                 why = "an earlier attempt of this launch" if ours else "its owner is no longer running"
                 log.warning("checkpoint lock: taking over %s from %s: %s", root / LOCK, old.describe(), why)

@@ -118,7 +118,9 @@ def _reject(name: str, reason: str, channel: Channel, set_aside: bool) -> None:
             where = f"; moved to {store.set_aside(Path(name), reason)}"
         except OSError as e:
             where = f"; could not move it aside ({e!r}), left in place"
-    warnings.warn(f"skipping checkpoint {name}: {reason}{where}", stacklevel=4)
+    # A log line (console and train.log), not a Python warning: that printed the caller's source line
+    # ``resumed = ckpt.resume(...)`` as the last line on stderr, under the run's RESUME FAILED.
+    log.warning("skipping checkpoint %s: %s%s", name, reason, where)
 
 
 def find_latest(root: Path, channel: Channel, integrity: Integrity, set_aside: bool = False) -> Path | None:
@@ -455,10 +457,10 @@ class Checkpointer:
         self._unreported.append((p.step, self.last_error))
         # A root deleted under a save in flight: the run's DirGone line says so, not this warning too.
         if self.channel.rank == 0 and self._root_gone() is None:
-            warnings.warn(
-                f"checkpoint save at step {p.step} failed, nothing committed "
-                f"(latest stays the previous one): {self.last_error}",
-                stacklevel=3,
+            log.warning(
+                "checkpoint save at step %d failed, nothing committed (latest stays the previous one): %s",
+                p.step,
+                self.last_error,
             )
 
     def take_failures(self) -> list[tuple[int, str]]:
@@ -588,11 +590,13 @@ class Checkpointer:
         if rng.is_file():
             state.restore_rng(json.loads(rng.read_bytes()))
         if self.channel.rank == 0 and doc["world_size"] != self.channel.world:
-            warnings.warn(
-                f"checkpoint {path} was saved by {doc['world_size']} ranks and is loaded by "
-                f"{self.channel.world}: tensors are resharded; ranks below "
-                f"{min(doc['world_size'], self.channel.world)} restore their RNG state, others keep theirs",
-                stacklevel=2,
+            log.warning(
+                "checkpoint %s was saved by %d ranks and is loaded by %d: tensors are resharded; ranks "
+                "below %d restore their RNG state, others keep theirs",
+                path,
+                doc["world_size"],
+                self.channel.world,
+                min(doc["world_size"], self.channel.world),
             )
         return doc["extra"]
 

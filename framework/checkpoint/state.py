@@ -205,7 +205,45 @@ def read_extra(step_dir: Path) -> dict[str, Any]:
             )
     if not all(isinstance(g, dict) for g in doc["param_groups"]):
         raise ValueError(f"{path}: 'param_groups' must be a list of objects")
+    why = _trainer_extra_error(doc["extra"], doc["step"], Path(step_dir).name)
+    if why is not None:
+        raise ValueError(f"{path}: {why}")
     return doc
+
+
+# What a resume reads from the ``extra`` the trainer writes (framework.checkpoint.session).
+RESUMED_KEYS = ("step", "data")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _trainer_extra_error(extra: dict[str, Any], step: int, name: str) -> str | None:
+    """What is wrong with the trainer's part of extra.json (None: nothing), for the keys it holds.
+    Why: they were taken as they were: ``extra.step=1000`` in step_000002 "resumed" at step 1000
+    and trained nothing (exit 0), -3 ran until the kernel killed it, "2" (a string) passed through
+    ``int``, and a string ``tokens_seen`` or a config hash that is a number were tracebacks."""
+    if step < 0 or (name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step):
+        return f"'step' is {step}, not this step dir's ({name})"
+    missing = [k for k in RESUMED_KEYS if k not in extra]
+    if (
+        "config_hash" in extra and missing
+    ):  # the trainer's (framework.checkpoint.session): a KeyError on resume
+        return f"'extra' lacks {missing}, which the trainer writes and a resume reads"
+    if "step" in extra and (not _count(extra["step"]) or extra["step"] != step):
+        return f"'extra.step' is {extra['step']!r:.40}, not the checkpoint's step {step}"
+    if "tokens_seen" in extra and not _count(extra["tokens_seen"]):
+        return f"'extra.tokens_seen' is {extra['tokens_seen']!r:.40}, expected an integer >= 0"
+    data = extra.get("data", {})
+    if not isinstance(data, dict) or not _count(data.get("consumed_batches", 0)):
+        return f"'extra.data' is {data!r:.60}, expected the sampler's state (consumed_batches >= 0)"
+    if "seed" in data and not _count(data["seed"]):
+        return f"'extra.data.seed' is {data['seed']!r:.40}, expected an integer >= 0"
+    for key, kind in (("config_hash", str), ("wandb_run_id", str), ("model", dict)):
+        if extra.get(key) is not None and not isinstance(extra[key], kind):
+            return f"'extra.{key}' is {extra[key]!r:.40}, expected a {kind.__name__} or null"
+    return None
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -9,8 +9,11 @@ composition goes through ``ConfigLoaderImpl.load_configuration`` (the run, a swe
 the sweeper's check of each job, ``--cfg``, ``--help``, ``--info``), and a rejected override ends
 the launch there. It adds no composition: a launch costs what it did. ``HYDRA_FULL_ERROR=1`` leaves
 Hydra as it is (its full traceback, for debugging), and so does shell completion, which composes
-partial command lines and expects them to fail. An error that no override caused (a bad value in a
-group's YAML file) keeps Hydra's report.
+partial command lines and expects them to fail. An error that no override caused, in a file the
+user may have written (a recipe on ``FRAMEWORK_RECIPE_PATH`` whose defaults list names an option that
+does not exist, ``callbacks: [default, nosuch]``, or sets a key or value the schema refuses), is one
+line too, naming the file as Hydra does (``recipe/NAME``): it was Hydra's report and exit status 1.
+Anything else keeps Hydra's report.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def one_line_errors(argv: Sequence[str]) -> Iterator[None]:
                 e.options = sorted(self.get_group_options(group)) if group else None
             line = explain(e, overrides)
             if line is None:
+                line = explain_file_error(e, overrides)
+            if line is None:
                 raise
             raise Rejected(line) from e
 
@@ -137,7 +142,7 @@ def explain(error: BaseException, overrides: Sequence[str]) -> str | None:
         o = _culprit(parsed, str(error))
         if o is None:
             return _other_family(str(error), parsed)
-        return f"{o.input_line}: {_rejected_value(cause, o)}"
+        return f"{o.input_line}: {_rejected_value(cause, o.key_or_group)}"
     if isinstance(error, ConfigCompositionException):
         return _other_family(str(error), parsed) or _composition(str(error), parsed)
     if isinstance(error, ValueError) and "Config group override must be a string" in str(error):
@@ -147,6 +152,37 @@ def explain(error: BaseException, overrides: Sequence[str]) -> str | None:
             if not isinstance(o.value(), (str, list)) and (o.key_or_group in GROUPS or "/" in o.key_or_group):
                 return f"{o.input_line}: an option of a config group is a name; quote it: {o.key_or_group}='{o.value()}'"
     return None
+
+
+def explain_file_error(error: BaseException, overrides: Sequence[str]) -> str | None:
+    """The one line (without ``error:``) for a composition error in a config file, not in an
+    override (``explain`` found none): ``FILE: KEY: what is wrong; ...``, FILE as Hydra names it
+    (``recipe/NAME``; ``config`` for an ``override /GROUP`` of the recipe, named by the recipe chosen).
+    None when the error names no file, or is neither a missing option nor a refused key or value."""
+    found = re.match(r"In '([^']+)'", str(error))
+    if found is None:
+        return None
+    where = found.group(1)
+    chosen = [
+        o.value() for o in _parse(overrides) if o.key_or_group == "recipe" and not o.is_sweep_override()
+    ]
+    if where == "config" and chosen:
+        where = f"recipe/{chosen[-1]}"
+    if isinstance(error, MissingConfigException):
+        group, _, name = (error.missing_cfg_file or "").rpartition("/")
+        if not group or error.options is None:
+            return None
+        options = list(error.options)
+        return (
+            f"{where}: {group}={name}: no such option in group '{group}'{_did_you_mean(name, options)}; "
+            f"available: {', '.join(options)}"
+        )
+    cause = error.__cause__ or error.__context__  # Hydra raises a file's error without ``from``
+    if not isinstance(error, ConfigCompositionException) or not isinstance(cause, OmegaConfBaseException):
+        return None
+    key = cause.full_key or "?"
+    reason = _rejected_value(cause, "")  # no key set by an override: the message shows the value
+    return f"{where}: {key}: {reason}"
 
 
 def _parse(overrides: Sequence[str]) -> list[Override]:
@@ -203,27 +239,27 @@ def _other_family(message: str, parsed: list[Override]) -> str | None:
     )
 
 
-def _rejected_value(cause: OmegaConfBaseException, o: Override) -> str:
-    """What is valid for the key ``o`` set, from OmegaConf's error (its first line, whose wording
-    OmegaConf 2.3 fixes per error)."""
-    key = cause.full_key or o.key_or_group
+def _rejected_value(cause: OmegaConfBaseException, set_key: str) -> str:
+    """What is valid for the key an override (or a config file) set, ``set_key``, from OmegaConf's
+    error (its first line, whose wording OmegaConf 2.3 fixes per error)."""
+    key = cause.full_key or set_key
     first = (cause.msg or str(cause)).splitlines()[0]
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and "not in" in first:
-        return _unknown_key(cause, key, o)
+        return _unknown_key(cause, key, set_key)
     if isinstance(cause, ConfigTypeError) and "does not support deletion" in first:
         return f"a key of the schema cannot be deleted; set a value instead ({key}=VALUE)"
     if isinstance(cause, ValidationError):
-        return _bad_value(cause, key, o, first)
+        return _bad_value(cause, key, set_key, first)
     return first
 
 
-def _bad_value(cause: ValidationError, key: str, o: Override, first: str) -> str:
+def _bad_value(cause: ValidationError, key: str, set_key: str, first: str) -> str:
     """``key``: the rejected value's full key: the override's, an element of its list
     (``mesh.shape[1]``) or, inside a list of sections, the bare key (``weight`` of ``data.mix=[...]``)."""
     kind = re.search(r"could not be converted to (Integer|Float)", first)
     if kind:
         noun, type_ = ("an integer", "int") if kind.group(1) == "Integer" else ("a number", "float")
-        value = "" if key == o.key_or_group else f"'{cause.value}' is "
+        value = "" if key == set_key else f"'{cause.value}' is "
         field = re.sub(r"\[\d+\]$", "", key)
         if field != key:
             return f"{value}not {noun} ({field} is a list of {type_}s)"
@@ -242,12 +278,12 @@ def _bad_value(cause: ValidationError, key: str, o: Override, first: str) -> str
     return first
 
 
-def _unknown_key(cause: OmegaConfBaseException, key: str, o: Override) -> str:
+def _unknown_key(cause: OmegaConfBaseException, key: str, set_key: str) -> str:
     """``key``: the full key OmegaConf could not find; inside a list of sections it is the bare
     name (``data.mix=[{nosuch: 1}]`` -> ``nosuch``), and the section is the override's key."""
     section, _, name = key.rpartition(".")
-    if not section and key != o.key_or_group:
-        section = o.key_or_group
+    if not section and key != set_key:
+        section = set_key
     parent = cause.parent_node
     keys = list(parent.keys()) if isinstance(parent, DictConfig) else []
     if not section:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from framework.config.schema import DataSource, TokenizerConfig, TokenizerKind
+from framework.record.outputs import check_output_file
 
 # Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.launch.rules); 1e22
 # overflowed inside the tokenizers trainer (a traceback).
@@ -27,24 +27,6 @@ def vocab_size(text: str) -> int:
     if not 1 <= value <= MAX_VOCAB:
         raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 1..{MAX_VOCAB} (uint32 token ids)")
     return int(value)
-
-
-def check_output_file(flag: str, out: Path) -> None:
-    """Refuse an output path that is a folder, sits under a file, or is in a folder this user cannot
-    write, before any input is read (each was a traceback after the work, or an IsADirectoryError)."""
-    if out.is_dir():
-        raise ValueError(
-            f"{flag} {str(out)!r} is a folder; valid: a file path (e.g. {str(out / 'out.bin')!r})"
-        )
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(parent)!r} is a file")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(parent)!r} is not writable")
-            break
-    if out.exists() and not os.access(out, os.W_OK):
-        raise ValueError(f"{flag} {str(out)!r} is read-only")
 
 
 def main(argv: list[str] | None = None) -> int:

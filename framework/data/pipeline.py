@@ -264,7 +264,8 @@ def _check_entry(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> None:
             check_sft(resolve_files(spec, val_path), fields, fmt, window, CHECK_ALL_BYTES)
             check_disjoint(spec, val_path)
     else:
-        n = check_source(spec)
+        holds_out = val_path is None and cfg.train.eval_every > 0
+        n = check_source(spec, at_least=max(1, val_every(data.val_fraction)) if holds_out else 1)
         if val_path is not None:
             check_source(spec, val_path)
             if spec.source is not DataSource.hf:

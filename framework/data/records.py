@@ -12,8 +12,11 @@ packer's resumable cursor is a record number (framework.data.stream).
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import itertools
 import json
+import logging
 import os
 import stat
 from collections.abc import Iterator
@@ -245,6 +248,25 @@ def file_records(spec: SourceSpec, files: list[Path], skip: int = 0) -> Iterator
             yield rec
 
 
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """``datasets`` without its progress bars and its own log lines on stderr ("Generating train
+    split: 0 examples", "Failed to read file ... ArrowInvalid"): they came before, and around, the
+    one error line of an empty or unreadable split. Its settings are restored afterwards."""
+    import datasets
+
+    bars = datasets.utils.is_progress_bar_enabled()
+    level = datasets.utils.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(level)
+        if bars:
+            datasets.utils.enable_progress_bars()
+
+
 def load_hf(spec: SourceSpec, path: str | None = None) -> Any:
     """``datasets.load_dataset`` for ``data=hf``: a data file by its suffix, a folder, or a name
     (the local cache, or the hub where the machine can reach it)."""
@@ -260,11 +282,13 @@ def load_hf(spec: SourceSpec, path: str | None = None) -> Any:
         if p.is_file():
             if p.suffix not in builders:
                 raise ValueError(f"{spec.key}.path={path!r}: valid data files end in {sorted(builders)}")
-            ds = datasets.load_dataset(
-                builders[p.suffix], data_files=str(p), split=spec.split, streaming=spec.streaming
-            )
+            with quiet_datasets():
+                ds = datasets.load_dataset(
+                    builders[p.suffix], data_files=str(p), split=spec.split, streaming=spec.streaming
+                )
         else:
-            ds = datasets.load_dataset(path, spec.name, split=spec.split, streaming=spec.streaming)
+            with quiet_datasets():
+                ds = datasets.load_dataset(path, spec.name, split=spec.split, streaming=spec.streaming)
     except ValueError as e:
         if str(e).startswith(spec.key):  # ours, naming the key already
             raise
@@ -344,17 +368,27 @@ class Records:
         return sum(f.stat().st_size for f in self.files)
 
 
-def check_source(spec: SourceSpec, path: str | None = None) -> int | None:
+def check_source(spec: SourceSpec, path: str | None = None, at_least: int = 1) -> int | None:
     """Open the source and read its records (all of them up to CHECK_ALL_BYTES of input, else the
-    head of each file); returns the number of records when all were read, else None. Raises
-    ValueError naming the file, line or column."""
+    head of each file; of a stream, its first ``at_least``); returns the number of records when all
+    were read, else None. Raises ValueError naming the file, line or column."""
     records = Records(spec, path)
     name = f"{spec.key}.path" if path is None or path == spec.path else f"{spec.key}.val_path"
     where = f"{name}={spec.path if path is None else path!r}"
     if records.ds is not None:
         if spec.streaming:
-            next(iter(records.iterate()), None)  # the first record opens the stream
-            return None
+            # The head of the stream: enough records for a validation hold-out of every
+            # ``at_least``-th one (a one-record stream gave an empty validation split, a traceback
+            # inside the rank at its first evaluation).
+            try:
+                with quiet_datasets():
+                    head = list(itertools.islice(records.iterate(), at_least))
+            except Exception as e:  # noqa: BLE001 - pyarrow's and datasets' own types, any cause
+                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise ValueError(f"{where}: its first records cannot be read ({reason})") from None
+            if not head:  # an empty split: the ranks would wait for a first batch forever
+                raise ValueError(f"{where}: the split {spec.split!r} has no records, so it gives no tokens")
+            return len(head) if len(head) < at_least else None
         if len(records.ds) == 0:
             raise ValueError(f"{where}: the split {spec.split!r} has no records, so it gives no tokens")
         if not any(rec != "" for rec, _, _ in records.iterate()):  # stops at the first text

@@ -18,7 +18,6 @@ Decoding stops at the tokenizer's EOS (and, for an HF folder, at every ``eos_tok
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import warnings
@@ -27,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from framework.config.schema import Config, to_config
+from framework.config.schema import Config
 from framework.data.tokenizer import Tokenizer
 from framework.models import Decoder, KVCache, build_model, forward_cached
 
@@ -119,24 +117,10 @@ def parse_device(name: str) -> torch.device:
 
 def load_run_config(path: Path) -> Config:
     """The typed config of a run's ``config.yaml``; anything else (a folder, another YAML, a TOML
-    file) is one line naming the file rather than a parser traceback."""
-    from omegaconf.errors import OmegaConfBaseException
-    from yaml import YAMLError
+    file, /etc/passwd) is one line naming the file, never quoting it (framework.config.run_file)."""
+    from framework.config.run_file import read_run_config
 
-    if not path.is_file():
-        what = (
-            "does not exist"
-            if not path.exists()
-            else "is a folder"
-            if path.is_dir()
-            else "is not a regular file (a FIFO, a socket or a device)"
-        )
-        raise ValueError(f"--config={path} {what}; valid: a run's config.yaml")
-    try:
-        return to_config(OmegaConf.load(path))
-    except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, TypeError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--config={path} is not a run's config.yaml ({why})") from None
+    return read_run_config(path, f"--config={path}")
 
 
 def check_path(path: Path) -> Path:
@@ -231,15 +215,15 @@ def load_run(path: Path, config: Path | None, device: torch.device) -> Loaded:
     return Loaded(load_model(checkpoint, cfg, device), tokenizer, stop, checkpoint)
 
 
-def generation_stop_ids(folder: Path) -> set[int]:
+def generation_stop_ids(folder: Path, vocab_size: int | None = None) -> set[int]:
     """``eos_token_id`` of an HF folder's generation_config.json (an id or a list; Llama 3's instruct
-    models end a turn on <|eot_id|>, not on the tokenizer's EOS); empty when absent or unreadable."""
-    try:
-        value = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return set()
-    values = value if isinstance(value, list) else [value]
-    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+    models end a turn on <|eot_id|>, not on the tokenizer's EOS); empty when it has none. ValueError
+    (one line) for a file that does not parse or an id that is not one of ``vocab_size``'s: such
+    values were dropped silently (framework.checkpoint.import_hf.check_eos_ids)."""
+    from framework.checkpoint.import_hf import check_eos_ids, read_generation_config
+
+    config = read_generation_config(folder, "PATH", vocab_size)
+    return set() if config is None else check_eos_ids(config.get("eos_token_id"), vocab_size, str(folder))
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -37,6 +37,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.checkpoint.lock import LockHeld, Owner
 from framework.config.schema import (
     AttentionBackend,
     AuxLossScope,
@@ -44,6 +45,7 @@ from framework.config.schema import (
     ExecutorMode,
     Float8Recipe,
     RunConfig,
+    VerifyConfig,
     to_config,
     to_yaml,
 )
@@ -51,6 +53,7 @@ from framework.data import check_document_kernel
 from framework.data.tokens import DATA_CHANGED, DataChanged
 from framework.kernels import fa4, float8, fused_ce, target
 from framework.launch import sweep
+from framework.launch.failures import describe_failures
 from framework.launch.ranks import (
     adopt_submitit_environment,
     apply_allocator_environment,
@@ -63,6 +66,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.launch.worker import LOCK_HELD
 from framework.models import linears, model_spec
 from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
@@ -106,27 +110,6 @@ def note_run_dir(run_dir: Path) -> None:
     created = [p for p in (path, *path.parents) if not p.exists()]
     inside = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
     _BEFORE_HYDRA[str(path)] = (inside, created)
-
-
-def describe_failures(failures: dict[int, Any]) -> str:
-    """Which rank failed first, and how: a rank killed by a signal is the cause, and the ranks that then
-    lost their peer (gloo's "Connection closed by peer", exit 1) are consequences. torchelastic's
-    first failure is the lowest rank, so a killed pipeline rank 1 was reported as rank 0's exit 1."""
-
-    def how(f: Any) -> str:
-        if f.exitcode < 0:
-            return f"was killed by {f.signal_name()}"
-        return f"exited with {f.exitcode}" + (
-            f" ({f.message})" if f.message and "traceback" not in f.message else ""
-        )
-
-    killed = sorted((r for r, f in failures.items() if f.exitcode < 0), key=lambda r: failures[r].timestamp)
-    order = killed + sorted((r for r in failures if r not in killed), key=lambda r: failures[r].timestamp)
-    first, rest = order[0], order[1:]
-    text = f"rank {first} {how(failures[first])}"
-    if rest:
-        text += "; then " + ", ".join(f"rank {r} {how(failures[r])}" for r in rest)
-    return text
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -236,6 +219,24 @@ def check_verify_files(cfg: Config) -> None:
             )
         if not path.exists():
             check_dir_creatable("verify.baseline", v.baseline)
+    check_baseline_store(v)
+
+
+def check_baseline_store(v: VerifyConfig) -> None:
+    """Before launch: the store the run compares with (``verify.baseline``, else the default) reads
+    as a store, and one ``verify.save_baseline=true`` rewrites can be rewritten (its folder takes
+    the temporary file): both were found only after training, as a traceback."""
+    from framework.verify.baseline import load_store, store_path
+
+    path = store_path(v)
+    load_store(path)
+    if v.save_baseline:
+        check_dir_creatable("verify.baseline", str(path.parent))
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(
+                f"verify.baseline={str(path)!r} is read-only and verify.save_baseline=true rewrites it; "
+                "valid: a store you can write, or verify.save_baseline=false"
+            )
 
 
 def check_warmup(cfg: Config) -> None:
@@ -373,6 +374,7 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_run_dir("hydra.run.dir", str(config.hydra.run.dir))
+        _refuse_locked_run_dir(config, Path(str(config.hydra.run.dir)))
         note_run_dir(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -383,8 +385,43 @@ def _refuse_run_dir(key: str, value: str) -> None:
     try:
         check_dir_creatable(key, value)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(str(e))
+
+
+def _refuse_locked_run_dir(config: DictConfig, run_dir: Path) -> None:
+    """Refuse (exit 2) a run dir that a live run holds, before Hydra rewrites its ``.hydra/`` files
+    and appends to its ``train.log``: the later check (``check_checkpoint_lock``) came only after
+    Hydra had written into the live run's records. Held means: the run dir's ``checkpoints/LOCK``,
+    or the ``checkpoint.dir`` this launch would lock, belongs to a live process. Rank 0 (or the
+    launcher) only, as the later check: a torchrun rank on another host cannot tell a live lock
+    from its own job's. A ``checkpoint.dir`` that does not read plainly is the validation's to report."""
+    if os.environ.get("RANK", "0") != "0" or not run_dir.is_dir():
+        return
+    from framework.checkpoint import lock
+
+    own = run_dir / "checkpoints"
+    owner = lock.blocking_owner(own, str(run_dir))
+    if owner is not None:
+        _refuse(
+            f"hydra.run.dir={str(run_dir)!r} belongs to a live run: {owner.describe()} holds "
+            f"{own / lock.LOCK}, and a second launch there would overwrite its files; valid: another "
+            f"hydra.run.dir, or wait for that run to end (if it is gone, remove {own / lock.LOCK})"
+        )
+    try:
+        enabled = OmegaConf.select(config, "checkpoint.enabled", default=False)
+        root = OmegaConf.select(config, "checkpoint.dir", default=None)
+    except OmegaConfBaseException:
+        return
+    if enabled is True and isinstance(root, str) and root:
+        owner = lock.blocking_owner(Path(root), str(run_dir))
+        if owner is not None:
+            _refuse(lock.refusal(Path(root), owner))
+
+
+def _refuse(message: str) -> None:
+    """One line on stderr, exit 2: a refusal before Hydra has written anything."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_job(dcfg: DictConfig) -> float | None:
@@ -423,8 +460,11 @@ def run_job(dcfg: DictConfig) -> float | None:
                     sweep.write_job(run_dir, overrides, "running", config_sha256=sha)
                 marked = True
             recipe = hydra_cfg.runtime.choices.get("recipe")
-            from_rank_zero(rank, torchrun, lambda: write_run_files(job, run_dir, recipe))
-            result = _run(run_dir, rank, job.nccl_env if job is not None else None)
+            owner, _ = from_rank_zero(rank, torchrun, lambda: write_run_files(job, run_dir, recipe))
+            try:
+                result = _run(run_dir, rank, job.nccl_env if job is not None else None)
+            finally:
+                release_launch_lock(job, run_dir, owner)
         except JobFailed as e:
             # A refusal before launch (exit 2, no run dir kept) is one line on stderr; a failure whose
             # run dir stays, or a sweep's job, also goes to the job's log.
@@ -515,15 +555,16 @@ def prepare(dcfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> PreparedJ
     return PreparedJob(cfg, plan, nccl_env, to_yaml(cfg), found)
 
 
-def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None:
+def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> Owner | None:
     """The launcher's (rank 0's) last checks and the run files every rank reads: ``config.yaml``,
     ``plan.json`` (with the search), provenance and the NCCL record. JobFailed (exit 2) on a refusal,
-    before anything is written."""
+    before anything is written. Returns the checkpoint lock this launch took (``take_launch_lock``)."""
     cfg, plan, nccl_env = job.cfg, job.plan, job.nccl_env
     try:
         check_checkpoint_lock(cfg, run_dir)  # before anything is written: exit 2, run dir removed
         check_resume_model(cfg, run_dir)
         check_export_dir(cfg, run_dir)
+        owner = take_launch_lock(cfg, run_dir)
     except ValueError as e:
         raise JobFailed(str(e), 2) from e
     config_yaml = job.config_yaml
@@ -538,6 +579,7 @@ def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None
     write_nccl_record(run_dir, nccl_env)
     if nccl_env:
         log.info("nccl: %s", describe_nccl(nccl_env))
+    return owner
 
 
 def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
@@ -639,6 +681,9 @@ def _run_torchrun_rank(cfg: Config, plan: Plan, run_dir: Path, rank: int) -> flo
     except (DataChanged, DirGone) as e:  # one line on each rank (every rank saw it), not a traceback
         log.error("error: %s", data_changed_report(run_dir, cfg, e))
         finish(1)
+    except LockHeld as e:  # another launch took the checkpoint root first: its one line
+        log.error("error: %s", e)
+        finish(2)
     failed = None
     if rank == 0:
         finish_run(run_dir, cfg)
@@ -662,6 +707,8 @@ def _run_in_process(cfg: Config, plan: Plan, run_dir: Path, started: float) -> f
         trainer.run(cfg, plan, run_dir)
     except (DataChanged, DirGone) as e:  # the ranks closed every part (the lock too) on the way out
         raise JobFailed(data_changed_report(run_dir, cfg, e), 1) from None
+    except LockHeld as e:  # another launch took the checkpoint root first: its one line, no traceback
+        raise JobFailed(str(e), 2) from None
     finally:
         _end_in_process_group()
     finish_run(run_dir, cfg)
@@ -678,8 +725,11 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
     Each rank reads the run dir's config.yaml and plan.json (framework.launch.worker.load_run)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from framework.train.trainer import checkpoint_root
+
+    checkpoints = checkpoint_root(cfg, run_dir) if cfg.checkpoint.enabled else None
     try:
-        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts)
+        signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts, checkpoints)
     except ChildFailedError as e:
         message = e.get_first_failure()[1].message
         # framework.launch.worker.tell_launcher: a data file changed, the run dir was deleted
@@ -687,8 +737,12 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
             raise JobFailed(data_changed_report(run_dir, cfg, message), 1) from None
         if isinstance(message, str) and message.startswith(str(run_dir / PLAN_FILE)):  # a rank refused it
             raise JobFailed(message, 2) from None
+        if isinstance(message, str) and message.startswith(LOCK_HELD):  # framework.launch.worker
+            raise JobFailed(message.removeprefix(LOCK_HELD), 2) from None
         raise JobFailed(
-            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}", 1
+            f"ranks failed (see {run_dir / 'train.log'}): {describe_failures(e.failures)}; "
+            f"{after_failure(cfg, run_dir, checkpoints)}",
+            1,
         ) from e
     finish_run(run_dir, cfg)
     if signum is not None:
@@ -700,6 +754,18 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
             raise JobFailed(message, 128 + signum)
         log.warning("%s", message)
     return _check_saves(run_dir)
+
+
+def after_failure(cfg: Config, run_dir: Path, checkpoints: Path | None) -> str:
+    """What happens after the ranks failed for good: no restart is left, and how to go on from the
+    newest checkpoint (framework.launch.failures.resume_point says which)."""
+    left = f"no restart left (run.max_restarts={cfg.run.max_restarts})"
+    from framework.checkpoint import store
+
+    committed = store.committed(checkpoints) if checkpoints is not None else []
+    if not committed:
+        return f"{left}, and no checkpoint was saved"
+    return f"{left}; run again with hydra.run.dir={run_dir} to resume from {committed[-1][1]}"
 
 
 def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
@@ -776,6 +842,33 @@ def check_checkpoint_lock(cfg: Config, run_dir: Path) -> None:
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     check_not_nested("checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir", root)
     lock.check_free(root, str(run_dir))
+
+
+def take_launch_lock(cfg: Config, run_dir: Path) -> Owner | None:
+    """The checkpoint root's lock, taken by the launcher before it writes the run files, and handed
+    to the ranks (framework.checkpoint.lock: the lock of a rank's own launcher is the rank's). Why:
+    two launches of one run dir started seconds apart both passed the lock check, since the first
+    run's rank takes the lock only once its model is built; the second then rewrote the first's
+    config.yaml and plan.json and failed inside its ranks with a LockHeld traceback. Of two launches
+    racing here, one gets the lock and the other a LockHeld line (exit 2). None for a dry run or
+    without checkpointing (nothing to lock)."""
+    if not cfg.checkpoint.enabled or cfg.run.dry_run:
+        return None
+    from framework.checkpoint import lock
+    from framework.train.trainer import checkpoint_root
+
+    return lock.acquire(checkpoint_root(cfg, run_dir), str(run_dir))
+
+
+def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | None) -> None:
+    """The launcher's lock, released if it still holds it (the ranks never took it over: they failed
+    first); never a lock the ranks or another run hold."""
+    if owner is None or job is None:
+        return
+    from framework.checkpoint import lock
+    from framework.train.trainer import checkpoint_root
+
+    lock.release(checkpoint_root(job.cfg, run_dir), owner)
 
 
 def check_export_dir(cfg: Config, run_dir: Path) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from framework.config.schema import Config
+from framework.record.outputs import check_replaceable
 
 log = logging.getLogger("framework")
 
@@ -51,6 +52,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the JSON report (default: RUN_DIR/evaluate.json for a run, ./evaluate_NAME.json otherwise)",
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace a --report file that evaluate did not write"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # a launched rank
     return parser.parse_args(argv)
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, whole_set, device = checked(args)
         out = (args.report or default_report(args.path, source_run_config(args))).resolve()
+        check_replaceable("--report", out, is_report, "a report evaluate wrote", args.force, "evaluate.json")
         world = ranks(args, cfg)
         if args.as_rank or world == 1:
             report = evaluate_here(args, cfg, whole_set, device)
@@ -191,6 +196,23 @@ def evaluate_here(
         "val_loss": result.loss,
         "val_ppl": result.perplexity,
     }
+
+
+# The keys every report holds (``evaluate_here``): how a file at --report is known for one evaluate wrote.
+REPORT_KEYS = frozenset({"source", "checkpoint", "model", "data", "loss", "perplexity", "tokens"})
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` holds a report evaluate wrote (a JSON object with ``REPORT_KEYS``): the only
+    file --report replaces without --force."""
+    from framework.record.outputs import text_of
+
+    text = text_of(path)
+    try:
+        report = json.loads(text) if text is not None else None
+    except ValueError:
+        return False
+    return isinstance(report, dict) and REPORT_KEYS <= report.keys()
 
 
 def write(out: Path, report: dict) -> None:

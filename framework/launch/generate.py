@@ -22,7 +22,8 @@ def load_any(path: Path, config: Path | None, device: torch.device) -> Loaded:
     if config is not None or not is_hf_checkpoint(path):
         return load_run(path, config, device)
     src = load_source(path, [], device, evaluate_data=True)
-    stop = generation_stop_ids(path) | ({src.tokenizer.eos_id} if src.tokenizer.eos_id is not None else set())
+    own = {src.tokenizer.eos_id} if src.tokenizer.eos_id is not None else set()
+    stop = generation_stop_ids(path, src.cfg.model.vocab_size) | own
     return Loaded(src.model, src.tokenizer, stop, src.weights)
 
 

@@ -181,7 +181,9 @@ def check_offload_memory(cfg: Config, available: int | None = None) -> None:
         )
 
 
-def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None:
+def spawn_local(
+    run_dir: Path, world_size: int, max_restarts: int, checkpoints: Path | None = None
+) -> int | None:
     """Start ``world_size`` ranks on this host through torch's elastic launcher; raise if any failed.
 
     Each rank runs ``python -m framework.worker RUN_DIR``. With ``max_restarts`` > 0, a rank that
@@ -192,12 +194,19 @@ def spawn_local(run_dir: Path, world_size: int, max_restarts: int) -> int | None
     then SIGKILL); their ``PreemptionHandler`` saves at one agreed step and they exit 0. The agent
     then raises ``SignalException``, the expected end of a preempted job; whether the ranks really
     saved is read from their ``preempted`` event (framework.launch.entry.stop_report). The ranks die with
-    this process if it is killed (``die_with_launcher``).
+    this process if it is killed (``die_with_launcher``). A restart is one line naming the rank that
+    died, how, and where the ranks resume (``checkpoints``: the checkpoint root, None when off;
+    framework.launch.failures).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from framework.launch.failures import reporting_restarts
+
     try:
-        launch_local(world_size, max_restarts, run_dir.name, ("-m", "framework.launch.worker", str(run_dir)))
+        with reporting_restarts(checkpoints):
+            launch_local(
+                world_size, max_restarts, run_dir.name, ("-m", "framework.launch.worker", str(run_dir))
+            )
     except SignalException as e:
         return int(e.sigval)
     return None

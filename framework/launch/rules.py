@@ -110,7 +110,8 @@ def number(
     low = f"{'>' if lo_open else '>='} {lo:g}"
     high = "" if hi == math.inf else f" and {'<' if hi_open else '<='} {hi:g}"
     text = f"a finite number {low}{high}" + (f" ({what})" if what else "")
-    default_bad = (math.nan, math.inf, lo if lo_open else lo - 1)
+    above = () if hi == math.inf else (hi if hi_open else hi * 10 if hi > 0 else hi + 1,)
+    default_bad = (math.nan, math.inf, lo if lo_open else lo - 1, *above)
     return Rule(text, ok, bad or default_bad)
 
 
@@ -152,6 +153,16 @@ MAX_PREFETCH = 1024  # global batches held ahead in the data thread's queue
 MAX_EVAL_BATCHES = 100_000
 # Validation batches are built up front (int64 tokens on every rank): 2**28 tokens = 2 GiB.
 MAX_EVAL_TOKENS = 2**28
+# Upper bounds for every other number (issue 40: model.moe.router_aux_loss_coef=1e18 and
+# nccl.timeout_s=1e300 were accepted; the second was an OverflowError traceback in every rank).
+# Each is far above any published setting, so a bound only ever stops a typo or a runaway value.
+MAX_WIDTH = 2**20  # model.dim, ffn_dim and expert widths: the widest published FFN is 53248
+MAX_HEADS = 2**12  # attention heads: the largest published models have 128
+MAX_POSITIONS = 2**24  # tokens of context (16M): the longest published contexts are 1-10M
+MAX_STEPS = 10**9  # optimizer steps (and step intervals): three years at 10 steps a second
+MAX_RESTARTS = 1000  # elastic restarts of the ranks: each reloads the last checkpoint
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective's timeout: a week (datetime.timedelta overflows at ~1e14 s)
+MAX_RATE_GBPS = 1e6  # a link or memory bandwidth in GB/s: HBM3e is 8e3
 
 
 def _eval_tokens(v: int, c: Config) -> int:
@@ -172,7 +183,7 @@ def _eval_batches_valid(c: Config) -> str:
 
 
 def _head_dim_ok(v: Any, c: Config) -> bool:
-    if not _is_int(v) or not 1 <= v <= INT64_MAX:
+    if not _is_int(v) or not 1 <= v <= MAX_WIDTH:
         return False
     return c.model.head_dim > 0 or (v % c.model.n_heads == 0 and (v // c.model.n_heads) % 2 == 0)
 
@@ -180,9 +191,9 @@ def _head_dim_ok(v: Any, c: Config) -> bool:
 def _dim_valid(c: Config) -> str:
     h = c.model.n_heads
     if c.model.head_dim > 0:
-        return "a positive integer"
+        return f"an integer in 1..{MAX_WIDTH}"
     return (
-        f"a positive multiple of model.n_heads={h} whose head dim (dim / n_heads) is even for rotary "
+        f"a positive multiple of model.n_heads={h} up to {MAX_WIDTH} whose head dim (dim / n_heads) is even for rotary "
         f"embeddings, e.g. {[2 * h * k for k in (16, 32, 64)]}"
     )
 
@@ -216,7 +227,7 @@ def _fault_rank_ok(v: Any, c: Config) -> bool:
 
 def _profile_ok(v: Any, c: Config) -> bool:
     r = c.run
-    if not _is_int(v) or v < 1:
+    if not _is_int(v) or not 1 <= v <= MAX_STEPS:
         return False
     return not r.profile or r.profile_wait + r.profile_warmup + v <= c.train.steps
 
@@ -449,6 +460,30 @@ def _class_kwargs(cls: type) -> list[str] | None:
     return [p.name for p in params if p.kind in kinds and p.name not in config_only]
 
 
+def _flag_kwargs(cls: type) -> list[str]:
+    """The keyword arguments of ``cls`` that are switches (a bool default or a ``bool`` /
+    ``bool | None`` annotation): torch tests them for truth, so ``foreach=yes`` (a string) or
+    ``amsgrad=1`` passed the probe and did something else than written, or nothing."""
+    import inspect
+
+    flags = []
+    for name, p in list(inspect.signature(cls).parameters.items())[1:]:
+        text = str(p.annotation).replace("typing.", "").replace("<class 'bool'>", "bool")
+        if isinstance(p.default, bool) or text in ("bool", "bool | None", "Optional[bool]"):
+            flags.append(name)
+    return flags
+
+
+def _bad_flag(v: Any, c: Config) -> str | None:
+    """The first switch of ``optimizer.kwargs`` whose value is not true, false (or null where the
+    class's default is): ``foreach=yes`` was accepted."""
+    cls = _optimizer_class(c)
+    if cls is None:
+        return None
+    flags = _flag_kwargs(cls)
+    return next((k for k, x in v.items() if k in flags and not isinstance(x, bool) and x is not None), None)
+
+
 def _kwargs_names_ok(v: Any, c: Config) -> bool:
     if not all(isinstance(k, str) and k.isidentifier() and k not in RESERVED_KWARGS for k in v):
         return False
@@ -458,7 +493,9 @@ def _kwargs_names_ok(v: Any, c: Config) -> bool:
 
 
 def _kwargs_ok(v: Any, c: Config) -> bool:
-    return _kwargs_names_ok(v, c) and (not v or _probe_error(c, with_kwargs=True) is None)
+    if not _kwargs_names_ok(v, c) or _bad_flag(v, c) is not None:
+        return False
+    return not v or _probe_error(c, with_kwargs=True) is None
 
 
 def _kwargs_valid(c: Config) -> str:
@@ -472,6 +509,9 @@ def _kwargs_valid(c: Config) -> str:
         f"keyword arguments that {what} takes{names} (not "
         f"{', '.join(RESERVED_KWARGS)}: set train.lr and train.weight_decay)"
     )
+    flag = _bad_flag(c.optimizer.kwargs, c) if _kwargs_names_ok(c.optimizer.kwargs, c) else None
+    if flag is not None:
+        return f"{flag}=true or {flag}=false ({flag}={c.optimizer.kwargs[flag]!r} is not a boolean)"
     if _kwargs_names_ok(c.optimizer.kwargs, c):  # the names are fine, a value is not: say which
         return _failing_kwargs(c)
     return text
@@ -560,9 +600,9 @@ MOE_RULES: dict[str, Rule] = {
         ),
         "moe_intermediate_size": moe_key(
             "moe_intermediate_size",
-            "0 (= model.ffn_dim) or an integer >= 1",
-            lambda v, _c: _is_int(v) and 0 <= v <= INT64_MAX,
-            (-1,),
+            f"0 (= model.ffn_dim) or an integer in 1..{MAX_WIDTH}",
+            lambda v, _c: _is_int(v) and 0 <= v <= MAX_WIDTH,
+            (-1, MAX_WIDTH + 1),
             **_SPARSE,
         ),
         "norm_topk_prob": moe_key(
@@ -571,46 +611,46 @@ MOE_RULES: dict[str, Rule] = {
         "router_score": moe_key("router_score", "softmax or sigmoid", lambda v, _c: True, ("sigmoid",)),
         "routed_scaling_factor": moe_key(
             "routed_scaling_factor",
-            "a finite number > 0 (1 = off)",
-            lambda v, _c: _is_number(v) and math.isfinite(v) and v > 0,
-            (0.0, -1.0, math.nan),
+            "a finite number > 0 and <= 1000 (1 = off)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and 0 < v <= 1000,
+            (0.0, -1.0, math.nan, 1e18),
             **_SPARSE,
         ),
         "bias_update_rate": moe_key(
             "bias_update_rate",
-            "a finite number >= 0 (0 = a fixed zero selection bias)",
-            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
-            (-0.001, math.nan),
+            "a finite number >= 0 and <= 1 (0 = a fixed zero selection bias)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and 0 <= v <= 1,
+            (-0.001, math.nan, 1e18),
             **_SPARSE,
             router_score="sigmoid",
         ),
         "capacity_factor": moe_key(
             "capacity_factor",
-            "0 (no token dropped) or a finite number > 0",
-            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
-            (-1.0, math.nan, math.inf),
+            f"0 (no token dropped) or a finite number > 0 and <= {MAX_EXPERTS} (the experts' count)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and 0 <= v <= MAX_EXPERTS,
+            (-1.0, math.nan, math.inf, 1e18),
             **_SPARSE,
         ),
         "router_aux_loss_coef": moe_key(
             "router_aux_loss_coef",
-            "a finite number >= 0 (0 = no load-balancing loss)",
-            lambda v, _c: _is_number(v) and math.isfinite(v) and v >= 0,
-            (-0.1, math.nan),
+            "a finite number >= 0 and <= 1 (0 = no load-balancing loss; published: 0.001 to 0.02)",
+            lambda v, _c: _is_number(v) and math.isfinite(v) and 0 <= v <= 1,
+            (-0.1, math.nan, 1e18),
             **_SPARSE,
         ),
         "aux_loss_scope": moe_key("aux_loss_scope", "global or layer", lambda v, _c: True, ("layer",)),
         "num_shared_experts": moe_key(
             "num_shared_experts",
-            "an integer >= 0",
+            f"an integer in 0..{MAX_EXPERTS}",
             lambda v, _c: _is_int(v) and 0 <= v <= MAX_EXPERTS,
-            (-1,),
+            (-1, MAX_EXPERTS + 1),
             **_SPARSE,
         ),
         "shared_intermediate_size": moe_key(
             "shared_intermediate_size",
-            "0 (= the routed experts' width) or an integer >= 1",
-            lambda v, _c: _is_int(v) and 0 <= v <= INT64_MAX,
-            (-1,),
+            f"0 (= the routed experts' width) or an integer in 1..{MAX_WIDTH}",
+            lambda v, _c: _is_int(v) and 0 <= v <= MAX_WIDTH,
+            (-1, MAX_WIDTH + 1),
             **_SPARSE,
         ),
         "expert_kernel": moe_key("expert_kernel", "auto, grouped or loop", lambda v, _c: True, ("loop",)),
@@ -629,8 +669,8 @@ RULES: dict[str, Rule] = {
         lambda v, _c: _is_int(v) and 0 <= v <= 2**20 and v % 2 == 0,
         (-2, 3),
     ),
-    "model.n_heads": integer(1),  # before model.dim and model.n_kv_heads, whose rules divide by it
-    "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132)),
+    "model.n_heads": integer(1, MAX_HEADS),  # before model.dim and model.n_kv_heads, whose rules divide by it
+    "model.dim": Rule(_dim_valid, _head_dim_ok, (0, 130, 132, MAX_WIDTH * 2)),
     # Bounded: the launcher lists every layer's tensors (num_hidden_layers: 50000000 in an HF
     # config.json hung it); the largest published models have ~128 layers.
     "model.n_layers": integer(1, MAX_LAYERS),
@@ -639,25 +679,29 @@ RULES: dict[str, Rule] = {
         _kv_ok,
         (0, 3, 8),
     ),
-    "model.ffn_dim": integer(1),
+    "model.ffn_dim": integer(1, MAX_WIDTH),
     # The families' own keys (framework.config.schema.MODEL_SCHEMAS): each exists only under its
     # family's option (model=mistral), so a rule here reads it only there.
-    "model.sliding_window": integer(0, what="0 = off, full causal attention; >= 1: the window"),
+    "model.sliding_window": integer(
+        0, MAX_POSITIONS, what="0 = off, full causal attention; >= 1: the window"
+    ),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
-    "model.norm_eps": number(0, lo_open=True),
-    "model.rope_theta": number(0, lo_open=True),
-    "model.rope_scaling_factor": number(1, what="1 = no RoPE scaling", bad=(math.nan, math.inf, 0.5)),
-    "model.rope_low_freq_factor": number(0, lo_open=True),
+    "model.norm_eps": number(0, 1, lo_open=True),
+    "model.rope_theta": number(0, 1e12, lo_open=True),  # published: 1e4 to 1e7
+    "model.rope_scaling_factor": number(
+        1, 1024, what="1 = no RoPE scaling", bad=(math.nan, math.inf, 0.5, 1e18)
+    ),
+    "model.rope_low_freq_factor": number(0, 1e4, lo_open=True),
     # The interpolation divides by (high - low): equal factors would divide by zero.
     "model.rope_high_freq_factor": Rule(
-        lambda c: f"a finite number > model.rope_low_freq_factor={c.model.rope_low_freq_factor:g}",
-        lambda v, c: _is_number(v) and math.isfinite(v) and v > c.model.rope_low_freq_factor,
-        (1.0, math.nan),
+        lambda c: f"a finite number > model.rope_low_freq_factor={c.model.rope_low_freq_factor:g} and <= 1e4",
+        lambda v, c: _is_number(v) and math.isfinite(v) and c.model.rope_low_freq_factor < v <= 1e4,
+        (1.0, math.nan, 1e5),
     ),
-    "model.rope_original_max_position": integer(1),
-    "model.max_position_embeddings": integer(0, what="0 = train.seq_len"),
+    "model.rope_original_max_position": integer(1, MAX_POSITIONS),
+    "model.max_position_embeddings": integer(0, MAX_POSITIONS, what="0 = train.seq_len"),
     "model.tie_embeddings": TYPED,
-    "model.init_std": number(0, lo_open=True),
+    "model.init_std": number(0, 1, lo_open=True),
     # fa4 off CUDA, off sm90/sm100, with an unsupported head size, with context parallelism, without
     # torch's registry or the package is refused by framework.kernels.fa4 before launch (with
     # data.document_mask, by framework.data).
@@ -710,28 +754,30 @@ RULES: dict[str, Rule] = {
         bad=([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
     ),
     "data.prefetch": integer(1, MAX_PREFETCH, what="global batches held ahead in memory"),
-    "data.encode_batch": integer(1),
+    "data.encode_batch": integer(1, 2**20),
     "data.messages_field": name("a non-empty key of each jsonl line"),
     "data.prompt_field": name("a non-empty key of each jsonl line"),
     "data.response_field": name("a non-empty key of each jsonl line"),
     # train
-    "train.steps": integer(0, what="0 plans, builds and evaluates without training"),
+    "train.steps": integer(0, MAX_STEPS, what="0 plans, builds and evaluates without training"),
     "train.global_batch_size": integer(1, MAX_GLOBAL_BATCH, what="sequences per optimizer step"),
-    "train.micro_batch_size": integer(0, what="0 = the rank's whole share of the global batch"),
-    "train.seq_len": integer(1),
-    "train.lr": number(0, lo_open=True, bad=(math.nan, math.inf, -0.01, 0.0)),
+    "train.micro_batch_size": integer(
+        0, MAX_GLOBAL_BATCH, what="0 = the rank's whole share of the global batch"
+    ),
+    "train.seq_len": integer(1, MAX_POSITIONS),
+    "train.lr": number(0, 10, lo_open=True, bad=(math.nan, math.inf, -0.01, 0.0, 1e18)),
     "train.min_lr_ratio": number(0, 1, bad=(-0.1, 1.5, math.nan)),
-    "train.warmup_steps": integer(0),
-    "train.weight_decay": number(0),
+    "train.warmup_steps": integer(0, MAX_STEPS),
+    "train.weight_decay": number(0, 10),
     "train.beta1": number(0, 1, hi_open=True, bad=(1.0, -0.1, math.nan)),
     "train.beta2": number(0, 1, hi_open=True, bad=(1.0, 1.5, math.nan)),
-    "train.grad_clip": number(0, what="0 = no clipping, the norm is still logged"),
+    "train.grad_clip": number(0, 1e6, what="0 = no clipping, the norm is still logged"),
     # One device, one micro-batch, no clip: framework.planner.plan._check_in_backward (the loop asserts it).
     "train.optimizer_in_backward": TYPED,
     "train.in_backward_grad_checks": TYPED,
     "train.seed": integer(0, 2**32 - 1),
-    "train.log_every": integer(1),
-    "train.eval_every": integer(0, what="0 = no evaluation"),
+    "train.log_every": integer(1, MAX_STEPS),
+    "train.eval_every": integer(0, MAX_STEPS, what="0 = no evaluation"),
     "train.eval_sets": Rule(
         "[] (none) or entries {name, source, path, field, column} with unique names and data of at least "
         "one window (train.eval_every>0)",
@@ -754,7 +800,7 @@ RULES: dict[str, Rule] = {
         _kwargs_valid,
         _kwargs_ok,
         ({"params": 1}, {"lr": 0.1}, {"weight_decay": 0.0}, {"nope": 1}, {"betas": 5}, {"eps": -1})
-        + ({"differentiable": True}, {"foreach": True, "fused": True}),
+        + ({"differentiable": True}, {"foreach": True, "fused": True}, {"foreach": "yes"}, {"amsgrad": 1}),
     ),
     "optimizer.momentum": Rule(
         "a number in [0, 1); > 0 with optimizer.nesterov=true", _momentum_ok, (-0.1, 1.0, math.nan)
@@ -770,14 +816,14 @@ RULES: dict[str, Rule] = {
     "run.expandable_segments": TYPED,
     "run.dry_run": TYPED,
     "run.deterministic": TYPED,
-    "run.max_restarts": integer(0),
+    "run.max_restarts": integer(0, MAX_RESTARTS),
     "run.profile": TYPED,
     "run.profile_ranks": TYPED,
-    "run.profile_wait": integer(0),
-    "run.profile_warmup": integer(0),
+    "run.profile_wait": integer(0, MAX_STEPS),
+    "run.profile_warmup": integer(0, MAX_STEPS),
     "run.profile_active": Rule(
         lambda c: (
-            f"an integer >= 1; with run.profile=true, profile_wait + profile_warmup + profile_active "
+            f"an integer in 1..{MAX_STEPS}; with run.profile=true, profile_wait + profile_warmup + profile_active "
             f"<= train.steps={c.train.steps}, or no trace is recorded"
         ),
         _profile_ok,
@@ -816,16 +862,18 @@ RULES: dict[str, Rule] = {
         context=(("run.device", "cpu"),),
     ),
     "mesh.hardware.name": name("a non-empty name ('cpu' or a conf/mesh/hardware option)"),
-    "mesh.hardware.memory_gib": number(0, lo_open=True),
-    "mesh.hardware.peak_tflops": number(0, lo_open=True),
-    "mesh.hardware.intra_node_gbps": number(0, lo_open=True),
-    "mesh.hardware.inter_node_gbps": number(0, lo_open=True),
-    "mesh.hardware.intra_node_latency_us": number(0),
-    "mesh.hardware.inter_node_latency_us": number(0),
-    "mesh.hardware.numa_per_host": integer(1),
+    # A device's figures (GiB, TFLOP/s, GB/s, microseconds), each bounded at about 1000 times the
+    # largest shipped one (B200: 180 GiB, 4500 TFLOP/s, 8000 GB/s): beyond, the planner's times round to 0.
+    "mesh.hardware.memory_gib": number(0, 2**18, lo_open=True),
+    "mesh.hardware.peak_tflops": number(0, 1e7, lo_open=True),
+    "mesh.hardware.intra_node_gbps": number(0, MAX_RATE_GBPS, lo_open=True),
+    "mesh.hardware.inter_node_gbps": number(0, MAX_RATE_GBPS, lo_open=True),
+    "mesh.hardware.intra_node_latency_us": number(0, 1e6),
+    "mesh.hardware.inter_node_latency_us": number(0, 1e6),
+    "mesh.hardware.numa_per_host": integer(1, 1024),
     "mesh.hardware.gemm_efficiency": number(0, 1, lo_open=True),
-    "mesh.hardware.hbm_gbps": number(0, lo_open=True),
-    "mesh.hardware.host_link_gbps": number(0, lo_open=True),
+    "mesh.hardware.hbm_gbps": number(0, MAX_RATE_GBPS, lo_open=True),
+    "mesh.hardware.host_link_gbps": number(0, MAX_RATE_GBPS, lo_open=True),
     "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.comm_overlap": number(0, 1),
     "mesh.hardware.kernel_table": Rule(
@@ -894,7 +942,7 @@ RULES: dict[str, Rule] = {
     # the host memory the saved activations need: framework.launch.ranks.check_offload_memory
     "sharding.activation_offload": TYPED,
     # bucketing
-    "bucketing.bucket_cap_mb": number(0, lo_open=True),
+    "bucketing.bucket_cap_mb": number(0, 2**20, lo_open=True),
     "bucketing.gradient_as_bucket_view": TYPED,
     "bucketing.static_graph": TYPED,
     "bucketing.auto": TYPED,
@@ -918,7 +966,9 @@ RULES: dict[str, Rule] = {
     "nccl.topo_dump_file": optional_path("relative paths land in the run dir"),
     "nccl.socket_ifname": optional_path("interface prefixes, ^exclude or =exact"),
     "nccl.require_socket_ifname": TYPED,
-    "nccl.timeout_s": number(0, lo_open=True, bad=(0.0, -1.0, math.nan, math.inf)),
+    "nccl.timeout_s": number(
+        0, MAX_TIMEOUT_S, lo_open=True, what="a week at most", bad=(0.0, -1.0, math.nan, math.inf, 1e300)
+    ),
     "nccl.async_error_handling": Rule(
         "0, 1, 2 or 3 (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
         checked_by="framework.planner.topology.nccl_environment",
@@ -950,8 +1000,8 @@ RULES: dict[str, Rule] = {
         context=(("peft.method", "lora"),),
     ),
     "peft.rank": Rule(
-        lambda c: (_lora_error(c) or "an integer >= 1").split("valid: ", 1)[-1],
-        lambda v, c: _is_int(v) and 1 <= v <= INT64_MAX and _lora_error(c) is None,
+        lambda c: (_lora_error(c) or f"an integer in 1..{MAX_WIDTH}").split("valid: ", 1)[-1],
+        lambda v, c: _is_int(v) and 1 <= v <= MAX_WIDTH and _lora_error(c) is None,
         (0, -1, 100000),
         context=(("peft.method", "lora"),),
     ),
@@ -961,7 +1011,7 @@ RULES: dict[str, Rule] = {
         ("/nonexistent/adapter",),
         context=(("peft.method", "lora"),),
     ),
-    "peft.alpha": number(0, lo_open=True, bad=(0.0, -1.0, math.nan, math.inf)),
+    "peft.alpha": number(0, 2**16, lo_open=True, bad=(0.0, -1.0, math.nan, math.inf, 1e18)),
     "peft.dropout": number(0, 1, hi_open=True, bad=(-0.1, 1.0, math.nan)),
     "peft.base_dtype": Rule(
         "float32 or bfloat16 (float32 with FSDP: framework.parallel.lora.check_layout, after the plan)",
@@ -981,7 +1031,7 @@ RULES: dict[str, Rule] = {
         "framework.planner.plan (executor.scope=model)",
         bad=(False,),
     ),
-    "executor.warmup_steps": integer(0),
+    "executor.warmup_steps": integer(0, MAX_STEPS),
     "executor.autotune": TYPED,
     "executor.cache_dir": Rule(
         "a directory that can be created",
@@ -997,12 +1047,12 @@ RULES: dict[str, Rule] = {
         bad=("pyproject.toml/ck",),
         context=(("checkpoint.enabled", True),),
     ),  # fmt: skip
-    "checkpoint.every_steps": integer(0, what="0 = off"),
-    "checkpoint.every_minutes": number(0, what="0 = off"),
+    "checkpoint.every_steps": integer(0, MAX_STEPS, what="0 = off"),
+    "checkpoint.every_minutes": number(0, 10**6, what="0 = off"),
     "checkpoint.at_end": TYPED,
     "checkpoint.async_mode": TYPED,
-    "checkpoint.keep_last": integer(0, what="0 = keep all"),
-    "checkpoint.keep_every": integer(0, what="0 = none"),
+    "checkpoint.keep_last": integer(0, 10**6, what="0 = keep all"),
+    "checkpoint.keep_every": integer(0, MAX_STEPS, what="0 = none"),
     "checkpoint.resume": Rule(
         _resume_valid, _resume_ok, ("", "/nonexistent/step_5"), context=(("checkpoint.enabled", True),)
     ),
@@ -1015,20 +1065,21 @@ RULES: dict[str, Rule] = {
     "verify.ladder": TYPED,
     "verify.reference": optional_path("a fingerprint.json or an earlier run dir"),
     "verify.numerics": TYPED,
-    "verify.loss_rtol": number(0, lo_open=True),
-    "verify.logits_rtol": number(0, what="0 = off"),
-    "verify.logits_rtol_bf16": number(0, what="0 = off"),
-    "verify.logits_rtol_float8": number(0, what="0 = off"),
-    "verify.reference_model_max_params": integer(0),
+    # Relative differences: 1 is already a difference as large as the value.
+    "verify.loss_rtol": number(0, 1, lo_open=True),
+    "verify.logits_rtol": number(0, 1, what="0 = off"),
+    "verify.logits_rtol_bf16": number(0, 1, what="0 = off"),
+    "verify.logits_rtol_float8": number(0, 1, what="0 = off"),
+    "verify.reference_model_max_params": integer(0, 2**40),
     "verify.baseline": optional_path("a JSON baseline store"),
     "verify.save_baseline": TYPED,
     "verify.max_tokens_per_s_drop": number(0, 1, what="a fraction", bad=(-0.1, 1.5, math.nan)),
-    "verify.max_p99_increase": number(0, what="a fraction"),
-    "verify.max_memory_increase": number(0, what="a fraction"),
-    "verify.breaker_factor": number(1, lo_open=True, what="a multiple of the reference p99"),
-    "verify.breaker_window": integer(1),
-    "verify.breaker_patience": integer(1),
-    "verify.max_bad_steps": integer(1),
+    "verify.max_p99_increase": number(0, 1000, what="a fraction"),
+    "verify.max_memory_increase": number(0, 1000, what="a fraction"),
+    "verify.breaker_factor": number(1, 1e6, lo_open=True, what="a multiple of the reference p99"),
+    "verify.breaker_window": integer(1, MAX_STEPS),
+    "verify.breaker_patience": integer(1, MAX_STEPS),
+    "verify.max_bad_steps": integer(1, MAX_STEPS),
     "verify.inject_nan_steps": Rule(
         lambda c: f"0-based steps below train.steps={c.train.steps}",
         _nan_steps_ok,

@@ -15,13 +15,18 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from framework.checkpoint.lock import LockHeld
 from framework.config.schema import Config, to_config
 from framework.data.tokens import DataChanged
+from framework.launch.failures import is_lost_peer
 from framework.launch.ranks import arm_stack_dump, die_with_launcher
 from framework.parallel.process import KEPT_PARTS, finish
 from framework.planner.plan import Plan
 from framework.planner.resolve import load_plan
 from framework.record.run_dir import DirGone
+
+# How a rank's LockHeld reaches the launcher's ChildFailedError (framework.launch.entry._run_spawned).
+LOCK_HELD = "checkpoint lock held: "
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -31,6 +36,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
     root.addHandler(console)
     if rank == 0:
         handler = logging.FileHandler(run_dir / "train.log")
@@ -82,12 +88,25 @@ def main(run_dir: Path) -> int:
     try:
         trainer.run(cfg, plan, run_dir, keep=KEPT_PARTS)  # never freed: the process ends with os._exit
         return 0
+    except LockHeld as e:  # another launch took the checkpoint root first: one line, exit 2
+        if not tell_launcher(f"{LOCK_HELD}{e}"):
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     except (DataChanged, DirGone) as e:  # one line, not a traceback: the user changed a file
         logging.getLogger("framework").error("rank %d stopped: %s", rank, e)
         tell_launcher(str(e))
         return 1
-    except Exception:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
-        logging.getLogger("framework").error("rank %d failed:\n%s", rank, traceback.format_exc())
+    except Exception as e:  # noqa: BLE001 - the traceback goes to the log; the launcher sees the exit code
+        # A collective that lost its peer is a consequence of another rank's death, which the
+        # launcher reports in one line: its traceback goes to the run's log file only (rank 0's).
+        lost = is_lost_peer(e)
+        logging.getLogger("framework").error(
+            "rank %d %s:\n%s",
+            rank,
+            "lost a peer rank" if lost else "failed",
+            traceback.format_exc(),
+            extra={"file_only": lost},
+        )
         return 1
 
 

@@ -229,21 +229,62 @@ def _pairs_from_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# The dtypes an adapter's weights may have (safetensors' names): floating point only. An integer
+# adapter was accepted and cast, silently, into weights that train nothing like the saved ones.
+ADAPTER_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 def _read_adapter(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """The folder's ``adapter_config.json`` (an object) and its tensors' shapes, read without
+    loading them. ValueError (one line) for a folder that is not a PEFT adapter: a config that is
+    not a JSON object (a list, a string: an AttributeError traceback), a weights file safetensors
+    cannot read (truncated, a header past its limit: a SafetensorError traceback), integer weights."""
     import json
     from pathlib import Path
 
     from safetensors import safe_open
 
     folder = Path(path)
+    where = f"peft.adapter={path!r} is not valid; valid: a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})"
     if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(where)
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}; its {ADAPTER_CONFIG} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}; its {ADAPTER_CONFIG} holds a {type(config).__name__}, not an object")
+    try:
+        with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            shapes = {k: tuple(s.get_shape()) for k, s in slices.items()}
+            dtypes = {k: s.get_dtype() for k, s in slices.items()}
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type (SafetensorError), any cause
+        reason = " ".join(str(e).split()) or type(e).__name__
         raise ValueError(
-            f"peft.adapter={path!r} is not valid; valid: a PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})"
-        )
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            f"{where}; its {ADAPTER_WEIGHTS} is not a readable safetensors file ({reason})"
+        ) from None
+    odd = {k: d for k, d in dtypes.items() if d not in ADAPTER_DTYPES}
+    if odd:
+        k = sorted(odd)[0]
+        raise ValueError(f"{where} of floating-point weights ({', '.join(ADAPTER_DTYPES)}); {k} is {odd[k]}")
     return config, shapes
+
+
+def _check_finite(path: str, names: list[str], where: str) -> None:
+    """ValueError naming the first adapter tensor with a NaN or inf: with one, every step's loss is
+    NaN, every step is skipped and the run exited 0 having trained nothing."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / ADAPTER_WEIGHTS), framework="pt") as f:
+        for k in names:
+            if not torch.isfinite(f.get_tensor(k)).all():
+                raise ValueError(
+                    f"{where} finite adapter weights; {k} holds NaN or inf (an adapter saved by a "
+                    "diverged run): every step of this run would be skipped"
+                )
 
 
 def _ours(model: nn.Module) -> dict[str, str]:
@@ -271,8 +312,12 @@ def check_adapter(model: nn.Module, cfg: PeftConfig, init_from: str | None) -> N
     config, shapes = _read_adapter(cfg.adapter)
     where = f"peft.adapter={cfg.adapter!r} is not valid; valid:"
     base = config.get("base_model_name_or_path")
-    if base and (Path(base) / "config.json").is_file():
-        theirs = json.loads((Path(base) / "config.json").read_text())
+    if isinstance(base, str) and base and (Path(base) / "config.json").is_file():
+        try:
+            theirs = json.loads((Path(base) / "config.json").read_text())
+        except (OSError, ValueError):
+            theirs = None
+        theirs = theirs if isinstance(theirs, dict) else {}  # not a base's config: nothing to compare
         ours = {"hidden_size": model.cfg.dim, "num_hidden_layers": model.cfg.n_layers}
         ours |= {"num_attention_heads": model.cfg.n_heads, "num_key_value_heads": model.cfg.n_kv_heads}
         ours |= {"vocab_size": model.cfg.vocab_size}
@@ -305,6 +350,7 @@ def check_adapter(model: nn.Module, cfg: PeftConfig, init_from: str | None) -> N
             raise ValueError(
                 f"{where} an adapter of this base; {k} is {list(shapes[k])}, this model's {list(params[n].shape)}"
             )
+    _check_finite(cfg.adapter, sorted(names), where)
 
 
 @torch.no_grad()

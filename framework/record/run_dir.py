@@ -85,4 +85,25 @@ def check_creatable(named: str, path: Path, noun: str = "directory") -> None:
                 f"{named} cannot be written: {str(p)!r} is not writable by this user; "
                 f"valid: a {noun} you can create and write"
             )
+        why = cannot_create_in(p)
+        if why is not None:
+            raise ValueError(
+                f"{named} cannot be written: nothing can be created in {str(p)!r} ({why}); "
+                f"valid: a {noun} you can create and write"
+            )
         return
+
+
+def cannot_create_in(folder: Path) -> str | None:
+    """Why nothing can be created in ``folder`` (None: something can): a folder that is made and
+    removed at once. Why a probe: ``os.access`` says yes to root for /proc and /sys, where mkdir
+    then fails (FileNotFoundError, PermissionError tracebacks after the work), and to a read-only
+    mount's owner."""
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".probe-", dir=folder)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.rmdir(probe)
+    return None

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from framework.record.outputs import check_replaceable, text_of
 from framework.verify.compare import compare_runs
 
 
@@ -16,8 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_a", type=Path)
     p.add_argument("run_b", type=Path)
     p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
+    p.add_argument("--force", action="store_true", help="replace an --out file that compare did not write")
     args = parser.parse_args(argv)
     try:
+        if args.out is not None:
+            check_replaceable(
+                "--out", args.out, is_compare_report, "a report compare wrote", args.force, "compare.md"
+            )
         text = compare_runs(args.run_a, args.run_b)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -26,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(text)
     return 0
+
+
+def is_compare_report(path: Path) -> bool:
+    """Whether ``path`` holds a report compare wrote (its heading, framework.verify.compare): the only
+    file --out replaces without --force."""
+    text = text_of(path, 64)
+    return text is not None and text.startswith("# Compare\n")
 
 
 if __name__ == "__main__":

@@ -89,16 +89,50 @@ def store_path(cfg: VerifyConfig) -> Path:
 
 
 def load_store(path: Path) -> dict[str, Any]:
-    """The store's ``{key: entry}`` mapping ({} when the file does not exist). ValueError if unreadable."""
+    """The store's ``{key: entry}`` mapping ({} when the file does not exist). ValueError (one line)
+    for a file that is not such a store: each entry's figures are checked here, so that the launcher
+    (framework.launch.entry.check_verify_files) refuses a broken store before training, not in a
+    traceback after it (a list, a wrong version, an entry without its figures were)."""
     if not path.is_file():
         return {}
+    where = f"verify.baseline={str(path)!r}"
     try:
         doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"verify.baseline={str(path)!r} is not a baseline store (bad JSON: {e})") from e
-    if not isinstance(doc, dict) or doc.get("version") != STORE_VERSION:
-        raise ValueError(f"verify.baseline={str(path)!r}: expected a store with version {STORE_VERSION}")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{where} is not a baseline store (not JSON: {e})") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("version") != STORE_VERSION
+        or not isinstance(doc.get("baselines"), dict)
+    ):
+        raise ValueError(
+            f"{where} is not a baseline store; valid: a JSON object {{'version': {STORE_VERSION}, "
+            "'baselines': {KEY: {'figures': {...}}}}, as verify.save_baseline=true writes it"
+        )
+    for key, entry in doc["baselines"].items():
+        why = _entry_error(entry)
+        if why is not None:
+            raise ValueError(
+                f"{where}: its entry {key[:80]!r} {why}; valid: an entry verify.save_baseline=true wrote"
+            )
     return doc["baselines"]
+
+
+def _entry_error(entry: Any) -> str | None:
+    """Why a store entry cannot be compared with (None: it can): its ``figures`` must be exactly
+    PerfFigures' fields, finite numbers, step times and tokens/s above 0 (compare_perf divides by them)."""
+    figures = entry.get("figures") if isinstance(entry, dict) else None
+    if not isinstance(figures, dict):
+        return "has no figures"
+    fields = {f for f in PerfFigures.__dataclass_fields__}
+    needed = {"step_p50_s", "step_p99_s", "tokens_per_s"}
+    if not needed <= figures.keys() or not figures.keys() <= fields:
+        return f"has figures {sorted(figures)[:8]}, not {sorted(fields)}"
+    for name, value in figures.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not (number or (value is None and name not in needed)) or (name in needed and value <= 0):
+            return f"has {name}={value!r}, not a finite number > 0"
+    return None
 
 
 def load_baseline(path: Path, key: str) -> PerfFigures | None:

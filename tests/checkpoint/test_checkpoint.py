@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from framework.checkpoint.manager import _payload_bytes, _Writer
 from framework.checkpoint.store import tmp_dir
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity, ModelConfig
 from framework.models import build_model, materialize
+from tests.checkpoint.test_checkpoint_store import logged_warnings
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,8 +116,7 @@ def _load_worker(rank: int, world: int, root: str, layout: str) -> dict[str, Any
     path = ck.latest()
     assert path is not None
     torch.manual_seed(999)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as caught:
         extra = ck.load(path, model, opt, sch)
     rng = _h(torch.get_rng_state())
     digest = _digest(model, opt)
@@ -128,7 +127,7 @@ def _load_worker(rank: int, world: int, root: str, layout: str) -> dict[str, Any
         "rng": rng,
         "digest": digest if rank == 0 else None,
         "sched": sch.state_dict(),
-        "warnings": [str(w.message) for w in caught],
+        "warnings": caught,
     }
 
 
@@ -207,8 +206,7 @@ def _failing_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 1:  # a full disk on one rank only: every rank must learn of it
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as caught:
         ck.save(2, model, opt, sch, {"step": 2})
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     error = ck.last_error
@@ -222,7 +220,7 @@ def _failing_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         "error": error,
         "latest": latest.name if latest else None,
         "tmp_left": tmp_left,
-        "warnings": [str(w.message) for w in caught],
+        "warnings": caught,
         "after": after.name if after else None,
     }
 
@@ -461,6 +459,28 @@ def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _train_run(run, "checkpoint.every_steps=1", "checkpoint.keep_last=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
+
+
+def test_a_tampered_manifest_is_one_log_line_not_a_python_warning(
+    two_checkpoints: Path, tmp_path: Path
+) -> None:
+    """A manifest whose digest disagrees with its file: the checkpoint is moved aside and step 1
+    resumed, said in one log line. It was a raw Python warning on stderr whose second line, the
+    caller's source ``resumed = ckpt.resume(...)``, was the last line of the run's stderr."""
+    from framework.checkpoint import store
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run, symlinks=True)
+    path = run / "checkpoints" / "step_000002" / store.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["files"]["extra.json"]["sha256"] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    proc = _train_run(run, "train.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning:" not in proc.stderr and "resumed = " not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "skipping checkpoint" in line]
+    assert len(said) == 1 and "[WARNING]" in said[0], proc.stdout[-3000:]
+    assert "step_000002" in said[0] and "extra.json: sha256" in said[0] and "moved to" in said[0], said
 
 
 _BAD_EXTRA = ["[]", '{"extra": 5}', "{}", "not json"]

@@ -298,7 +298,9 @@ def _unwritable_folder(tmp: Path) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "a read-only folder", "in a read-only folder"])
+@pytest.mark.parametrize(
+    "case", ["a file", "under a file", "a read-only folder", "in a read-only folder", "in /proc"]
+)
 def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
     saved_step: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
@@ -320,6 +322,7 @@ def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
         out, message = {
             "a file": (notes, "is a file; valid: a folder to write"),
             "under a file": (notes / "hf", f"cannot be created: '{notes}' is a file"),
+            "in /proc": (Path("/proc/x"), "cannot be written: nothing can be created in '/proc' ("),
         }[case]
         args = []
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -328,3 +331,47 @@ def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
     assert len(err) == 1 and err[0].startswith(f"error: OUT='{out}'") and message in err[0], err
     assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == before
     assert not (out / "model.safetensors").exists()
+
+
+def test_an_export_removes_what_an_earlier_export_wrote_and_it_does_not(tmp_path: Path) -> None:
+    """A merged export over an earlier ``--adapter`` export left adapter_config.json beside the
+    merged weights (transformers then applies the adapter twice), and the other way round. Only the
+    files an export wrote go: the user's own file, and a file named with a path by a tampered marker, stay."""
+    from framework.checkpoint.export_hf import EXPORT_MARKER
+    from framework.checkpoint.export_lora import export_adapter
+    from framework.config.schema import PeftConfig, PeftMethod
+
+    state = _model(GQA).state_dict()
+    wq = state["layers.0.attention.wq.weight"]
+    state["layers.0.attention.wq.lora_A.weight"] = torch.ones(4, wq.shape[1])
+    state["layers.0.attention.wq.lora_B.weight"] = torch.ones(wq.shape[0], 4)
+    peft = PeftConfig(method=PeftMethod.lora, rank=4, alpha=8.0, targets=["wq"])
+    out = tmp_path / "hf"
+    export_adapter(state, GQA, peft, out, None)
+    (out / "README.md").write_text("mine")
+    adapter = {"adapter_config.json", "adapter_model.safetensors"}
+    merged = {"model.safetensors", "config.json", "generation_config.json"}
+    assert adapter <= {p.name for p in out.iterdir()}
+    base = {k: v for k, v in state.items() if "lora_" not in k}
+    export_hf(base, GQA, out, max_position_embeddings=16)
+    assert {p.name for p in out.iterdir()} == merged | {EXPORT_MARKER, "README.md"}
+    assert json.loads((out / EXPORT_MARKER).read_text())["files"] == sorted(merged)
+    export_adapter(state, GQA, peft, out, None)
+    assert {p.name for p in out.iterdir()} == adapter | {EXPORT_MARKER, "README.md"}
+    (tmp_path / "outside.txt").write_text("mine")
+    tampered = {"written_by": "x", "files": ["../outside.txt", str(tmp_path / "outside.txt"), "sub/x"]}
+    (out / EXPORT_MARKER).write_text(json.dumps(tampered))
+    export_hf(base, GQA, out, max_position_embeddings=16)
+    assert (tmp_path / "outside.txt").read_text() == "mine" and (out / "README.md").read_text() == "mine"
+
+
+def test_a_marker_without_a_file_list_names_the_files_its_kind_writes(tmp_path: Path) -> None:
+    """Exports made before the marker listed its files: the adapter files of an ``--adapter`` one."""
+    from framework.checkpoint.export_hf import EXPORT_MARKER, earlier_export_files
+
+    marker = {"written_by": "framework.checkpoint export-hf --adapter", "architecture": ["PEFT LoRA"]}
+    (tmp_path / EXPORT_MARKER).write_text(json.dumps(marker))
+    assert earlier_export_files(tmp_path) == {"adapter_config.json", "adapter_model.safetensors"}
+    for broken in ("[1, 2]", "not json", json.dumps({"files": "model.safetensors"})):
+        (tmp_path / EXPORT_MARKER).write_text(broken)
+        assert earlier_export_files(tmp_path) == set()

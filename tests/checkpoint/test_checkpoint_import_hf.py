@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -229,6 +230,54 @@ def test_unsupported_configs_are_refused(tmp_path: Path, hf_models: dict) -> Non
         (folder / "config.json").write_text(json.dumps(conf))
         with pytest.raises(ValueError, match=match):
             import_hf.model_shape(import_hf.read_hf_checkpoint(folder))
+
+
+def _folder_with(tmp_path: Path, src: Path, name: str, config: object, generation: object = None) -> Path:
+    """A copy of the HF folder ``src`` with ``config`` as its config.json (and a generation_config.json)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy(src / "model.safetensors", folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    if generation is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
+def test_a_config_json_or_rope_settings_of_the_wrong_json_type_are_one_line(
+    tmp_path: Path, hf_models: dict
+) -> None:
+    """config.json a list, rope_scaling a string: AttributeError tracebacks."""
+    src, _ = hf_models["mha_tied"]
+    conf = json.loads((src / "config.json").read_text())
+    cases = [
+        ([conf], r"config.json is a JSON list; valid: a JSON object"),
+        (conf | {"rope_scaling": "linear"}, r"config.json has rope_scaling='linear'; valid: null or an object"),
+        (conf | {"rope_parameters": 8}, r"config.json has rope_parameters=8; valid: null or an object"),
+    ]
+    for i, (config, match) in enumerate(cases):
+        folder = _folder_with(tmp_path, src, str(i), config)
+        with pytest.raises(ValueError, match=rf"^model.init_from='{folder}': {match}"):
+            import_hf.model_shape(import_hf.read_hf_checkpoint(folder))
+
+
+@pytest.mark.parametrize("eos", ["2", -1, 256, True, [], [2, "x"]])
+def test_an_eos_token_id_that_is_not_a_token_of_the_model_is_one_line(
+    tmp_path: Path, hf_models: dict, eos: object
+) -> None:
+    """generation_config.json's eos_token_id: a string, -1, an id past the vocabulary (256 here) or a
+    list with one was dropped silently, so generate never stopped where the model's authors meant."""
+    from framework.generate.decode import generation_stop_ids
+
+    src, _ = hf_models["mha_tied"]
+    conf = json.loads((src / "config.json").read_text())
+    folder = _folder_with(tmp_path, src, "eos", conf, {"eos_token_id": eos})
+    shown = f"eos_token_id={eos!r}; valid: null, a token id in 0..255 or a non-empty list of them"
+    with pytest.raises(ValueError, match=re.escape(f"generation_config.json has {shown}")):
+        import_hf.read_generation_config(folder, "model.init_from", 256)
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        generation_stop_ids(folder, 256)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 255]}))
+    assert generation_stop_ids(folder, 256) == {2, 255}
 
 
 @pytest.mark.parametrize("where", ["dotdot", "absolute", "subfolder"])

@@ -67,3 +67,34 @@ def test_another_host_is_refused_and_release_never_removes_another_owner(tmp_pat
         lock.acquire(tmp_path, "outputs/mine")
     lock.release(tmp_path, lock.me("outputs/mine"))
     assert lock.read(tmp_path).host == "node-17"
+
+
+def test_a_lock_the_ranks_launcher_holds_is_the_ranks_and_is_taken_over_silently(tmp_path: Path) -> None:
+    """The launcher takes the lock before it writes the run files (framework.launch.entry); its
+    rank, a child started with FRAMEWORK_WORKER set, takes it over without a warning. Another
+    process is refused by the launcher's lock and by the rank's (whose launcher still runs)."""
+    import os
+
+    mine = lock.acquire(tmp_path, "outputs/run")  # this process: the launcher
+    child = (
+        "import logging, sys; from pathlib import Path; from framework.checkpoint import lock; "
+        "logging.basicConfig(level=logging.WARNING); "
+        "owner = lock.acquire(Path(sys.argv[1]), 'outputs/run'); print(owner.pid, owner.launcher_pid)"
+    )
+
+    def start(worker: bool) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "FRAMEWORK_WORKER"} | (
+            {"FRAMEWORK_WORKER": "1"} if worker else {}
+        )
+        return subprocess.run(
+            [sys.executable, "-c", child, str(tmp_path)], env=env, capture_output=True, text=True
+        )
+
+    stranger = start(worker=False)
+    assert stranger.returncode != 0 and f"pid {mine.pid}" in stranger.stderr, stranger.stderr[-2000:]
+    rank = start(worker=True)
+    assert rank.returncode == 0 and rank.stderr == "", rank.stderr  # no "taking over" warning
+    pid, launcher = rank.stdout.split()
+    assert int(launcher) == mine.pid and lock.read(tmp_path).pid == int(pid)
+    stranger = start(worker=False)
+    assert stranger.returncode != 0 and f"launcher pid {mine.pid}" in stranger.stderr, stranger.stderr[-2000:]

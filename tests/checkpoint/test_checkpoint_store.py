@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pickle
-import warnings
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,12 +42,33 @@ def _save_steps(root: Path, steps: list[int], **cfg: object) -> Checkpointer:
     return ck
 
 
+class _Kept(logging.Handler):
+    """The framework logger's warning lines, kept (what the console and train.log show)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged_warnings() -> Iterator[list[str]]:
+    """The warning lines the framework logs within (a skipped checkpoint, a failed save)."""
+    kept, logger = _Kept(), logging.getLogger("framework")
+    logger.addHandler(kept)
+    try:
+        yield kept.lines
+    finally:
+        logger.removeHandler(kept)
+
+
 def _latest_with_warnings(ck: Checkpointer) -> tuple[Path | None, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as lines:
         # The read-only search (Checkpointer.latest() also moves rejected ones aside).
         latest = find_latest(ck.root, ck.channel, ck.cfg.integrity)
-    return latest, [str(w.message) for w in caught]
+    return latest, lines
 
 
 def _biggest_shard(path: Path) -> Path:
@@ -206,14 +230,14 @@ def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(t
     shard.write_bytes(bytes(data))
 
     fresh, fresh_opt, fresh_sch = _state(5)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as caught:
         found = ck.load_latest(fresh, fresh_opt, fresh_sch)
     assert found.path == step_dir(tmp_path, 2) and found.extra == {"step": 2}
     assert found.load_failed
     assert [Path(n).name for n, _ in found.rejected] == ["step_000006", "step_000004"]
     assert "sha256" in found.rejected[0][1] and "does not load" in found.rejected[1][1], found.rejected
-    assert all("moved to" in str(w.message) for w in caught if "skipping" in str(w.message))
+    skipped = [line for line in caught if line.startswith("skipping checkpoint")]
+    assert len(skipped) == 2 and all("moved to" in line for line in skipped), caught
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
     # Moved aside with the reason, never deleted: neither retention nor a new save of step 4 or 6 touches them.
@@ -224,3 +248,38 @@ def test_a_checkpoint_that_does_not_load_falls_back_and_rejected_ones_are_kept(t
     ck.save(6, model, opt, sch, {"step": 6})
     assert len(list((tmp_path / "corrupt").iterdir())) == 4
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["corrupt", "step_000006"]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"step": 1000}, "'extra.step' is 1000, not the checkpoint's step 2"),
+        ({"step": -3}, "'extra.step' is -3, not the checkpoint's step 2"),
+        ({"step": "2"}, "'extra.step' is '2', not the checkpoint's step 2"),
+        ({"tokens_seen": "lots"}, "'extra.tokens_seen' is 'lots', expected an integer >= 0"),
+        ({"data": {"consumed_batches": -7}}, "'extra.data' is {'consumed_batches': -7}, expected the sampler"),
+        ({"data": {"consumed_batches": 2, "seed": "x"}}, "'extra.data.seed' is 'x', expected an integer"),
+        ({"config_hash": 5}, "'extra.config_hash' is 5, expected a str or null"),
+        ({"data": None}, "'extra' lacks ['data'], which the trainer writes and a resume reads"),
+    ],
+)
+def test_the_trainers_part_of_extra_json_is_checked(tmp_path: Path, change: dict, words: str) -> None:
+    """extra.json's ``extra`` was taken as it was: ``step: 1000`` in step_000002 resumed at step 1000
+    and trained nothing (exit 0), -3 ran until the kernel killed it, the others were tracebacks. Now
+    the checkpoint fails its check like any malformed one (set aside on resume=auto)."""
+    from framework.checkpoint.state import EXTRA_FILE, read_extra
+
+    ck = _save_steps(tmp_path, [2])
+    ck.close()
+    path = step_dir(tmp_path, 2) / EXTRA_FILE
+    doc = json.loads(path.read_text())
+    assert read_extra(path.parent)["extra"] == {"step": 2}
+    trainers = {"tokens_seen": 4, "data": {"consumed_batches": 2, "seed": 0}, "config_hash": "ab"}
+    doc["extra"] |= trainers | {"wandb_run_id": None, "model": None}
+    path.write_text(json.dumps(doc))
+    assert read_extra(path.parent)["extra"]["tokens_seen"] == 4
+    doc["extra"] |= change
+    doc["extra"] = {k: v for k, v in doc["extra"].items() if v is not None or k != "data"}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}: {words}")):
+        read_extra(path.parent)

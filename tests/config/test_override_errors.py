@@ -140,13 +140,42 @@ def test_rejected_choice_or_syntax_is_one_line_naming_it_and_what_is_valid(overr
 
 def test_an_error_no_override_caused_keeps_hydras_report() -> None:
     """A bad value in a YAML file, even at a key the command line also sets, and a missing option a
-    YAML file's defaults list names: Hydra's report, which says where."""
+    YAML file's defaults list names: no override's line (the file's is ``explain_file_error``'s, below)."""
     in_yaml = ConfigCompositionException()  # what load_configuration raises for a YAML file's value
     in_yaml.__cause__ = ValidationError("Value 'abc' of type 'str' could not be converted to Integer")
     in_yaml.__cause__.full_key = "train.steps"
     assert explain(in_yaml, ["train.steps=3"]) is None
     missing = MissingConfigException("In 'recipe/x': Could not find 'mesh/3x3'", "mesh/3x3", ["1", "2"])
     assert explain(missing, ["train.steps=3"]) is None
+
+
+@pytest.mark.parametrize(
+    ("recipe", "line"),
+    [
+        (
+            "defaults:\n  - override /callbacks: [default, nosuch]\n",
+            "recipe/mine: callbacks=nosuch: no such option in group 'callbacks'; available: compile_cache, "
+            "default, fault_injection, profiler, wandb",
+        ),
+        ("train:\n  steps: abc\n", "recipe/mine: train.steps: 'abc' is not an integer (train.steps is an int)"),
+        ("train:\n  stepz: 3\n", "recipe/mine: train.stepz: no key 'stepz' in train; valid keys: steps, "),
+    ],
+)
+def test_an_error_in_a_users_recipe_is_one_line_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], recipe: str, line: str
+) -> None:
+    """A recipe whose defaults list names a callback that does not exist (or that sets a key or value
+    the schema refuses) was Hydra's 6-line report and exit status 1, in a run and in a sweep."""
+    root = tmp_path / "recipes"
+    root.mkdir()
+    (root / "mine.yaml").write_text(recipe + "model:\n  name: mine\n")
+    monkeypatch.setenv("FRAMEWORK_RECIPE_PATH", str(root))
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    assert train_main(f"hydra.run.dir={run}", "recipe=mine") == 2
+    assert train_main("-m", f"hydra.sweep.dir={sweep}", "recipe=llama_tiny,mine") == 2
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and all(e.startswith(f"error: {line}") for e in err), err
+    assert not run.exists() and not sweep.exists()
 
 
 def test_train_py_run_and_sweep_exit_2_with_one_line_and_write_nothing(

@@ -398,7 +398,11 @@ def _no_token_sources(tmp: Path) -> dict[str, DataConfig]:
     (tmp / "empty_texts.jsonl").write_text('{"text": ""}\n' * 20)
     pq.write_table(pa.table({"text": pa.array([None] * 20, type=pa.string())}), tmp / "nulls.parquet")
     (tmp / "ok.jsonl").write_text('{"text": "hello"}\n' * 20)
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp / "empty.parquet")
+    (tmp / "one.jsonl").write_text('{"text": "hello"}\n')
     return {
+        "empty stream": DataConfig(source=DataSource.hf, path=str(tmp / "empty.parquet"), streaming=True),
+        "one-record stream": DataConfig(source=DataSource.hf, path=str(tmp / "one.jsonl"), streaming=True),
         "empty texts": DataConfig(source=DataSource.jsonl, path=str(tmp / "empty_texts.jsonl")),
         "null column": DataConfig(source=DataSource.parquet, path=str(tmp / "nulls.parquet")),
         "empty split": DataConfig(source=DataSource.hf, path=str(tmp / "ok.jsonl"), split="train[:0]"),
@@ -410,6 +414,8 @@ def _no_token_sources(tmp: Path) -> dict[str, DataConfig]:
 
 
 NO_TOKENS = [
+    ("empty stream", "data.path='{tmp}/empty.parquet': its first records cannot be read (BatchSize must be"),
+    ("one-record stream", "data.path='{tmp}/one.jsonl' has 1 records: too few to hold out every 20-th"),
     ("empty texts", "data.path='{tmp}/empty_texts.jsonl': none of its 20 records has text (its data.field"),
     ("null column", "data.path='{tmp}/nulls.parquet': none of its 20 records has text (its data.column"),
     (
@@ -423,12 +429,16 @@ NO_TOKENS = [
 
 @pytest.mark.parametrize("case, message", NO_TOKENS, ids=[c for c, _ in NO_TOKENS])
 def test_data_that_gives_no_tokens_is_refused_before_launch(
-    corpus: Corpus, tmp_path: Path, case: str, message: str
+    corpus: Corpus, tmp_path: Path, capfd: pytest.CaptureFixture[str], case: str, message: str
 ) -> None:
     """All-empty texts, an all-null parquet column and an empty split crashed the rank with a
-    traceback; a missing data.val_path was reported as data.path."""
+    traceback; a missing data.val_path was reported as data.path. A stream whose first record does
+    not read was a bare pyarrow line, one whose records cannot fill a validation hold-out a traceback
+    at the rank's first evaluation; datasets' progress bars and log lines came around the refusal."""
     data = _no_token_sources(tmp_path)[case]
+    capfd.readouterr()
     refused(cfg(data, bpe(corpus)), message.format(tmp=tmp_path))
+    assert capfd.readouterr().err == ""
 
 
 def test_train_py_refuses_data_without_tokens_with_exit_2(

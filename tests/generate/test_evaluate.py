@@ -107,6 +107,29 @@ def test_bad_inputs_are_one_line_exit_2_and_write_no_report(
         assert not report.exists()
 
 
+def test_report_never_replaces_a_file_evaluate_did_not_write_unless_force(
+    tmp_path: Path, hf_dir: Path, documents: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--report RUN/config.yaml`` replaced the run's config, and a folder as --report was an
+    IsADirectoryError traceback after scoring: one line, exit 2, the file as it was; an earlier
+    report is replaced, and --force replaces any file."""
+    data = ["data=jsonl", f"data.path={documents}", "train.seq_len=32", "--device", "cpu"]
+    config = tmp_path / "config.yaml"
+    config.write_text("train:\n  lr: 0.1\n")
+    for report, message in [
+        (config, "exists and is not a report evaluate wrote: refusing to overwrite it; valid: a new path"),
+        (tmp_path, f"is a folder; valid: a file path (e.g. '{tmp_path / 'evaluate.json'}')"),
+    ]:
+        assert main([str(hf_dir), *data, "--report", str(report)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --report '{report}' ") and message in err[0], err
+        assert config.read_text() == "train:\n  lr: 0.1\n" and sorted(tmp_path.iterdir()) == [config]
+    report = tmp_path / "report.json"
+    first = evaluate(hf_dir, data, report, capsys)
+    assert evaluate(hf_dir, data, report, capsys) == first  # its own earlier report: replaced
+    assert evaluate(hf_dir, [*data, "--force"], config, capsys) == first
+
+
 def test_a_checkpoint_saved_by_two_fsdp_ranks_equals_transformers_on_its_export(
     tmp_path: Path, hf_dir: Path, documents: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

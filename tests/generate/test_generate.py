@@ -117,7 +117,10 @@ BAD_FLAGS = [
     (["--device", "cuda:99"], "--device=cuda:99 but this"),
     (["--device", "bogus"], "--device='bogus' is not a torch device"),
     (["--config", "pyproject.toml"], "--config=pyproject.toml is not a run's config.yaml"),
-    (["--config", "{tmp}/other.yaml"], "other.yaml is not a run's config.yaml (Key 'a' not in 'Config')"),
+    (["--config", "{tmp}/other.yaml"], "other.yaml is not a run's config.yaml (the schema refuses its key 'a'"),
+    (["--config", "{tmp}/passwd"], "passwd is not a run's config.yaml (the schema refuses its key 'root:x:0:0"),
+    (["--config", "{tmp}/list.yaml"], "list.yaml is not a run's config.yaml (a YAML list, not a mapping)"),
+    (["--config", "{tmp}/broken.yaml"], "broken.yaml is not a run's config.yaml (not YAML (line 2))"),
     (["--config", "{tmp}"], "is a folder; valid: a run's config.yaml"),
     (["--config", "{tmp}/fifo"], "fifo is not a regular file (a FIFO, a socket or a device); valid: a run's"),
     (["--config", "{tmp}/none.yaml"], "none.yaml does not exist; valid: a run's config.yaml"),
@@ -130,6 +133,10 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, capsys, flags: list[s
     allocated a billion-position KV cache, --device cuda on CPU torch and a non-config --config were
     tracebacks."""
     (tmp_path / "other.yaml").write_text("a: 1\n")
+    # /etc/passwd's shape: YAML reads it as one key, which the error quoted whole (1300 characters).
+    (tmp_path / "passwd").write_text("".join(f"root:x:0:0:user{i}:/home/u{i}:/bin/sh\n" for i in range(40)))
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "broken.yaml").write_text("a: [1\n")
     os.mkfifo(tmp_path / "fifo")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     if flags == ["--device", "cuda:99"] and torch.cuda.device_count() > 99:
@@ -137,6 +144,7 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path: Path, capsys, flags: list[s
     assert main([str(tmp_path), "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert len(err[0]) < 300 and "user39" not in err[0], err  # never the file's content
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +277,10 @@ def test_evaluate_bad_flags_are_one_line_and_exit_2(
 
     (tmp_path / "config.yaml").write_text(to_yaml(Config()))  # seq_len 128 x batch 32: 4128 tokens a batch
     (tmp_path / "other.yaml").write_text("a: 1\n")
+    # /etc/passwd's shape: YAML reads it as one key, which the error quoted whole (1300 characters).
+    (tmp_path / "passwd").write_text("".join(f"root:x:0:0:user{i}:/home/u{i}:/bin/sh\n" for i in range(40)))
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "broken.yaml").write_text("a: [1\n")
     os.mkfifo(tmp_path / "fifo")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     assert evaluate([str(tmp_path), *flags]) == 2

@@ -4,6 +4,7 @@ this process (tests/entry.py)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,116 @@ def test_torchrun_ranks_hear_rank_zeros_refusal_and_refuse_another_composition(t
     for kind, message, code in other:
         assert kind == "join" and code == 2 and "\n" not in message, other
         assert message == "ranks [1] composed a different config than rank 0; differing keys: ['train.lr']"
+
+
+def _held_by_a_live_run(root: Path, run_dir: Path) -> subprocess.Popen:
+    """``root/LOCK`` naming a live process of this host (a real one, not this test's own pid, which
+    the lock would take for ours): the state of a run dir whose run is training."""
+    import json
+    import socket
+
+    owner = subprocess.Popen(["sleep", "120"])
+    root.mkdir(parents=True, exist_ok=True)
+    record = {"user": "them", "host": socket.gethostname(), "pid": owner.pid, "launcher_pid": None}
+    (root / "LOCK").write_text(json.dumps({**record, "run_id": str(run_dir), "since": "now"}))
+    return owner
+
+
+@pytest.mark.parametrize("checkpoint", ["checkpoint=sync", "checkpoint=none"])
+def test_a_run_dir_a_live_run_holds_is_refused_before_hydra_writes_into_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], checkpoint: str
+) -> None:
+    """A second launch into a live run's dir was refused by the lock only after Hydra had rewritten
+    that run's .hydra/ files and written into its train.log."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    records = {run / ".hydra" / "config.yaml": "theirs\n", run / "train.log": "their log\n"}
+    for path, text in records.items():
+        path.write_text(text)
+    owner = _held_by_a_live_run(run / "checkpoints", run)
+    try:
+        assert train_main(f"hydra.run.dir={run}", checkpoint, "train.steps=1") == 2
+    finally:
+        owner.kill()
+        owner.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: hydra.run.dir={str(run)!r} belongs to a live run"), (
+        err
+    )
+    assert f"pid {owner.pid}" in err[0] and "valid: another hydra.run.dir" in err[0], err
+    assert {path: path.read_text() for path in records} == records
+    assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml"]
+
+
+def test_a_checkpoint_dir_a_live_run_holds_is_refused_before_hydra_writes_the_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, root = tmp_path / "run", tmp_path / "shared_checkpoints"
+    run.mkdir()
+    (run / "train.log").write_text("their log\n")
+    owner = _held_by_a_live_run(root, tmp_path / "their_run")
+    try:
+        assert (
+            train_main(f"hydra.run.dir={run}", "checkpoint=sync", f"checkpoint.dir={root}", "train.steps=1")
+            == 2
+        )
+    finally:
+        owner.kill()
+        owner.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint.dir={str(root)!r} is in use by run"), err
+    assert sorted(p.name for p in run.iterdir()) == ["train.log"]
+    assert (run / "train.log").read_text() == "their log\n"
+
+
+def test_a_second_launch_while_the_first_starts_is_one_line_and_the_first_keeps_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two launches of one run dir seconds apart: the first's rank takes the checkpoint lock only once
+    its model is built, so the second passed every check, rewrote the first's config.yaml and failed
+    inside its rank with a LockHeld traceback. The launcher now holds the lock from before it writes
+    the run files (its rank takes it over), so the second is refused in one line."""
+    import time
+
+    from framework.checkpoint import lock
+    from tests.entry import start_forked
+
+    run = tmp_path / "run"
+    first = start_forked(
+        f"hydra.run.dir={run}", "train.steps=200", "checkpoint=sync", log=tmp_path / "first.log"
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "config.yaml").is_file() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert (run / "config.yaml").is_file(), (tmp_path / "first.log").read_text()[-3000:]
+        owner = lock.read(run / "checkpoints")
+        assert owner is not None and owner.pid == first.pid  # the launcher's, before any rank built
+        written = (run / "config.yaml").read_text()
+        assert train_main(f"hydra.run.dir={run}", "train.steps=3", "checkpoint=sync") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"error: hydra.run.dir={str(run)!r} belongs to a live run"
+        ), err
+        assert (run / "config.yaml").read_text() == written
+    finally:
+        first.kill()
+        first.wait(60)
+
+
+def test_ranks_that_failed_for_good_say_how_to_go_on(tmp_path: Path) -> None:
+    """The line after the last restart said which rank died but not what now: no restart is left,
+    and the newest checkpoint, if any, is where a run of the same run dir resumes."""
+    from framework.launch.entry import after_failure
+
+    cfg, root = Config(), tmp_path / "checkpoints"
+    assert (
+        after_failure(cfg, tmp_path, None)
+        == "no restart left (run.max_restarts=0), and no checkpoint was saved"
+    )
+    step = root / "step_000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text('{"step": 4}')
+    assert after_failure(cfg, tmp_path, root) == (
+        f"no restart left (run.max_restarts=0); run again with hydra.run.dir={tmp_path} to resume from {step}"
+    )

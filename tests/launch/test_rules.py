@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
 import re
@@ -143,14 +144,17 @@ def test_every_key_refuses_its_out_of_range_values(
 def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(
     base: DictConfig, family_base: dict[str, DictConfig]
 ) -> None:
-    """The class, not the example: every float key refuses nan and inf, every int key a 1000-digit value."""
+    """The class, not the example: every float key refuses nan, inf and 1e300, every int key 10**18
+    and a 1000-digit value (model.moe.router_aux_loss_coef=1e18 and nccl.timeout_s=1e300 passed; the
+    second was an OverflowError in every rank)."""
     hints = dict(schema_keys())
     typed = {id(b): config.to_config(b) for b in (base, *family_base.values())}
     for key, rule in RULES.items():
         if rule.ok is None:
             continue
         default = typed[id(base_for(key, base, family_base))]
-        bads = [math.nan, math.inf] if hints[key] is float else [10**1000] if hints[key] is int else []
+        floats, ints = [math.nan, math.inf, 1e300], [10**18, 10**1000]
+        bads = floats if hints[key] is float else ints if hints[key] is int else []
         for bad in bads:
             cfg = copy.deepcopy(default)
             for k, v in (*rule.context, (key, bad)):
@@ -158,6 +162,18 @@ def test_non_finite_and_huge_numbers_are_refused_for_every_number_key(
                 setattr(value_at(cfg, group), leaf, v)
             with pytest.raises(ValueError, match=rf"^{key}="):
                 check(cfg)
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": "yes"}, {"amsgrad": 1}, {"maximize": "maybe"}])
+def test_an_optimizer_switch_that_is_not_a_boolean_is_refused(
+    base: DictConfig, tmp_path: Path, kwargs: dict[str, Any]
+) -> None:
+    """``+optimizer.kwargs.foreach=yes``: torch tests a switch for truth, so a string passed the probe
+    and the run trained (exit 0) with whatever the string's truth meant."""
+    [(name, value)] = kwargs.items()
+    msg = refusal(base, {"optimizer.kwargs": kwargs}, tmp_path)
+    assert f"valid: {name}=true or {name}=false ({name}={value!r} is not a boolean)" in msg, msg
+    prelaunch(with_values(base, {"optimizer.kwargs": {name: True}}), tmp_path / "ok", RECIPE)
 
 
 def test_unknown_key_is_refused_with_the_nearest_valid_key(base: DictConfig) -> None:
@@ -272,6 +288,35 @@ def test_verify_files_are_checked_before_launch(base: DictConfig, tmp_path: Path
     for i, (values, message) in enumerate(cases):
         assert message in refusal(base, on | values, tmp_path / f"t{i}")
     assert notes.read_text() == "not json"
+
+
+STORE_FIGURES = {"step_p50_s": 0.1, "step_p99_s": 0.2, "tokens_per_s": 1000.0}
+BAD_STORES = [
+    ("[]", "is not a baseline store; valid: a JSON object {'version': 1"),
+    ('{"version": 1, "baselines": 5}', "is not a baseline store; valid: a JSON object"),
+    ('{"version": 1, "baselines": {"k": {"figures": {"x": 1}}}}', "its entry 'k' has figures ['x'], not "),
+    ('{"version": 1, "baselines": {"k": 3}}', "its entry 'k' has no figures"),
+    (
+        json.dumps({"version": 1, "baselines": {"k": {"figures": STORE_FIGURES | {"tokens_per_s": 0}}}}),
+        "its entry 'k' has tokens_per_s=0, not a finite number > 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("store", "message"), BAD_STORES, ids=[m.split(";")[0][:30] for _, m in BAD_STORES])
+def test_a_baseline_store_that_does_not_read_is_refused_before_training(
+    base: DictConfig, tmp_path: Path, store: str, message: str
+) -> None:
+    """A store that is a list, of another shape, or with an entry compare_perf cannot use was a
+    traceback after training (ZeroDivisionError for tokens_per_s=0), or nothing at all."""
+    path = tmp_path / "store" / "baselines.json"
+    path.parent.mkdir()
+    path.write_text(store)
+    msg = refusal(base, {"verify.enabled": True, "verify.baseline": str(path)}, tmp_path / "t")
+    assert msg.startswith(f"verify.baseline={str(path)!r}") and message in msg, msg
+    good = {"version": 1, "baselines": {"k": {"figures": STORE_FIGURES, "recorded": 1.0}}}
+    path.write_text(json.dumps(good))
+    prelaunch(with_values(base, {"verify.enabled": True, "verify.baseline": str(path)}), tmp_path / "r", RECIPE)
 
 
 def test_cpu_ranks_above_the_cap_need_oversubscribe() -> None:

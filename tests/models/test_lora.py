@@ -273,6 +273,44 @@ def test_an_adapter_of_another_base_is_one_line_exit_2_and_no_run_dir(base: Path
     assert not run.exists()
 
 
+def _spoil(folder: Path, how: str) -> str:
+    """Spoil an exported adapter folder one way; the refusal's words for it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / lora.ADAPTER_WEIGHTS
+    tensors = load_file(str(weights))
+    first = sorted(tensors)[0]
+    if how in ("nan", "inf"):
+        tensors[first] = torch.full_like(tensors[first], float(how))
+        save_file(tensors, str(weights))
+        return f"valid: finite adapter weights; {first} holds NaN or inf"
+    if how == "int64":
+        save_file({k: v.to(torch.int64) for k, v in tensors.items()}, str(weights))
+        return f"of floating-point weights (F16, BF16, F32, F64); {first} is I64"
+    if how in ("list", "string"):
+        (folder / lora.ADAPTER_CONFIG).write_text("[1, 2]" if how == "list" else '"lora"')
+        return f"its adapter_config.json holds a {'list' if how == 'list' else 'str'}, not an object"
+    raw = weights.read_bytes()
+    huge = (2**40).to_bytes(8, "little") + raw[8:]  # the header's length: past safetensors' limit
+    weights.write_bytes(raw[: len(raw) // 2] if how == "truncated" else huge)
+    return "its adapter_model.safetensors is not a readable safetensors file (Error while deserializing header"
+
+
+@pytest.mark.parametrize("how", ["nan", "inf", "int64", "list", "string", "truncated", "huge header"])
+def test_a_spoiled_adapter_folder_is_refused_in_one_line(base: Path, tmp_path: Path, how: str) -> None:
+    """NaN, inf or integer adapter weights were accepted (with NaN every step was skipped and the run
+    exited 0); an adapter_config.json that is a list or a string, a truncated weights file or one
+    whose header claims a terabyte were tracebacks."""
+    cfg, model = lora_model(base)
+    randomize_adapters(model)
+    export_adapter(dict(model.state_dict()), cfg.model, LORA, tmp_path / "adapter", str(base))
+    words = _spoil(tmp_path / "adapter", how)
+    cfg.peft = dataclasses.replace(LORA, adapter=str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match=r"^peft\.adapter=.* is not valid; valid: ") as e:
+        check_rules(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def _losses(run: Path) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from framework.checkpoint import store
-from framework.record.run_dir import DirGone, DirStamp
+from framework.record.run_dir import DirGone, DirStamp, check_creatable
 from tests.entry import start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +95,16 @@ def test_two_ranks_stop_together_and_leave_a_folder_made_at_its_path_alone(tmp_p
     assert "Traceback" not in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_os_access_calls_writable_but_that_takes_no_new_entry_is_refused(tmp_path: Path) -> None:
+    """``export-hf RUN /proc/x`` (and a run dir or checkpoint.dir there): os.access says root may
+    write /proc, mkdir then failed with a FileNotFoundError traceback after the checkpoint was read.
+    The probe leaves nothing behind where it can create."""
+    with pytest.raises(
+        ValueError, match=r"^OUT='/proc/x' cannot be written: nothing can be created in '/proc' \("
+    ):
+        check_creatable("OUT='/proc/x'", Path("/proc/x"), "folder")
+    check_creatable("OUT='x'", tmp_path / "new" / "x", "folder")
+    assert list(tmp_path.iterdir()) == []

@@ -123,10 +123,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     The killed run is a real ``train.py`` launch; the unbroken one runs its config.yaml with fault
     injection off on 2 ranks forked from this process (see ``unbroken_run``)."""
     tmp = tmp_path_factory.mktemp("elastic")
-    base, killed = tmp / "base", tmp / "killed"
-    ok(train(killed, "train.steps=8", *KILL))
+    base, killed, console = tmp / "base", tmp / "killed", tmp / "killed.console"
+    console.write_text(ok(train(killed, "train.steps=8", *KILL)))
     unbroken_run(killed, base, 2)
-    return {"base": base, "killed": killed}
+    return {"base": base, "killed": killed, "console": console}
 
 
 def unbroken_run(killed: Path, base: Path, world: int) -> None:
@@ -158,6 +158,28 @@ def test_sigkilled_rank_restarts_resumes_and_ends_bitwise_equal(runs: dict[str, 
     assert losses_by_step(killed) == losses_by_step(base)
     # Model weights, AdamW moments and step counts: bitwise.
     assert assert_bitwise(step_dir(base, 8), step_dir(killed, 8)) > 100
+
+
+def test_a_killed_rank_is_one_console_line_and_the_survivors_tracebacks_go_to_the_log(
+    runs: dict[str, Path],
+) -> None:
+    """Rank 1 SIGKILLed: the survivor's gloo "Connection closed by peer" traceback (and torch's
+    elastic W/E lines) filled the console before the restart, which no line announced. Now one line
+    says which rank died, how, and where the restarted ranks resume; rank 0's traceback is in
+    train.log only."""
+    console = runs["console"].read_text()
+    said = [line for line in console.splitlines() if "restarting the ranks" in line]
+    assert len(said) == 1, console[-4000:]
+    # rank 0 exits on its own (its collective failed) or is stopped by the agent, whichever comes first
+    assert re.search(
+        r"\]\[WARNING\] - rank 1 was killed by SIGKILL(; then rank 0 exited with 1)?; restarting the ranks "
+        rf"\(restart 1 of 1\): they resume from {re.escape(str(step_dir(runs['killed'], 4)))}$",
+        said[0],
+    ), said
+    assert "Traceback" not in console and "by peer" not in console, console[-4000:]
+    assert "closing signal" not in console and "exitcode" not in console, console[-4000:]
+    log = (runs["killed"] / "train.log").read_text()
+    assert "rank 0 lost a peer rank:\nTraceback" in log and "by peer" in log, log[-3000:]
 
 
 def test_four_fsdp_ranks_one_killed_resume_bitwise(tmp_path: Path) -> None:

@@ -468,6 +468,28 @@ def test_compare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["compare", str(a), str(tmp_path)]) == 2 and "not a run dir" in capsys.readouterr().err
 
 
+def test_compare_out_never_replaces_a_file_compare_did_not_write_unless_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``compare A B --out A/config.yaml`` replaced that run's config with the report."""
+    from framework.verify.__main__ import main
+
+    a = _fake_run(tmp_path / "a", 1e-3, [5.0, 4.0], 1000.0)
+    b = _fake_run(tmp_path / "b", 2e-3, [5.0, 3.5], 1500.0)
+    config = (a / "config.yaml").read_text()
+    assert main(["compare", str(a), str(b), "--out", str(a / "config.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists and is not a report compare wrote" in err[0], err
+    assert (a / "config.yaml").read_text() == config
+    report = tmp_path / "compare.md"
+    assert main(["compare", str(a), str(b), "--out", str(report)]) == 0
+    assert main(["compare", str(b), str(a), "--out", str(report)]) == 0  # its own report: replaced
+    assert report.read_text() == compare_runs(b, a)
+    expected = compare_runs(a, b)
+    assert main(["compare", str(a), str(b), "--out", str(a / "config.yaml"), "--force"]) == 0
+    assert (a / "config.yaml").read_text() == expected
+
+
 def test_shipped_verify_configs_compose() -> None:
     from omegaconf import OmegaConf
 
