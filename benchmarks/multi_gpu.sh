@@ -31,6 +31,9 @@ case_() {
     ddp) run ddp mesh=$N sharding=ddp nccl=debug verify=on ;;
     hsdp) run hsdp "mesh.shape=[2,$((N / 2))]" sharding=hsdp nccl=gdr3 ;;  # 2 "nodes" x N/2
     tp) run tp mesh=$N sharding=tp ;;  # compiled TP blocks (sequence parallel) on NCCL
+    # The same with async TP (parallel.async_tp: Inductor's fused all-gather/matmul over symmetric
+    # memory): its losses beside tp's, its tokens/s beside the planner's (issue 43).
+    tp_async) run tp_async mesh=$N sharding=tp parallel.async_tp=true ;;
     fsdp_tp) run fsdp_tp mesh=$N sharding=fsdp_tp ;;
     # SIGKILL rank 1 at step 12: the launcher restarts every rank, they resume from step 10.
     fault) run fault mesh=$N sharding=fsdp checkpoint=sync checkpoint.every_steps=10 run.max_restarts=1 \

@@ -542,6 +542,8 @@ def overrides(row: Row, ac: str, virtual: int = 1) -> list[str]:
     if row.float8 != "none":
         out.append(f"model.float8={row.float8}")
     out.append(f"model.attention={ATTENTION.get(source_key(row), 'auto')}")
+    if _ASYNC_TP in row.differs:  # the runtime has it now (parallel.async_tp): forced as published
+        out.append("parallel.async_tp=true")
     return out
 
 

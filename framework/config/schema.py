@@ -884,6 +884,11 @@ class ParallelConfig:
     # the cross-entropy runs under torch's loss_parallel(), so no rank holds the full logits.
     # false: the logits are gathered to every TP rank (tp x the memory). No effect without TP.
     loss_parallel: bool = True
+    # Async tensor parallelism under tp > 1 (torchtitan's enable_async_tensor_parallel): Inductor's
+    # micro-pipeline TP pass (torch._inductor.config._micro_pipeline_tp) rewrites each sequence-parallel
+    # all-gather + matmul and matmul + reduce-scatter into fused ops over symmetric memory that overlap
+    # the collective with the matmul. Compiled executors on CUDA (NCCL) only; no effect without TP.
+    async_tp: bool = False
 
 
 @dataclass

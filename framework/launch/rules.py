@@ -897,6 +897,8 @@ RULES: dict[str, Rule] = {
         for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     },
     "parallel.loss_parallel": TYPED,
+    # The combinations (eager, a CPU launch) are the planner's: framework.planner.plan._check_async_tp.
+    "parallel.async_tp": TYPED,
     "parallel.ep": Rule(
         "0 or 1 (off), or an expert-parallel degree >= 2 that divides parallel.dp_shard (the ep ranks "
         "are borrowed from it) and model.moe.num_experts, with a sparse family and parallel.cp=1",

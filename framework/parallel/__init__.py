@@ -199,7 +199,7 @@ def _parallelize_stage(
         model.token_group = token_group(mesh, plan)
     apply_float8(model, model.cfg, fsdp_all_gather=layout.fsdp and layout.fsdp_shard > 1)
     apply_lora(model, peft, layout.tp, layout.fsdp)
-    apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)), plan.loss_parallel)
+    apply_tp(model, sub_mesh(mesh, plan, (MeshAxis.tp,)), plan.loss_parallel, plan.async_tp)
     experts = expert_meshes(mesh, plan)
     apply_ep(model, experts[0] if experts else None)
     ac, budget = activation_rung(sharding, executor)

@@ -111,9 +111,30 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
     return plan
 
 
-def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, loss_parallel: bool = True) -> None:
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """``parallel.async_tp``: turn on Inductor's micro-pipeline TP pass, which rewrites each compiled
+    sequence-parallel all-gather + matmul and matmul + reduce-scatter into torch's fused ops over
+    symmetric memory (torchtitan's enable_async_tensor_parallel does the same two things). The
+    pass is a global Inductor setting, read when the blocks compile (after this, ``apply_compile``).
+    Symmetric memory is set up for the TP group where this torch still needs it (it warns that the
+    call is no longer needed from 2.12 on). The planner refuses it off CUDA and under eager."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def apply_tp(
+    model: Decoder, tp_mesh: DeviceMesh | None, loss_parallel: bool = True, async_tp: bool = False
+) -> None:
     """Shard ``model`` in place over ``tp_mesh`` by its spec's TP styles; no-op when there is no TP
-    axis (or it has size 1). ``loss_parallel`` (``parallel.loss_parallel``): the output projection's
+    axis (or it has size 1). ``async_tp`` (``parallel.async_tp``, on CUDA): ``enable_async_tp`` first,
+    so the blocks compile with their collectives fused. ``loss_parallel`` (``parallel.loss_parallel``): the output projection's
     logits stay sharded over the vocabulary and the model's loss runs under ``loss_parallel_scope``
     (framework.models.parts.loss; ``Decoder.vocab_shards``); False gathers them to every TP rank.
 
@@ -123,6 +144,8 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh | None, loss_parallel: bool = T
     """
     if tp_mesh is None or tp_mesh.size() == 1:
         return
+    if async_tp and tp_mesh.device_type == "cuda":  # a dry run on meta plans it, runs nothing
+        enable_async_tp(tp_mesh)
     spec = model_spec(model.cfg)
     # A pipeline stage may lack the embedding or the head (framework.parallel.pipeline): its input
     # and output are then the residual stream's local sequence shard, as between two blocks.

@@ -19,6 +19,7 @@ from framework.planner.layout import (
     DP_AXES,
     Degrees,
     MeshAxis,
+    async_tp_on,
     loss_parallel_on,
     num_experts,
 )
@@ -239,8 +240,13 @@ def _tp_comm(
     gathers = n if mode == ActivationCheckpointing.selective_op else recomputed.get(mode, 0)
     ag_calls = (n * 4 + gathers * 2) * accum
     rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
-    out.append(collective(cfg, "tp", "all_gather", tp, intra_tp, ag_calls, act))
-    out.append(collective(cfg, "tp", "reduce_scatter", tp, intra_tp, rs_calls, act))
+    # Under async TP (parallel.async_tp) Inductor fuses each with its matmul (torch's
+    # fused_all_gather_matmul / fused_matmul_reduce_scatter): the same bytes, overlapped
+    # (framework.planner.cost.exposed_comm).
+    fused = async_tp_on(cfg, tp)
+    ag, rs = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("all_gather", "reduce_scatter")
+    out.append(collective(cfg, "tp", ag, tp, intra_tp, ag_calls, act))
+    out.append(collective(cfg, "tp", rs, tp, intra_tp, rs_calls, act))
     if loss_parallel_on(cfg, tp):
         # Loss parallelism: three all-reduces of one fp32 value per token in the loss's forward
         # (the max, the sum of exponentials, the target's logit), none in backward.

@@ -301,6 +301,12 @@ def check_ep(d: Degrees, model: ModelConfig) -> None:
         )
 
 
+def async_tp_on(cfg: Config, tp: int) -> bool:
+    """Whether TP's sequence-parallel collectives run fused with their matmuls (``parallel.async_tp``
+    under tp > 1: framework.parallel.tensor.enable_async_tp)."""
+    return tp > 1 and cfg.parallel.async_tp
+
+
 def loss_parallel_on(cfg: Config, tp: int) -> bool:
     """Whether each TP rank keeps only its vocabulary shard of the logits (``parallel.loss_parallel``
     under tp > 1, framework.models.parts.loss); without TP every rank holds them whole anyway."""

@@ -31,6 +31,7 @@ from framework.planner.layout import (
     Degrees,
     MeshAxis,
     Placement,
+    async_tp_on,
     axis_placement,
     check_cp,
     check_degrees,
@@ -100,6 +101,8 @@ class Plan:
     # Loss parallelism (``parallel.loss_parallel`` under tp > 1, framework.parallel.tensor): the
     # logits stay sharded over the vocabulary on each TP rank. False without TP, or when turned off.
     loss_parallel: bool = False
+    # Async TP (``parallel.async_tp`` under tp > 1): the TP collectives fused with their matmuls.
+    async_tp: bool = False
     # sharding.activation_memory_budget under activation_checkpointing=budget (None under any other
     # mode): the value the compiler's partitioner gets, chosen by the search under auto.
     activation_memory_budget: float | None = None
@@ -168,6 +171,27 @@ def _check_executor(cfg: Config, d: Degrees) -> None:
             f"executor.scope=model with an FSDP layout ({d.name()}: {d.short()}): FSDP2's per-block hooks "
             f"are Dynamo graph breaks (torch._dynamo.disable), so no full graph spans the model; "
             f"use executor.scope=block, which compiles exactly the regions between those hooks"
+        )
+
+
+def _check_async_tp(cfg: Config, d: Degrees) -> None:
+    """``parallel.async_tp`` is an Inductor pass over symmetric memory (CUDA, NCCL): refuse it where
+    nothing would compile it (eager) or where it cannot run (a CPU launch; a dry run plans it for the
+    declared hardware)."""
+    if not (cfg.parallel.async_tp and d.tp > 1):
+        return
+    if cfg.executor.mode is ExecutorMode.eager:
+        raise ValueError(
+            f"parallel.async_tp=true with executor.mode=eager (tp={d.tp}): the fused all-gather/matmul "
+            "and matmul/reduce-scatter are Inductor's rewrite of a compiled graph; valid: executor=compile "
+            "(or cudagraphs), or parallel.async_tp=false"
+        )
+    cpu = cfg.mesh.hardware.device_type == "cpu" if cfg.run.dry_run else runs_on_cpu(cfg)
+    if cpu:
+        where = f"mesh/hardware={cfg.mesh.hardware.name}" if cfg.run.dry_run else "a CPU launch (gloo)"
+        raise ValueError(
+            f"parallel.async_tp=true on {where}: async TP needs CUDA devices and NCCL (symmetric memory); "
+            "valid: parallel.async_tp=false, or a CUDA run (a dry run: a GPU mesh/hardware profile)"
         )
 
 
@@ -244,6 +268,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
     size = dict(zip(axes, sizes, strict=True))
     tp, dp, shard = d.tp, d.dp, d.fsdp_shard
     _check_executor(cfg, d)
+    _check_async_tp(cfg, d)
     pipeline_stages.check_pipeline(cfg, d.pp, dp)
     accum = _check_batch(cfg, dp)
     _check_in_backward(cfg, accum)
@@ -308,6 +333,7 @@ def plan_for(cfg: Config, d: Degrees, *, check_memory: bool = True) -> Plan:
         warnings=tuple(warnings),
         **(pipe.fields() if pipe is not None else {}),
         loss_parallel=loss_parallel_on(cfg, tp),
+        async_tp=async_tp_on(cfg, tp),
         activation_memory_budget=budget_of(cfg),
     )
 
@@ -329,6 +355,8 @@ def _layout_warnings(
             "out every gradient at once, so no gradient memory is saved and no update overlaps the "
             "backward; use executor.scope=block"
         )
+    if cfg.parallel.async_tp and tp == 1:
+        warnings.append("parallel.async_tp=true does nothing without tensor parallelism (tp=1)")
     if not cfg.parallel.loss_parallel and tp == 1:
         warnings.append(
             "parallel.loss_parallel=false does nothing without tensor parallelism (tp=1): every rank "
