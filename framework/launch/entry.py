@@ -274,10 +274,15 @@ def aux_scope_under_pipeline(cfg: Config, pp: int) -> Config:
 
 def check_hardware(cfg: Config, device: torch.device) -> None:
     """A launch on another kind of device than ``mesh/hardware`` declares: one warning line
-    (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one."""
-    if cfg.run.dry_run:
-        return
-    warning = target.mismatch(cfg.mesh.hardware, target.local(device))
+    (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one.
+    Else a GPU-sized job or an NCCL preset on the CPU profile (the default): one line naming the
+    hardware the plan assumes and the options (framework.kernels.target.cpu_profile_notice)."""
+    from framework.launch.docs import group_options
+    from framework.models import num_params
+
+    warning = None if cfg.run.dry_run else target.mismatch(cfg.mesh.hardware, target.local(device))
+    if warning is None:
+        warning = target.cpu_profile_notice(cfg, num_params(cfg.model), group_options("mesh/hardware"))
     if warning:
         log.warning("%s", warning)
 

@@ -250,3 +250,25 @@ def test_float8_experts_marked_as_planned(shape: list[int], pp: int, ep: int) ->
     text = format_dry_run(report)
     assert report.num_float8_experts == report.planned_float8_experts == 4 // pp, text
     assert f"float8 MoE experts  planned {4 // pp}, marked {4 // pp}" in text
+
+
+def test_a_gpu_sized_job_or_nccl_preset_on_the_cpu_profile_says_which_hardware(tmp_path: Path) -> None:
+    """The mission's command without mesh/hardware planned for the default CPU profile, silently:
+    now one warning line names the profile and the options; a GPU profile, or a small job without
+    an NCCL preset, prints none."""
+    cases = {
+        "gpu_sized": (["mesh=2x4", "nccl=gdr3", "recipe=llama7b"], 1),
+        "preset_only": (["mesh=2", "nccl=ib"], 1),
+        "declared": (["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h100_sxm"], 0),
+        "small": (["mesh=2"], 0),
+    }
+    for name, (args, expected) in cases.items():
+        run = tmp_path / name
+        assert train_main(f"hydra.run.dir={run}", *args, "run.dry_run=true") == 0, name
+        lines = [ln for ln in (run / "train.log").read_text().splitlines() if "the plan assumes" in ln]
+        assert len(lines) == expected, (name, lines)
+        if expected:
+            assert "[WARNING]" in lines[0] and "mesh/hardware=cpu: the plan assumes a CPU host" in lines[0]
+            assert "add mesh/hardware=NAME (a100_80gb, h100_96gb_500w, h100_sxm, h200)" in lines[0]
+    text = (tmp_path / "gpu_sized" / "train.log").read_text()
+    assert "for a 6.74B-parameter model and nccl=gdr3 (NCCL runs on GPU ranks only)" in text
