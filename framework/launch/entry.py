@@ -834,21 +834,23 @@ def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> Non
 
 
 def link_latest(run_dir: Path) -> Path | None:
-    """``outputs/latest`` -> the newest run dir, for a run dir directly under a folder named
-    ``outputs`` (the default ``hydra.run.dir``; elsewhere nothing is written outside the run dir).
+    """``outputs/latest`` -> the newest run dir, for a run dir under a folder named ``outputs`` (the
+    default ``hydra.run.dir`` is ``outputs/DATE/TIME-ID``, two levels down; elsewhere nothing is
+    written outside the run dir). The link is relative (``DATE/TIME-ID``): the tree can move.
 
     Rank 0 only; atomic: a new link under a temporary name replaces the old one (``os.replace``), so
     a reader never sees it missing. A ``latest`` that is not a symlink (a user's folder) is kept."""
-    parent = run_dir.resolve().parent
-    if parent.name != "outputs" or os.environ.get("RANK", "0") != "0":
+    path = run_dir.resolve()
+    root = next((p for p in path.parents[:2] if p.name == "outputs"), None)
+    if root is None or os.environ.get("RANK", "0") != "0":
         return None
-    latest = parent / "latest"
+    latest = root / "latest"
     if latest.exists() and not latest.is_symlink():
         log.warning("not linking %s: it exists and is not a symlink", latest)
         return None
-    tmp = parent / f".latest.{os.getpid()}"
+    tmp = root / f".latest.{os.getpid()}"
     tmp.unlink(missing_ok=True)
-    tmp.symlink_to(run_dir.resolve().name)
+    tmp.symlink_to(path.relative_to(root))
     os.replace(tmp, latest)
     return latest
 

@@ -35,6 +35,12 @@ def _model(cfg: ModelConfig, seq: int = 16) -> torch.nn.Module:
     return model
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_names_shapes_and_config(tmp_path: Path) -> None:
     for cfg in (GQA, ModelConfig()):  # untied GQA, and the tied tiny default
         model = _model(cfg)
@@ -64,6 +70,9 @@ def test_names_shapes_and_config(tmp_path: Path) -> None:
             cfg.tie_embeddings,
         )
         assert conf["torch_dtype"] == "float32" and conf["max_position_embeddings"] == 16
+        # Every file of the folder has one mode (the umask's): the weights were written 0600.
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+        assert len(set(modes.values())) == 1 and modes["model.safetensors"] == oct(0o666 & ~_umask()), modes
 
 
 def test_export_out_must_be_a_folder_outside_the_checkpoint_root(tmp_path: Path) -> None:

@@ -323,16 +323,25 @@ def test_warmup_as_long_as_the_run_warns_in_one_line(
         assert f"train.warmup_steps={warmup} >= train.steps=5" in lines[0]
 
 
-def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path) -> None:
+def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``outputs/latest`` names the newest run dir, also in the default layout ``outputs/DATE/TIME-ID``
+    (the link was made only for a run dir directly under outputs/, so never by default), and
+    ``generate outputs/latest`` reads that run's checkpoint."""
+    from framework.launch.generate import main as generate_main
+
     outputs = tmp_path / "outputs"
     quick = ["train.steps=2", "train.eval_every=0", "train.log_every=1", "freeze=none", "logger.plot=false"]
-    for name in ("a", "b"):
+    for name in ("a", "2026-12-01/23-12-52-b"):
         proc = train(outputs / name, *quick)
         assert proc.returncode == 0, proc.stderr[-3000:]
         latest = outputs / "latest"
         assert latest.is_symlink() and os.readlink(latest) == name
         assert (latest / "summary.json").is_file()
-    assert sorted(p.name for p in outputs.iterdir()) == ["a", "b", "latest"]  # no temporary link left
+    assert sorted(p.name for p in outputs.iterdir()) == ["2026-12-01", "a", "latest"]  # no temporary link
+    capsys.readouterr()
+    assert generate_main([str(outputs / "latest"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def ") and "2026-12-01/23-12-52-b/checkpoints/step_000002" in out.err, out
     # A run dir elsewhere links nothing next to it.
     assert train(tmp_path / "c", *quick).returncode == 0
     assert not (tmp_path / "latest").exists()
