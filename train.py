@@ -6,6 +6,10 @@ builds, freezes, parallelizes, trains, checkpoints and verifies (framework.train
 
 import sys
 
+from framework.launch.startup import arm_stack_dump, one_line_interrupts, register_resolvers
+
+one_line_interrupts()  # Ctrl-C anywhere (an import, the freeze): one line, not a traceback
+
 import hydra
 from omegaconf import DictConfig
 
@@ -13,7 +17,6 @@ from framework.config import schema as config
 from framework.config.mode_probe import skip_mode_probe
 from framework.config.override_errors import one_line_errors
 from framework.launch import docs, recipes
-from framework.launch.ranks import arm_stack_dump, register_resolvers
 
 config.register()
 try:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -169,8 +168,9 @@ def _fork_train(argv: tuple[str, ...], env: dict[str, str], cwd: Path, out_path:
             os.environ.update(env)
             os.chdir(cwd)
             code = _exec_train(argv)
-        except BaseException:  # noqa: BLE001 - what the interpreter prints, then exit 1
-            traceback.print_exc()
+        except BaseException as e:  # noqa: BLE001 - what the interpreter prints (its hook), then exit 1
+            sys.excepthook(type(e), e, e.__traceback__)
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

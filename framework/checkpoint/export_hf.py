@@ -305,7 +305,7 @@ def check_writable_folder(out_dir: Path, out: Path) -> None:
 def export_checkpoint(
     checkpoint: Path, out_dir: Path, run_config: Path | None = None, force: bool = False
 ) -> Path:
-    """``python -m framework.checkpoint export-hf``: a framework checkpoint -> a Hugging Face folder.
+    """``python -m framework export-hf``: a framework checkpoint -> a Hugging Face folder.
 
     ``checkpoint``: a ``step_N`` dir, a checkpoint root or a run dir (its newest complete
     checkpoint). The model shape comes from the checkpoint (``extra.json``) or the run's

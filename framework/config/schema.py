@@ -184,7 +184,7 @@ class TokenizerKind(Enum):
 class DataSource(Enum):
     """``stdlib``: the standard library's source, byte-level (default); ``text`` / ``jsonl`` /
     ``parquet``: documents from files, tokenized on the fly and packed with EOS; ``hf``: a
-    ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework.data
+    ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework data
     prepare``; ``synthetic``: random tokens (benchmarks); ``sft``: chat / instruction records (jsonl)
     for fine-tuning, one example per row, the loss masked on prompt tokens (framework.data.sft)."""
 

@@ -290,7 +290,7 @@ def check_token_digest(path: Path, tok: Tokenizer) -> None:
     if made_with is None:
         raise ValueError(
             f"{path}: its sidecar does not record the tokenizer that wrote it; re-run "
-            "`python -m framework.data prepare` with this run's tokenizer"
+            "`python -m framework data prepare` with this run's tokenizer"
         )
     if made_with != tok.digest():
         raise ValueError(

@@ -733,6 +733,8 @@ def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | Non
     from framework.train.trainer import checkpoint_root
 
     name = f"signal {signum}" if signum is not None else "a signal"
+    if signum == 2:
+        name += " (SIGINT: Ctrl-C)"
     root = checkpoint_root(cfg, run_dir)
     if stop is not None and stop.get("saved"):
         path = store.step_dir(root, int(stop["step"]))

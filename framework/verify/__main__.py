@@ -1,32 +1,7 @@
-"""``python -m framework.verify compare RUN_A RUN_B``: side-by-side report of two run dirs."""
+"""`python -m framework.verify` stays the command line; it lives in the launch layer as
+`framework.launch.verify_cli` (`python -m framework ...`), whose help answers before torch is imported."""
 
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-from framework.verify.compare import compare_runs
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.verify", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compare", help="graph, config, loss and performance of two run dirs, side by side")
-    p.add_argument("run_a", type=Path)
-    p.add_argument("run_b", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
-    args = parser.parse_args(argv)
-    try:
-        text = compare_runs(args.run_a, args.run_b)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(text, end="")
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0
-
+import runpy
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("framework.launch.verify_cli", run_name="__main__", alter_sys=True)

@@ -157,7 +157,7 @@ def test_logits_match_transformers_llama(tmp_path: Path, cfg: ModelConfig) -> No
 def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
     """SIGTERM mid-run with ``checkpoint.export_hf=true``: the run saves, exports that same step
     (the job may not come back) and exits 0; ``export-hf`` on the checkpoint gives the same tensors."""
-    from framework.checkpoint.__main__ import main as checkpoint_cli
+    from framework.launch.export_cli import main as checkpoint_cli
     from framework.record.metrics import read_metrics
     from tests.entry import start_forked
 
@@ -314,7 +314,7 @@ def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
     """OUT an existing file, under a file, or a folder this user cannot write: exit 2, one line
     naming OUT and what is valid, the file untouched and nothing written (a read-only folder was a
     PermissionError traceback after the checkpoint was read)."""
-    from framework.checkpoint.__main__ import main
+    from framework.launch.export_cli import main
 
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")

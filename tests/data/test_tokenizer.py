@@ -159,7 +159,7 @@ def test_vocab_larger_than_the_model_is_refused_smaller_warns(
 
 
 def test_tokenizer_train_cli_refuses_a_tiny_vocab(corpus: Corpus, tmp_path: Path) -> None:
-    from framework.data import main
+    from framework.launch.data_cli import main
 
     assert (
         main(["tokenizer", "train", str(tmp_path / "t.json"), str(corpus.jsonl), "--vocab-size", "100"]) == 2
@@ -193,7 +193,7 @@ def test_tokenizer_train_refuses_a_vocab_size_out_of_range(
 ) -> None:
     """--vocab-size 1e22 overflowed inside the tokenizers trainer (a traceback): argparse's one error
     line and exit 2, nothing written."""
-    from framework.data import main
+    from framework.launch.data_cli import main
 
     text = tmp_path / "t.txt"
     text.write_text("hello world\n")

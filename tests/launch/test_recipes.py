@@ -67,7 +67,7 @@ model:
 ARGS_IN_LISTS = """# Looks like a callback's values.
 callbacks:
   profiler:
-    _args_: [[{{_target_: framework.data.cli.main, _args_: [[prepare, "{marker}", "{src}"]]}}]]
+    _args_: [[{{_target_: framework.launch.data_cli.main, _args_: [[prepare, "{marker}", "{src}"]]}}]]
 """
 MAIN_TARGET = """# The command line's own entry, with command-line trust.
 optimizer:

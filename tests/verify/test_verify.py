@@ -463,7 +463,7 @@ def test_compare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "- max_abs_diff: 0.5" in text and "- final_b: 2" in text and "- min_a: 2.5" in text
     assert "| tokens_per_s | 1000 | 1500 | 1.500 |" in text
     assert "not recorded" in text
-    from framework.verify.__main__ import main  # python -m framework.verify, in this process
+    from framework.launch.verify_cli import main  # python -m framework verify, in this process
 
     assert main(["compare", str(a), str(tmp_path)]) == 2 and "not a run dir" in capsys.readouterr().err
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.launch.verify_cli import main as verify_cli
 from framework.record.metrics import read_metrics
-from framework.verify.__main__ import main as verify_cli
 from tests.train.test_train import train
 
 TINY = ["verify=on", "train.steps=12", "train.log_every=4", "train.eval_every=0", "train.seq_len=64"]
