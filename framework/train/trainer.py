@@ -371,6 +371,7 @@ def setup(
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
+    metrics.begin(state.step)  # step/total, elapsed and ETA on every log line count from here
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
         cfg,
