@@ -534,15 +534,50 @@ def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> None
     config_yaml = job.config_yaml
     (run_dir / "config.yaml").write_text(config_yaml)
     record = plan_to_dict(plan)
+    brief = plan.world_size == 1 and not cfg.run.dry_run
     if job.search is not None:
         record["search"] = search_to_dict(job.search)
-        log.info("%s", format_search(job.search))
+        if not brief:
+            log.info("%s", format_search(job.search))
     write_plan(run_dir, record)
     write_provenance(run_dir, recipe, config_yaml)
-    log.info("plan:\n%s", format_plan(plan))
     write_nccl_record(run_dir, nccl_env)
+    if brief:  # one rank: the choice in one line; the table, the search and NCCL's are in the files
+        log.info("%s", plan_line(cfg, plan, run_dir))
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        return
+    log.info("plan:\n%s", format_plan(plan))
+    if cfg.mesh.hardware.device_type == "cpu":
+        log.info("%s", CPU_PREDICTION)
     if nccl_env:
         log.info("nccl: %s", describe_nccl(nccl_env))
+
+
+# The step-time model's constants are fitted to GPUs (framework.planner.cost); on the CPU profile its
+# prediction for the default run was far slower than measured (benchmarks/PERF.md, "A user's first
+# hour": the figure).
+CPU_PREDICTION = (
+    "mesh/hardware=cpu: the predicted step time and tokens/s above are the GPU-fitted step-time model's, "
+    "not this CPU's (measure with a short run); the memory figures hold"
+)
+
+
+def plan_line(cfg: Config, plan: Plan, run_dir: Path) -> str:
+    """A one-rank run's plan in one line: the layout, its batch and checkpointing, the memory, and
+    where the full plan is (plan.json: the estimates and, under sharding=auto, the search). The
+    predicted step time only for a GPU profile (CPU_PREDICTION says why)."""
+    gib = 2**30
+    time = (
+        ""
+        if cfg.mesh.hardware.device_type == "cpu"
+        else f", predicted step {plan.prediction.step_time_s * 1e3:.1f} ms"
+    )
+    return (
+        f"plan: {plan.strategy} on 1 rank, micro batch {plan.micro_batch_size} x {plan.grad_accum_steps} "
+        f"accumulation, activation checkpointing {plan.activation_checkpointing}, "
+        f"{plan.memory.total / gib:.2f} of {plan.memory.device / gib:.0f} GiB{time} (in full: {run_dir / PLAN_FILE})"
+    )
 
 
 def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
