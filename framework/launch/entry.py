@@ -43,6 +43,7 @@ from framework.config.schema import (
     Config,
     ExecutorMode,
     Float8Recipe,
+    LoggerKind,
     RunConfig,
     to_config,
     to_yaml,
@@ -193,6 +194,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
+    check_extras(cfg)
     check_warmup(cfg)
     check_cudagraphs(cfg, device)
     # The layout the user fixed, before any search (None under sharding=auto, where sharding.tp pins
@@ -236,6 +238,26 @@ def check_verify_files(cfg: Config) -> None:
             )
         if not path.exists():
             check_dir_creatable("verify.baseline", v.baseline)
+
+
+# Options whose package is an extra of pyproject.toml, not the base install: (the option, whether
+# the config uses it, the package to import, the extra that installs it).
+EXTRAS: list[tuple[str, Callable[[Config], bool], str, str]] = [
+    ("logger=wandb", lambda c: c.logger.kind is LoggerKind.wandb, "wandb", "wandb"),
+]
+
+
+def check_extras(cfg: Config, extras: list[tuple[str, Callable[[Config], bool], str, str]] = EXTRAS) -> None:
+    """An option whose package the base install leaves out (``pip install -e .``): one line naming
+    the extra, before launch (wandb failed in every rank's import, after the freeze)."""
+    import importlib.util
+
+    for option, used, package, extra in extras:
+        if used(cfg) and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"{option} needs the {package} package, which the base install leaves out: "
+                f"pip install -e '.[{extra}]' (the dev extra has it too)"
+            )
 
 
 def check_warmup(cfg: Config) -> None:
@@ -831,7 +853,7 @@ def check_export_dir(cfg: Config, run_dir: Path) -> None:
     out = run_dir / "hf"
     fix = (
         "valid: move it away, or checkpoint.export_hf=false "
-        "(export later with python -m framework.checkpoint export-hf)"
+        "(export later with python -m framework export-hf)"
     )
     if out.exists() and not out.is_dir():
         raise ValueError(f"checkpoint.export_hf=true writes {out}, which is a file; {fix}")

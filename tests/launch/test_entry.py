@@ -134,3 +134,25 @@ def test_torchrun_ranks_hear_rank_zeros_refusal_and_refuse_another_composition(t
     for kind, message, code in other:
         assert kind == "join" and code == 2 and "\n" not in message, other
         assert message == "ranks [1] composed a different config than rank 0; differing keys: ['train.lr']"
+
+
+def test_an_option_of_an_extra_not_installed_is_one_line_naming_the_extra() -> None:
+    """The base install leaves wandb out (pyproject's ``wandb`` extra): ``logger=wandb`` without the
+    package is refused before launch, naming the extra. Checked with a package name that is not
+    installed anywhere (wandb itself is, in the dev extra)."""
+    from framework.config.schema import LoggerKind
+    from framework.launch.entry import EXTRAS, check_extras
+
+    assert [(o, p, e) for o, _, p, e in EXTRAS] == [("logger=wandb", "wandb", "wandb")]
+    cfg = Config()
+    cfg.logger.kind = LoggerKind.wandb
+    check_extras(cfg)  # installed here: no refusal
+    missing = [("logger=wandb", lambda c: c.logger.kind is LoggerKind.wandb, "framework_no_such_pkg", "wandb")]
+    with pytest.raises(ValueError) as e:
+        check_extras(cfg, missing)
+    assert str(e.value) == (
+        "logger=wandb needs the framework_no_such_pkg package, which the base install leaves out: "
+        "pip install -e '.[wandb]' (the dev extra has it too)"
+    )
+    cfg.logger.kind = LoggerKind.console
+    check_extras(cfg, missing)  # not used: no refusal
