@@ -1,10 +1,13 @@
-"""Generated documentation: docs/config.md (the config reference) and ``python train.py --help``.
+"""Generated documentation: docs/config.md (the config reference), ``python train.py --help`` and the
+dry-run output blocks of README.md and docs/*.md (framework.launch.doc_outputs).
 
-Both are rendered from the code, so they cannot drift: the typed schemas of framework.config.schema (each
+The first two are rendered from the code, so they cannot drift: the typed schemas of framework.config.schema (each
 field's type, default and the comment next to it), the options found in conf/ and the recipe roots,
-and ``GROUP_DESCRIPTIONS`` below. ``python -m framework.docs`` rewrites docs/config.md (between its
-markers) and conf/hydra/help/ (framework.yaml: ``--help``; full.yaml: ``--help --all``); ``--check``
-exits 1 when one is stale (the test suite runs it).
+and ``GROUP_DESCRIPTIONS`` below; the blocks run their commands. ``python -m framework docs`` rewrites
+docs/config.md (between its markers), conf/hydra/help/ (framework.yaml: ``--help``; full.yaml:
+``--help --all``) and the blocks; ``--check``
+exits 1 when one is stale (the test suite runs it). Planned numbers move with the cost model: one
+command regenerates every block that shows them.
 """
 
 from __future__ import annotations
@@ -327,9 +330,12 @@ def replace_section(page: str, body: str) -> str:
     return f"# Config reference\n\n{block}\n"
 
 
-def stale() -> list[Path]:
-    """The generated files that differ from what the code renders now."""
-    out = []
+def stale(outputs: bool = True) -> list[Path]:
+    """The generated files that differ from what the code renders now; ``outputs``: the pages'
+    generated command output too (framework.launch.doc_outputs: each runs its dry run)."""
+    from framework.launch import doc_outputs
+
+    out = doc_outputs.stale_pages() if outputs else []
     old = REFERENCE.read_text() if REFERENCE.is_file() else ""
     if replace_section(old, render_reference()) != old:
         out.append(REFERENCE)
@@ -340,7 +346,11 @@ def stale() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m framework docs",
+        description="Regenerate docs/config.md, the --help text and the dry-run output blocks of the docs "
+        "(or --check: exit 1 when one is stale).",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
     args = parser.parse_args(argv)
     missing = [g for g in config_mod.GROUPS if g not in GROUP_DESCRIPTIONS]
@@ -353,16 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         old = stale()
         for path in old:
-            print(f"stale: {path.relative_to(ROOT)} (run `python -m framework.docs`)", file=sys.stderr)
+            print(f"stale: {path.relative_to(ROOT)} (run `python -m framework docs`)", file=sys.stderr)
         return 1 if old else 0
+    from framework.launch import doc_outputs
+
     REFERENCE.parent.mkdir(parents=True, exist_ok=True)
     old = REFERENCE.read_text() if REFERENCE.is_file() else ""
     REFERENCE.write_text(replace_section(old, render_reference()))
     for path, full in HELP_FILES.items():
         path.write_text(render_help(full))
-    print(
-        f"wrote {REFERENCE.relative_to(ROOT)} and {', '.join(str(p.relative_to(ROOT)) for p in HELP_FILES)}"
-    )
+    pages = doc_outputs.write_pages()
+    written = [REFERENCE, *HELP_FILES, *pages]
+    print(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in written)}")
     return 0
 
 
