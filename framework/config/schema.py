@@ -1105,7 +1105,7 @@ class LoggerConfig:
     entity: Optional[str] = None  # wandb entity (team or user); None = the key's default entity
     mode: WandbMode = WandbMode.auto  # wandb online/offline; auto = online only when a key is configured
     tags: list[str] = field(default_factory=list)  # wandb run tags
-    plot: bool = True  # write metrics.png (loss, tokens/s, MFU over steps) at the end of the run
+    plot: bool = True  # write metrics.png (loss, tokens/s, lr, grad norm, MFU over steps) at the end of the run
 
 
 # The shipped callbacks (conf/callbacks/default.yaml lists the same, in the same order): each acts only
