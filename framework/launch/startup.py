@@ -3,8 +3,8 @@
 
 Why apart from framework.launch.ranks (which re-exports them): ``python train.py --help``, a typo
 refused by Hydra and every other answer given before a run starts should not wait for ``import
-torch`` (seconds on a loaded 2-core machine; benchmarks/startup_bench.py). Standard library and
-OmegaConf only.
+torch`` (seconds on a loaded 2-core machine; benchmarks/startup_bench.py). Standard library only at
+import (OmegaConf when the resolvers are registered).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import os
 import sys
 import uuid
 from typing import Any
-
-from omegaconf import OmegaConf
 
 
 def arm_stack_dump() -> None:
@@ -57,6 +55,8 @@ def run_stamp() -> str:
 
 
 def register_resolvers() -> None:
+    from omegaconf import OmegaConf  # here: `python -m framework --help` imports this module too
+
     if not OmegaConf.has_resolver("run_stamp"):
         # use_cache: every ${run_stamp:} in one config resolves to the same value.
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
