@@ -18,7 +18,7 @@ os.environ.setdefault("FRAMEWORK_STACK_DUMP_S", "150")
 SMOKE = [
     "tests/test_structure.py::test_imports_only_run_down_the_layers",
     "tests/test_structure.py::test_tests_mirror_the_layers",
-    "tests/test_docs.py::test_config_reference_and_help_are_not_stale",
+    "tests/test_docs.py::test_config_reference_help_and_output_blocks_are_not_stale",
     "tests/test_docs.py::test_readme_opens_with_the_two_commands_and_links_pages_that_exist",
     "tests/config/test_config.py::test_default_recipe_and_typed_values",
     "tests/config/test_config.py::test_command_line_beats_recipe",
