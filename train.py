@@ -6,9 +6,15 @@ builds, freezes, parallelizes, trains, checkpoints and verifies (framework.train
 
 import sys
 
-from framework.launch.startup import arm_stack_dump, one_line_interrupts, register_resolvers
+from framework.launch.startup import (
+    arm_stack_dump,
+    one_line_interrupts,
+    one_line_warnings,
+    register_resolvers,
+)
 
 one_line_interrupts()  # Ctrl-C anywhere (an import, the freeze): one line, not a traceback
+one_line_warnings()  # a Python warning: one line, without its source line
 
 import hydra
 from omegaconf import DictConfig

@@ -13,6 +13,7 @@ import datetime
 import os
 import sys
 import uuid
+import warnings
 from typing import Any
 
 
@@ -111,3 +112,16 @@ def one_line_interrupts(line: str | None = INTERRUPTED) -> None:
 
     hook.one_line_interrupts = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def one_line_warnings() -> None:
+    """A Python warning prints as one line, ``file:line: Category: message``, without the source
+    line Python adds below it (``return {name: validate_variable(...)}`` under each NCCL debugging
+    variable of ``nccl=gdr3``: two lines of noise per warning for a user of the command line)."""
+
+    def one_line(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+    ) -> str:
+        return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+
+    warnings.formatwarning = one_line  # type: ignore[assignment]
