@@ -6,6 +6,16 @@ builds, freezes, parallelizes, trains, checkpoints and verifies (framework.train
 
 import sys
 
+from framework.launch.startup import (
+    arm_stack_dump,
+    one_line_interrupts,
+    one_line_warnings,
+    register_resolvers,
+)
+
+one_line_interrupts()  # Ctrl-C anywhere (an import, the freeze): one line, not a traceback
+one_line_warnings()  # a Python warning: one line, without its source line
+
 import hydra
 from omegaconf import DictConfig
 
@@ -13,7 +23,6 @@ from framework.config import schema as config
 from framework.config.mode_probe import skip_mode_probe
 from framework.config.override_errors import one_line_errors
 from framework.launch import docs, recipes
-from framework.launch.ranks import arm_stack_dump, register_resolvers
 
 config.register()
 try:

@@ -23,14 +23,14 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
         "loss, perplexity and tokens of a run dir, checkpoint or HF folder on a data set (JSON report)",
     ),
     "generate": ("framework.launch.generate", [], "sample text from a run dir, checkpoint or HF folder"),
-    "export-hf": ("framework.checkpoint.__main__", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
-    "data": ("framework.data.cli", [], "prepare token files, train a BPE tokenizer"),
+    "export-hf": ("framework.launch.export_cli", ["export-hf"], "a checkpoint -> a Hugging Face folder"),
+    "data": ("framework.launch.data_cli", [], "prepare token files, train a BPE tokenizer"),
     "recipes": (
         "framework.launch.recipe_cli",
         [],
         "list, show and check recipes (shipped and FRAMEWORK_RECIPE_PATH)",
     ),
-    "verify": ("framework.verify.__main__", [], "compare two run dirs side by side"),
+    "verify": ("framework.launch.verify_cli", [], "compare two run dirs side by side"),
     "docs": ("framework.launch.docs", [], "regenerate (or --check) docs/config.md and the --help text"),
 }
 
@@ -65,6 +65,9 @@ def run_train(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from framework.launch.startup import one_line_interrupts
+
+    one_line_interrupts()  # Ctrl-C anywhere in any command: one line, not a traceback
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

@@ -11,7 +11,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from framework.data.cli import main as data_main
+from framework.launch.data_cli import main as data_main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -117,6 +116,7 @@ class ForkedRun:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGKILL)  # the zombie keeps the group's id until reaped
             _, raw = os.waitpid(self.pid, 0)
+            LIVE.discard(self.pid)
             self.returncode = os.waitstatus_to_exitcode(raw)
         return self.returncode
 
@@ -157,9 +157,29 @@ def start_forked(
     return ForkedRun(argv, child_env, cwd, log)
 
 
+# The forked children not reaped yet: each leads its own session (os.setsid), so a Ctrl-C or SIGTERM
+# of pytest does not reach it; ``kill_children`` (tests/conftest.py, when the session ends however
+# it ends) kills their process groups, and their ranks die with them (die_with_launcher).
+LIVE: set[int] = set()
+
+
+def kill_children() -> list[int]:
+    """SIGKILL every forked child's process group that is still there, reap it; the pids."""
+    killed = sorted(LIVE)
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        LIVE.discard(pid)
+    return killed
+
+
 def _fork_train(argv: tuple[str, ...], env: dict[str, str], cwd: Path, out_path: Path, err_path: Path) -> int:
     """Fork a child that runs train.py with ``argv``, its output in the two files (or one); its pid."""
     pid = os.fork()
+    if pid:
+        LIVE.add(pid)
     if pid == 0:  # the child: never returns into pytest
         code = 1
         try:
@@ -169,8 +189,9 @@ def _fork_train(argv: tuple[str, ...], env: dict[str, str], cwd: Path, out_path:
             os.environ.update(env)
             os.chdir(cwd)
             code = _exec_train(argv)
-        except BaseException:  # noqa: BLE001 - what the interpreter prints, then exit 1
-            traceback.print_exc()
+        except BaseException as e:  # noqa: BLE001 - what the interpreter prints (its hook), then exit 1
+            sys.excepthook(type(e), e, e.__traceback__)
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -208,6 +229,7 @@ def _wait(pid: int, timeout: float) -> int | None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     _, raw = os.waitpid(pid, 0)
+    LIVE.discard(pid)
     return None if timed_out else os.waitstatus_to_exitcode(raw)
 
 

@@ -13,9 +13,34 @@ from tests.entry import train_forked
 from tests.test_structure import LAYERS
 
 
-def test_config_reference_and_help_are_not_stale() -> None:
-    assert docs.stale() == [], "run `python -m framework.docs` and commit the result"
+def test_config_reference_help_and_output_blocks_are_not_stale() -> None:
+    """docs/config.md, the --help text and every generated dry-run block of the pages: each is what
+    the code (the planner's cost model included) renders now."""
+    assert docs.stale() == [], "run `python -m framework docs` and commit the result"
     assert docs.BEGIN in docs.REFERENCE.read_text()
+
+
+def test_a_planned_number_edited_or_moved_makes_its_block_stale(tmp_path: Path) -> None:
+    """The overview's plans were hand-copied and went stale when the planner moved (the 7B's
+    layout and GiB, the 70B's step time): a block that differs from its command's output is found,
+    and regenerating it makes it fresh. Only dry runs are generated."""
+    from framework.launch import doc_outputs
+
+    found = doc_outputs.blocks()
+    pages = {b.page.name for b in found}
+    assert {"overview.md", "layouts.md"} <= pages and len(found) >= 3
+    assert all(b.command.endswith("run.dry_run=true") for b in found)
+    page = tmp_path / "overview.md"
+    text = docs.ROOT.joinpath("docs", "overview.md").read_text()
+    block = next(b for b in found if b.page.name == "overview.md" and "llama7b" in b.command)
+    edited = block.body.replace("GiB of 80 GiB", "GiB of 81 GiB")
+    assert edited != block.body
+    page.write_text(text.replace(block.body, edited))
+    assert doc_outputs.stale_pages([page]) == [page]
+    assert doc_outputs.write_pages([page]) == [page]
+    assert doc_outputs.stale_pages([page]) == [] and page.read_text() == text
+    with pytest.raises(ValueError, match="only `python train.py ... run.dry_run=true` is generated"):
+        doc_outputs.train_args("python train.py mesh=2")
 
 
 def test_stale_reference_is_detected(tmp_path, monkeypatch) -> None:
@@ -23,9 +48,9 @@ def test_stale_reference_is_detected(tmp_path, monkeypatch) -> None:
     page = tmp_path / "config.md"
     page.write_text(docs.REFERENCE.read_text().replace("`train.steps`", "`train.stepz`"))
     monkeypatch.setattr(docs, "REFERENCE", page)
-    assert docs.stale() == [page]
+    assert docs.stale(outputs=False) == [page]
     page.write_text(docs.replace_section(page.read_text(), docs.render_reference()))
-    assert docs.stale() == []
+    assert docs.stale(outputs=False) == []
 
 
 def test_readme_opens_with_the_two_commands_and_links_pages_that_exist() -> None:
@@ -129,7 +154,7 @@ SHORT = [
     "train.eval_every=3",
     "train.eval_batches=1",
 ]
-SHORT += ["logger.plot=false"]
+SHORT += ["logger.plot=false", "executor.warmup_steps=1"]  # steps 2 and 3 timed: the log shows tok/s
 
 
 def training_commands() -> list[str]:
@@ -170,6 +195,48 @@ def test_each_first_page_command_that_trains_exits_0(tmp_path: Path, args: str) 
     assert proc.returncode == 0, (args, (proc.stdout + proc.stderr)[-3000:])
     summaries = sorted(tmp_path.rglob("summary.json"))
     assert summaries and all(json.loads(s.read_text())["steps"] == 3 for s in summaries), args
+    if args == "":  # the README's log of this command: each line is one this run prints, numbers aside
+        printed = proc.stdout.splitlines()
+        missing = [ln for ln in readme_log() if not any(re.fullmatch(line_shape(ln), p) for p in printed)]
+        assert missing == [], (missing, proc.stdout[-3000:])
+
+
+def readme_log() -> list[str]:
+    """The lines of the README's run log (its text block after "`python train.py` prints"), "..." rows out."""
+    readme = (docs.ROOT / "README.md").read_text()
+    block = readme.split("`python train.py` prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return [ln for ln in block.splitlines() if ln.strip() != "..."]
+
+
+NUMBER = r"\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?"
+
+
+def line_shape(line: str) -> str:
+    """A regex for the printed lines ``line`` stands for: any numbers, fingerprint, log time and run
+    dir path (``outputs/...``); ``...`` in it stands for anything (a trimmed command)."""
+    shape = ""
+    for part in re.split(r"(outputs/\S*|\.\.\.|\b[0-9a-f]{16}\b|\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?)", line):
+        if part.startswith("outputs/"):
+            shape += r"\S+"
+        elif part == "...":
+            shape += ".*"
+        elif re.fullmatch(r"[0-9a-f]{16}", part):
+            shape += "[0-9a-f]{16}"
+        elif re.fullmatch(NUMBER, part):
+            shape += NUMBER
+        else:
+            shape += re.escape(part)
+    return r"(?:\[[\d\- :,]+\])?" + shape if line.startswith("[framework]") else shape
+
+
+def test_line_shape_matches_numbers_and_trims_only() -> None:
+    shape = line_shape("[framework][INFO] - step 10/200 | loss 3.9803 | 10,278 tok/s | elapsed 2s, ETA 43s")
+    assert re.fullmatch(
+        shape,
+        "[2026-12-07 18:30:22,181][framework][INFO] - step 1/3 | loss 5.1 | 9 tok/s | elapsed 0s, ETA 1s",
+    )
+    assert not re.fullmatch(shape, "[framework][INFO] - step 1 | loss 5.1 | 9 tok/s | elapsed 0s, ETA 1s")
+    assert re.fullmatch(line_shape("  run dir: outputs/2026-12-07/18-30-17-..."), "  run dir: /tmp/x/run")
 
 
 @pytest.mark.parametrize("args", sorted(NOT_ON_CPU))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -204,6 +205,18 @@ def save_tokenizer(tokenizer: Tokenizer | None, out_dir: Path) -> list[str]:
     return list(tokenizer.save(out_dir)) if tokenizer is not None else []
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file``, then the mode the folder's other files get (0644 under the
+    usual umask 022): safetensors creates its file 0600, so a shared export's weights were the one
+    file the group could not read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)  # read the process's umask (setting it is the only way), then put it back
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def export_hf(
     model_state: dict[str, torch.Tensor],
     model_cfg: ModelConfig,
@@ -222,13 +235,11 @@ def export_hf(
     the run's ``model.init_from``; when it is an HF folder, its ``generation_config.json`` is carried
     through (``generation_config``).
     """
-    from safetensors.torch import save_file
-
     tensors = to_hf_state_dict(model_state, model_cfg)
     dtype = tensors["model.embed_tokens.weight"].dtype
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / "model.safetensors")
     bos, eos, pad = special_ids(tokenizer)
     cfg = hf_config(model_cfg, dtype, max_position_embeddings, bos, eos, pad)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -336,7 +347,7 @@ def check_writable_folder(out_dir: Path, out: Path) -> None:
 def export_checkpoint(
     checkpoint: Path, out_dir: Path, run_config: Path | None = None, force: bool = False
 ) -> Path:
-    """``python -m framework.checkpoint export-hf``: a framework checkpoint -> a Hugging Face folder.
+    """``python -m framework export-hf``: a framework checkpoint -> a Hugging Face folder.
 
     ``checkpoint``: a ``step_N`` dir, a checkpoint root or a run dir (its newest complete
     checkpoint). The model shape comes from the checkpoint (``extra.json``) or the run's

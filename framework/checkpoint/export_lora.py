@@ -23,6 +23,7 @@ from framework.checkpoint.export_hf import (
     checkpoint_model_state,
     finish_export,
     permute_rope_rows,
+    save_safetensors,
 )
 from framework.config.schema import ModelConfig, PeftConfig
 from framework.models import lora, model_spec
@@ -71,8 +72,6 @@ def export_adapter(
     state: dict[str, torch.Tensor], model_cfg: ModelConfig, cfg: PeftConfig, out_dir: Path, base: str | None
 ) -> Path:
     """Write the PEFT adapter folder of a full state dict (rank 0 only); return ``out_dir``."""
-    from safetensors.torch import save_file
-
     tensors = to_peft_state(state, model_cfg)
     if not tensors:
         raise ValueError(
@@ -81,7 +80,7 @@ def export_adapter(
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".", 2)[0] for k in tensors})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / ADAPTER_WEIGHTS)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, modules, base), indent=2) + "\n")
     marker = {"written_by": "framework.checkpoint export-hf --adapter", "architecture": ["PEFT LoRA"]}
     finish_export(out_dir, marker, [ADAPTER_WEIGHTS, ADAPTER_CONFIG])

@@ -282,13 +282,15 @@ def _unknown_key(cause: OmegaConfBaseException, key: str, set_key: str) -> str:
     """``key``: the full key OmegaConf could not find; inside a list of sections it is the bare
     name (``data.mix=[{nosuch: 1}]`` -> ``nosuch``), and the section is the override's key."""
     section, _, name = key.rpartition(".")
-    if not section and key != set_key:
+    # Inside a list of sections the bare name is not the override's first component; a top-level
+    # typo (``trian.steps=5`` -> ``trian``) is, and has no section.
+    if not section and key != set_key and not set_key.startswith(f"{key}."):
         section = set_key
     parent = cause.parent_node
     keys = list(parent.keys()) if isinstance(parent, DictConfig) else []
     if not section:
         keys = sorted(set(keys) | set(GROUPS))
-        return f"no key or config group '{name}'; {_list_keys(keys, name)}"
+        return f"unknown config group or key '{name}'; {_list_keys(keys, name)}"
     if section == "model" and owners(name) and isinstance(parent, DictConfig):
         # A family's own key under another family (model.sliding_window on a Llama recipe).
         mine = family_of(parent).value

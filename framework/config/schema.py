@@ -184,7 +184,7 @@ class TokenizerKind(Enum):
 class DataSource(Enum):
     """``stdlib``: the standard library's source, byte-level (default); ``text`` / ``jsonl`` /
     ``parquet``: documents from files, tokenized on the fly and packed with EOS; ``hf``: a
-    ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework.data
+    ``datasets.load_dataset`` dataset; ``tokens``: a token file from ``python -m framework data
     prepare``; ``synthetic``: random tokens (benchmarks); ``sft``: chat / instruction records (jsonl)
     for fine-tuning, one example per row, the loss masked on prompt tokens (framework.data.sft)."""
 
@@ -1110,7 +1110,7 @@ class LoggerConfig:
     entity: Optional[str] = None  # wandb entity (team or user); None = the key's default entity
     mode: WandbMode = WandbMode.auto  # wandb online/offline; auto = online only when a key is configured
     tags: list[str] = field(default_factory=list)  # wandb run tags
-    plot: bool = True  # write metrics.png (loss, tokens/s, MFU over steps) at the end of the run
+    plot: bool = True  # write metrics.png (loss, tokens/s, lr, grad norm, MFU over steps) at the end of the run
 
 
 # The shipped callbacks (conf/callbacks/default.yaml lists the same, in the same order): each acts only

@@ -8,14 +8,13 @@ Modules, one concern each:
 - ``sft``: chat / instruction records packed whole per row (each its own document), the loss
   masked on prompt tokens;
 - ``pipeline``: config -> sampler, and every check that runs before launch;
-- ``prepare`` / ``cli``: ``python -m framework.data prepare`` and ``tokenizer train``.
+- ``prepare``: ``python -m framework data prepare`` (its command line: framework.launch.data_cli).
 
 The invariant every source keeps: a sample is a function of (seed, global batch index, position in
 the global batch) and the small replicated data state, never of the rank or the number of ranks, so
 a checkpoint resumes on any number of data-parallel ranks with no sample skipped or repeated.
 """
 
-from framework.data.cli import main
 from framework.data.pipeline import (
     Pipeline,
     build_data,
@@ -49,7 +48,6 @@ __all__ = [
     "document_eos",
     "load_corpus",
     "load_stdlib",
-    "main",
     "open_tokens",
     "prepare",
     "stdlib_files",

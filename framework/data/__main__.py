@@ -1,5 +1,7 @@
-import sys
+"""`python -m framework.data` stays the command line; it lives in the launch layer as
+`framework.launch.data_cli` (`python -m framework ...`), whose help answers before torch is imported."""
 
-from framework.data.cli import main
+import runpy
 
-sys.exit(main())
+if __name__ == "__main__":
+    runpy.run_module("framework.launch.data_cli", run_name="__main__", alter_sys=True)

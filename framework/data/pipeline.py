@@ -225,7 +225,8 @@ def check_data(cfg: Config) -> None:
     if not (0.0 <= d.val_fraction < 1.0):
         raise ValueError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     tok = load_tokenizer(cfg.tokenizer)
-    check_vocab(tok, cfg.model.vocab_size, cfg.model.init_from)
+    reads_text = any(spec.source is not DataSource.synthetic for spec, _ in entries(cfg.data))
+    check_vocab(tok, cfg.model.vocab_size, cfg.model.init_from, reads_text)
     if cfg.tokenizer.add_bos and tok.bos_id is None:
         raise ValueError(
             f"tokenizer.add_bos=true, but tokenizer={tok.kind.value} has no BOS token: {eos_fix(tok, 'bos')}"
@@ -290,7 +291,7 @@ def check_token_digest(path: Path, tok: Tokenizer) -> None:
     if made_with is None:
         raise ValueError(
             f"{path}: its sidecar does not record the tokenizer that wrote it; re-run "
-            "`python -m framework.data prepare` with this run's tokenizer"
+            "`python -m framework data prepare` with this run's tokenizer"
         )
     if made_with != tok.digest():
         raise ValueError(

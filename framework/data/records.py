@@ -146,7 +146,7 @@ def _text_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Record]
 
 def setting(key: str, name: str) -> str:
     """How a user sets ``name``: the config key (``data.field``, ``data.mix[1].field``), or the
-    flag (``--field``) for ``python -m framework.data``'s inputs (key ``input``)."""
+    flag (``--field``) for ``python -m framework data``'s inputs (key ``input``)."""
     return f"--{name}" if key == "input" else f"{key}.{name}"
 
 

@@ -7,7 +7,7 @@ with 8 data-parallel ranks resumes on 4 or 1 with no sample skipped or repeated.
 
 - ``stdlib``: the Python standard library's own source files, present on every machine; byte-level
   tokens (vocab 256). The last ``val_fraction`` of the files (by sorted path) is held out.
-- ``tokens``: a memory-mapped token file (framework.data.tokens) from ``python -m framework.data prepare``.
+- ``tokens``: a memory-mapped token file (framework.data.tokens) from ``python -m framework data prepare``.
 - ``synthetic``: uniform random tokens, for benchmarks (no I/O, any vocab).
 """
 

@@ -427,11 +427,22 @@ def eos_fix(tok: Tokenizer, which: str = "eos") -> str:
     return f"set tokenizer.{which}_token to one of its tokens"
 
 
-def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = None) -> None:
+# A vocabulary padded up to a multiple of this is a recipe's choice, not a mistake (Megatron-LM's
+# --make-vocab-size-divisible-by default): sft_tiny's 384 rows hold its tokenizer's 372 tokens.
+VOCAB_PAD = 128
+
+
+def check_vocab(
+    tok: Tokenizer, model_vocab_size: int, init_from: str | None = None, reads_text: bool = True
+) -> None:
     """A tokenizer whose ids do not fit the embedding is refused; a smaller one only warns (the
     embedding rows past it are never read, which wastes memory but is harmless). Under
     ``model.init_from`` the size is the checkpoint's, which no override may change: the fix is
-    that model's own tokenizer."""
+    that model's own tokenizer.
+
+    No warning for rows the tokenizer's vocabulary rounded up to a multiple of ``VOCAB_PAD`` leaves
+    over, nor when no data source reads text (``reads_text=False``: ``data=synthetic`` draws ids
+    over the whole ``model.vocab_size``, so every row trains; the large recipes benchmark so)."""
     if tok.vocab_size > model_vocab_size:
         fix = (
             f"the size of model.init_from={init_from!r}; use that model's own tokenizer"
@@ -442,7 +453,8 @@ def check_vocab(tok: Tokenizer, model_vocab_size: int, init_from: str | None = N
             f"the tokenizer's vocabulary ({tok.vocab_size} tokens, tokenizer={tok.kind.value}) is larger "
             f"than model.vocab_size={model_vocab_size}: {fix}"
         )
-    if tok.vocab_size < model_vocab_size:
+    padded = -(-tok.vocab_size // VOCAB_PAD) * VOCAB_PAD
+    if reads_text and model_vocab_size > padded:
         log.warning(
             "the tokenizer has %d tokens, model.vocab_size=%d: %d embedding rows are never used",
             tok.vocab_size,

@@ -130,20 +130,20 @@ def read_sidecar(path: Path, key: str = "data.path") -> dict[str, Any]:
         raise ValueError(f"{key}={str(path)!r} is a directory, not a token file (.bin)")
     if not path.is_file():
         raise ValueError(
-            f"{key}={str(path)!r} does not exist (write one with `python -m framework.data prepare`)"
+            f"{key}={str(path)!r} does not exist (write one with `python -m framework data prepare`)"
         )
     if path.stat().st_size == 0:
         raise ValueError(f"{key}={str(path)!r} is an empty token file")
     if path.suffix in TEXT_SOURCES:  # its .json "sidecar" may be another token file's (docs.bin's)
         raise ValueError(
             f"{key}={str(path)!r} is a {path.suffix} file, not a token file: read it with "
-            f"data={TEXT_SOURCES[path.suffix]}, or tokenize it with `python -m framework.data prepare`"
+            f"data={TEXT_SOURCES[path.suffix]}, or tokenize it with `python -m framework data prepare`"
         )
     meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
         raise ValueError(
             f"token file {str(path)!r} has no sidecar {meta_path.name} (dtype, vocab size, tokenizer); "
-            "write both with `python -m framework.data prepare`"
+            "write both with `python -m framework data prepare`"
         )
     try:
         meta = json.loads(meta_path.read_text())

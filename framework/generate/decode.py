@@ -1,4 +1,5 @@
-"""Sample text from a trained model: ``python -m framework.generate RUN_DIR|CHECKPOINT|HF_DIR --prompt ...``.
+"""Sample text from a trained model (the command line: framework.launch.generate, ``python -m framework
+generate RUN_DIR|CHECKPOINT|HF_DIR [--prompt ...]``).
 
 Decoding walks the model's own modules step by step with a KV cache (``framework.models.KVCache``
 and ``forward_cached``: each block's cached step sits beside its ``forward``, in its family's parts,
@@ -17,11 +18,9 @@ Decoding stops at the tokenizer's EOS (and, for an HF folder, at every ``eos_tok
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +92,11 @@ def check_flags(max_new_tokens: int, temperature: float, top_k: int) -> None:
         raise ValueError(f"--top-k={top_k} is not valid; valid: an integer >= 0 (0 = all tokens)")
 
 
-def parse_device(name: str) -> torch.device:
+def parse_device(name: str | None) -> torch.device:
     """``--device`` as a torch device that exists here (``cuda`` on a CPU-only torch failed deep in
-    the weight load)."""
+    the weight load); None (the flag's default): ``cuda`` when a GPU is visible, else ``cpu``."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -190,18 +191,13 @@ def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
 
 @dataclass
 class Loaded:
-    """What ``main`` samples from: the model, its tokenizer, the ids that end a reply and what the
+    """What the command line samples from: the model, its tokenizer, the ids that end a reply and what the
     weights were read from (printed on stderr)."""
 
     model: Decoder
     tokenizer: Tokenizer
     stop_ids: set[int]
     weights: Path
-
-
-# (PATH, --config, device) -> the model to sample from; framework.launch.generate passes one that
-# also takes a Hugging Face folder.
-Loader = Callable[[Path, "Path | None", torch.device], Loaded]
 
 
 def load_run(path: Path, config: Path | None, device: torch.device) -> Loaded:
@@ -235,49 +231,3 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(
         ChatFormat(tokenizer, add_bos=False).prompt([{"role": "user", "content": prompt}])
     )
-
-
-def main(argv: list[str] | None = None, load: Loader = load_run) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "path", type=Path, help="a run dir (its newest checkpoint), a checkpoint dir or a Hugging Face folder"
-    )
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument(
-        "--chat",
-        action="store_true",
-        help="apply the tokenizer's chat template to the prompt; print the reply",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--config", type=Path, default=None, help="the run's config.yaml (default: found above PATH)"
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        check_flags(args.max_new_tokens, args.temperature, args.top_k)
-        device = parse_device(args.device)
-        if args.config is not None:
-            load_run_config(args.config)  # a bad --config is refused before anything is read
-        src = load(check_path(args.path), args.config, device)
-        check_top_k(args.top_k, src.model.cfg.vocab_size)
-        prompt = encode_prompt(src.tokenizer, args.prompt, args.chat)
-        ids = generate(
-            src.model, prompt, args.max_new_tokens, args.temperature, args.top_k, src.stop_ids, args.seed
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if ids and ids[-1] in src.stop_ids:
-        ids = ids[:-1]  # the end of the reply, not part of it
-    print(f"# {src.weights}", file=sys.stderr)
-    text = src.tokenizer.decode(ids)
-    print(text if args.chat else args.prompt + text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

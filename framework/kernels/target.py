@@ -79,6 +79,30 @@ def mismatch(hw: HardwareConfig, here: Target) -> str | None:
     )
 
 
+# A model this large is a GPU job: on the CPU profile one step of it is predicted at minutes to hours
+# (llama1b, 1.24B: 0.1 TFLOP/s x 0.11 efficiency), so a plan for it on the default profile is
+# almost always a forgotten mesh/hardware.
+GPU_SIZED_PARAMS = 1_000_000_000
+
+
+def cpu_profile_notice(cfg: Config, num_params: int, hardware_options: list[str]) -> str | None:
+    """One warning line when a GPU-sized job (``GPU_SIZED_PARAMS`` or more parameters) or an NCCL
+    preset (GPU ranks only: gloo reads none of it) meets the CPU profile, the default
+    ``mesh/hardware``: which hardware the plan assumes and how to pick another. None otherwise."""
+    hw = cfg.mesh.hardware
+    gpu_sized = num_params >= GPU_SIZED_PARAMS
+    preset = cfg.nccl.preset != "default"
+    if hw.device_type != "cpu" or not (gpu_sized or preset):
+        return None
+    why = [f"a {num_params / 1e9:.3g}B-parameter model"] if gpu_sized else []
+    why += [f"nccl={cfg.nccl.preset} (NCCL runs on GPU ranks only)"] if preset else []
+    gpus = ", ".join(o for o in hardware_options if o != hw.name)
+    return (
+        f"mesh/hardware={hw.name}: the plan assumes a CPU host ({hw.memory_gib:g} GiB, "
+        f"{hw.peak_tflops:g} TFLOP/s) for {' and '.join(why)}; for GPUs add mesh/hardware=NAME ({gpus})"
+    )
+
+
 @contextmanager
 def tolerate_missing_packages(target: Target) -> Iterator[None]:
     """Around a check: for the declared hardware (a dry run) a ``MissingPackage`` becomes one

@@ -1,11 +1,13 @@
-"""Generated documentation: docs/config.md (the config reference) and ``python train.py --help``.
+"""Generated documentation: docs/config.md (the config reference), ``python train.py --help`` and the
+dry-run output blocks of README.md and docs/*.md (framework.launch.doc_outputs).
 
-Both are rendered from the code, so they cannot drift: the typed schemas of framework.config.schema (each
+The first two are rendered from the code, so they cannot drift: the typed schemas of framework.config.schema (each
 field's type, default and the comment next to it), the options found in conf/ and the recipe roots,
-and ``GROUP_DESCRIPTIONS`` below. ``python -m framework.docs`` rewrites docs/config.md (between its
-markers) and conf/hydra/help/ (framework.yaml: ``--help``; full.yaml: ``--help --all``), and the line
-numbers of docs/architecture.md's ``FILE.py:LINE NAME`` references (framework.launch.code_refs);
-``--check`` exits 1 when one is stale (the test suite runs it).
+and ``GROUP_DESCRIPTIONS`` below; the blocks run their commands. ``python -m framework docs`` rewrites
+docs/config.md (between its markers), conf/hydra/help/ (framework.yaml: ``--help``; full.yaml:
+``--help --all``), the blocks, and the line numbers of docs/architecture.md's ``FILE.py:LINE NAME``
+references (framework.launch.code_refs); ``--check`` exits 1 when one is stale (the test suite runs
+it). Planned numbers move with the cost model: one command regenerates every block that shows them.
 """
 
 from __future__ import annotations
@@ -329,9 +331,12 @@ def replace_section(page: str, body: str) -> str:
     return f"# Config reference\n\n{block}\n"
 
 
-def stale() -> list[Path]:
-    """The generated files that differ from what the code renders now."""
-    out = []
+def stale(outputs: bool = True) -> list[Path]:
+    """The generated files that differ from what the code renders now; ``outputs``: the pages'
+    generated command output too (framework.launch.doc_outputs: each runs its dry run)."""
+    from framework.launch import doc_outputs
+
+    out = doc_outputs.stale_pages() if outputs else []
     old = REFERENCE.read_text() if REFERENCE.is_file() else ""
     if replace_section(old, render_reference()) != old:
         out.append(REFERENCE)
@@ -345,7 +350,11 @@ def stale() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m framework docs",
+        description="Regenerate docs/config.md, the --help text and the dry-run output blocks of the docs "
+        "(or --check: exit 1 when one is stale).",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
     args = parser.parse_args(argv)
     missing = [g for g in config_mod.GROUPS if g not in GROUP_DESCRIPTIONS]
@@ -362,21 +371,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         for path in old:
-            print(f"stale: {path.relative_to(ROOT)} (run `python -m framework.docs`)", file=sys.stderr)
+            print(f"stale: {path.relative_to(ROOT)} (run `python -m framework docs`)", file=sys.stderr)
         return 1 if old else 0
+    from framework.launch import doc_outputs
+
     REFERENCE.parent.mkdir(parents=True, exist_ok=True)
     old = REFERENCE.read_text() if REFERENCE.is_file() else ""
     REFERENCE.write_text(replace_section(old, render_reference()))
     for path, full in HELP_FILES.items():
         path.write_text(render_help(full))
-    pages = [page for page in code_refs.PAGES if page.is_file()]
+    refs = [page for page in code_refs.PAGES if page.is_file()]
     try:
-        fresh = [code_refs.render(page.read_text()) for page in pages]
+        fresh = [code_refs.render(page.read_text()) for page in refs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for page, text in zip(pages, fresh, strict=True):
+    for page, text in zip(refs, fresh, strict=True):
         page.write_text(text)
+    pages = list(dict.fromkeys([*doc_outputs.write_pages(), *refs]))
     written = [REFERENCE, *HELP_FILES, *pages]
     print(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in written)}")
     return 0

@@ -44,6 +44,7 @@ from framework.config.schema import (
     Config,
     ExecutorMode,
     Float8Recipe,
+    LoggerKind,
     RunConfig,
     VerifyConfig,
     to_config,
@@ -176,6 +177,7 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     if cfg.executor.cache_dir:
         check_dir_creatable("executor.cache_dir", cfg.executor.cache_dir)
     check_hardware(cfg, device)
+    check_extras(cfg)
     check_warmup(cfg)
     check_cudagraphs(cfg, device)
     # The layout the user fixed, before any search (None under sharding=auto, where sharding.tp pins
@@ -239,6 +241,26 @@ def check_baseline_store(v: VerifyConfig) -> None:
             )
 
 
+# Options whose package is an extra of pyproject.toml, not the base install: (the option, whether
+# the config uses it, the package to import, the extra that installs it).
+EXTRAS: list[tuple[str, Callable[[Config], bool], str, str]] = [
+    ("logger=wandb", lambda c: c.logger.kind is LoggerKind.wandb, "wandb", "wandb"),
+]
+
+
+def check_extras(cfg: Config, extras: list[tuple[str, Callable[[Config], bool], str, str]] = EXTRAS) -> None:
+    """An option whose package the base install leaves out (``pip install -e .``): one line naming
+    the extra, before launch (wandb failed in every rank's import, after the freeze)."""
+    import importlib.util
+
+    for option, used, package, extra in extras:
+        if used(cfg) and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"{option} needs the {package} package, which the base install leaves out: "
+                f"pip install -e '.[{extra}]' (the dev extra has it too)"
+            )
+
+
 def check_warmup(cfg: Config) -> None:
     """``train.warmup_steps >= train.steps``: one warning line. Why not a refusal: a short smoke run
     of a long recipe is legitimate, but the schedule then never leaves its warmup (no decay)."""
@@ -275,10 +297,15 @@ def aux_scope_under_pipeline(cfg: Config, pp: int) -> Config:
 
 def check_hardware(cfg: Config, device: torch.device) -> None:
     """A launch on another kind of device than ``mesh/hardware`` declares: one warning line
-    (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one."""
-    if cfg.run.dry_run:
-        return
-    warning = target.mismatch(cfg.mesh.hardware, target.local(device))
+    (framework.kernels.target.mismatch says why not a refusal). A dry run plans for the declared one.
+    Else a GPU-sized job or an NCCL preset on the CPU profile (the default): one line naming the
+    hardware the plan assumes and the options (framework.kernels.target.cpu_profile_notice)."""
+    from framework.launch.docs import group_options
+    from framework.models import num_params
+
+    warning = None if cfg.run.dry_run else target.mismatch(cfg.mesh.hardware, target.local(device))
+    if warning is None:
+        warning = target.cpu_profile_notice(cfg, num_params(cfg.model), group_options("mesh/hardware"))
     if warning:
         log.warning("%s", warning)
 
@@ -570,16 +597,51 @@ def write_run_files(job: PreparedJob, run_dir: Path, recipe: str | None) -> Owne
     config_yaml = job.config_yaml
     (run_dir / "config.yaml").write_text(config_yaml)
     record = plan_to_dict(plan)
+    brief = plan.world_size == 1 and not cfg.run.dry_run
     if job.search is not None:
         record["search"] = search_to_dict(job.search)
-        log.info("%s", format_search(job.search))
+        if not brief:
+            log.info("%s", format_search(job.search))
     write_plan(run_dir, record)
     write_provenance(run_dir, recipe, config_yaml)
-    log.info("plan:\n%s", format_plan(plan))
     write_nccl_record(run_dir, nccl_env)
+    if brief:  # one rank: the choice in one line; the table, the search and NCCL's are in the files
+        log.info("%s", plan_line(cfg, plan, run_dir))
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        return
+    log.info("plan:\n%s", format_plan(plan))
+    if cfg.mesh.hardware.device_type == "cpu":
+        log.info("%s", CPU_PREDICTION)
     if nccl_env:
         log.info("nccl: %s", describe_nccl(nccl_env))
     return owner
+
+
+# The step-time model's constants are fitted to GPUs (framework.planner.cost); on the CPU profile its
+# prediction for the default run was far slower than measured (benchmarks/PERF.md, "A user's first
+# hour": the figure).
+CPU_PREDICTION = (
+    "mesh/hardware=cpu: the predicted step time and tokens/s above are the GPU-fitted step-time model's, "
+    "not this CPU's (measure with a short run); the memory figures hold"
+)
+
+
+def plan_line(cfg: Config, plan: Plan, run_dir: Path) -> str:
+    """A one-rank run's plan in one line: the layout, its batch and checkpointing, the memory, and
+    where the full plan is (plan.json: the estimates and, under sharding=auto, the search). The
+    predicted step time only for a GPU profile (CPU_PREDICTION says why)."""
+    gib = 2**30
+    time = (
+        ""
+        if cfg.mesh.hardware.device_type == "cpu"
+        else f", predicted step {plan.prediction.step_time_s * 1e3:.1f} ms"
+    )
+    return (
+        f"plan: {plan.strategy} on 1 rank, micro batch {plan.micro_batch_size} x {plan.grad_accum_steps} "
+        f"accumulation, activation checkpointing {plan.activation_checkpointing}, "
+        f"{plan.memory.total / gib:.2f} of {plan.memory.device / gib:.0f} GiB{time} (in full: {run_dir / PLAN_FILE})"
+    )
 
 
 def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
@@ -794,6 +856,8 @@ def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | Non
     from framework.train.trainer import checkpoint_root
 
     name = f"signal {signum}" if signum is not None else "a signal"
+    if signum == 2:
+        name += " (SIGINT: Ctrl-C)"
     root = checkpoint_root(cfg, run_dir)
     if stop is not None and stop.get("saved"):
         path = store.step_dir(root, int(stop["step"]))
@@ -882,7 +946,7 @@ def check_export_dir(cfg: Config, run_dir: Path) -> None:
     out = run_dir / "hf"
     fix = (
         "valid: move it away, or checkpoint.export_hf=false "
-        "(export later with python -m framework.checkpoint export-hf)"
+        "(export later with python -m framework export-hf)"
     )
     if out.exists() and not out.is_dir():
         raise ValueError(f"checkpoint.export_hf=true writes {out}, which is a file; {fix}")
@@ -922,21 +986,23 @@ def write_provenance(run_dir: Path, recipe: str | None, config_yaml: str) -> Non
 
 
 def link_latest(run_dir: Path) -> Path | None:
-    """``outputs/latest`` -> the newest run dir, for a run dir directly under a folder named
-    ``outputs`` (the default ``hydra.run.dir``; elsewhere nothing is written outside the run dir).
+    """``outputs/latest`` -> the newest run dir, for a run dir under a folder named ``outputs`` (the
+    default ``hydra.run.dir`` is ``outputs/DATE/TIME-ID``, two levels down; elsewhere nothing is
+    written outside the run dir). The link is relative (``DATE/TIME-ID``): the tree can move.
 
     Rank 0 only; atomic: a new link under a temporary name replaces the old one (``os.replace``), so
     a reader never sees it missing. A ``latest`` that is not a symlink (a user's folder) is kept."""
-    parent = run_dir.resolve().parent
-    if parent.name != "outputs" or os.environ.get("RANK", "0") != "0":
+    path = run_dir.resolve()
+    root = next((p for p in path.parents[:2] if p.name == "outputs"), None)
+    if root is None or os.environ.get("RANK", "0") != "0":
         return None
-    latest = parent / "latest"
+    latest = root / "latest"
     if latest.exists() and not latest.is_symlink():
         log.warning("not linking %s: it exists and is not a symlink", latest)
         return None
-    tmp = parent / f".latest.{os.getpid()}"
+    tmp = root / f".latest.{os.getpid()}"
     tmp.unlink(missing_ok=True)
-    tmp.symlink_to(run_dir.resolve().name)
+    tmp.symlink_to(path.relative_to(root))
     os.replace(tmp, latest)
     return latest
 

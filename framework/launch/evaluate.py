@@ -26,17 +26,25 @@ import logging
 import os
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from framework.config.schema import Config
 from framework.record.outputs import check_replaceable
 
+if TYPE_CHECKING:  # torch is imported once the arguments parsed: --help answers without it
+    import torch
+
 log = logging.getLogger("framework")
+DESCRIPTION = (
+    "The loss, perplexity and token count of a model (a run dir, a checkpoint or a Hugging Face folder) "
+    "on a data set: the run's own validation batches, or the set that data overrides name; printed as "
+    "one JSON line and written as a JSON report."
+)
+DEVICE_HELP = "where the model runs: cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m framework evaluate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m framework evaluate", description=DESCRIPTION)
     parser.add_argument(
         "path", type=Path, help="a run dir (its newest checkpoint), a checkpoint dir or an HF folder"
     )
@@ -55,7 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--force", action="store_true", help="replace a --report file that evaluate did not write"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # a launched rank
     return parser.parse_args(argv)
 
@@ -153,6 +161,8 @@ def evaluate_here(
 ) -> dict | None:
     """Score on this rank (one process: no process group); the report on rank 0, else None."""
     import contextlib
+
+    import torch
 
     from framework.data.tokenizer import load_tokenizer
     from framework.generate.evaluate import data_rows, place_model, rank_batches, score

@@ -18,91 +18,25 @@ Three ways a run starts, one code path after ``init_distributed``:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning_utilities.core.imports import RequirementCache
-from omegaconf import OmegaConf
 
 from framework.config.schema import Config, RunConfig
+from framework.launch.startup import (  # noqa: F401 (re-exported: the launcher's names, importable here too)
+    arm_stack_dump,
+    joined_torchrun,
+    register_resolvers,
+    run_stamp,
+)
 from framework.parallel.process import available_cores, free_port, set_task_threads, task_threads  # noqa: F401 (task_threads: re-exported)
 
 log = logging.getLogger("framework")
-
-
-def arm_stack_dump() -> None:
-    """Dump every thread's Python stack to stderr once this process has run ``FRAMEWORK_STACK_DUMP_S``
-    seconds (unset: never). For hunting hangs in CI: a test that kills a stuck run after N seconds sets
-    a smaller value, and the killed run's stderr then says where each process was."""
-    seconds = os.environ.get("FRAMEWORK_STACK_DUMP_S", "")
-    if not seconds:
-        return
-    try:
-        after = float(seconds)
-    except ValueError:
-        after = 0.0
-    if not after > 0:  # also NaN
-        print(
-            f"error: FRAMEWORK_STACK_DUMP_S={seconds}: use a number of seconds > 0, or unset it",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    import faulthandler
-
-    # The process's own stderr: a test's captured sys.stderr has no file descriptor.
-    faulthandler.dump_traceback_later(after, exit=False, file=sys.__stderr__)
-
-
-def run_stamp() -> str:
-    """The run-dir name shared by every rank of one launch (see module docstring)."""
-    stamp = os.environ.get("RUN_STAMP")
-    if stamp:
-        return stamp
-    now = datetime.datetime.now()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if joined_torchrun() and run_id and run_id != "none":
-        return f"{now:%Y-%m-%d}/{run_id}"
-    # A fresh process: make the stamp once and export it, so anything this process starts agrees.
-    stamp = f"{now:%Y-%m-%d}/{now:%H-%M-%S}-{uuid.uuid4().hex[:6]}"
-    os.environ["RUN_STAMP"] = stamp
-    return stamp
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("run_stamp"):
-        # use_cache: every ${run_stamp:} in one config resolves to the same value.
-        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
-    from framework.launch.sweep import register_resolver
-
-    register_resolver()  # ${sweep_id:}: the stable sweep dir of conf/config.yaml
-    # conf/hydra/launcher/*.yaml: the SLURM allocation derived from the mesh group.
-    for name, fn in (("mesh_nodes", _mesh_nodes), ("mesh_procs_per_node", _mesh_procs_per_node)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
-
-
-def _mesh_nodes(shape: Any) -> int:
-    from framework.config.schema import MeshConfig
-
-    return MeshConfig(shape=list(shape)).nodes
-
-
-def _mesh_procs_per_node(shape: Any) -> int:
-    from framework.config.schema import MeshConfig
-
-    return MeshConfig(shape=list(shape)).procs_per_node
-
-
-def joined_torchrun() -> bool:
-    """True when this process is a rank started by torchrun (not by our own launcher)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "FRAMEWORK_WORKER" not in os.environ
 
 
 TORCH_REQUIREMENT = RequirementCache("torch>=2.11")
@@ -244,7 +178,26 @@ def launch_local(world_size: int, max_restarts: int, run_id: str, args: tuple[st
         monitor_interval=0.1,
         start_method="spawn",
     )
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, CtrlCNotices) for f in logger.filters):
+            logger.addFilter(CtrlCNotices())
     elastic_launch(config, sys.executable)(*args)
+
+
+# The elastic agent's loggers that announce a signal it forwards to the ranks.
+ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+class CtrlCNotices(logging.Filter):
+    """Drops the elastic agent's own lines about a Ctrl-C (SIGINT) it forwards to the ranks ("Received
+    2 death signal", "Sending process N closing signal SIGINT", three lines for two ranks): the
+    launcher prints the one line about the stop (framework.launch.entry.stop_report). A SIGTERM's
+    lines stay: a scheduler's preemption is worth them in a job log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Received 2 death signal") or text.endswith("closing signal SIGINT"))
 
 
 LAUNCHER_PID = "FRAMEWORK_LAUNCHER_PID"

@@ -13,6 +13,10 @@ import sys
 import traceback
 from pathlib import Path
 
+from framework.launch.startup import one_line_interrupts
+
+one_line_interrupts(None)  # Ctrl-C while this rank imports or freezes: the launcher says it, once
+
 from omegaconf import OmegaConf
 
 from framework.checkpoint.lock import LockHeld

@@ -340,10 +340,11 @@ def check_adapter(model: nn.Module, cfg: PeftConfig, init_from: str | None) -> N
     names = _ours(model)
     params = dict(model.named_parameters())
     if set(shapes) != set(names):
-        extra, lacking = sorted(set(shapes) - set(names))[:2], sorted(set(names) - set(shapes))[:2]
+        extra, lacking = sorted(set(shapes) - set(names)), sorted(set(names) - set(shapes))
+        differ = [f"it has {len(extra)} adapter tensors they do not select (e.g. {extra[0]})"] if extra else []
+        differ += [f"it lacks {len(lacking)} adapter tensors they select (e.g. {lacking[0]})"] if lacking else []
         raise ValueError(
-            f"{where} adapters on the layers peft.targets={list(cfg.targets)} selects; "
-            f"it has {extra} that they do not, and lacks {lacking}"
+            f"{where} adapters on the layers peft.targets={list(cfg.targets)} selects; {' and '.join(differ)}"
         )
     for k, n in names.items():
         if shapes[k] != tuple(params[n].shape):

@@ -48,6 +48,10 @@ class Metrics:
         use_bar = enabled and progress_bar and sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True) if use_bar else None
         self.sinks: list[Any] = []  # objects with .log(row) and .close() (wandb): see start_sinks
+        # The progress every training line carries (step/total, elapsed, ETA): train.log, a SLURM log
+        # or nohup.out have no bar. From here: the steps this launch runs (a resume starts mid-way).
+        self.total_steps, self.start_step = total_steps, start_step
+        self._started = time.monotonic()
 
     def start_sinks(
         self, logger: LoggerConfig, run_dir: Path, config: dict[str, Any], run_id: str | None = None
@@ -66,11 +70,31 @@ class Metrics:
         for sink in self.sinks:
             sink.log(row)
         text = format_row(row)
+        if "loss" in row:
+            text = self.with_progress(text, row["step"])
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.write(text)
         else:
             log.info(text)
+
+    def begin(self, step: int) -> None:
+        """The launch's steps start now, at ``step`` (past a resumed checkpoint's): elapsed and ETA
+        count from here, and the bar stands at ``step``."""
+        self.start_step, self._started = step, time.monotonic()
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def with_progress(self, text: str, step: int, now: float | None = None) -> str:
+        """``text`` (a training row's line, ``step N | ...``) as ``step N/TOTAL | ... | elapsed E, ETA R``:
+        the time since this launch's steps began and the rest at their mean pace so far."""
+        elapsed = (time.monotonic() if now is None else now) - self._started
+        done = step - self.start_step
+        eta = elapsed / done * max(self.total_steps - step, 0) if done > 0 else None
+        head = f"step {step}"
+        text = f"{head}/{self.total_steps}{text[len(head):]}" if text.startswith(head) else text
+        return f"{text} | elapsed {duration(elapsed)}, ETA {duration(eta) if eta is not None else '-'}"
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -113,6 +137,16 @@ def make_sinks(
 
         return [start_wandb(logger, run_dir, config, run_id)]
     return []
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: a log line's elapsed time or ETA."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -285,17 +285,24 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
 
 
 def validate(p: Parts, state: TrainState, step: int) -> None:
-    state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, p.env.device)
+    """The validation loss (and each ``train.eval_sets`` set's) at ``step``, logged as a row.
+
+    Through the ladder's guard: the first validation (step 0 by default) is where torch.compile
+    compiles the eval graph, before any training step; a compile error there steps down one rung
+    and evaluates again, as one in the first step does (no rung below: it is raised)."""
+    state.last_val_loss, sets = p.ladder.guard(lambda: evaluate_all(p), step)
     if state.first_val_loss is None:
         state.first_val_loss = state.last_val_loss
     p.watch.check(step)
-    p.metrics.log(validation_row(step, state.last_val_loss, eval_set_losses(p)))
+    p.metrics.log(validation_row(step, state.last_val_loss, sets))
 
 
-def eval_set_losses(p: Parts) -> dict[str, float]:
-    """The loss of each ``train.eval_sets`` set, by name (every rank evaluates each one)."""
+def evaluate_all(p: Parts) -> tuple[float, dict[str, float]]:
+    """The validation loss and the loss of each ``train.eval_sets`` set, by name (every rank
+    evaluates each one), on the runner's current model (a fallback rebuilds it)."""
     model, device = p.runner.model, p.env.device
-    return {name: evaluate(model, batches, device) for name, batches in p.data.eval_sets.items()}
+    loss = evaluate(model, p.data.val_batches, device)
+    return loss, {name: evaluate(model, batches, device) for name, batches in p.data.eval_sets.items()}
 
 
 def setup(
@@ -366,6 +373,7 @@ def setup(
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     state.train_started = time.perf_counter()
+    metrics.begin(state.step)  # step/total, elapsed and ETA on every log line count from here
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
         cfg,
@@ -422,8 +430,8 @@ def finish(p: Parts, state: TrainState) -> Summary:
     cfg, env = p.cfg, p.env
     p.watch.check(state.step)  # before the final evaluation, the export and the summary write into it
     if cfg.train.eval_every > 0 and not p.ckpt.preempted:
-        state.last_val_loss = evaluate(p.runner.model, p.data.val_batches, env.device)
-        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, eval_set_losses(p)))
+        state.last_val_loss, sets = p.ladder.guard(lambda: evaluate_all(p), cfg.train.steps)
+        p.metrics.log(validation_row(cfg.train.steps, state.last_val_loss, sets))
     s = Summary(
         steps=state.step,
         final_loss=state.final_loss,

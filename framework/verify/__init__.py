@@ -8,7 +8,7 @@
 * policy.py: warn | fail | fallback. report.py: verification.json + verification.md.
 * session.py: ``Verifier``, the hooks the trainer calls; each judges and returns a decision.
 * compare.py / __main__.py:
-  ``python -m framework.verify compare RUN_A RUN_B``.
+  ``python -m framework verify compare RUN_A RUN_B``.
 """
 
 from framework.verify.baseline import PerfFigures, baseline_key, compare_perf, perf_figures, save_baseline

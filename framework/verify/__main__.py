@@ -1,45 +1,7 @@
-"""``python -m framework.verify compare RUN_A RUN_B``: side-by-side report of two run dirs."""
+"""`python -m framework.verify` stays the command line; it lives in the launch layer as
+`framework.launch.verify_cli` (`python -m framework ...`), whose help answers before torch is imported."""
 
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-from framework.record.outputs import check_replaceable, text_of
-from framework.verify.compare import compare_runs
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.verify", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compare", help="graph, config, loss and performance of two run dirs, side by side")
-    p.add_argument("run_a", type=Path)
-    p.add_argument("run_b", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
-    p.add_argument("--force", action="store_true", help="replace an --out file that compare did not write")
-    args = parser.parse_args(argv)
-    try:
-        if args.out is not None:
-            check_replaceable(
-                "--out", args.out, is_compare_report, "a report compare wrote", args.force, "compare.md"
-            )
-        text = compare_runs(args.run_a, args.run_b)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(text, end="")
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0
-
-
-def is_compare_report(path: Path) -> bool:
-    """Whether ``path`` holds a report compare wrote (its heading, framework.verify.compare): the only
-    file --out replaces without --force."""
-    text = text_of(path, 64)
-    return text is not None and text.startswith("# Compare\n")
-
+import runpy
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("framework.launch.verify_cli", run_name="__main__", alter_sys=True)

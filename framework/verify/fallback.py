@@ -90,7 +90,8 @@ class Ladder:
     ``start`` builds the configured rung (or eager, after a graph verdict) and has the verifier
     judge it; a compile error there (on any rank: the ranks agree in one ``all_gather_object``) or
     a verdict steps one executor rung down and builds again, before step 1. ``guard`` does the
-    same for a compile error in the first step (by default nothing compiles before it). ``take`` acts on a
+    same for a compile error in the first step (by default nothing compiles before it) and in a
+    validation (the run's first one, at step 0 by default, compiles the eval graph). ``take`` acts on a
     verdict read mid-run: the float8 rung for bad steps, the executor rung for the breaker, each
     rebuilt with the trained state carried over. ``on=False`` (``verify.ladder=false``): the
     executor rungs are never taken (a compile error is raised); the float8 rung of the bad-step
@@ -134,9 +135,11 @@ class Ladder:
             self.record(0, verdict.trigger, f"executor {mode.value} -> {lower.value}", verdict.detail)
             mode = lower
 
-    def guard(self, attempt: Callable[[], T]) -> T:
+    def guard(self, attempt: Callable[[], T], step: int = 0) -> T:
         """Run the run's first step (``attempt``), where torch.compile compiles by default (no
-        forward of its own runs before it: that would compile a second, gradient-free graph). A
+        forward of its own runs before it: that would compile a second, gradient-free graph), or a
+        validation (the trainer's, at ``step``: its gradient-free graph compiles at the first one,
+        step 0 by default, before the first training step). A
         compile error on every rank steps every rank down one executor rung and runs the same batch
         again, from the state before the attempt: the rebuild carries the weights and optimizer
         state (none has stepped), and what the failed forward changed (RNG, MoE routing sums) is
@@ -177,7 +180,7 @@ class Ladder:
                 )
             assert lower is not None
             undo()
-            self.record(0, "compile_error", f"executor {mode.value} -> {lower.value}", failed[0])
+            self.record(step, "compile_error", f"executor {mode.value} -> {lower.value}", failed[0])
             self.rungs.build(lower, carry=True)
 
     def take(self, step: int, verdict: Verdict | None) -> None:

@@ -1,6 +1,6 @@
 """The verification report: each check's figures and verdict, and every fallback taken.
 
-Rank 0 writes ``verification.json`` (for tools, and for ``python -m framework.verify compare``) and
+Rank 0 writes ``verification.json`` (for tools, and for ``python -m framework verify compare``) and
 ``verification.md`` (for people) into the run dir. The report is built up during the run and
 written again at the end, so a run that stops on a failed check still leaves the reason on disk.
 """

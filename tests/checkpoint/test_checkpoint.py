@@ -387,7 +387,7 @@ def _read_generate(step: Path, tmp: Path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from framework.generate.decode import main
+    from framework.launch.generate import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -399,7 +399,7 @@ def _read_export(step: Path, tmp: Path) -> tuple[int, str]:
     import contextlib
     import io
 
-    from framework.checkpoint.__main__ import main
+    from framework.launch.export_cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

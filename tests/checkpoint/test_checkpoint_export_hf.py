@@ -35,6 +35,12 @@ def _model(cfg: ModelConfig, seq: int = 16) -> torch.nn.Module:
     return model
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_names_shapes_and_config(tmp_path: Path) -> None:
     for cfg in (GQA, ModelConfig()):  # untied GQA, and the tied tiny default
         model = _model(cfg)
@@ -64,6 +70,9 @@ def test_names_shapes_and_config(tmp_path: Path) -> None:
             cfg.tie_embeddings,
         )
         assert conf["torch_dtype"] == "float32" and conf["max_position_embeddings"] == 16
+        # Every file of the folder has one mode (the umask's): the weights were written 0600.
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+        assert len(set(modes.values())) == 1 and modes["model.safetensors"] == oct(0o666 & ~_umask()), modes
 
 
 def test_export_out_must_be_a_folder_outside_the_checkpoint_root(tmp_path: Path) -> None:
@@ -148,7 +157,7 @@ def test_logits_match_transformers_llama(tmp_path: Path, cfg: ModelConfig) -> No
 def test_preempted_run_exports_the_step_it_saved(tmp_path: Path) -> None:
     """SIGTERM mid-run with ``checkpoint.export_hf=true``: the run saves, exports that same step
     (the job may not come back) and exits 0; ``export-hf`` on the checkpoint gives the same tensors."""
-    from framework.checkpoint.__main__ import main as checkpoint_cli
+    from framework.launch.export_cli import main as checkpoint_cli
     from framework.record.metrics import read_metrics
     from tests.entry import start_forked
 
@@ -307,7 +316,7 @@ def test_export_cli_refuses_an_out_it_cannot_write_in_one_line(
     """OUT an existing file, under a file, or a folder this user cannot write: exit 2, one line
     naming OUT and what is valid, the file untouched and nothing written (a read-only folder was a
     PermissionError traceback after the checkpoint was read)."""
-    from framework.checkpoint.__main__ import main
+    from framework.launch.export_cli import main
 
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")

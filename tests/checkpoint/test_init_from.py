@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 pytest.importorskip("transformers", reason="transformers is in the dev extra: the parity tests compare with its models")
 
 from framework.checkpoint import init_from  # noqa: E402
-from framework.checkpoint.__main__ import main as checkpoint_cli  # noqa: E402
 from framework.config.schema import Config, ModelConfig, ModelFamily, Strategy  # noqa: E402
+from framework.launch.export_cli import main as checkpoint_cli  # noqa: E402
 from framework.launch.rules import check_model_shape  # noqa: E402
 from framework.models import build_model, materialize  # noqa: E402
 from framework.parallel import build_mesh, parallelize  # noqa: E402

@@ -63,7 +63,7 @@ def test_an_entry_without_a_trailing_dot_is_one_name() -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        "framework.data.cli.main",  # round 4: a data tool run with a recipe's arguments
+        "framework.launch.data_cli.main",  # round 4: a data tool run with a recipe's arguments
         "framework.__main__.main",  # every subcommand, with command-line trust
         "framework.checkpoint.export_hf.export",
         "torch.optim.lr_scheduler",  # a module of torch.optim, not an optimizer class

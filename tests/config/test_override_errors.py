@@ -60,7 +60,10 @@ def explained(error: Exception, overrides: list[str]) -> str:
         ("mesh.shape=[2,x]", "mesh.shape=[2,x]: 'x' is not an integer (mesh.shape is a list of ints)"),
         ("train.stepz=1", "train.stepz=1: no key 'stepz' in train; valid keys: steps, global_batch_size, "),
         ("train.stepz=1", "; did you mean steps?"),
-        ("nosuchgroup=x", "nosuchgroup=x: no key or config group 'nosuchgroup'; valid keys: bucketing, "),
+        ("nosuchgroup=x", "nosuchgroup=x: unknown config group or key 'nosuchgroup'; valid keys: bucketing, "),
+        # A typo in the first component of a dotted key: the group or key is unknown, not "trian in trian.steps".
+        ("trian.steps=5", "trian.steps=5: unknown config group or key 'trian'; valid keys: bucketing, "),
+        ("trian.steps=5", "; did you mean train?"),
         ("hydra.nosuch=1", "hydra.nosuch=1: no key 'nosuch' in hydra; valid keys: run, sweep, "),
         (
             "train=x",

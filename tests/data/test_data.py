@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from framework.config.schema import DataConfig, DataSource
-from framework.data import BatchSampler, load_corpus, main, open_tokens, validation_batches
+from framework.data import BatchSampler, load_corpus, open_tokens, validation_batches
+from framework.launch.data_cli import main
 
 
 def _sampler(tokens, dp_rank=0, dp_size=1, gbs=8, mbs=2, seed=0):

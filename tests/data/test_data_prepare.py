@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from framework.config.schema import TokenizerConfig, TokenizerKind
-from framework.data import main, open_tokens, prepare
+from framework.data import open_tokens, prepare
 from framework.data.tokenizer import ByteTokenizer, load_tokenizer
 from framework.data.tokens import tokenizer_digest
+from framework.launch.data_cli import main
 from tests.corpus import Corpus, write_corpus
 
 

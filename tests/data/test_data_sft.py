@@ -251,7 +251,7 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     train only on the assistant turns."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from framework.data.cli import main as data_main
+    from framework.launch.data_cli import main as data_main
     from framework.record.metrics import read_metrics
     from tests.data.test_data_pipeline import train_main
 

@@ -138,7 +138,7 @@ def test_folder_without_tokenizer_and_unknown_special_token(corpus: Corpus, tmp_
 
 
 def test_vocab_larger_than_the_model_is_refused_smaller_warns(
-    corpus: Corpus, caplog: pytest.LogCaptureFixture
+    corpus: Corpus, sp_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     tok = hf(corpus.bpe)
     with pytest.raises(ValueError, match=r"\(512 tokens.*model.vocab_size=256"):
@@ -146,13 +146,20 @@ def test_vocab_larger_than_the_model_is_refused_smaller_warns(
     # Under model.init_from the size is the checkpoint's (an override is refused): name the real fix.
     with pytest.raises(ValueError, match=r"size of model.init_from='hf/'; use that model's own tokenizer"):
         check_vocab(tok, 256, "hf/")
+    sp = load_tokenizer(TokenizerConfig(kind=TokenizerKind.sentencepiece, path=str(sp_model)))
+    assert sp.vocab_size == 400
     with caplog.at_level(logging.WARNING, logger="framework"):
+        check_vocab(sp, 512)  # padded to a multiple of 128: a recipe's choice, no warning
+        check_vocab(tok, 1024, reads_text=False)  # data=synthetic draws ids over every row
+        assert caplog.text == ""
+        check_vocab(sp, 640)
+        assert "240 embedding rows are never used" in caplog.text
         check_vocab(tok, 1024)
     assert "512 embedding rows are never used" in caplog.text
 
 
 def test_tokenizer_train_cli_refuses_a_tiny_vocab(corpus: Corpus, tmp_path: Path) -> None:
-    from framework.data import main
+    from framework.launch.data_cli import main
 
     assert (
         main(["tokenizer", "train", str(tmp_path / "t.json"), str(corpus.jsonl), "--vocab-size", "100"]) == 2
@@ -186,7 +193,7 @@ def test_tokenizer_train_refuses_a_vocab_size_out_of_range(
 ) -> None:
     """--vocab-size 1e22 overflowed inside the tokenizers trainer (a traceback): argparse's one error
     line and exit 2, nothing written."""
-    from framework.data import main
+    from framework.launch.data_cli import main
 
     text = tmp_path / "t.txt"
     text.write_text("hello world\n")

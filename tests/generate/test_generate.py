@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config.schema import ModelConfig, ModelFamily, to_config
-from framework.generate.decode import generate, load_model, main
+from framework.generate.decode import generate, load_model
+from framework.launch.generate import main
 from framework.models import KVCache, build_model, forward_cached
 from tests.entry import train_forked
 
@@ -65,7 +67,7 @@ def test_sampling_is_seeded_and_stays_in_the_top_k() -> None:
     assert generate(model, [1], 10, eos_id=generate(model, [1], 1)[0]) == generate(model, [1], 1)
 
 
-def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
+def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = train_forked(
@@ -88,6 +90,13 @@ def test_cli_samples_from_a_trained_run(tmp_path: Path, capsys) -> None:
     step_dir = next((run / "checkpoints").glob("step_*"))
     assert main([str(step_dir), "--prompt", "def ", "--max-new-tokens", "24"]) == 0
     assert capsys.readouterr().out == out.out  # the same checkpoint, greedy: the same text
+    # No --prompt: one prompt per line of stdin, the model loaded once, until an empty line.
+    monkeypatch.setattr("sys.stdin", io.StringIO("def \nclass \n\nnever read\n"))
+    assert main([str(run), "--max-new-tokens", "24"]) == 0
+    loop = capsys.readouterr()
+    assert loop.out.startswith(out.out) and loop.out[len(out.out) :].startswith("class ")
+    assert "never read" not in loop.out
+    assert loop.err.count("step_000008") == 1
     # load_model's full forward (its RoPE tables refilled after to_empty) equals the cached decoder.
     cfg = to_config(OmegaConf.load(run / "config.yaml"))
     model = load_model(step_dir, cfg, torch.device("cpu"))

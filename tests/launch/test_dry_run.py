@@ -237,7 +237,9 @@ def test_float8_experts_marked_as_planned(shape: list[int], pp: int, ep: int) ->
     ``parallelize`` marks float8 (expert parallelism's runners carry the mark) are the planner's."""
     pytest.importorskip("torchao.float8", reason="torchao is the float8 extra (CI installs it)")
     base = compose_config(
-        "recipe=qwen3_moe_tiny", "model.float8=rowwise", "model.float8_size_filter=false",
+        "recipe=qwen3_moe_tiny",
+        "model.float8=rowwise",
+        "model.float8_size_filter=false",
         "model.float8_skip=[output,attention]",
     )
     cfg = on(Config(model=base.model), "h100_sxm")
@@ -250,3 +252,54 @@ def test_float8_experts_marked_as_planned(shape: list[int], pp: int, ep: int) ->
     text = format_dry_run(report)
     assert report.num_float8_experts == report.planned_float8_experts == 4 // pp, text
     assert f"float8 MoE experts  planned {4 // pp}, marked {4 // pp}" in text
+
+
+def test_a_gpu_sized_job_or_nccl_preset_on_the_cpu_profile_says_which_hardware(tmp_path: Path) -> None:
+    """The mission's command without mesh/hardware planned for the default CPU profile, silently:
+    now one warning line names the profile and the options; a GPU profile, or a small job without
+    an NCCL preset, prints none."""
+    cases = {
+        "gpu_sized": (["mesh=2x4", "nccl=gdr3", "recipe=llama7b"], 1),
+        "preset_only": (["mesh=2", "nccl=ib"], 1),
+        "declared": (["mesh=2x4", "nccl=gdr3", "recipe=llama7b", "mesh/hardware=h100_sxm"], 0),
+        "small": (["mesh=2"], 0),
+    }
+    for name, (args, expected) in cases.items():
+        run = tmp_path / name
+        assert train_main(f"hydra.run.dir={run}", *args, "run.dry_run=true") == 0, name
+        lines = [ln for ln in (run / "train.log").read_text().splitlines() if "the plan assumes" in ln]
+        assert len(lines) == expected, (name, lines)
+        if expected:
+            assert "[WARNING]" in lines[0] and "mesh/hardware=cpu: the plan assumes a CPU host" in lines[0]
+            assert "add mesh/hardware=NAME (a100_80gb, h100_96gb_500w, h100_sxm, h200)" in lines[0]
+    text = (tmp_path / "gpu_sized" / "train.log").read_text()
+    assert "for a 6.74B-parameter model and nccl=gdr3 (NCCL runs on GPU ranks only)" in text
+
+
+def test_the_missions_command_prints_one_line_per_warning(tmp_path: Path) -> None:
+    """``python train.py mesh=2x4 nccl=gdr3 recipe=llama7b run.dry_run=true`` as a user runs it (a
+    real interpreter): the CPU-profile notice is one line, and each of the preset's two NCCL
+    debugging variables one line on stderr (Python printed its source line under each)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.entry import ROOT
+
+    args = [
+        "mesh=2x4",
+        "nccl=gdr3",
+        "recipe=llama7b",
+        "run.dry_run=true",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RUN_STAMP"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if "WARNING" in ln and "the plan assumes" in ln], (
+        proc.stdout
+    )
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 2 and all("NcclDebugVariableWarning: NCCL_NET_GDR_" in ln for ln in err), err

@@ -248,3 +248,24 @@ def test_ranks_that_failed_for_good_say_how_to_go_on(tmp_path: Path) -> None:
     assert after_failure(cfg, tmp_path, root) == (
         f"no restart left (run.max_restarts=0); run again with hydra.run.dir={tmp_path} to resume from {step}"
     )
+
+def test_an_option_of_an_extra_not_installed_is_one_line_naming_the_extra() -> None:
+    """The base install leaves wandb out (pyproject's ``wandb`` extra): ``logger=wandb`` without the
+    package is refused before launch, naming the extra. Checked with a package name that is not
+    installed anywhere (wandb itself is, in the dev extra)."""
+    from framework.config.schema import LoggerKind
+    from framework.launch.entry import EXTRAS, check_extras
+
+    assert [(o, p, e) for o, _, p, e in EXTRAS] == [("logger=wandb", "wandb", "wandb")]
+    cfg = Config()
+    cfg.logger.kind = LoggerKind.wandb
+    check_extras(cfg)  # installed here: no refusal
+    missing = [("logger=wandb", lambda c: c.logger.kind is LoggerKind.wandb, "framework_no_such_pkg", "wandb")]
+    with pytest.raises(ValueError) as e:
+        check_extras(cfg, missing)
+    assert str(e.value) == (
+        "logger=wandb needs the framework_no_such_pkg package, which the base install leaves out: "
+        "pip install -e '.[wandb]' (the dev extra has it too)"
+    )
+    cfg.logger.kind = LoggerKind.console
+    check_extras(cfg, missing)  # not used: no refusal

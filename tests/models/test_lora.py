@@ -241,6 +241,14 @@ def test_an_adapter_folder_starts_the_adapters(base: Path, tmp_path: Path) -> No
     _, again = lora_model(base, cfg.peft)
     with torch.no_grad():
         assert (again(tokens()) - expected).abs().max().item() == 0.0
+    # Targets the folder has no adapters for: the refusal counts and names what it lacks (it ended
+    # "and lacks []" when only the other side differed).
+    for targets, says in ((["wq", "wk", "wv", "wo", "w2", "w1"], "it lacks 4 adapter tensors they select (e.g. "),
+                          (["wq", "wk", "wv", "wo"], "it has 4 adapter tensors they do not select (e.g. ")):  # fmt: skip
+        cfg.peft = dataclasses.replace(cfg.peft, targets=targets)
+        with pytest.raises(ValueError, match=r"adapters on the layers peft\.targets=") as e:
+            check_rules(cfg)
+        assert says in str(e.value) and "[]" not in str(e.value) and " and " not in str(e.value).split("; ")[-1]
 
 
 def test_an_adapter_of_another_base_is_one_line_exit_2_and_no_run_dir(base: Path, tmp_path: Path) -> None:

@@ -86,3 +86,34 @@ def test_validation_rows_carry_perplexity() -> None:
     row = validation_row(50, 2.0)
     assert row == {"step": 50, "val_loss": 2.0, "val_ppl": pytest.approx(7.389056)}
     assert perplexity(1e4) == float("inf")
+
+
+def test_every_training_line_says_step_of_total_elapsed_and_eta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """train.log, a SLURM log or nohup.out has no progress bar: each training line carries the step
+    out of the total, the time since the launch's steps began and the rest at that pace. A resumed
+    launch counts from its own first step; validation and event lines are left as they were."""
+    import logging
+    import re
+
+    from framework.record.metrics import duration
+
+    m = Metrics(tmp_path, enabled=True, total_steps=200, start_step=0, progress_bar=False)
+    m.begin(50)  # resumed at step 50
+    t0 = m._started
+    assert m.with_progress("step 100 | loss 2.0000", 100, now=t0 + 25.0) == (
+        "step 100/200 | loss 2.0000 | elapsed 25s, ETA 50s"  # 50 steps in 25 s: 100 more at 0.5 s each
+    )
+    assert m.with_progress("step 50 | loss 2.0000", 50, now=t0) == "step 50/200 | loss 2.0000 | elapsed 0s, ETA -"
+    with caplog.at_level(logging.INFO, logger="framework"):
+        m.log({"step": 0, "val_loss": 5.0})
+        m.log({"step": 60, "loss": 2.5, "lr": 1e-3})
+        m.log({"step": 60, "event": "checkpoint", "detail": "saved"})
+    m.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("step 0 | val_loss 5.0000") and "ETA" not in lines[0]
+    assert re.fullmatch(r"step 60/200 \| loss 2\.5000 \| lr 1\.00e-03 \| elapsed \d+s, ETA \S+", lines[1]), lines
+    assert lines[2] == "step 60: checkpoint: saved"
+    assert "elapsed" not in json.dumps(read_metrics(tmp_path))  # the file keeps its rows as they were
+    assert [duration(s) for s in (4.4, 65, 3600 * 2 + 7 * 60 + 5)] == ["4s", "1m05s", "2h07m"]

@@ -403,12 +403,47 @@ def test_ctrl_c_saves_like_sigterm_and_the_stop_line_is_true(tmp_path: Path) -> 
     [pre] = events(saved, "preempted")
     assert pre["saved"] and "SIGINT" in pre["detail"], pre
     assert (step_dir(saved, pre["step"]) / "manifest.json").is_file()
-    assert f"stopped by signal 2: the ranks saved a checkpoint at step {pre['step']}" in out, out[-3000:]
+    assert f"stopped by signal 2 (SIGINT: Ctrl-C): the ranks saved a checkpoint at step {pre['step']}" in out, out[-3000:]
     out = (tmp_path / "off.txt").read_text()
-    assert "stopped by signal 2: no checkpoint was saved at the stop (checkpointing is off" in out, out[
+    assert "stopped by signal 2 (SIGINT: Ctrl-C): no checkpoint was saved at the stop (checkpointing is off" in out, out[
         -3000:
     ]
     assert "the ranks saved a checkpoint" not in out
+
+
+@pytest.mark.parametrize("mesh", ["1", "2"])
+def test_ctrl_c_while_the_run_starts_prints_one_line(tmp_path: Path, mesh: str) -> None:
+    """Ctrl-C during the start (the freeze follows the model line) printed a hundred-line traceback
+    per process; now stderr holds one line (``interrupted (Ctrl-C)``, or the launcher's stop line
+    for self-launched ranks, or the stop line of a preemption when the signal came after step 0).
+    A real ``python train.py`` (its interpreter's top level is what prints an uncaught interrupt)."""
+    run = tmp_path / "run"
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    args = [f"mesh={mesh}", "train.steps=400", "checkpoint=none", "logger.plot=false", f"hydra.run.dir={run}"]
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "model llama_tiny:" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
+    assert len(lines) == 1, err.read_text()[-3000:]
+    assert "interrupted (Ctrl-C)" in lines[0] or "stopped by signal 2 (SIGINT: Ctrl-C)" in lines[0], lines
 
 
 def _children(pid: int) -> list[int]:

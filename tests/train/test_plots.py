@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from framework.record.metrics import Metrics
-from framework.train.plots import plot_run, plot_sweep
+from framework.record.metrics import Metrics, read_metrics
+from framework.train.plots import plot_run, plot_sweep, run_panels, sweep_curves
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -17,6 +17,7 @@ def _write_run(run_dir: Path, mfu: bool) -> None:
     m.log({"step": 0, "val_loss": 5.5})
     for step in (2, 4, 6):
         row = {"step": step, "loss": 6.0 - step / 2, "tokens_per_s": 1000.0 * step}
+        row |= {"lr": 1e-3 * step / 6, "grad_norm": 2.0 / step}
         if mfu:
             row["mfu"] = 0.1 * step
         m.log(row)
@@ -40,7 +41,10 @@ def test_plot_run_writes_a_png_with_an_mfu_panel_only_when_measured(tmp_path: Pa
     p1, p2 = plot_run(with_mfu), plot_run(without)
     assert p1 == with_mfu / "metrics.png" and p1.read_bytes()[:8] == PNG_MAGIC
     assert p2.read_bytes()[:8] == PNG_MAGIC
-    assert _panels(p1) > _panels(p2)  # three panels vs two
+    assert _panels(p1) > _panels(p2)  # one panel more
+    titles = ["loss", "tokens/s", "learning rate", "grad norm"]
+    assert [t for t, _ in run_panels(read_metrics(with_mfu))] == [*titles, "MFU"]
+    assert [t for t, _ in run_panels(read_metrics(without))] == titles
 
 
 def test_plot_run_refuses_a_run_without_losses(tmp_path: Path) -> None:
@@ -49,9 +53,18 @@ def test_plot_run_refuses_a_run_without_losses(tmp_path: Path) -> None:
 
 
 def test_plot_sweep(tmp_path: Path) -> None:
+    """Bars per job, and the jobs' loss curves overlaid (read from each run dir); a failed job
+    without metrics has no curve."""
+    for d in ("0", "1"):
+        (tmp_path / d).mkdir()
+    _write_run(tmp_path / "0", mfu=False)
     jobs = [
         {"job": "0", "overrides": "sharding=ddp", "status": "ok", "final_loss": 4.0, "tokens_per_s": 900.0},
         {"job": "1", "overrides": "sharding=fsdp", "status": "failed", "final_loss": None},
     ]
+    jobs = [{**j, "run_dir": str(tmp_path / j["job"])} for j in jobs]
+    assert sweep_curves(jobs) == {"#0 sharding=ddp": ([2, 4, 6], [5.0, 4.0, 3.0])}
     out = plot_sweep(jobs, tmp_path / "s.png")
     assert out.read_bytes()[:8] == PNG_MAGIC
+    flat = plot_sweep([{**j, "run_dir": None} for j in jobs], tmp_path / "flat.png")
+    assert _panels(out) > _panels(flat)  # the curves' axis below the bars

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,19 @@ def test_default_recipe_trains_and_writes_its_run_dir(tmp_path: Path) -> None:
     assert losses(run) == pytest.approx(ref[5::6], rel=2e-5, abs=0)
     plan = json.loads((run / "plan.json").read_text())
     assert plan["strategy"] == "single" and plan["search"]["chosen"]["activation_checkpointing"] == "none"
+    # One rank says little before step 0: the plan's choice in one line naming plan.json (it printed a
+    # 10-row search table and a 25-line plan); no step-time prediction on the CPU profile.
+    log = (run / "train.log").read_text().splitlines()
+    before = log[: next(i for i, ln in enumerate(log) if "step 0 | val_loss" in ln)]
+    [line] = [ln for ln in before if "plan: " in ln]
+    expected = "plan: single on 1 rank, micro batch 16 x 1 accumulation, activation checkpointing none, "
+    expected += rf"\d+\.\d\d of 24 GiB \(in full: {re.escape(str(run / 'plan.json'))}\)"
+    assert re.fullmatch(expected, line.split(" - ", 1)[1]), line
+    assert len(before) <= 6 and not [ln for ln in before if "layouts evaluated" in ln or "nccl" in ln], before
+    # Every training line says where the run is and how long the rest takes (no bar in a log file).
+    steps = [ln.split(" - ", 1)[1] for ln in log if " - step " in ln and "| loss " in ln]
+    assert [s.split(" | ")[0] for s in steps] == ["step 6/24", "step 12/24", "step 18/24", "step 24/24"]
+    assert all(re.search(r" \| elapsed \S+, ETA \S+$", s) for s in steps), steps
     # The first model a user trains can be used: one final checkpoint (checkpoint=final, the default),
     # named in the summary with the commands that read it; generate samples from the run dir.
     assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000024"]
@@ -323,16 +337,25 @@ def test_warmup_as_long_as_the_run_warns_in_one_line(
         assert f"train.warmup_steps={warmup} >= train.steps=5" in lines[0]
 
 
-def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path) -> None:
+def test_outputs_latest_links_the_newest_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``outputs/latest`` names the newest run dir, also in the default layout ``outputs/DATE/TIME-ID``
+    (the link was made only for a run dir directly under outputs/, so never by default), and
+    ``generate outputs/latest`` reads that run's checkpoint."""
+    from framework.launch.generate import main as generate_main
+
     outputs = tmp_path / "outputs"
     quick = ["train.steps=2", "train.eval_every=0", "train.log_every=1", "freeze=none", "logger.plot=false"]
-    for name in ("a", "b"):
+    for name in ("a", "2026-12-01/23-12-52-b"):
         proc = train(outputs / name, *quick)
         assert proc.returncode == 0, proc.stderr[-3000:]
         latest = outputs / "latest"
         assert latest.is_symlink() and os.readlink(latest) == name
         assert (latest / "summary.json").is_file()
-    assert sorted(p.name for p in outputs.iterdir()) == ["a", "b", "latest"]  # no temporary link left
+    assert sorted(p.name for p in outputs.iterdir()) == ["2026-12-01", "a", "latest"]  # no temporary link
+    capsys.readouterr()
+    assert generate_main([str(outputs / "latest"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def ") and "2026-12-01/23-12-52-b/checkpoints/step_000002" in out.err, out
     # A run dir elsewhere links nothing next to it.
     assert train(tmp_path / "c", *quick).returncode == 0
     assert not (tmp_path / "latest").exists()

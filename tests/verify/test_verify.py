@@ -463,7 +463,7 @@ def test_compare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "- max_abs_diff: 0.5" in text and "- final_b: 2" in text and "- min_a: 2.5" in text
     assert "| tokens_per_s | 1000 | 1500 | 1.500 |" in text
     assert "not recorded" in text
-    from framework.verify.__main__ import main  # python -m framework.verify, in this process
+    from framework.launch.verify_cli import main  # python -m framework verify, in this process
 
     assert main(["compare", str(a), str(tmp_path)]) == 2 and "not a run dir" in capsys.readouterr().err
 
@@ -472,7 +472,7 @@ def test_compare_out_never_replaces_a_file_compare_did_not_write_unless_force(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``compare A B --out A/config.yaml`` replaced that run's config with the report."""
-    from framework.verify.__main__ import main
+    from framework.launch.verify_cli import main
 
     a = _fake_run(tmp_path / "a", 1e-3, [5.0, 4.0], 1000.0)
     b = _fake_run(tmp_path / "b", 2e-3, [5.0, 3.5], 1500.0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.launch.verify_cli import main as verify_cli
 from framework.record.metrics import read_metrics
-from framework.verify.__main__ import main as verify_cli
 from tests.train.test_train import train
 
 TINY = ["verify=on", "train.steps=12", "train.log_every=4", "train.eval_every=0", "train.seq_len=64"]
@@ -105,16 +105,23 @@ def test_compare_two_real_runs(runs: dict[str, Path], capsys: pytest.CaptureFixt
 def test_the_ladder_runs_by_default_and_verify_ladder_false_turns_it_off(tmp_path: Path) -> None:
     """Without verify=on (the default: only the cheap hooks), a compile error still steps down to
     eager before step 1 and the run trains; no report files (those are verify=on's). With
-    ``verify.ladder=false`` the same error stops the run."""
-    quick = ["train.steps=4", "train.log_every=2", "train.eval_every=0", "train.seq_len=32"]
-    quick += ["logger.plot=false"]
+    ``verify.ladder=false`` the same error stops the run. The default path validates at step 0,
+    before any training step: the eval graph's compile error is the one the ladder meets (it was
+    raised from there, exit 1); with ``train.eval_every=0`` it is the first step's."""
+    quick = ["train.steps=4", "train.log_every=2", "train.eval_every=2", "train.eval_batches=1"]
+    quick += ["train.seq_len=32", "logger.plot=false"]
     broken = ["executor=compile", "executor.backend=tvm", "freeze=none"]
-    on = train(tmp_path / "on", *quick, *broken)
-    assert on.returncode == 0, on.stderr[-3000:]
-    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["executor"] == "eager"
-    events = [r for r in read_metrics(tmp_path / "on") if r.get("event") == "fallback/compile_error"]
-    assert len(events) == 1 and "compile -> eager" in events[0]["detail"], events
+    for name, evals in (("on", []), ("on_no_eval", ["train.eval_every=0"])):
+        on = train(tmp_path / name, *quick, *broken, *evals)
+        assert on.returncode == 0, on.stderr[-3000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["steps"] == 4 and summary["executor"] == "eager"
+        rows = read_metrics(tmp_path / name)
+        events = [r for r in rows if r.get("event") == "fallback/compile_error"]
+        assert len(events) == 1 and events[0]["step"] == 0, events
+        assert "compile -> eager" in events[0]["detail"] and "tvm" in events[0]["detail"], events
+        validated = [r["step"] for r in rows if "val_loss" in r]
+        assert validated == ([] if evals else [0, 2, 4]), validated
     assert not (tmp_path / "on" / "verification.json").exists()
     off = train(tmp_path / "off", *quick, *broken, "verify.ladder=false")
     assert off.returncode != 0 and "tvm" in off.stderr.lower(), off.stderr[-3000:]

@@ -1,4 +1,6 @@
-"""``python -m framework.data``: ``prepare`` (text -> token file) and ``tokenizer train`` (a BPE)."""
+"""``python -m framework data``: ``prepare`` (text -> token file) and ``tokenizer train`` (a BPE).
+
+Its help answers before torch is imported: the tools are imported once the arguments parsed."""
 
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ def vocab_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m framework data",
+        description="Prepare token files (text, jsonl or parquet -> OUT.bin) and train a byte-level BPE tokenizer.",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
         "prepare", help="tokenize text / jsonl / parquet files into OUT.bin (+ OUT.json sidecar)"
