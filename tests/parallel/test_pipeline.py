@@ -72,7 +72,8 @@ def run_steps(
         out.append((r.loss, r.grad_norm))
     if ckpt and ckpt[0] == "save":
         assert checkpointer is not None
-        checkpointer.save(len(batches()[steps]), model, opt, sched, {"step": 0})
+        done = len(batches()[steps])
+        checkpointer.save(done, model, opt, sched, {"step": done})  # extra.step is the checkpoint's step
         assert checkpointer.last_error is None, checkpointer.last_error
     if checkpointer is not None:
         checkpointer.close()
