@@ -8,7 +8,7 @@ with the owner's name.
 
 A lock whose owner is gone is taken over, and the log says so: the owner's pid (and its
 launcher's pid, which outlives a restart of the ranks) is dead on this host. The launcher takes the
-lock before it writes the run files (framework.launch.entry.take_launch_lock) and its ranks take it
+lock before it writes the run files (framework.launch.run_files.take_launch_lock) and its ranks take it
 over silently: a lock held by a rank's own launcher is the rank's. A lock held from
 another host cannot be checked from here; it is refused, naming that host, so that the user
 removes it knowingly. The owner's own later attempts (an elastic restart: the same launcher) take

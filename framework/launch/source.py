@@ -3,7 +3,7 @@ Hugging Face folder (``config.json`` + safetensors, its tokenizer beside it).
 
 Why in the launch layer: the config is composed and checked as a launch does it. ``KEY=VALUE`` and
 ``GROUP=OPTION`` overrides (``data=sft data.path=...``) are composed by Hydra from conf/, and the
-result passes ``framework.launch.entry.validate`` (every rule, ``model.init_from``'s checks, the data
+result passes ``framework.launch.prelaunch.validate`` (every rule, ``model.init_from``'s checks, the data
 and tokenizer checks), so a bad value is the one line a training launch gives. The weights are then
 read the way ``model.init_from`` reads them (framework.checkpoint.init_from): the source is the
 ``model.init_from`` of the config, whatever layout saved it.
@@ -130,7 +130,7 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
     config.yaml (None for an HF folder). ``evaluate_data``: the command evaluates a data set (no
     validation split is needed: ``train.eval_every=0``)."""
     from framework.generate.decode import find_run_config, load_run_config, resolve_checkpoint
-    from framework.launch.entry import validate
+    from framework.launch.prelaunch import validate
     from framework.planner.resolve import resolve_batch
     from framework.planner.search import maybe_search
 
