@@ -2,7 +2,7 @@
 ``model.init_from``) with the adapters of its checkpoint (which holds the adapters only).
 
 One real run: ``train.py recipe=sft_tiny peft=lora`` over a tiny random Llama made with transformers
-(the shipped chat tokenizer's 384 tokens), forked from this process (tests/entry.py). Its figures are
+(the size of the shipped chat tokenizer's 384 tokens), forked from this process (tests/entry.py). Its figures are
 checked against the run's own validation loss and against peft's ``PeftModel`` over transformers'
 model with the adapter folder ``export-hf --adapter`` writes."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from framework.checkpoint.state import read_metadata  # noqa: E402
 from framework.models import lora  # noqa: E402
 from tests.checkpoint.test_init_from import ok, train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 LORA = ["peft=lora", "peft.targets=[wq,wk,wv,wo]"]
 FAST = ["freeze=none", "logger.plot=false", "checkpoint=sync", "train.log_every=1", "train.warmup_steps=1"]
@@ -47,10 +45,8 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]
         vocab_size=384,
         max_position_embeddings=128,
     )
-    LlamaForCausalLM(config).save_pretrained(base)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ROOT / "recipes" / "data" / "sft_tiny" / name, base / name)
-    out = ok(train(run, "recipe=sft_tiny", f"model.init_from={base}", f"tokenizer.path={base}", *LORA, *FAST))
+    LlamaForCausalLM(config).save_pretrained(base)  # the recipe's tokenizer: recipes/data/sft_tiny
+    out = ok(train(run, "recipe=sft_tiny", f"model.init_from={base}", *LORA, *FAST))
     return run, base, out
 
 
@@ -137,3 +133,21 @@ def test_generate_continues_as_peft_over_transformers_does(
                 out.pop()
                 break
     assert proc.stdout.rstrip("\n") == prompt + tokenizer.decode(out)
+
+
+def test_a_moved_base_is_one_line_exit_2(
+    lora_run: tuple[Path, Path, str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The checkpoint holds the adapters only: without the base there is nothing to sample from."""
+    run, base, _ = lora_run
+    moved = base.with_name("moved")
+    base.rename(moved)
+    try:
+        report = str(tmp_path / "report.json")
+        for args in (("generate", str(run), "--prompt", "hi"), ("evaluate", str(run), "--report", report)):
+            proc = _cli(capfd, *args, "--device", "cpu")
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+            assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+            assert f"model.init_from={str(base)!r} does not exist; valid: " in errors[0], errors
+    finally:
+        moved.rename(base)
