@@ -81,6 +81,11 @@ def read(root: Path) -> Owner | None:
 
 
 def _pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` runs. A zombie does not: it has exited and only waits for its parent to
+    reap it. Ranks of a SIGKILLed launcher are reparented to pid 1, which in a container (a
+    minimal init, Docker without --init) may reap them late or never; counted as alive, a zombie
+    rank 0 kept its run dir's lock, and every relaunch was refused as "a live run" (found by
+    benchmarks/fault_campaign.py). Linux says so in /proc; elsewhere ``kill(pid, 0)`` decides."""
     if not pid or pid <= 0:
         return False
     try:
@@ -89,7 +94,15 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (not Linux), or it was reaped just now
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command in parentheses
 
 
 def blocking_owner(root: Path, run_id: str) -> Owner | None:
