@@ -199,8 +199,7 @@ def prepare(
                 docs += sum(last for _, _, last in chunk)
                 bar.update(sum(len(t) for t, _, _ in chunk))
         else:
-            ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok_cfg, add_bos)) as pool:
+            with _pool_context().Pool(workers, initializer=_init_worker, initargs=(tok_cfg, add_bos)) as pool:
                 pending: collections.deque[tuple[Any, int, int]] = collections.deque()
                 for chunk in chunks:  # at most 2 chunks per worker in flight: memory stays bounded
                     n_docs, n_chars = sum(last for _, _, last in chunk), sum(len(t) for t, _, _ in chunk)
@@ -232,6 +231,18 @@ def prepare(
         }
     )
     return writer.num_tokens
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a fresh server process, never from this one: a fork of a process that
+    runs threads (torch's, the tokenizer's, a logger's) copies whatever lock a thread held at that
+    moment, and a worker that takes it waits forever (the suite hung so once). The server imports
+    this module once; each worker is a cheap fork of it."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _drain(pending: collections.deque, writer: TokenWriter, bar: tqdm) -> int:
