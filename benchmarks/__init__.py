@@ -60,6 +60,8 @@ MOE = "Session 11: MoE on one H200 (issue 25 point 6), through `python train.py`
 STRUCTURE = "The checkout's structure, measured (benchmarks/structure.py, benchmarks/cfg_flow.py)"
 ATTN_8K = "Session 16: the 8K rows in cost_check, and where the planner's 8K error comes from (CPU machine)"
 
+KERNELS = "Session 17: kernel tables on the H100, the planner priced per GEMM, and 82 rows it never saw (issue 38)"
+FIRST_HOUR = "A user's first hour (issue 44), CPU machine (2 cores, shared with other jobs)"
 BENCHMARKS: tuple[Benchmark, ...] = (
     # -- training speed on the GPU ---------------------------------------------------------------
     Benchmark("gpu_bench", "gpu_bench.py",
@@ -118,7 +120,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("kernel_tables", "kernel_tables.py",
               "the planner's kernel tables: measured GEMM, grouped GEMM and attention rates by shape",
               GPU_OR_CPU, "--out conf/mesh/hardware/tables/NAME.json (--smoke --device cpu: the code path)",
-              None, "conf/mesh/hardware/tables/NAME.json, which a profile names with kernel_table: NAME"),
+              KERNELS, "conf/mesh/hardware/tables/NAME.json, which a profile names with kernel_table: NAME"),
     Benchmark("attn_sweep", "attn_sweep.py",
               "causal attention's forward + backward rate by head dim and sequence length, per SDPA backend",
               GPU_OR_CPU, "(--device cpu --seqs 64,128 --head-dims 16 --tokens 256 --peak 1)", ATTN_8K),
@@ -153,7 +155,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               CPU, "", "Session 9: the planner against published large runs (issue 26)"),
     Benchmark("published_sources", "published_sources.py",
               "the planner out of sample: 82 published H100 / H200 rows, error per source and class",
-              CPU, "[--list]", None, "its table on stdout; the rows and sources: benchmarks/published_rows.md"),
+              CPU, "[--list]", KERNELS, "its table on stdout; the rows and sources: benchmarks/published_rows.md"),
     Benchmark("dry_run_bench", "dry_run_bench.py",
               "dry-run time and planned against measured parameter bytes of a 70B shape at 128 to 8192 ranks",
               CPU, "[--worlds 16x8,128x8,1024x8]",
@@ -174,6 +176,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("fault_campaign", "fault_campaign.py",
               "faults survived bitwise: seeded random kills, signals, full disk, spoiled checkpoints, deleted run dir, racing resumes",
               CPU, "--seed 0 --faults 36", "Fault campaign (issue 40 point 6), CPU machine"),
+    Benchmark("startup_bench", "startup_bench.py",
+              "wall time of the answers that need no training (help, a typo, a refused value), and whether torch was imported",
+              CPU, "[--repeat 5] [--root DIR ...]", FIRST_HOUR),
+    Benchmark("install_size", "install_size.py",
+              "how many distributions the base install and each extra pull in",
+              CPU, "[EXTRAS ...]", FIRST_HOUR),
     # -- the code itself -----------------------------------------------------------------------------
     Benchmark("structure", "structure.py",
               "modules, import edges, cycles, depth, upward imports; the call path of a real run to its first step",

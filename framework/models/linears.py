@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from framework.config.schema import Float8Recipe, ModelConfig
 from framework.kernels.float8 import SAVED_BYTES_PER_INPUT, check_experts, converts, converts_experts
 from framework.models.registry import model_spec
-from framework.models.spec import TPStyle
+from framework.models.spec import ModelSpec, TPStyle
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,20 @@ class LinearShape:
 
 def linear_shapes(m: ModelConfig) -> list[LinearShape]:
     """Every Linear of the model, in module order, from its spec (framework.models)."""
-    spec = model_spec(m)
+    return list(_spec_linears(model_spec(m)))
+
+
+_LINEARS: dict[int, tuple[ModelSpec, tuple[LinearShape, ...]]] = {}
+
+
+def _spec_linears(spec: ModelSpec) -> tuple[LinearShape, ...]:
+    """Cached by the spec object (model_spec caches those): the layout search asks for the same
+    model's Linears tens of thousands of times."""
+    hit = _LINEARS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_LINEARS) >= 256:
+        _LINEARS.clear()
     out: list[LinearShape] = []
     for unit in spec.units():
         for w in spec.block:
@@ -38,7 +51,8 @@ def linear_shapes(m: ModelConfig) -> list[LinearShape]:
                 out.append(LinearShape(f"{unit}.{w.module}", *w.shape, w.tp.value))
     head = next(w for w in spec.last if w.tp is TPStyle.output)
     out.append(LinearShape(head.module, *head.shape, "colwise"))
-    return out
+    _LINEARS[id(spec)] = (spec, tuple(out))
+    return _LINEARS[id(spec)][1]
 
 
 def converted(m: ModelConfig) -> list[LinearShape]:
@@ -163,4 +177,3 @@ def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1) -
         if g.fqn.startswith("layers.0.") and (g.fqn, g.param) not in experts
     )
     return 2 * (dense // tp + stacked // ep)
-

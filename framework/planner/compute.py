@@ -12,6 +12,7 @@ forward again (``recompute``: the share of it; selective_op recomputes GEMMs, no
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,11 @@ if TYPE_CHECKING:
 # FlashAttention-2. Where the table has no kernel of its own: FlashAttention-4 at cuDNN's rates (it
 # ran 9% faster than cuDNN at 8K, PERF.md round 15: a pessimistic assumption, named in the plan), the
 # memory-efficient and math kernels at FA2's (slower still: optimistic for them).
-_ATTENTION_TABLE = {AttentionBackend.flash: "flash", AttentionBackend.efficient: "flash", AttentionBackend.math: "flash"}
+_ATTENTION_TABLE = {
+    AttentionBackend.flash: "flash",
+    AttentionBackend.efficient: "flash",
+    AttentionBackend.math: "flash",
+}
 
 
 @dataclass(frozen=True)
@@ -76,19 +81,22 @@ def _linear_s(
     float8 = {s.fqn for s in converted(m)} if m.float8 is not Float8Recipe.none else set()
     kind = f"float8_{m.float8.value}"
     blocks = f"{model_spec(m).blocks}."
-    total = 0.0
+    shapes: Counter[tuple[int, int, bool, bool]] = Counter()  # layers repeat: price each shape once
     for s in linear_shapes(m):
         out, inp = s.out_features, s.in_features
         if s.tp_style == "colwise":
             out = max(1, out // d.tp)
         else:
             inp = max(1, inp // d.tp)
-        again = recompute if s.fqn.startswith(blocks) else 0.0
-        if s.fqn in float8:  # model.float8_fast_accum speeds the two backward GEMMs up
+        shapes[(out, inp, s.fqn.startswith(blocks), s.fqn in float8)] += 1
+    total = 0.0
+    for (out, inp, in_block, is_float8), count in shapes.items():
+        again = recompute if in_block else 0.0
+        if is_float8:  # model.float8_fast_accum speeds the two backward GEMMs up
             fwd, fwd_bwd = table.gemm_parts(kind, tokens, out, inp)
-            total += fwd * (1.0 + again) + (fwd_bwd - fwd) / fast_accum
+            total += count * (fwd * (1.0 + again) + (fwd_bwd - fwd) / fast_accum)
         else:
-            total += table.gemm_s("bf16", tokens, out, inp, again)
+            total += count * table.gemm_s("bf16", tokens, out, inp, again)
     spec = model_spec(m)
     routers = [w for w in spec.block if w.tp is TPStyle.moe and not w.experts and len(w.shape) == 2]
     for w in routers:  # whole on every TP rank
