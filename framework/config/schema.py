@@ -271,7 +271,7 @@ def only_with(
 ) -> Any:
     """A field of one option (or a few): it means something only while ``selector`` (a config key)
     is one of ``options``. Set to anything but its default under another option, it would do
-    nothing, so the launcher refuses it (``framework.launch.rules.check_option_fields``, one line naming
+    nothing, so the launcher refuses it (``framework.config.rules.keys.check_option_fields``, one line naming
     the option) and the config reference says which option it belongs to."""
     meta = {"only_with": (selector, options)}
     if factory is not None:
@@ -766,7 +766,7 @@ class RunConfig:
     fault_kill_at_step: int = -1
     fault_raise_at_step: int = -1
     fault_rank: int = 0
-    # Start more local CPU ranks than framework.launch.rules.cpu_rank_cap() (4 per core, at least 8);
+    # Start more local CPU ranks than framework.launch.ranks.cpu_rank_cap() (4 per core, at least 8);
     # above it gloo ranks starve each other and the launch can hang.
     oversubscribe: bool = False
     # Launch a plan whose per-rank memory estimate exceeds mesh.hardware.memory_gib (refused by

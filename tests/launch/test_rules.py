@@ -1,4 +1,4 @@
-"""The rule table (framework.launch.rules), tested from the table itself.
+"""The rule table (framework.launch.rules, assembled from framework.config.rules), tested from the table itself.
 
 For every schema key: a rule exists (a field added without one fails here), and each of the rule's
 out-of-range values, set on the composed default config, is refused by the launcher's pre-launch
@@ -92,7 +92,7 @@ def refusal(base: DictConfig, values: dict[str, Any], tmp: Path) -> str:
 def test_every_schema_key_has_exactly_one_rule() -> None:
     keys = dict(schema_keys())
     missing = sorted(set(keys) - set(RULES))
-    assert not missing, f"schema keys without a rule in framework/launch/rules.py RULES: {missing}"
+    assert not missing, f"schema keys without a rule (framework/config/rules/, framework/launch/rules.py): {missing}"
     assert not sorted(set(RULES) - set(keys)), "rules for keys the schema does not have"
     for key, rule in RULES.items():
         tp = keys[key]
