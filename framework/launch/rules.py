@@ -51,6 +51,7 @@ __all__ = [
     "check",
     "check_group",
     "check_known_keys",
+    "check_family_layout",
     "check_layout",
     "check_model_shape",
     "check_option_fields",
@@ -186,13 +187,32 @@ def check_layout(cfg: Config, declared: Degrees | None) -> None:
     these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
     Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``. Expert parallelism needs
-    experts (``check_dense_ep``)."""
+    experts (``check_dense_ep``). The family runs the layout (``check_family_layout``)."""
     if declared is not None:
         check_dense_ep(declared, cfg.model)
+        check_family_layout(cfg, declared)
     if cfg.optimizer.name is OptimizerName.muon and declared is not None:
         if declared.dp_shard != 1 or declared.tp != 1:
             raise ValueError(
                 f"optimizer.name={show(cfg.optimizer.name)} is not valid; valid: {muon_valid(cfg)}"
+            )
+
+
+def check_family_layout(cfg: Config, degrees: Degrees, searched: bool = False) -> None:
+    """Refuse a layout the model's family declares it cannot run (its record's ``cannot_run``: an axis
+    without a TP plan, a family that cannot be staged), in one line before launch, rather than a
+    traceback from inside the ranks or the dry run. ``searched``: the degrees are the ``sharding=auto``
+    search's (framework.launch.prelaunch checks the resolved plan too)."""
+    fam = FAMILIES[cfg.model.family]
+    for axis, why in fam.cannot_run.items():
+        degree = getattr(degrees, axis)
+        if degree > 1:
+            able = "|".join(f.name for f in FAMILIES.values() if axis not in f.cannot_run) or "none"
+            how = " (chosen by sharding=auto)" if searched else ""
+            raise ValueError(
+                f"parallel.{axis}={degree}{how} is not valid with model.family={fam.name}: {why}; valid: a "
+                f"layout with {axis}=1 (parallel.{axis}=1, or a sharding preset without it), or "
+                f"model.family={able}"
             )
 
 
