@@ -92,7 +92,7 @@ def refusal(base: DictConfig, values: dict[str, Any], tmp: Path) -> str:
 def test_every_schema_key_has_exactly_one_rule() -> None:
     keys = dict(schema_keys())
     missing = sorted(set(keys) - set(RULES))
-    assert not missing, f"schema keys without a rule (framework/config/rules/, framework/launch/rules.py): {missing}"
+    assert not missing, f"schema keys without a rule (framework/config/rules/, launch/rules.py): {missing}"
     assert not sorted(set(RULES) - set(keys)), "rules for keys the schema does not have"
     for key, rule in RULES.items():
         tp = keys[key]
