@@ -3,7 +3,7 @@
 The packages stand in layers; a module imports only from its own package or from one below it
 (tests/test_structure.py holds every import, function-level ones too, to this order). From the ground up:
 
-1. ``config``     the schema, instantiate (the allowlist), interpolation, override errors
+1. ``config``     the schema and each key's rules, instantiate (the allowlist), interpolation, override errors
 2. ``record``     what a run records: metrics (and the wandb sink), the train state
 3. ``kernels``    fa4, fused cross-entropy, float8, the compute target
 4. ``models``     the family registry and records, one folder per family, the shared parts and decoder

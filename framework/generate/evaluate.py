@@ -158,7 +158,7 @@ def place_model(
     return model, dp_rank, dp_size, dist.get_world_size() // dp_size
 
 
-# The bound framework.launch.rules sets on train.eval_batches, for the same reason: the validation
+# The bound framework.config.rules.train sets on train.eval_batches, for the same reason: the validation
 # batches are built up front (int64 tokens), 2**28 tokens = 2 GiB; 1e8 batches took 12 GB.
 MAX_EVAL_TOKENS = 2**28
 

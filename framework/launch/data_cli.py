@@ -11,7 +11,7 @@ from pathlib import Path
 from framework.config.schema import DataSource, TokenizerConfig, TokenizerKind
 from framework.record.outputs import check_output_file
 
-# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.launch.rules); 1e22
+# Token ids are stored as uint16/uint32, as model.vocab_size's rule says (framework.config.rules.model); 1e22
 # overflowed inside the tokenizers trainer (a traceback).
 MAX_VOCAB = 2**32
 

@@ -151,7 +151,8 @@ def render_reference() -> str:
     hints = typing.get_type_hints(config_mod.Config)
     lines = [
         "Every key, its type, default and meaning, generated from the typed schemas in",
-        "`framework/config/schema.py`; options are the files of `conf/GROUP/` (and the recipe roots).",
+        "`framework/config/` (`schema.py`: the root and the model group; a module per other concern);",
+        "options are the files of `conf/GROUP/` (and the recipe roots).",
         "",
         "| group | options | what it sets |",
         "|---|---|---|",

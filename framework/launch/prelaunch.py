@@ -39,7 +39,7 @@ from framework.launch.ranks import (
     check_torch,
 )
 from framework.launch.rules import check as check_rules
-from framework.launch.rules import check_known_keys, check_layout, check_model_shape
+from framework.launch.rules import check_family_layout, check_known_keys, check_layout, check_model_shape
 from framework.models import linears, model_spec
 from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
@@ -345,6 +345,7 @@ def prelaunch_with_search(
         # and the plan to plan.json; the ranks read both back and plan nothing.
         resolved = resolve(cfg)
         cfg, plan, found = resolved.cfg, resolved.plan, resolved.search
+        check_family_layout(cfg, plan.layout, searched=found is not None)  # what the search chose too
         lora_layout(cfg.peft, plan.layout.tp, plan.layout.fsdp)  # LoRA: no TP, one dtype under FSDP
         cfg = aux_scope_under_pipeline(cfg, plan.layout.pp)
         nccl_env = nccl_environment(cfg.nccl, run_dir, cfg.mesh.procs_per_node)

@@ -36,6 +36,14 @@ class Family:
     ``hf_moe_fields``: ``model.moe`` key -> its config.json key (both ways); ``hf_fixed``: config.json
     keys that must hold these values (what the family's block computes), written by the export and
     checked by the import.
+    ``cannot_run``: the layouts the family cannot run, as a parallel axis (a field of
+    ``framework.planner.layout.Degrees``: ``tp``, ``pp``, ``cp``, ``ep``) -> why (its TP plan does not
+    exist, its blocks cannot be split into stages); the launcher refuses a degree above 1 on such an
+    axis in one line before launch (``framework.launch.rules.check_family_layout``). Empty: every
+    layout the planner allows.
+    ``tiny``: a tiny shape of the family (its schema's fields over their defaults) that builds and
+    steps in a unit test in well under a second; the tests over families build it for every registry
+    entry (``tiny_config``).
     """
 
     name: str
@@ -48,3 +56,9 @@ class Family:
     moe_keys: tuple[str, ...] = ()
     hf_moe_fields: dict[str, str] = field(default_factory=dict)
     hf_fixed: dict[str, object] = field(default_factory=dict)
+    cannot_run: dict[str, str] = field(default_factory=dict)
+    tiny: dict[str, object] = field(default_factory=dict)
+
+    def tiny_config(self) -> ModelConfig:
+        """The family's tiny test shape, as its schema."""
+        return self.config(**self.tiny)

@@ -11,17 +11,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config.schema import ModelConfig, ModelFamily, to_config
+from framework.config.schema import ModelFamily, to_config
 from framework.generate.decode import generate, load_model
 from framework.launch.generate import main
-from framework.models import KVCache, build_model, forward_cached
+from framework.models import FAMILIES, KVCache, build_model, forward_cached
 from tests.entry import train_forked
 
 
 def tiny_model(n_kv_heads: int = 2, family: ModelFamily = ModelFamily.llama) -> torch.nn.Module:
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=128, vocab_size=97)
-    if family is ModelFamily.qwen3:  # q/k norms, heads wider than dim / n_heads
-        cfg = dataclasses.replace(cfg, family=family, head_dim=32)
+    """The family's tiny shape (its record's), at a vocabulary of 97 and ``n_kv_heads``."""
+    cfg = dataclasses.replace(FAMILIES[family].tiny_config(), n_kv_heads=n_kv_heads, vocab_size=97)
     model = build_model(cfg, max_seq_len=32)
     model.to_empty(device="cpu")
     model.output.weight = model.tok_embeddings.weight
@@ -30,7 +29,9 @@ def tiny_model(n_kv_heads: int = 2, family: ModelFamily = ModelFamily.llama) -> 
 
 
 def test_cached_logits_equal_the_full_forward_at_every_step() -> None:
-    for n_kv, family in ((2, ModelFamily.llama), (4, ModelFamily.llama), (2, ModelFamily.qwen3)):  # GQA, MHA
+    # GQA for every family of the registry (its tiny shape: Qwen3's q/k norms and heads wider than
+    # dim / n_heads, Mistral's window of 8 < 20 tokens, the sparse families' experts); MHA once.
+    for n_kv, family in ((4, ModelFamily.llama), *((2, f) for f in FAMILIES)):
         model = tiny_model(n_kv, family)
         tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
         cache = KVCache.empty(model, 1, 20)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from framework.config.rules.keys import check_option_fields
 from framework.config.schema import Config, Float8GradDtype, Float8Recipe, ModelConfig
 from framework.kernels import float8
 from framework.kernels.target import MissingPackage
 from framework.launch.prelaunch import check_float8
-from framework.launch.rules import check_option_fields
 from framework.models import build_model, linears, materialize
 from framework.planner.resolve import make_plan
 from framework.record.metrics import read_metrics

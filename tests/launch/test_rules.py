@@ -1,4 +1,4 @@
-"""The rule table (framework.launch.rules), tested from the table itself.
+"""The rule table (framework.launch.rules, assembled from framework.config.rules), tested from the table itself.
 
 For every schema key: a rule exists (a field added without one fails here), and each of the rule's
 out-of-range values, set on the composed default config, is refused by the launcher's pre-launch
@@ -92,7 +92,7 @@ def refusal(base: DictConfig, values: dict[str, Any], tmp: Path) -> str:
 def test_every_schema_key_has_exactly_one_rule() -> None:
     keys = dict(schema_keys())
     missing = sorted(set(keys) - set(RULES))
-    assert not missing, f"schema keys without a rule in framework/launch/rules.py RULES: {missing}"
+    assert not missing, f"schema keys without a rule (framework/config/rules/, launch/rules.py): {missing}"
     assert not sorted(set(RULES) - set(keys)), "rules for keys the schema does not have"
     for key, rule in RULES.items():
         tp = keys[key]
@@ -493,3 +493,51 @@ def test_moe_keys_belong_to_the_sparse_families(
     prelaunch(with_values(qwen, sparse), tmp_path / "ok", RECIPE)  # the sparse family itself launches
     # and freezes (torch.export)
     prelaunch(with_values(qwen, {**sparse, "freeze.mode": "export"}), tmp_path / "export", RECIPE)
+
+
+@pytest.mark.parametrize(
+    "axis, values",
+    [
+        ("tp", {"mesh.shape": [2], "parallel.tp": 2, "run.device": "cpu"}),
+        ("pp", {"mesh.shape": [2], "parallel.pp": 2, "run.device": "cpu", "model.tie_embeddings": False}),
+    ],
+)
+def test_a_layout_the_family_cannot_run_is_one_line_before_launch(
+    base: DictConfig,
+    family_base: dict[str, DictConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    axis: str,
+    values: dict[str, Any],
+) -> None:
+    """A family's record declares the layouts it cannot run (``Family.cannot_run``: OLMo 2 without a TP
+    plan ended in a traceback in a dry run): the declared layout, and the one ``sharding=auto`` chose,
+    are refused in one line naming the axis, the family and why, before anything is written."""
+    from framework.models import FAMILIES
+
+    mistral = config.ModelFamily.mistral
+    why = f"its blocks have no {axis} plan (a test's record)"
+    monkeypatch.setitem(FAMILIES, mistral, dataclasses.replace(FAMILIES[mistral], cannot_run={axis: why}))
+    where = family_base["mistral"]
+    msg = refusal(where, values, tmp_path / "declared")
+    assert msg.startswith(f"parallel.{axis}=2 is not valid with model.family=mistral: {why}; valid: "), msg
+    assert "model.family=llama|qwen3|qwen3_moe|mixtral" in msg, msg
+    prelaunch(with_values(base, values), tmp_path / "llama", RECIPE)  # another family runs it
+    if axis == "tp":  # sharding=auto with sharding.tp pinned: the search's layout is checked too
+        auto = {"mesh.shape": [2], "sharding.strategy": "auto", "sharding.tp": 2, "run.device": "cpu"}
+        msg = refusal(where, auto, tmp_path / "auto")
+        assert msg.startswith(
+            "parallel.tp=2 (chosen by sharding=auto) is not valid with model.family=mistral"
+        ), msg
+
+
+def test_every_family_record_declares_real_axes_and_a_tiny_shape_that_passes_the_rules() -> None:
+    from framework.models import FAMILIES
+    from framework.planner.layout import Degrees
+
+    axes = {f.name for f in dataclasses.fields(Degrees)}
+    for fam in FAMILIES.values():
+        assert set(fam.cannot_run) <= axes, f"{fam.name}: cannot_run names {set(fam.cannot_run) - axes}"
+        tiny = fam.tiny_config()
+        assert type(tiny) is config.MODEL_SCHEMAS[tiny.family] and tiny.family.value == fam.name
+        check(Config(model=tiny))  # the tiny shape is a valid one

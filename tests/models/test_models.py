@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from framework.config.schema import ModelConfig, ModelFamily
-from framework.models import TPStyle, blocks, build_model, model_spec
+from framework.config.schema import ModelConfig
+from framework.models import FAMILIES, TPStyle, blocks, build_model, model_spec
 
+# Every family of the registry at its record's tiny shape, and two shared layouts.
 SHAPES = {
     "tiny_tied": ModelConfig(),
     "gqa_untied": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=False),
-    # Qwen3: q/k norms, and heads wider than dim / n_heads (4 x 32 = 128 > 64).
-    "qwen3_hd32": ModelConfig(
-        family=ModelFamily.qwen3, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96
-    ),
+    **{fam.name: fam.tiny_config() for fam in FAMILIES.values()},
 }
 
 
@@ -27,16 +25,19 @@ def test_spec_is_the_model(cfg: ModelConfig) -> None:
         (n, tuple(p.shape)) for n, p in model.named_parameters()
     ]
     for name, w, unit in spec.params():
-        module = model.get_submodule(name.removesuffix(".weight"))
+        module = model.get_submodule(name.removesuffix(f".{w.param}"))
         kind = type(module).__name__
         expected = {TPStyle.embedding: "Embedding", TPStyle.sequence: "RMSNorm", TPStyle.heads: "RMSNorm"}
-        assert kind == expected.get(w.tp, "Linear"), (name, kind)
+        if w.tp is not TPStyle.moe:  # an MoE layer's router and stacked experts: TP leaves them whole
+            assert kind == expected.get(w.tp, "Linear"), (name, kind)
         assert unit == "root" or name.startswith(unit + ".")
     assert [model.get_submodule(u) for u in spec.units()] == blocks(model)
     names = spec.hf_names()
     assert len(set(names.values())) == len(names)
     assert ("output.weight" in dict((n, 0) for n, _, _ in spec.params())) is not cfg.tie_embeddings
-    rotated = ("wq", "wk", "q_norm", "k_norm") if cfg.family is ModelFamily.qwen3 else ("wq", "wk")
+    # RoPE rotates the q and k projections' rows, and a per-head norm over them (Qwen3's q/k norms)
+    # sees the rotated features: the rows each of them holds per head are permuted on the way to HF.
+    heads = {n.rsplit(".", 2)[-2] for n, w, _ in spec.params() if w.tp is TPStyle.heads}
     assert set(spec.rope_heads()) == {
-        f"layers.{i}.attention.{w}.weight" for i in range(cfg.n_layers) for w in rotated
+        f"layers.{i}.attention.{w}.weight" for i in range(cfg.n_layers) for w in ("wq", "wk", *heads)
     }

@@ -5,7 +5,7 @@ record the registry lists."""
 
 from __future__ import annotations
 
-from framework.config.schema import MixtralConfig
+from framework.config.schema import MixtralConfig, MoEConfig
 from framework.models.family import Family
 from framework.models.mixtral.hf import HF_ARCHITECTURE, HF_FIELDS, HF_FIXED, HF_MOE_FIELDS, MOE_KEYS
 from framework.models.mixtral.model import mixtral_block
@@ -22,4 +22,13 @@ MIXTRAL = Family(
     moe_keys=MOE_KEYS,
     hf_moe_fields=HF_MOE_FIELDS,
     hf_fixed=HF_FIXED,
+    tiny=dict(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        sliding_window=8,
+        moe=MoEConfig(num_experts=4),
+    ),
 )
