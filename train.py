@@ -38,6 +38,9 @@ sys.argv = docs.full_help_flag(sys.argv)  # --help --all: the help with the comp
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from framework.launch.early_check import refuse_early
+
+    refuse_early(cfg)  # a key's own rule refuses it: one line before the launcher imports torch
     from framework.launch.entry import run_job
 
     return run_job(cfg)

@@ -52,7 +52,7 @@ from framework.planner.topology import (
     nccl_environment,
     validate_mesh,
 )
-from framework.record.run_dir import check_creatable
+from framework.record.run_dir import check_dir_creatable
 from framework.train.callbacks import check_callbacks
 
 log = logging.getLogger("framework")
@@ -312,12 +312,6 @@ def check_not_nested(key: str, value: str | Path) -> None:
             f"delete each other's checkpoints; valid: a directory outside any checkpoint root, e.g. "
             f"{str(where.parent / 'checkpoints_new')!r}"
         )
-
-
-def check_dir_creatable(key: str, value: str) -> None:
-    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file, or when the
-    nearest existing folder is not writable (this user cannot create or fill the directory)."""
-    check_creatable(f"{key}={value!r}", Path(value))
 
 
 def prelaunch(

@@ -16,7 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.launch.prelaunch import check_dir_creatable
+from framework.record.run_dir import check_dir_creatable
 
 HYDRA_FILES = {".hydra", "train.log"}
 

@@ -71,6 +71,12 @@ def stopped(reason: str, when: str) -> str:
     return f"{reason}; noticed {when}, the ranks stopped and wrote nothing more"
 
 
+def check_dir_creatable(key: str, value: str) -> None:
+    """ValueError naming ``key`` when ``value`` or a parent of it is an existing file, or when the
+    nearest existing folder is not writable (this user cannot create or fill the directory)."""
+    check_creatable(f"{key}={value!r}", Path(value))
+
+
 def check_creatable(named: str, path: Path, noun: str = "directory") -> None:
     """ValueError naming ``named`` (``key=value``) when ``path`` or a parent of it is an existing file,
     or when the nearest existing folder is not writable (this user cannot create or fill it): before
