@@ -187,7 +187,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "modules, import edges, cycles, depth, upward imports; the call path of a real run to its first step",
               CPU, "[ROOT ...]", STRUCTURE),
     Benchmark("cfg_flow", "cfg_flow.py",
-              "how far the config travels from the entry point, and the call sites of the planner's resolvers",
+              "how far the config travels from the entry point, the call sites of the planner's resolvers, and "
+              "the rank-side files naming the config and reading each derived value (issue 41)",
               CPU, "[ROOT]", STRUCTURE),
 )  # fmt: skip
 

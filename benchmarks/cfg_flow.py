@@ -10,11 +10,15 @@ argument reads a carried name and the callee is a framework function found by na
 (``from framework.x import f``, ``import framework.x as m; m.f``), of the same module, a class
 (its ``__init__``) or ``self.method``. Calls through other objects are not followed, so the counts are
 a lower bound. "Re-entries": calls from one file into another file the walk had already entered.
+
+Last, issue 41's counts, from the text: the rank-side files that name the config, and the lines that
+read each derived value there (``framework.config.run_values`` derives them once).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +211,36 @@ def planner_reach(mods: dict[str, Module], module: str, func: str, params: set[s
     return sorted(f for f in reached if f.startswith("framework.planner."))
 
 
+# Issue 41's counts, read from the text (a grep, not the AST): the rank side is framework/ outside the
+# packages that run before the ranks start (config, launch, planner).
+LAUNCH_SIDE = ("config", "launch", "planner")
+NAMES_CONFIG = re.compile(r"\bcfg\b|\bConfig\b|DictConfig")
+# A derived value read off a train group (``cfg.train.X``, ``train_cfg.X``, ``t = cfg.train; t.X``),
+# and the checkpoint root derived from ``checkpoint.dir``.
+DERIVED = {
+    "train.seq_len": r"(cfg\.train|train_cfg|\bt)\.seq_len\b",
+    "train.micro_batch_size": r"(cfg\.train|train_cfg|\bt)\.micro_batch_size\b",
+    "train.global_batch_size": r"(cfg\.train|train_cfg|\bt)\.global_batch_size\b",
+    "checkpoint root (from checkpoint.dir)": r"Path\(cfg\.checkpoint\.dir\)",
+}
+
+
+def rank_side_reads(root: Path) -> tuple[int, dict[str, dict[str, int]]]:
+    """(rank-side files that name the config, {derived value: {file: lines reading it}})."""
+    files = [
+        p for p in sorted((root / "framework").rglob("*.py"))
+        if p.relative_to(root / "framework").parts[0] not in LAUNCH_SIDE
+    ]  # fmt: skip
+    texts = {str(p.relative_to(root)): p.read_text() for p in files}
+    naming = sum(1 for t in texts.values() if NAMES_CONFIG.search(t))
+    out: dict[str, dict[str, int]] = {}
+    for name, pattern in DERIVED.items():
+        rx = re.compile(pattern)
+        counts = {f: sum(1 for ln in t.splitlines() if rx.search(ln)) for f, t in texts.items()}
+        out[name] = {f: n for f, n in counts.items() if n}
+    return naming, out
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
     mods = load(root)
@@ -219,6 +253,10 @@ def main() -> None:
         total = sum(files.values())
         inside = sum(v for k, v in files.items() if k.startswith("framework/"))
         print(f"{name}: {total} call sites ({inside} in framework/): {files}")
+    naming, derived = rank_side_reads(root)
+    print(f"rank-side files (framework/ outside {', '.join(LAUNCH_SIDE)}) naming the config: {naming}")
+    for name, files in derived.items():
+        print(f"{name}: {sum(files.values())} rank-side lines in {len(files)} files: {files}")
 
 
 if __name__ == "__main__":

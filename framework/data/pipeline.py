@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from framework.config.run_values import BatchShape, batch_shape
 from framework.config.schema import (
     AttentionBackend,
     CompileScope,
@@ -31,7 +32,6 @@ from framework.config.schema import (
     DataSource,
     ExecutorMode,
     TokenizerKind,
-    TrainConfig,
 )
 from framework.data.evaluation import eval_rows
 from framework.data.records import (
@@ -95,6 +95,7 @@ def check_eval_sets(cfg: Config, tok: Tokenizer) -> None:
             "scored at each evaluation; set train.eval_every>0 or drop train.eval_sets"
         )
     seen: set[str] = set()
+    shape = batch_shape(cfg.train)
     for i, e in enumerate(sets):
         key = f"train.eval_sets[{i}]"
         if not EVAL_SET_NAME.fullmatch(e.name or "") or e.name in seen:
@@ -105,31 +106,33 @@ def check_eval_sets(cfg: Config, tok: Tokenizer) -> None:
         seen.add(e.name)
         if not e.path:
             raise ValueError(f"{key}.path is unset; valid: a file, folder or glob of {e.source.value} data")
-        limit = cfg.train.eval_batches * max(1, cfg.train.global_batch_size)
-        eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, cfg.train.seq_len, cfg.tokenizer.add_bos,
-                  limit, key)  # fmt: skip
+        eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, shape.seq_len, cfg.tokenizer.add_bos,
+                  shape.eval_rows, key)  # fmt: skip
 
 
-def eval_set_batches(cfg: Config, tok: Tokenizer, dp_rank: int, dp_size: int) -> dict[str, list]:
+def eval_set_batches(
+    cfg: Config, batch: BatchShape, tok: Tokenizer, dp_rank: int, dp_size: int
+) -> dict[str, list]:
     """This rank's batches of each named set: the set's first ``eval_batches * global_batch_size``
     rows, as the validation set (the same tokens on every layout), cut to whole global batches when
     the set is shorter (to a multiple of the dp degree when it is shorter than one); the same number
     on every rank (each rank's forward is a collective under FSDP/TP), ``micro_batch_size`` at a time."""
-    t, out = cfg.train, {}
-    for i, e in enumerate(t.eval_sets):
+    out = {}
+    for i, e in enumerate(cfg.train.eval_sets):
         key = f"train.eval_sets[{i}]"
-        rows, _ = eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, t.seq_len, cfg.tokenizer.add_bos,
-                            t.eval_batches * t.global_batch_size, key)  # fmt: skip
-        whole = rows.shape[0] // t.global_batch_size * t.global_batch_size
+        rows, _ = eval_rows(eval_set_data(cfg, i), tok, cfg.model.vocab_size, batch.seq_len, cfg.tokenizer.add_bos,
+                            batch.eval_rows, key)  # fmt: skip
+        whole = rows.shape[0] // batch.global_batch_size * batch.global_batch_size
         per_rank = (whole or rows.shape[0]) // dp_size
         if per_rank == 0:
             raise ValueError(
-                f"{key} ({e.name}) has {rows.shape[0]} windows of train.seq_len+1={t.seq_len + 1} tokens, "
+                f"{key} ({e.name}) has {rows.shape[0]} windows of train.seq_len+1={batch.window} tokens, "
                 f"fewer than the {dp_size} data-parallel ranks; give it more data"
             )
         mine = torch.from_numpy(np.ascontiguousarray(rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]))
         out[e.name] = [
-            split_rows(mine[j : j + t.micro_batch_size]) for j in range(0, per_rank, t.micro_batch_size)
+            split_rows(mine[j : j + batch.micro_batch_size])
+            for j in range(0, per_rank, batch.micro_batch_size)
         ]
     return out
 
@@ -360,10 +363,10 @@ def document_eos_of_sft(cfg: Config) -> int | None:
 
 
 def _sources(
-    spec: SourceSpec, index: int, tok: Tokenizer, cfg: Config
+    spec: SourceSpec, index: int, tok: Tokenizer, cfg: Config, batch: BatchShape
 ) -> tuple[WindowSource, WindowSource, str]:
     """(train source, validation source, description) for one entry."""
-    data, window, seed = cfg.data, cfg.train.seq_len + 1, cfg.train.seed
+    data, window, seed = cfg.data, batch.window, cfg.train.seed
     val_path = None if data.mix else data.val_path
     if spec.source in (DataSource.synthetic, DataSource.tokens) or (
         spec.source is DataSource.stdlib and tok.kind is TokenizerKind.bytes
@@ -371,7 +374,7 @@ def _sources(
         one = DataConfig(
             source=spec.source, path=spec.path, val_path=val_path, val_fraction=data.val_fraction
         )
-        corpus = load_corpus(one, cfg.model.vocab_size, cfg.train.seq_len)
+        corpus = load_corpus(one, cfg.model.vocab_size, batch.seq_len)
         train = None if corpus is None else corpus.train
         val = None if corpus is None else corpus.val
         desc = "synthetic tokens" if corpus is None else corpus.description
@@ -383,7 +386,7 @@ def _sources(
             desc,
         )
     if spec.source is DataSource.sft:
-        return _sft_sources(spec, tok, cfg)
+        return _sft_sources(spec, tok, cfg, batch.window)
     if spec.source is DataSource.stdlib:
         records = Records(SourceSpec(DataSource.text, None, key=spec.key), files=stdlib_files())
     else:
@@ -399,8 +402,10 @@ def _sources(
     return train, val, f"{what} ({tok.kind.value} tokens, packed with EOS)"
 
 
-def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowSource, WindowSource, str]:
-    data, window = cfg.data, cfg.train.seq_len + 1
+def _sft_sources(
+    spec: SourceSpec, tok: Tokenizer, cfg: Config, window: int
+) -> tuple[WindowSource, WindowSource, str]:
+    data = cfg.data
     fmt, fields = ChatFormat(tok, cfg.tokenizer.add_bos), Fields.of(data)
     every = 0 if data.val_path is not None else val_every(data.val_fraction)
     files = resolve_files(spec)
@@ -418,42 +423,44 @@ def _sft_sources(spec: SourceSpec, tok: Tokenizer, cfg: Config) -> tuple[WindowS
 def stream_validation(
     built: list[tuple[WindowSource, WindowSource, str]],
     weights: list[float],
-    t: TrainConfig,
+    batch: BatchShape,
+    eval_batches: int,
     dp_rank: int,
     dp_size: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's validation micro batches: ``train.eval_batches`` global batches of fixed windows
     (the same on every layout, as ``validation_batches``), each rank taking its contiguous share."""
-    per_batch, share = t.global_batch_size, t.global_batch_size // dp_size
-    rows = fixed_windows([b[1] for b in built], weights, per_batch * t.eval_batches, VAL_SEED)
+    per_batch, share = batch.global_batch_size, batch.global_batch_size // dp_size
+    rows = fixed_windows([b[1] for b in built], weights, per_batch * eval_batches, VAL_SEED)
     val = []
-    for b in range(t.eval_batches):
+    for b in range(eval_batches):
         mine = torch.from_numpy(np.ascontiguousarray(rows[b * per_batch + dp_rank * share :][:share]))
-        val += [split_rows(m) for m in mine.split(t.micro_batch_size)]
+        val += [split_rows(m) for m in mine.split(batch.micro_batch_size)]
     return val
 
 
-def build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
+def build_data(cfg: Config, batch: BatchShape, dp_rank: int, dp_size: int) -> Pipeline:
     """The sampler, this rank's fixed validation batches and those of each ``train.eval_sets`` set
-    (checked before launch by check_data)."""
-    pipe = _build_data(cfg, dp_rank, dp_size)
+    (checked before launch by check_data). ``batch``: the run's sequence length and batch sizes,
+    derived once (framework.config.run_values)."""
+    pipe = _build_data(cfg, batch, dp_rank, dp_size)
     if cfg.train.eval_sets and cfg.train.eval_every > 0:
-        pipe.eval_sets = eval_set_batches(cfg, load_tokenizer(cfg.tokenizer), dp_rank, dp_size)
+        pipe.eval_sets = eval_set_batches(cfg, batch, load_tokenizer(cfg.tokenizer), dp_rank, dp_size)
     return pipe
 
 
-def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
+def _build_data(cfg: Config, shape: BatchShape, dp_rank: int, dp_size: int) -> Pipeline:
     tok = load_tokenizer(cfg.tokenizer)
     t = cfg.train
     if uses_batch_sampler(cfg, tok):
-        corpus = load_corpus(cfg.data, cfg.model.vocab_size, t.seq_len)
+        corpus = load_corpus(cfg.data, cfg.model.vocab_size, shape.seq_len)
         tokens = None if corpus is None else corpus.train
         sampler = BatchSampler(
             tokens,
             cfg.model.vocab_size,
-            t.seq_len,
-            t.global_batch_size,
-            t.micro_batch_size,
+            shape.seq_len,
+            shape.global_batch_size,
+            shape.micro_batch_size,
             dp_rank,
             dp_size,
             t.seed,
@@ -464,9 +471,9 @@ def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
             val = validation_batches(
                 corpus,
                 cfg.model.vocab_size,
-                t.seq_len,
-                t.global_batch_size,
-                t.micro_batch_size,
+                shape.seq_len,
+                shape.global_batch_size,
+                shape.micro_batch_size,
                 t.eval_batches,
                 dp_rank,
                 dp_size,
@@ -475,20 +482,22 @@ def _build_data(cfg: Config, dp_rank: int, dp_size: int) -> Pipeline:
             return Pipeline(sampler, val, "synthetic tokens")
         desc = f"{corpus.description}, {corpus.train.size} train / {corpus.val.size} val tokens"
         return Pipeline(sampler, val, desc)
-    built = [_sources(spec, i, tok, cfg) for i, (spec, _) in enumerate(entries(cfg.data))]
+    built = [_sources(spec, i, tok, cfg, shape) for i, (spec, _) in enumerate(entries(cfg.data))]
     weights = [w for _, w in entries(cfg.data)]
     sampler = StreamSampler(
         [b[0] for b in built],
         weights,
-        t.seq_len,
-        t.global_batch_size,
-        t.micro_batch_size,
+        shape.seq_len,
+        shape.global_batch_size,
+        shape.micro_batch_size,
         dp_rank,
         dp_size,
         t.seed,
         cfg.data.prefetch,
     )
-    val = stream_validation(built, weights, t, dp_rank, dp_size) if t.eval_every > 0 else []
+    val = (
+        stream_validation(built, weights, shape, t.eval_batches, dp_rank, dp_size) if t.eval_every > 0 else []
+    )
     if len(built) == 1:
         desc = built[0][2]
     else:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from framework.config.run_values import batch_shape
 from framework.config.schema import Config
 from framework.data.evaluation import eval_rows
 from framework.data.sft import IGNORE_INDEX, split_rows
@@ -167,7 +168,8 @@ def check_batches(batches: int | None, cfg: Config) -> None:
     """``--batches``: at least one, and no more than MAX_EVAL_TOKENS of this run's batches."""
     if batches is None:
         return
-    per_batch = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
+    shape = batch_shape(cfg.train)
+    per_batch = shape.global_batch_size * shape.window
     most = max(1, MAX_EVAL_TOKENS // per_batch)
     if not 1 <= batches <= most:
         raise ValueError(

@@ -109,9 +109,9 @@ def take_launch_lock(cfg: Config, run_dir: Path) -> Owner | None:
     if not cfg.checkpoint.enabled or cfg.run.dry_run:
         return None
     from framework.checkpoint import lock
-    from framework.train.trainer import checkpoint_root
+    from framework.config.run_values import run_values
 
-    return lock.acquire(checkpoint_root(cfg, run_dir), str(run_dir))
+    return lock.acquire(run_values(cfg, run_dir).checkpoint_root, str(run_dir))
 
 
 def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | None) -> None:
@@ -120,9 +120,9 @@ def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | N
     if owner is None or job is None:
         return
     from framework.checkpoint import lock
-    from framework.train.trainer import checkpoint_root
+    from framework.config.run_values import run_values
 
-    lock.release(checkpoint_root(job.cfg, run_dir), owner)
+    lock.release(run_values(job.cfg, run_dir).checkpoint_root, owner)
 
 
 def check_export_dir(cfg: Config, run_dir: Path) -> None:

@@ -165,7 +165,7 @@ class StepRunner:
             if cfg.train.optimizer_in_backward
             else None
         )
-        settle_ddp_buckets(self.model, cfg.train.micro_batch_size, cfg.train.seq_len, self.device)
+        settle_ddp_buckets(self.model, self.plan.micro_batch_size, self.plan.seq_len, self.device)
         if carry:
             carry_state(old[0], old[1], self.model, self.optimizer)
             self.scheduler.load_state_dict(old[2].state_dict())

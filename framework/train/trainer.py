@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from framework import data as data_mod
 from framework.checkpoint import export_hf, full_model_state, init_from
 from framework.checkpoint.session import RunCheckpoints
+from framework.config.run_values import BatchShape, RunValues, run_values
 from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
@@ -161,6 +162,7 @@ class Parts:
     """What ``setup`` built once, for the loop and ``finish``."""
 
     cfg: Config
+    values: RunValues  # the derived values (sequence length, batch sizes, checkpoint root), derived once
     env: DistEnv
     run_dir: Path
     digest: str
@@ -269,7 +271,7 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
         if not (train_cfg.optimizer_in_backward and not train_cfg.in_backward_grad_checks):
             row["grad_norm"] = r.grad_norm  # not measured without the in-backward checks
         if p.peak_flops is not None and tps is not None:
-            row["mfu"] = flops_per_token(p.cfg.model, train_cfg.seq_len) * tps / p.peak_flops
+            row["mfu"] = flops_per_token(p.cfg.model, p.values.batch.seq_len) * tps / p.peak_flops
         if p.env.device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(p.env.device) / 2**30
         if p.cfg.model.moe.num_experts:  # an MoE family's expert balance since the last row
@@ -318,6 +320,7 @@ def setup(
     env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
     run = RunContext(cfg, run_dir, env.rank, env.is_main, state)
     callbacks.setup(run)
+    values = run_values(cfg, run_dir)
     if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
         threads = set_task_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if env.is_main:
@@ -335,9 +338,10 @@ def setup(
         world_size=env.world_size,
         device_name=device_name(env.device),
         layout=plan.layout,
+        batch=values.batch,
     )
-    runner, graph = build(cfg, plan, env, run_dir, verifier, digest)
-    data = make_data(cfg, env, *dp_mesh_info(runner.mesh, plan))
+    runner, graph = build(cfg, values.batch, plan, env, run_dir, verifier, digest)
+    data = make_data(cfg, values.batch, env, *dp_mesh_info(runner.mesh, plan))
     stack.callback(data.sampler.close)
     metrics = stack.enter_context(Metrics(run_dir, env.is_main, cfg.train.steps, 0, cfg.logger.progress_bar))
     watch = RunDirWatch(run_dir, env.is_main)
@@ -345,16 +349,16 @@ def setup(
     ladder = Ladder(runner, verifier.fallback, cfg.verify.ladder)
 
     def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        return split_rows(data.sampler.peek()[: cfg.train.micro_batch_size])
+        return split_rows(data.sampler.peek()[: values.batch.micro_batch_size])
 
     ladder.start(lambda can_fall: verifier.judge_build(runner, first_batch, can_fall), graph)
     if ladder.lower() is not None:  # by default the first step is where torch.compile compiles
         runner.first_step_guard = ladder.guard
-    state.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    state.tokens_per_step = values.batch.tokens_per_step
     ckpt = RunCheckpoints(
         cfg.checkpoint,
         cfg.train,
-        checkpoint_root(cfg, run_dir),
+        values.checkpoint_root,
         run_dir,
         runner,
         data.sampler,
@@ -377,6 +381,7 @@ def setup(
     peak_flops = None if peak is None else peak * 1e12 * env.world_size
     return Parts(
         cfg,
+        values,
         env,
         run_dir,
         digest,
@@ -394,7 +399,7 @@ def setup(
 
 
 def build(
-    cfg: Config, plan: Plan, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
+    cfg: Config, batch: BatchShape, plan: Plan, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
 ) -> tuple[StepRunner, Verdict | None]:
     """Build the mesh of ``plan`` and the model once on meta, freeze it, check the graph across ranks
     (before any training collective) and hand the meta model to the runner, which parallelizes
@@ -402,19 +407,19 @@ def build(
     Returns the graph check's verdict too: the reference graph differs under
     ``verify.policy=fallback``."""
     mesh = build_mesh(plan, env.device.type)
-    meta = build_model(cfg.model, cfg.train.seq_len, data_mod.document_eos(cfg))
+    meta = build_model(cfg.model, batch.seq_len, data_mod.document_eos(cfg))
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
             cfg.model.name,
             num_params(cfg.model) / 1e6,
-            flops_per_token(cfg.model, cfg.train.seq_len),
-            cfg.train.seq_len,
+            flops_per_token(cfg.model, batch.seq_len),
+            batch.seq_len,
         )
-        adapters = lora.describe(cfg.model, cfg.peft, cfg.train.seq_len)
+        adapters = lora.describe(cfg.model, cfg.peft, batch.seq_len)
         if adapters is not None:
             log.info("%s", adapters)
-    frozen = freeze_stage(meta, cfg, run_dir, env)
+    frozen = freeze_stage(meta, cfg, batch, run_dir, env)
     flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     can_fall = cfg.verify.ladder and next_mode(cfg.executor.mode) is not None
     graph = verifier.check_graph(meta, frozen, digest, flat, can_fall)
@@ -449,7 +454,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
     )
     s.data_wait_ms, s.data_wait_share = state.data_wait
     if p.peak_flops is not None and s.tokens_per_s is not None:
-        s.mfu = flops_per_token(cfg.model, cfg.train.seq_len) * s.tokens_per_s / p.peak_flops
+        s.mfu = flops_per_token(cfg.model, p.values.batch.seq_len) * s.tokens_per_s / p.peak_flops
     p.callbacks.on_finish(s)
     figures = perf_figures(state.step_seconds, state.tokens_per_step, s.mfu, s.peak_mem_gib)
     if figures is not None:
@@ -464,50 +469,50 @@ def finish(p: Parts, state: TrainState) -> Summary:
     s.checkpoint = p.ckpt.summary(env.is_main)
     s.events = [format_row(r) for r in p.metrics.rows if "event" in r]
     if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
-        export_model(cfg, p.runner.model, p.run_dir, env, s.steps)
+        export_model(cfg, p.values.batch, p.runner.model, p.run_dir, env, s.steps)
     p.metrics.close()
     write_summary(p.run_dir, cfg, p.plan, s, p.digest, env)
     return s
 
 
-def export_model(cfg: Config, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
+def export_model(
+    cfg: Config, batch: BatchShape, model: torch.nn.Module, run_dir: Path, env: DistEnv, step: int
+) -> None:
     """``checkpoint.export_hf``: the trained model as a Hugging Face folder in ``run_dir/hf``."""
     state = lora.merge(full_model_state(model), cfg.peft)  # a collective under FSDP / TP: every rank calls it
     if env.is_main:
         from framework.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer)
-        context = cfg.model.max_position_embeddings or cfg.train.seq_len
+        context = cfg.model.max_position_embeddings or batch.seq_len
         out = export_hf(state, cfg.model, run_dir / "hf", context, tokenizer, cfg.model.init_from)
         log.info("exported a Hugging Face checkpoint of step %d to %s", step, out)
 
 
-def make_data(cfg: Config, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
-    data = data_mod.build_data(cfg, dp_rank, dp_size)
+def make_data(cfg: Config, batch: BatchShape, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
+    data = data_mod.build_data(cfg, batch, dp_rank, dp_size)
     if env.is_main:
         log.info("data: %s", data.description)
     return data
 
 
-def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-
-
-def freeze_stage(model: torch.nn.Module, cfg: Config, run_dir: Path, env: DistEnv) -> FrozenResult:
+def freeze_stage(
+    model: torch.nn.Module, cfg: Config, batch: BatchShape, run_dir: Path, env: DistEnv
+) -> FrozenResult:
     """Freeze the unsharded meta-device model at the run's static shapes (fake tensors: no weights).
 
     Tracing on meta costs no memory, so a 70B shape freezes on any host, and the fingerprint is the
     same on every device type. The artifact (graph and signature; weights live in checkpoints) and
     its manifest go to ``run_dir/frozen`` on rank 0.
     """
-    example = torch.zeros(cfg.train.micro_batch_size, cfg.train.seq_len, dtype=torch.long, device="meta")
+    example = torch.zeros(batch.micro_batch_size, batch.seq_len, dtype=torch.long, device="meta")
     result = freeze(
         model,
         (example,),
         cfg.freeze,
         run_dir,
         write=env.is_main,
-        manifest_extra={"model": cfg.model.name, "seq_len": cfg.train.seq_len},
+        manifest_extra={"model": cfg.model.name, "seq_len": batch.seq_len},
     )
     if env.is_main and cfg.freeze.mode is not FreezeMode.none:
         log.info(

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from framework.config.run_values import BatchShape
 from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
 from framework.freeze import FrozenResult
 from framework.planner.layout import Degrees
@@ -69,8 +70,10 @@ class Verifier:
         device_name: str = "",
         *,
         layout: Degrees,
+        batch: BatchShape,
     ) -> None:
         self.cfg = cfg
+        self.batch = batch  # the run's batch shape: the graph check exports the model at it
         self.layout = layout  # the plan's, part of the performance baseline's key (``verify.enabled``)
         self.world_size = world_size
         self.device_name = device_name  # with world_size, part of the performance baseline's key
@@ -143,7 +146,7 @@ class Verifier:
             if not self.enabled:
                 return None
             fp, summary = export_fingerprint(
-                meta_model, meta_example(self.cfg.train.micro_batch_size, self.cfg.train.seq_len)
+                meta_model, meta_example(self.batch.micro_batch_size, self.batch.seq_len)
             )
         self.fingerprint = fp
         try:

@@ -488,6 +488,7 @@ def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, m
 
     import torch
 
+    from framework.config.run_values import batch_shape
     from framework.data import build_data
 
     base = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), bpe(corpus))
@@ -495,7 +496,7 @@ def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, m
 
     def rows(m: int, rank: int, size: int) -> list[torch.Tensor]:
         c = dataclasses.replace(base, train=dataclasses.replace(base.train, micro_batch_size=m))
-        data = build_data(c, rank, size)
+        data = build_data(c, batch_shape(c.train), rank, size)
         data.sampler.close()
         assert all(x.shape[0] == m for x, _ in data.val_batches)
         return [x for x, _ in data.val_batches]

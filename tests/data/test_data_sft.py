@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.config.run_values import batch_shape
 from framework.config.schema import (
     AttentionBackend,
     Config,
@@ -81,7 +82,7 @@ def test_plain_format_masks_prompts_and_trains_response_and_eos(plain_tok: Path,
     cfg.tokenizer.add_bos = True
     check_data(cfg)
     tok = load_tokenizer(cfg.tokenizer)
-    sampler = build_data(cfg, 0, 1).sampler
+    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
     (x, y), *rest = sampler.next_batch()
     sampler.close()
     assert x[0, 0] == tok.bos_id
@@ -99,7 +100,7 @@ def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> Non
     cfg = make_cfg(SHIPPED / "train.jsonl", sft_pack=False)
     model = build_model(cfg.model, SEQ)
     materialize(model, "cpu", seed=0)
-    whole = build_data(cfg, 0, 1).sampler
+    whole = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
     batch = whole.next_batch()
     x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
     logits = model(x).detach().requires_grad_(True)
@@ -114,7 +115,7 @@ def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> Non
         for dp in (1, 2):  # the step's loss: sum of scale * micro-batch loss, averaged over ranks
             total = 0.0
             for r in range(dp):
-                s = build_data(cfg, r, dp).sampler
+                s = build_data(cfg, batch_shape(cfg.train), r, dp).sampler
                 mbs = s.next_batch()
                 total += sum(k * float(model(a, b)) for k, (a, b) in zip(s.loss_scales(), mbs, strict=True))
                 s.close()
@@ -175,7 +176,8 @@ def test_resume_on_another_dp_degree_skips_and_repeats_nothing(pack: bool) -> No
         rows = torch.cat(whole[:5])  # the first pass: 40 distinct examples
         assert len({tuple(r.tolist()) for r in rows}) == rows.shape[0]
     # the validation conversations (every 8th) never reach training
-    val = build_data(dataclass_replace_eval(cfg), 0, 1).val_batches
+    ev = dataclass_replace_eval(cfg)
+    val = build_data(ev, batch_shape(ev.train), 0, 1).val_batches
     train_rows = {tuple(r.tolist()) for r in torch.cat(whole)}
     for vx, vy in val:
         for r in torch.cat([vx, vy[:, -1:]], 1):
@@ -284,7 +286,7 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     cfg = make_cfg(SHIPPED / "train.jsonl", hf, sft_pack=False)
     cfg.model.vocab_size = 320
     tok = load_tokenizer(cfg.tokenizer)
-    (x, y), *_ = build_data(cfg, 0, 1).sampler.next_batch()
+    (x, y), *_ = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler.next_batch()
     trained = y[0] != IGNORE_INDEX
     _, msgs = records()[0]
     answers = "".join(m["content"] + "<|end_of_text|>" for m in msgs if m["role"] == "assistant")

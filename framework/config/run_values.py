@@ -1,0 +1,58 @@
+"""The values a rank uses that are derived from the resolved config, derived once (``run_values``).
+
+Why: the sequence length, the batch sizes, the tokens an optimizer step sees and the checkpoint root
+were each re-derived where they were used (``cfg.train.global_batch_size * cfg.train.seq_len``,
+``cfg.checkpoint.dir or run_dir / "checkpoints"``), from a whole config handed down for one number.
+The rank entry (``framework.train.trainer.run``) derives this record once from the run dir's resolved
+config and hands it to the parts that need those values; the launcher derives the same record for
+the checkpoint root it locks and reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from framework.config.schema import Config, TrainConfig
+
+CHECKPOINTS = "checkpoints"  # the checkpoint root under the run dir when checkpoint.dir is unset
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The sequence length and batch sizes of a resolved run, derived once (``batch_shape``): what
+    the data pipeline, the freeze and graph check's example input and the step's token count use."""
+
+    seq_len: int  # tokens a model input holds (train.seq_len)
+    window: int  # seq_len + 1 tokens per sampled row: inputs and their next-token targets
+    micro_batch_size: int  # rows per forward/backward on one rank (resolved: never 0 here)
+    global_batch_size: int  # rows per optimizer step, over every data-parallel rank
+    tokens_per_step: int  # global_batch_size * seq_len: the input tokens an optimizer step trains on
+    eval_rows: int  # eval_batches * global_batch_size: the rows a validation or eval set holds at most
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """What every rank derives from a resolved config, once (``run_values``)."""
+
+    batch: BatchShape
+    checkpoint_root: Path  # checkpoint.dir, or <run dir>/checkpoints
+
+
+def batch_shape(train: TrainConfig) -> BatchShape:
+    """The one derivation of ``BatchShape`` from a resolved train group (``train.micro_batch_size`` is
+    explicit once ``framework.planner.resolve`` has run)."""
+    return BatchShape(
+        seq_len=train.seq_len,
+        window=train.seq_len + 1,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        tokens_per_step=train.global_batch_size * train.seq_len,
+        eval_rows=train.eval_batches * max(1, train.global_batch_size),
+    )
+
+
+def run_values(cfg: Config, run_dir: Path) -> RunValues:
+    """The one derivation of ``RunValues`` from a resolved ``cfg`` and its run dir."""
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / CHECKPOINTS
+    return RunValues(batch_shape(cfg.train), root)
