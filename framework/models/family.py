@@ -22,12 +22,11 @@ class Family:
     """One family, from its folder.
 
     ``spec``: the layout of one shape (weights, TP styles, HF names, head size, attention window).
-    ``block``: (config, spec) -> the module the decoder trunk repeats ``n_layers`` times.
+    ``block``: (config, spec, a layer's kind) -> that layer's module (``spec.layers``: one kind per
+    layer, the family's pattern).
     ``hf_architecture``: its ``transformers`` class. ``hf_fields``: the family's own ModelConfig field
     -> its HF ``config.json`` key, beyond the fields every family here shares
     (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
-    ``activation_values``: the values one block saves for backward per token (the planner's memory
-    term, ``framework.planner.memory``), from the shape.
     ``config``: its schema, the option ``model=NAME`` (``framework.config.schema.MODEL_SCHEMAS``):
     the shared ``ModelConfig`` keys plus the family's own (Mistral's ``sliding_window``). The config
     layer sits below the models, so the class is declared there and the record points at it.
@@ -42,7 +41,6 @@ class Family:
     spec: Callable[[ModelConfig], ModelSpec]
     block: BlockFactory
     hf_architecture: str
-    activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
     config: type[ModelConfig] = ModelConfig
     moe_keys: tuple[str, ...] = ()

@@ -6,8 +6,6 @@ from framework.config.schema import LlamaConfig
 from framework.models.family import Family
 from framework.models.llama.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.llama.model import llama_block
-from framework.models.llama.spec import activation_values, llama_spec
+from framework.models.llama.spec import llama_spec
 
-LLAMA = Family(
-    "llama", llama_spec, llama_block, HF_ARCHITECTURE, activation_values, HF_FIELDS, config=LlamaConfig
-)
+LLAMA = Family("llama", llama_spec, llama_block, HF_ARCHITECTURE, HF_FIELDS, config=LlamaConfig)

@@ -12,8 +12,8 @@ from framework.config.schema import MistralConfig
 from framework.models.family import Family
 from framework.models.mistral.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.mistral.model import mistral_block
-from framework.models.mistral.spec import activation_values, mistral_spec
+from framework.models.mistral.spec import mistral_spec
 
 MISTRAL = Family(
-    "mistral", mistral_spec, mistral_block, HF_ARCHITECTURE, activation_values, HF_FIELDS, config=MistralConfig
+    "mistral", mistral_spec, mistral_block, HF_ARCHITECTURE, HF_FIELDS, config=MistralConfig
 )
