@@ -171,6 +171,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("verify_hooks_bench", "verify_hooks_bench.py",
               "what the default verification hooks cost: the default run with them on and off",
               CPU, "[--repeats 3]", "Verification hooks on by default (issue 24 point 5), CPU machine"),
+    Benchmark("fault_campaign", "fault_campaign.py",
+              "faults survived bitwise: seeded random kills, signals, full disk, spoiled checkpoints, deleted run dir, racing resumes",
+              CPU, "--seed 0 --faults 36", "Fault campaign (issue 40 point 6), CPU machine"),
     # -- the code itself -----------------------------------------------------------------------------
     Benchmark("structure", "structure.py",
               "modules, import edges, cycles, depth, upward imports; the call path of a real run to its first step",

@@ -236,7 +236,7 @@ def _wait(pid: int, timeout: float) -> int | None:
 def write_run_config(run_dir: Path, *overrides: str) -> None:
     """``run_dir/config.yaml`` and ``plan.json`` as ``python train.py *overrides`` writes them for its
     ranks: composed by Hydra from ``conf/``, validated, layout and batch resolved
-    (``framework.launch.entry.prelaunch``), planned once.
+    (``framework.launch.prelaunch.prelaunch``), planned once.
 
     For reference runs that train on forked ranks (``tests.dist.train_rank``) instead of a launch."""
     from hydra import compose, initialize_config_dir
@@ -244,7 +244,7 @@ def write_run_config(run_dir: Path, *overrides: str) -> None:
     from framework.config import schema as config
     from framework.config.schema import quote_numeric_choices, to_yaml
     from framework.launch import recipes
-    from framework.launch.entry import prelaunch
+    from framework.launch.prelaunch import prelaunch
     from framework.launch.ranks import register_resolvers
     from framework.planner.report import plan_to_dict
     from framework.planner.resolve import write_plan

@@ -339,3 +339,40 @@ def load(model: nn.Module, path: str) -> None:
     set_model_state_dict(
         model, from_dcp(model, payload["model"]), options=StateDictOptions(strict=own == full)
     )
+
+
+@torch.no_grad()
+def load_adapters(model: nn.Module, step_dir: Path) -> None:
+    """Fill a placed model's LoRA adapters from a LoRA run's checkpoint ``step_dir``, which holds the
+    adapters and no frozen weight (the base comes from that run's ``model.init_from`` or seed, loaded
+    first); every rank reads its own shards, no collective runs. ValueError (one line) when the
+    checkpoint lacks an adapter of the model or holds it in another shape (another ``peft.rank``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from framework.checkpoint.state import load_dcp, read_metadata
+    from framework.models.lora import is_lora_name
+
+    own = {k: v for k, v in get_model_state_dict(model).items() if is_lora_name(k)}
+    meta = read_metadata(step_dir).state_dict_metadata
+    stored = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items() if k.startswith("model.")}
+    missing = sorted(set(own) - set(stored))
+    if missing:
+        raise ValueError(
+            f"{step_dir} lacks the LoRA adapters {missing[:3]}; valid: a checkpoint of this LoRA run"
+        )
+    differ = [k for k, v in own.items() if tuple(v.shape) != stored[k]]
+    if differ:
+        k = sorted(differ)[0]
+        raise ValueError(
+            f"{step_dir}: adapter {k} has shape {list(stored[k])}, the model's is {list(own[k].shape)} "
+            "(another peft.rank?); valid: the run's own peft settings"
+        )
+    payload = {"model": own}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        load_dcp(payload, step_dir, no_dist=True)
+    set_model_state_dict(model, payload["model"], options=StateDictOptions(strict=False))

@@ -8,7 +8,7 @@ with the owner's name.
 
 A lock whose owner is gone is taken over, and the log says so: the owner's pid (and its
 launcher's pid, which outlives a restart of the ranks) is dead on this host. The launcher takes the
-lock before it writes the run files (framework.launch.entry.take_launch_lock) and its ranks take it
+lock before it writes the run files (framework.launch.run_files.take_launch_lock) and its ranks take it
 over silently: a lock held by a rank's own launcher is the rank's. A lock held from
 another host cannot be checked from here; it is refused, naming that host, so that the user
 removes it knowingly. The owner's own later attempts (an elastic restart: the same launcher) take
@@ -81,6 +81,11 @@ def read(root: Path) -> Owner | None:
 
 
 def _pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` runs. A zombie does not: it has exited and only waits for its parent to
+    reap it. Ranks of a SIGKILLed launcher are reparented to pid 1, which in a container (a
+    minimal init, Docker without --init) may reap them late or never; counted as alive, a zombie
+    rank 0 kept its run dir's lock, and every relaunch was refused as "a live run" (found by
+    benchmarks/fault_campaign.py). Linux says so in /proc; elsewhere ``kill(pid, 0)`` decides."""
     if not pid or pid <= 0:
         return False
     try:
@@ -89,7 +94,15 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (not Linux), or it was reaped just now
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command in parentheses
 
 
 def blocking_owner(root: Path, run_id: str) -> Owner | None:

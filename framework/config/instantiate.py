@@ -125,7 +125,7 @@ def find_targets(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
 # instantiation of anything.
 HYDRA_ALLOW = [
     "hydra._internal.core_plugins.", "hydra.experimental.callbacks.", "hydra_plugins.", "optuna.",
-    "framework.launch.entry.RunDirCheck", "framework.launch.sweep.SweepSummary",  # conf/config.yaml's
+    "framework.launch.run_dir_guard.RunDirCheck", "framework.launch.sweep.SweepSummary",  # conf/config.yaml's
 ]  # fmt: skip
 LOGGING_ALLOW = [
     "logging.StreamHandler", "logging.FileHandler", "logging.NullHandler", "logging.Formatter",

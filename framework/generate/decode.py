@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from framework.config.schema import Config
+from framework.config.schema import Config, PeftMethod
 from framework.data.tokenizer import Tokenizer
 from framework.models import Decoder, KVCache, build_model, forward_cached
 
@@ -171,9 +171,12 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
 
 
 def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
-    """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only)."""
+    """A plain, unsharded model on ``device`` with the checkpoint's weights (model state only); for
+    a LoRA run (``peft=lora``), its base with the checkpoint's adapters (``lora_model``)."""
     from framework.checkpoint.state import from_dcp, load_dcp, to_dcp
 
+    if cfg.peft.method is PeftMethod.lora:
+        return lora_model(cfg, device, checkpoint).eval()
     model = build_model(cfg.model, cfg.train.seq_len)
     model.to_empty(device=device)
     if cfg.model.tie_embeddings:
@@ -187,6 +190,33 @@ def load_model(checkpoint: Path, cfg: Config, device: torch.device) -> Decoder:
     # RoPE tables (decoding was right only because the KV cache builds its own).
     model.rope = model._rope_tables(device)
     return model.eval()
+
+
+def lora_model(cfg: Config, device: torch.device, adapters: Path, document_eos: int | None = None) -> Decoder:
+    """A LoRA run's model, unsharded on ``device``, as the run built it: the base from its
+    ``model.init_from`` (or the seeded init of ``train.seed``), adapters attached (their hooks: the
+    run's forward, not merged weights), then the adapters of the checkpoint ``adapters``. A LoRA
+    checkpoint holds the adapters only (framework.checkpoint.state). ValueError (one line) when the
+    base is gone or the checkpoint lacks an adapter."""
+    import dataclasses
+
+    from framework.checkpoint.init_from import load, load_adapters
+    from framework.models import materialize
+    from framework.parallel.lora import after_materialize, apply_lora
+
+    base = cfg.model.init_from
+    if base is not None and not Path(base).exists():
+        raise ValueError(
+            f"the LoRA run's base model.init_from={base!r} does not exist; valid: the base it trained "
+            "on, at that path (its checkpoint holds the adapters only)"
+        )
+    peft = dataclasses.replace(cfg.peft, adapter=None)  # the checkpoint's adapters, not the start's
+    model = build_model(cfg.model, cfg.train.seq_len, document_eos)
+    apply_lora(model, peft, tp=1, fsdp=False)
+    materialize(model, device, cfg.train.seed, load)
+    after_materialize(model, peft, cfg.train.seed)
+    load_adapters(model, adapters)
+    return model
 
 
 @dataclass

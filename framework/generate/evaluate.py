@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -120,20 +121,28 @@ def score(
     return Score(loss, tokens, rows)
 
 
-def place_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, int, int, int]:
-    """The model of ``cfg`` (weights: its ``model.init_from``) on this rank, (data-parallel rank,
-    data-parallel size) and the ranks that score the same batches (tp x pp: world / dp size).
+def place_model(
+    cfg: Config, device: torch.device, adapters: Path | None = None
+) -> tuple[torch.nn.Module, int, int, int]:
+    """The model of ``cfg`` (weights: its ``model.init_from``; for a LoRA run, ``peft=lora``, that is
+    the base, and ``adapters`` the run's checkpoint) on this rank, (data-parallel rank, data-parallel
+    size) and the ranks that score the same batches (tp x pp: world / dp size).
 
     On a process group: placed as training places it (the plan of ``cfg``'s mesh, each rank reading
     only its own shards). Without one: the whole model in this process, whatever layout saved it."""
-    from framework.checkpoint.init_from import load
+    from framework.checkpoint.init_from import load, load_adapters
     from framework.data.pipeline import document_eos
     from framework.models import build_model, materialize
 
-    meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
     if not dist.is_initialized():
+        if adapters is not None:
+            from framework.generate.decode import lora_model
+
+            return lora_model(cfg, device, adapters, document_eos(cfg)), 0, 1, 1
+        meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
         materialize(meta, device, cfg.train.seed, load)
         return meta, 0, 1, 1
+    meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
     from framework.parallel import build_mesh, parallelize
     from framework.parallel.mesh import dp_mesh_info
     from framework.planner.resolve import make_plan
@@ -141,7 +150,10 @@ def place_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, int
     plan = make_plan(cfg)
     mesh = build_mesh(plan, device.type)
     args = (cfg.sharding, cfg.bucketing, cfg.executor, device, cfg.train.seed)
-    model = parallelize(meta, mesh, plan, *args, load_weights=load)
+    peft = cfg.peft if adapters is not None else None  # source_config took its peft.adapter out
+    model = parallelize(meta, mesh, plan, *args, peft=peft, load_weights=load)
+    if adapters is not None:
+        load_adapters(model, adapters)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
     return model, dp_rank, dp_size, dist.get_world_size() // dp_size
 

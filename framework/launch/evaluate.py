@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     which this process prints."""
     args = parse(argv)
     try:
-        cfg, whole_set, device = checked(args)
+        cfg, whole_set, device, adapters = checked(args)
         out = (args.report or default_report(args.path, source_run_config(args))).resolve()
         check_replaceable("--report", out, is_report, "a report evaluate wrote", args.force, "evaluate.json")
         world = ranks(args, cfg)
         if args.as_rank or world == 1:
-            report = evaluate_here(args, cfg, whole_set, device)
+            report = evaluate_here(args, cfg, whole_set, device, adapters)
             if report is not None:
                 write(out, report)
             if args.as_rank:
@@ -128,9 +128,10 @@ def source_run_config(args: argparse.Namespace) -> Path | None:
     return None if is_hf_checkpoint(path) else find_run_config(path)
 
 
-def checked(args: argparse.Namespace) -> tuple[Config, bool, torch.device]:
+def checked(args: argparse.Namespace) -> tuple[Config, bool, torch.device, Path | None]:
     """The composed, checked config (as a launch checks it), whether the whole data set is scored,
-    and the device; ValueError (one line) for anything wrong, data shorter than one window included."""
+    the device and, for a LoRA run, the checkpoint of its adapters (framework.launch.source);
+    ValueError (one line) for anything wrong, data shorter than one window included."""
     from framework.data.tokenizer import load_tokenizer
     from framework.generate.decode import check_path, parse_device
     from framework.generate.evaluate import check_batches, data_rows
@@ -145,11 +146,11 @@ def checked(args: argparse.Namespace) -> tuple[Config, bool, torch.device]:
     from framework.checkpoint.import_hf import is_hf_checkpoint
 
     whole_set = whole_set or is_hf_checkpoint(args.path.expanduser().resolve())
-    cfg, _ = source_config(args.path, args.overrides, whole_set)
+    cfg, _, adapters = source_config(args.path, args.overrides, whole_set)
     check_batches(args.batches, cfg)  # bounded: the batches are built up front
     if whole_set and not args.as_rank:  # short data: one line here, before any rank starts
         data_rows(cfg, load_tokenizer(cfg.tokenizer), rows_limit(args, cfg))
-    return cfg, whole_set, device
+    return cfg, whole_set, device, adapters
 
 
 def rows_limit(args: argparse.Namespace, cfg: Config) -> int | None:
@@ -157,9 +158,10 @@ def rows_limit(args: argparse.Namespace, cfg: Config) -> int | None:
 
 
 def evaluate_here(
-    args: argparse.Namespace, cfg: Config, whole_set: bool, device: torch.device
+    args: argparse.Namespace, cfg: Config, whole_set: bool, device: torch.device, adapters: Path | None
 ) -> dict | None:
-    """Score on this rank (one process: no process group); the report on rank 0, else None."""
+    """Score on this rank (one process: no process group); the report on rank 0, else None.
+    ``adapters``: a LoRA run's checkpoint (its base is ``model.init_from``)."""
     import contextlib
 
     import torch
@@ -176,7 +178,7 @@ def evaluate_here(
             die_with_launcher()
             env = stack.enter_context(process_group(torch.device(device.type), cfg.nccl.timeout_s))
             rank, device = env.rank, env.device
-        model, dp_rank, dp_size, replicas = place_model(cfg, device)
+        model, dp_rank, dp_size, replicas = place_model(cfg, device, adapters)
         if whole_set:
             rows, what = data_rows(cfg, load_tokenizer(cfg.tokenizer), rows_limit(args, cfg))
             batches, windows = rank_batches(rows, cfg.train.micro_batch_size, dp_rank, dp_size)
@@ -190,10 +192,12 @@ def evaluate_here(
             result = score(model, pipe.val_batches, device, None, replicas)
     if rank != 0:
         return None
-    assert cfg.model.init_from is not None
+    assert cfg.model.init_from is not None or adapters is not None
+    lora = {} if adapters is None else {"base": cfg.model.init_from}  # None: the run's seeded init
     return {
         "source": str(args.path.expanduser().resolve()),
-        "checkpoint": cfg.model.init_from,
+        "checkpoint": str(adapters) if adapters is not None else cfg.model.init_from,
+        **lora,
         "model": cfg.model.name,
         "data": what,
         "seq_len": cfg.train.seq_len,

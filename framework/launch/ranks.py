@@ -7,7 +7,7 @@ Three ways a run starts, one code path after ``init_distributed``:
   RUN_DIR`` and reads the same resolved config, so all ranks share one run dir by construction.
 - ``python train.py`` (one rank): the same worker code runs in-process on a world-1 process group.
 - ``torchrun ... train.py ...`` (several hosts): each rank composes the config itself and joins the
-  process group (framework.launch.entry.join_torchrun, which refuses ranks that composed different
+  process group (framework.launch.torchrun.join_torchrun, which refuses ranks that composed different
   configs or run dirs); rank 0 alone validates and resolves it and writes ``config.yaml`` and
   ``plan.json``, which every rank then reads back, as the self-launched ranks do. The run dir is
   ``outputs/<RUN_STAMP>`` when the launcher sets ``RUN_STAMP``, else ``outputs/<date>/<run id>`` from
@@ -127,7 +127,7 @@ def spawn_local(
     a preemption), else None. The agent forwards the signal to the ranks and waits for them (30 s,
     then SIGKILL); their ``PreemptionHandler`` saves at one agreed step and they exit 0. The agent
     then raises ``SignalException``, the expected end of a preempted job; whether the ranks really
-    saved is read from their ``preempted`` event (framework.launch.entry.stop_report). The ranks die with
+    saved is read from their ``preempted`` event (framework.launch.outcome.stop_report). The ranks die with
     this process if it is killed (``die_with_launcher``). A restart is one line naming the rank that
     died, how, and where the ranks resume (``checkpoints``: the checkpoint root, None when off;
     framework.launch.failures).
@@ -192,7 +192,7 @@ ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distribu
 class CtrlCNotices(logging.Filter):
     """Drops the elastic agent's own lines about a Ctrl-C (SIGINT) it forwards to the ranks ("Received
     2 death signal", "Sending process N closing signal SIGINT", three lines for two ranks): the
-    launcher prints the one line about the stop (framework.launch.entry.stop_report). A SIGTERM's
+    launcher prints the one line about the stop (framework.launch.outcome.stop_report). A SIGTERM's
     lines stay: a scheduler's preemption is worth them in a job log."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -1,7 +1,7 @@
 """``python -m framework recipes list | validate NAME``: the recipe roots, and a recipe checked as
 ``train.py`` checks it.
 
-``validate`` composes the recipe and runs the launcher's own checks (framework.launch.entry.prelaunch:
+``validate`` composes the recipe and runs the launcher's own checks (framework.launch.prelaunch.prelaunch:
 the safety of the composed result, every key's rule, the callbacks built once, the data, the mesh,
 the plan) as a dry run would, so "valid" means ``train.py recipe=NAME run.dry_run=true`` starts:
 a layout over the device memory is reported, not refused. It lives apart from the registry
@@ -34,7 +34,7 @@ def _cmd_list() -> int:
 def _check(name: str, overrides: list[str]) -> str:
     """The plan of ``recipe=NAME`` after every check train.py runs before launch (as a dry run);
     raises what train.py would refuse (RecipeRefused for an unsafe composed result)."""
-    from framework.launch.entry import check_safe, prelaunch_with_search
+    from framework.launch.prelaunch import check_safe, prelaunch_with_search
     from framework.launch.recipes import RecipeRefused
     from framework.planner.report import format_plan
 

@@ -298,7 +298,7 @@ def _adapter_error(c: Config) -> str | None:
 
 def check_layout(cfg: Config, declared: Degrees | None) -> None:
     """The rules that read the layout the user fixed (``declared``: read once by the launcher,
-    framework.launch.entry.validate; None under ``sharding=auto``, whose search then keeps to layouts
+    framework.launch.prelaunch.validate; None under ``sharding=auto``, whose search then keeps to layouts
     these rules allow, framework.planner.search). Raises ValueError in the table's one-line form.
 
     Muon orthogonalizes each weight matrix whole: no ``dp_shard`` or ``tp``. Expert parallelism needs
@@ -347,7 +347,7 @@ def _momentum_ok(v: Any, c: Config) -> bool:
 
 def _optimizer_class(c: Config) -> type | None:
     """``optimizer._target_`` resolved, when it is a torch optimizer class (else None). The allowlist
-    was checked before the rules run (framework.launch.entry.check_safe), so this imports nothing else."""
+    was checked before the rules run (framework.launch.prelaunch.check_safe), so this imports nothing else."""
     import torch
 
     from framework.config.instantiate import check_target
@@ -790,7 +790,7 @@ RULES: dict[str, Rule] = {
     "optimizer.name": Rule(
         _muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))
     ),
-    # The allowlist itself: framework.config.instantiate.check_targets (framework.launch.entry.check_safe), first.
+    # The allowlist itself: framework.config.instantiate.check_targets (framework.launch.prelaunch.check_safe), first.
     "optimizer._target_": Rule(
         _target_valid,
         _target_ok,
@@ -1022,7 +1022,7 @@ RULES: dict[str, Rule] = {
         context=(("peft.method", "lora"),),
     ),
     # executor
-    "executor.mode": TYPED,  # cudagraphs needs CUDA (in a dry run the declared): framework.launch.entry.check_cudagraphs
+    "executor.mode": TYPED,  # cudagraphs needs CUDA (in a dry run the declared): framework.launch.prelaunch.check_cudagraphs
     "executor.scope": TYPED,
     "executor.backend": Rule(
         _backend_valid, _backend_ok, ("no_such_backend",), context=(("executor.mode", "compile"),)
@@ -1037,7 +1037,7 @@ RULES: dict[str, Rule] = {
     "executor.autotune": TYPED,
     "executor.cache_dir": Rule(
         "a directory that can be created",
-        checked_by="framework.launch.entry.check_dir_creatable",
+        checked_by="framework.launch.prelaunch.check_dir_creatable",
         bad=("pyproject.toml",),
         context=(("executor.mode", "compile"),),
     ),  # fmt: skip
@@ -1045,7 +1045,7 @@ RULES: dict[str, Rule] = {
     "checkpoint.enabled": TYPED,
     "checkpoint.dir": Rule(
         "a directory that can be created",
-        checked_by="framework.launch.entry.check_checkpoint_dir",
+        checked_by="framework.launch.prelaunch.check_checkpoint_dir",
         bad=("pyproject.toml/ck",),
         context=(("checkpoint.enabled", True),),
     ),  # fmt: skip

@@ -3,7 +3,7 @@ Hugging Face folder (``config.json`` + safetensors, its tokenizer beside it).
 
 Why in the launch layer: the config is composed and checked as a launch does it. ``KEY=VALUE`` and
 ``GROUP=OPTION`` overrides (``data=sft data.path=...``) are composed by Hydra from conf/, and the
-result passes ``framework.launch.entry.validate`` (every rule, ``model.init_from``'s checks, the data
+result passes ``framework.launch.prelaunch.validate`` (every rule, ``model.init_from``'s checks, the data
 and tokenizer checks), so a bad value is the one line a training launch gives. The weights are then
 read the way ``model.init_from`` reads them (framework.checkpoint.init_from): the source is the
 ``model.init_from`` of the config, whatever layout saved it.
@@ -24,7 +24,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.checkpoint import import_hf, init_from
-from framework.config.schema import GROUPS, Config, ModelFamily, TokenizerConfig, TokenizerKind, family_of
+from framework.config.schema import (
+    GROUPS,
+    Config,
+    ModelFamily,
+    PeftMethod,
+    TokenizerConfig,
+    TokenizerKind,
+    family_of,
+)
 from framework.data.tokenizer import Tokenizer, load_tokenizer
 from framework.models import Decoder, build_model, materialize
 
@@ -125,12 +133,19 @@ def check_own_vocab(folder: Path, tokenizer: TokenizerConfig) -> None:
         )
 
 
-def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tuple[Config, Path | None]:
-    """The checked, typed config whose ``model.init_from`` is the source's weights, and the run's
-    config.yaml (None for an HF folder). ``evaluate_data``: the command evaluates a data set (no
-    validation split is needed: ``train.eval_every=0``)."""
+def source_config(
+    path: Path, overrides: list[str], evaluate_data: bool
+) -> tuple[Config, Path | None, Path | None]:
+    """The checked, typed config whose ``model.init_from`` is the source's weights, the run's
+    config.yaml (None for an HF folder) and, for a LoRA run (``peft=lora``), the checkpoint that
+    holds its adapters (else None). ``evaluate_data``: the command evaluates a data set (no
+    validation split is needed: ``train.eval_every=0``).
+
+    A LoRA run's checkpoint holds the adapters only: its config keeps the run's ``model.init_from``
+    (the base, or none: the seeded init) and ``peft`` (the adapters come from the checkpoint, not
+    from the ``peft.adapter`` folder the run may have started from)."""
     from framework.generate.decode import find_run_config, load_run_config, resolve_checkpoint
-    from framework.launch.entry import validate
+    from framework.launch.prelaunch import validate
     from framework.planner.resolve import resolve_batch
     from framework.planner.search import maybe_search
 
@@ -139,7 +154,7 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
         raise ValueError(
             f"{path} does not exist; valid: a run dir, a checkpoint (step dir) or a Hugging Face folder"
         )
-    run_config = None
+    run_config = adapters = None
     if import_hf.is_hf_checkpoint(path):
         tokenizer = own_tokenizer(path, overrides)
         own = []
@@ -151,9 +166,14 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
         OmegaConf.update(dcfg, "model.init_from", str(path))
     else:
         run_config = find_run_config(path)
-        checkpoint = resolve_checkpoint(path, load_run_config(run_config))
+        run = load_run_config(run_config)
+        checkpoint = resolve_checkpoint(path, run)
         dcfg = merged(OmegaConf.load(run_config), overrides) if overrides else OmegaConf.load(run_config)
-        OmegaConf.update(dcfg, "model.init_from", str(checkpoint))
+        if run.peft.method is PeftMethod.lora:
+            adapters = checkpoint
+            OmegaConf.update(dcfg, "peft.adapter", None)
+        else:
+            OmegaConf.update(dcfg, "model.init_from", str(checkpoint))
     if evaluate_data:
         OmegaConf.update(dcfg, "train.eval_every", 0)
     elif OmegaConf.select(dcfg, "train.eval_every") == 0:
@@ -163,7 +183,7 @@ def source_config(path: Path, overrides: list[str], evaluate_data: bool) -> tupl
     dcfg = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
     cfg = validate(dcfg, overrides)
     found = maybe_search(cfg)  # the batch and layout as a launch resolves them (train.micro_batch_size=0)
-    return (found.chosen_cfg if found is not None else resolve_batch(cfg)), run_config
+    return (found.chosen_cfg if found is not None else resolve_batch(cfg)), run_config, adapters
 
 
 def load_source(
@@ -172,7 +192,12 @@ def load_source(
     """The model of ``path`` on ``device``, unsharded, in eval mode, with its tokenizer."""
     from framework.data.pipeline import document_eos
 
-    cfg, run_config = source_config(path, overrides, evaluate_data)
+    cfg, run_config, adapters = source_config(path, overrides, evaluate_data)
+    if adapters is not None:
+        from framework.generate.decode import lora_model
+
+        model = lora_model(cfg, device, adapters, document_eos(cfg))
+        return Source(cfg, model.eval(), load_tokenizer(cfg.tokenizer), adapters, run_config)
     model = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
     materialize(model, device, cfg.train.seed, init_from.load)
     assert cfg.model.init_from is not None

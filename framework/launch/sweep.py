@@ -135,6 +135,34 @@ def set_aside_previous_attempt(job_dir: Path) -> Path | None:
     return dest
 
 
+def skip_if_completed(
+    job_dir: Path, overrides: list[str], config_sha256: str, rank: int
+) -> tuple[float | None] | None:
+    """(the job's objective,) when the same resolved config completed in a previous run of this sweep
+    (rank 0 records the skip); None when the job must run. Keyed on the resolved config: an edited
+    recipe reruns, reordered overrides do not."""
+    done = completed(job_dir, config_sha256)
+    if done is None:
+        return None
+    summary, source = done
+    if rank == 0:
+        record_skip(job_dir, overrides, config_sha256, source)
+    log.info(
+        "job %s: skipped, the same resolved config completed in a previous run of this sweep (%s)",
+        job_dir.name,
+        source,
+    )
+    return (objective(summary),)
+
+
+def record_failure(job_dir: Path, overrides: list[str], marked: bool, error: str) -> None:
+    """A job that failed (a refusal or an exception): its earlier attempt set aside unless this one
+    already did when it marked itself running, then ``job.json`` says ``failed`` and why."""
+    if not marked:
+        set_aside_previous_attempt(job_dir)
+    write_job(job_dir, overrides, "failed", error=error)
+
+
 def objective(summary: dict[str, Any]) -> float | None:
     """What a job returns to the sweeper (Optuna minimises it): the final validation loss, else train loss."""
     value = summary.get("final_val_loss")

@@ -122,6 +122,28 @@ def attach(model: nn.Module, cfg: PeftConfig) -> list[str]:
     return sorted(chosen)
 
 
+def describe(model_cfg: ModelConfig, cfg: PeftConfig, seq_len: int) -> str | None:
+    """The log line of a LoRA run (None under ``peft.method=none``): rank, alpha, dropout, the
+    targeted layers and the trainable parameter count in the words of peft's
+    ``print_trainable_parameters`` (counted on a meta model with the adapters attached; a tied
+    output head counted once)."""
+    if cfg.method is PeftMethod.none:
+        return None
+    from framework.models import build_model
+
+    model = build_model(model_cfg, seq_len)
+    chosen = attach(model, cfg)
+    params = list(model.parameters())  # each tensor once (a tied head is the embedding's)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in chosen})
+    return (
+        f"LoRA (peft=lora): rank {cfg.rank}, alpha {cfg.alpha:g}, dropout {cfg.dropout:g}, adapters on "
+        f"{len(chosen)} layers ({', '.join(kinds)}), base frozen in {cfg.base_dtype.value}; "
+        f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+    )
+
+
 def base_dtype(cfg: PeftConfig) -> torch.dtype:
     return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}[
         cfg.base_dtype

@@ -48,7 +48,7 @@ def apply_compile(
     when each region first compiles, so each call sets it (None: torch's default) rather than
     patching it around every region call on the hot path; a process trains one model.
     Users' combinations are refused before launch, each in one place: ``cudagraphs`` off CUDA by
-    ``framework.launch.entry.check_cudagraphs``, a budget with the eager executor by ``framework.planner.plan``.
+    ``framework.launch.prelaunch.check_cudagraphs``, a budget with the eager executor by ``framework.planner.plan``.
     """
     if executor.mode == ExecutorMode.eager:
         assert memory_budget is None, (
@@ -56,7 +56,7 @@ def apply_compile(
         )
         return 0
     assert executor.mode != ExecutorMode.cudagraphs or device.type == "cuda", (
-        "refused by framework.launch.entry.check_cudagraphs"
+        "refused by framework.launch.prelaunch.check_cudagraphs"
     )
     mode = inductor_mode(executor)
     functorch_config.activation_memory_budget = _DEFAULT_BUDGET if memory_budget is None else memory_budget

@@ -89,7 +89,7 @@ def cut_stage(model: Decoder, layers: range, first: bool, last: bool) -> Decoder
     ``inject_aux``, Megatron's way): the stage's layers' share of the per-layer loss, whatever
     ``model.moe.aux_loss_scope`` says. transformers' ``global`` loss couples every layer's routers,
     which the stages hold apart; the launcher has already taken ``layer`` for it, with one line
-    (framework.launch.entry.aux_scope_under_pipeline), and so does a pipeline built from code."""
+    (framework.launch.prelaunch.aux_scope_under_pipeline), and so does a pipeline built from code."""
     stage = copy.deepcopy(model)
     stage.inject_aux = stage.aux_per_layer = True
     # Under loss parallelism the last stage hands its vocabulary-sharded logits to the schedule's

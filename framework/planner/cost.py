@@ -55,6 +55,7 @@ from framework.planner.compute import ComputeTerms, table_compute
 from framework.planner.confidence import describe, step_range, term_sources
 from framework.planner.kernels import load_table
 from framework.planner.layout import loss_head_compiled, loss_parallel_on
+from framework.planner.params import lora_specs, param_specs, sum_local
 
 if TYPE_CHECKING:
     from framework.planner.layout import Degrees
@@ -100,6 +101,15 @@ def bf16_moments(cfg: Config) -> bool:
 def adamw_step_bytes(cfg: Config) -> float:
     """HBM bytes the optimizer step moves per parameter (``_ADAMW_BYTES``, less the bf16 moments')."""
     return _ADAMW_BYTES - (_BF16_MOMENTS_SAVE if bf16_moments(cfg) else 0.0)
+
+
+def trained_share(cfg: Config) -> float:
+    """The share of a rank's parameters that get gradients and an optimizer step: 1, or under
+    ``peft.method=lora`` the adapters' elements over the base's (the frozen base needs neither). The
+    whole model's ratio: the targets repeat in every block, so a rank's shard has about the same."""
+    specs = param_specs(cfg.model)
+    adapters = lora_specs(specs, cfg.model, cfg.peft)
+    return sum_local(adapters, 1, 1) / sum_local(specs, 1, 1) if adapters else 1.0
 
 
 def adamw_state_bytes(cfg: Config) -> int:
@@ -446,9 +456,10 @@ def predict_step(
     # (a pipeline rank: its share of both, below)
     f8_casts = (tokens * f8.act_bytes + accum * f8.weight_bytes) / d.tp
     f8_casts += _FLOAT8_EXPERT_CAST_SLOWDOWN * (tokens * f8.expert_act_bytes + accum * f8.expert_weight_bytes / d.ep) / d.tp
-    accumulate = (accum - 1) * local * _ACCUM_BYTES
+    trained = local * trained_share(cfg)  # what has gradients to accumulate and an optimizer step
+    accumulate = (accum - 1) * trained * _ACCUM_BYTES
     memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
-    optimizer_s = local * adamw_step_bytes(cfg) / hbm
+    optimizer_s = trained * adamw_step_bytes(cfg) / hbm
     bubble_s = 0.0
     if pipeline is not None:
         fraction, bubble = pipeline

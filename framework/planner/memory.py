@@ -30,7 +30,16 @@ from framework.planner.layout import (
     loss_parallel_on,
     num_experts,
 )
-from framework.planner.params import DTYPE_BYTES, GIB, MASTER_BYTES, ParamSpec, ep_of, param_kinds, sum_local
+from framework.planner.params import (
+    DTYPE_BYTES,
+    GIB,
+    MASTER_BYTES,
+    ParamSpec,
+    ep_of,
+    lora_specs,
+    param_kinds,
+    sum_local,
+)
 
 
 @dataclass(frozen=True)
@@ -314,21 +323,29 @@ def rank_memory(
 ) -> MemoryEstimate:
     """``held``: the FSDP units stay unsharded for the whole step (framework.planner.stages.held_for_step:
     zero-bubble schedules, or sharding.reshard_after_forward=false), so the rank's whole unsharded
-    parameters replace the two units in flight."""
+    parameters replace the two units in flight.
+
+    Under ``peft.method=lora`` only the adapters train (framework.planner.params.lora_specs): the
+    frozen base is held (in ``peft.base_dtype``) and gets no gradient and no optimizer state; the
+    adapters are fp32 parameters with both."""
     local = sum_local(specs, tp, dp_shard)
     params = local * MASTER_BYTES
-    grads = local * MASTER_BYTES
+    adapters = lora_specs(specs, cfg.model, cfg.peft)
+    trains = adapters or specs  # what gets gradients and optimizer state
+    if adapters:
+        params = local * DTYPE_BYTES[cfg.peft.base_dtype] + sum_local(adapters, tp, dp_shard) * MASTER_BYTES
+    grads = sum_local(trains, tp, dp_shard) * MASTER_BYTES
     if dp_shard > 1 and accum > 1:
         # The loop skips the reduce-scatter on all but the last micro batch
         # (FSDPModule.set_requires_gradient_sync(False)), so FSDP2 accumulates each unit's
         # unsharded gradient, in param_dtype, until then: this TP rank's whole gradient.
-        full = sum_local(specs, tp, 1)
+        full = sum_local(trains, tp, 1)
         grads += full * DTYPE_BYTES[cfg.sharding.param_dtype]
     if cfg.train.optimizer_in_backward and not whole_model_backward(cfg):
         # Each gradient is freed right after its parameter's step: the largest one, twice (the
         # next parameter's gradient can land before the step of the previous one is done).
-        grads = 2 * sum_local(specs, tp, dp_shard, "max") * MASTER_BYTES
-    optimizer = sum_local(specs, tp, dp_shard, "optimizer") * adamw_state_bytes(cfg)
+        grads = 2 * sum_local(trains, tp, dp_shard, "max") * MASTER_BYTES
+    optimizer = sum_local(trains, tp, dp_shard, "optimizer") * adamw_state_bytes(cfg)
     comm_buffers = 0
     if dp_shard > 1:
         # The unit being computed plus the one prefetched (param_dtype), and one unit's unsharded

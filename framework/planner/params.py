@@ -16,8 +16,12 @@ from typing import Any
 from framework.config.schema import (
     DType,
     ModelConfig,
+    PeftConfig,
+    PeftMethod,
 )
 from framework.models import model_spec
+from framework.models.lora import matches
+from framework.models.spec import TPStyle, Weight
 
 GIB = 1024**3
 MIB = 1024**2
@@ -208,3 +212,46 @@ def _stage_specs(
             for s in out
         ]
     return out
+
+
+# The weights that are nn.Linear layers, which LoRA can target (framework.models.lora.linear_names):
+# TP's Linear styles, and the MoE layer's shared-expert Linears (2-D; its router, ``gate``, is a bare
+# parameter and its routed experts are stacks).
+_LINEAR_STYLES = (TPStyle.colwise, TPStyle.rowwise, TPStyle.output)
+
+
+def lora_specs(specs: list[ParamSpec], m: ModelConfig, peft: PeftConfig) -> list[ParamSpec]:
+    """What trains under ``peft.method=lora``: the adapters of the targeted Linear layers among
+    ``specs`` (a pipeline rank's share, or the whole model), ``lora_A`` (rank x in) and ``lora_B``
+    (out x rank) in their layer's FSDP unit, never TP-sharded (LoRA refuses tp > 1); a tied output
+    head's adapters go with the final norm's stage. Empty under ``peft.method=none`` (every
+    parameter trains). Memoized per list: callers do not change the result."""
+    if peft.method is PeftMethod.none:
+        return []
+    # The list identifies the model (its specs, or a pipeline rank's share of them).
+    return MEMO.get(specs, ("lora", peft.rank, tuple(peft.targets)), lambda: _lora_specs(specs, m, peft))
+
+
+def _lora_specs(specs: list[ParamSpec], m: ModelConfig, peft: PeftConfig) -> list[ParamSpec]:
+    spec = model_spec(m)
+    names = {s.name for s in specs}
+    linears = [(n, w, u) for n, w, u in spec.params() if _is_linear(w)]
+    head = next((w for w in spec.last if w.tied and w.tp is TPStyle.output), None)
+    if head is not None and ("output.weight" in names or "norm.weight" in names):
+        linears.append((head.name, head, "root"))  # the tied head: a Linear over the embedding's tensor
+        names.add(head.name)
+    out = []
+    for name, w, unit in linears:
+        module = name.removesuffix(".weight")
+        if name in names and any(matches(module, p) for p in peft.targets):
+            rows, cols = w.shape
+            out.append(ParamSpec(f"{module}.lora_A.weight", (peft.rank, cols), None, unit))
+            out.append(ParamSpec(f"{module}.lora_B.weight", (rows, peft.rank), None, unit))
+    return out
+
+
+def _is_linear(w: Weight) -> bool:
+    if w.tp in _LINEAR_STYLES:
+        return True
+    shared_expert = w.tp is TPStyle.moe and w.param == "weight" and not w.experts and len(w.shape) == 2
+    return shared_expert and not w.module.endswith("gate")

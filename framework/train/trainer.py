@@ -411,6 +411,9 @@ def build(
             flops_per_token(cfg.model, cfg.train.seq_len),
             cfg.train.seq_len,
         )
+        adapters = lora.describe(cfg.model, cfg.peft, cfg.train.seq_len)
+        if adapters is not None:
+            log.info("%s", adapters)
     frozen = freeze_stage(meta, cfg, run_dir, env)
     flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     can_fall = cfg.verify.ladder and next_mode(cfg.executor.mode) is not None

@@ -91,7 +91,7 @@ def store_path(cfg: VerifyConfig) -> Path:
 def load_store(path: Path) -> dict[str, Any]:
     """The store's ``{key: entry}`` mapping ({} when the file does not exist). ValueError (one line)
     for a file that is not such a store: each entry's figures are checked here, so that the launcher
-    (framework.launch.entry.check_verify_files) refuses a broken store before training, not in a
+    (framework.launch.prelaunch.check_verify_files) refuses a broken store before training, not in a
     traceback after it (a list, a wrong version, an entry without its figures were)."""
     if not path.is_file():
         return {}

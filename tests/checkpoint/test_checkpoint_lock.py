@@ -98,3 +98,18 @@ def test_a_lock_the_ranks_launcher_holds_is_the_ranks_and_is_taken_over_silently
     assert int(launcher) == mine.pid and lock.read(tmp_path).pid == int(pid)
     stranger = start(worker=False)
     assert stranger.returncode != 0 and f"launcher pid {mine.pid}" in stranger.stderr, stranger.stderr[-2000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_a_zombie_owner_is_dead(tmp_path: Path) -> None:
+    """An owner that exited and was not reaped yet (a SIGKILLed launcher's rank, reparented to an
+    init that does not reap) holds nothing: the lock is taken over."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            pass  # exited, not waited for: a zombie
+        _write_lock(tmp_path, pid=zombie.pid, run_id="outputs/killed")
+        lock.check_free(tmp_path, "outputs/mine")
+        assert lock.acquire(tmp_path, "outputs/mine").run_id == "outputs/mine"
+    finally:
+        zombie.wait()

@@ -513,7 +513,7 @@ def _validated(*overrides: str) -> Config:
 
     from framework.config import schema
     from framework.launch import recipes
-    from framework.launch.entry import validate
+    from framework.launch.prelaunch import validate
     from framework.launch.ranks import register_resolvers
 
     schema.register()

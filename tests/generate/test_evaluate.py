@@ -45,7 +45,7 @@ def transformers_loss(folder: Path, overrides: list[str]) -> tuple[float, int]:
     command scores: data_rows of the composed config) and the number of scored tokens."""
     from transformers import AutoModelForCausalLM
 
-    cfg, _ = source_config(folder, overrides, evaluate_data=True)
+    cfg, _, _ = source_config(folder, overrides, evaluate_data=True)
     from framework.data.tokenizer import load_tokenizer
 
     rows, _ = data_rows(cfg, load_tokenizer(cfg.tokenizer))

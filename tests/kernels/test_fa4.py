@@ -15,7 +15,7 @@ import torch
 
 from framework.config.schema import AttentionBackend, Config
 from framework.kernels import fa4
-from framework.launch.entry import check_fa4
+from framework.launch.prelaunch import check_fa4
 from framework.models import model_spec
 from framework.models.parts.attention import _SDPA_BACKENDS
 from framework.planner import search

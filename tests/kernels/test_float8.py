@@ -18,7 +18,7 @@ from torch import nn
 from framework.config.schema import Config, Float8GradDtype, Float8Recipe, ModelConfig
 from framework.kernels import float8
 from framework.kernels.target import MissingPackage
-from framework.launch.entry import check_float8
+from framework.launch.prelaunch import check_float8
 from framework.launch.rules import check_option_fields
 from framework.models import build_model, linears, materialize
 from framework.planner.resolve import make_plan

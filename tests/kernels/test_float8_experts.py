@@ -15,7 +15,7 @@ import torch
 
 from framework.config.schema import ExpertKernel, Float8Recipe, ModelConfig
 from framework.kernels import float8
-from framework.launch.entry import check_float8
+from framework.launch.prelaunch import check_float8
 from framework.models import build_model, linears, materialize
 from framework.models.moe import ExpertKernel as LayerKernel
 from framework.models.moe import GroupedExperts, _grouped_mm, pad_groups, padded_experts, run_experts

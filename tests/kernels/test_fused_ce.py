@@ -13,7 +13,7 @@ import torch
 
 from framework.config.schema import CompileScope, FusedCrossEntropy
 from framework.kernels import fused_ce
-from framework.launch.entry import check_fused_ce
+from framework.launch.prelaunch import check_fused_ce
 from framework.models import Decoder, build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.planner import search

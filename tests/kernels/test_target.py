@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from framework.config.schema import Config, HardwareConfig
 from framework.kernels import target
 from framework.kernels.target import MissingPackage, Target
-from framework.launch.entry import check_cudagraphs, check_hardware
+from framework.launch.prelaunch import check_cudagraphs, check_hardware
 from tests.config.test_config import compose_config
 
 CPU = torch.device("cpu")
@@ -100,12 +100,12 @@ def test_missing_packages_warn_in_a_dry_run_and_refuse_at_launch(caplog: pytest.
 
 def test_a_dry_run_uses_no_device_of_this_host(tmp_path: Path) -> None:
     """The GPU job's own command plus run.dry_run=true plans on this CPU host: run.device=cuda with
-    no GPU visible is not refused (a launch still is), nor are 8 ranks (framework.launch.entry.validate)."""
+    no GPU visible is not refused (a launch still is), nor are 8 ranks (framework.launch.prelaunch.validate)."""
     from hydra import compose, initialize_config_dir
 
     from framework.config import schema as config
     from framework.launch import recipes
-    from framework.launch.entry import prelaunch
+    from framework.launch.prelaunch import prelaunch
     from framework.launch.ranks import register_resolvers
 
     config.register()

@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config.schema import Config
-from framework.launch.entry import JobFailed, from_rank_zero, join_torchrun
+from framework.launch.prelaunch import JobFailed
+from framework.launch.torchrun import from_rank_zero, join_torchrun
 from tests.dist import run_ranks
 from tests.entry import train_main
 
@@ -235,7 +236,7 @@ def test_a_second_launch_while_the_first_starts_is_one_line_and_the_first_keeps_
 def test_ranks_that_failed_for_good_say_how_to_go_on(tmp_path: Path) -> None:
     """The line after the last restart said which rank died but not what now: no restart is left,
     and the newest checkpoint, if any, is where a run of the same run dir resumes."""
-    from framework.launch.entry import after_failure
+    from framework.launch.outcome import after_failure
 
     cfg, root = Config(), tmp_path / "checkpoints"
     assert (
@@ -254,7 +255,7 @@ def test_an_option_of_an_extra_not_installed_is_one_line_naming_the_extra() -> N
     package is refused before launch, naming the extra. Checked with a package name that is not
     installed anywhere (wandb itself is, in the dev extra)."""
     from framework.config.schema import LoggerKind
-    from framework.launch.entry import EXTRAS, check_extras
+    from framework.launch.prelaunch import EXTRAS, check_extras
 
     assert [(o, p, e) for o, _, p, e in EXTRAS] == [("logger=wandb", "wandb", "wandb")]
     cfg = Config()

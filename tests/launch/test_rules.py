@@ -2,7 +2,7 @@
 
 For every schema key: a rule exists (a field added without one fails here), and each of the rule's
 out-of-range values, set on the composed default config, is refused by the launcher's pre-launch
-checks (``framework.launch.entry.prelaunch``, in-process: fast) with one line naming the key and the value,
+checks (``framework.launch.prelaunch.prelaunch``, in-process: fast) with one line naming the key and the value,
 writing nothing. A handful of them also go through the real ``python train.py`` (exit 2, one error
 line, no run dir); the classes whose check is not a key's value (recipes, run dirs, memory, CPU
 ranks, intent) have a test each below.
@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config import schema as config
 from framework.config.schema import Config, RunConfig
 from framework.launch import recipe_cli, recipes
-from framework.launch.entry import check_dir_creatable, prelaunch
+from framework.launch.prelaunch import check_dir_creatable, prelaunch
 from framework.launch.ranks import check_local_resources, cpu_rank_cap, register_resolvers
 from framework.launch.rules import RULES, TYPED, check, check_known_keys, schema_keys, show, value_at
 from framework.planner.resolve import make_plan

@@ -500,7 +500,7 @@ def test_global_scope_under_a_pipeline_becomes_layer_with_one_warning_line(
 ) -> None:
     """The launcher takes ``layer`` for ``global`` under pp (config.yaml gets it) with one warning
     line, only where the loss is on; a pipeline built from code takes it too."""
-    from framework.launch.entry import aux_scope_under_pipeline
+    from framework.launch.prelaunch import aux_scope_under_pipeline
     from framework.parallel.pipeline import cut_stage
 
     with caplog.at_level(logging.WARNING, logger="framework"):

@@ -268,7 +268,7 @@ def test_bad_pipeline_refused_before_launch(
 
     from omegaconf import OmegaConf
 
-    from framework.launch.entry import prelaunch
+    from framework.launch.prelaunch import prelaunch
 
     d = copy.deepcopy(composed)
     for k, v in values.items():
@@ -287,7 +287,7 @@ def test_a_set_micro_batch_size_gives_the_pipelines_micro_batches(composed: obje
 
     from omegaconf import OmegaConf
 
-    from framework.launch.entry import prelaunch
+    from framework.launch.prelaunch import prelaunch
 
     d = copy.deepcopy(composed)
     for k, v in {**PP2, "train.micro_batch_size": 4}.items():
@@ -303,7 +303,7 @@ def test_pipeline_fields_shape_the_search_under_sharding_auto(composed: object, 
 
     from omegaconf import OmegaConf
 
-    from framework.launch.entry import prelaunch_with_search
+    from framework.launch.prelaunch import prelaunch_with_search
 
     d = copy.deepcopy(composed)
     for k, v in {"mesh.shape": [2], "parallel.pp_schedule": "gpipe"}.items():

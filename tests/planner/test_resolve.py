@@ -160,7 +160,8 @@ def test_the_launcher_reports_its_ranks_plan_refusal_in_one_line(tmp_path: Path)
     """Two ranks started by the launcher's elastic agent (as ``train.py mesh=2`` starts them) find a
     plan.json of another layout: the job fails with the ranks' one line and exit status 2, not
     'ranks failed'."""
-    from framework.launch.entry import JobFailed, _run_spawned
+    from framework.launch.entry import _run_spawned
+    from framework.launch.prelaunch import JobFailed
     from framework.launch.ranks import isolated_environ
 
     run, cfg = run_dir_with_a_ddp_plan(tmp_path)

@@ -458,7 +458,7 @@ def _layout_cfg(overrides: list[str], tmp_path) -> object:
 
     from framework.config import schema as config
     from framework.launch import recipes
-    from framework.launch.entry import prelaunch
+    from framework.launch.prelaunch import prelaunch
     from framework.launch.ranks import register_resolvers
 
     config.register()

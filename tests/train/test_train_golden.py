@@ -26,7 +26,7 @@ from framework.config import schema as config
 from framework.config.schema import Config, quote_numeric_choices
 from framework.data import build_data, document_eos
 from framework.launch import recipes
-from framework.launch.entry import prelaunch
+from framework.launch.prelaunch import prelaunch
 from framework.launch.ranks import register_resolvers
 from framework.models import build_model, materialize
 from framework.record.metrics import read_metrics
