@@ -203,6 +203,9 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     families = [f.value for f in ModelFamily]
     if c.get("model_type") not in families:
         raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: {families}")
+    own = FAMILIES[ModelFamily(c["model_type"])]
+    if own.hf_read is not None:  # the family reads its RoPE (and its own fields) itself
+        c = {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_scaling")}
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if c.get(flag):
             raise ValueError(f"{where}: config.json has {flag}=true; valid: false (not in our models)")
@@ -262,7 +265,9 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
     if fam.hf_moe_fields:
-        out["moe"] = moe_fields(c, fam.hf_moe_fields, fam.hf_fixed, where)
+        out["moe"] = moe_fields(c, fam.hf_moe_fields, fam.hf_fixed, where) | dict(fam.hf_moe_values)
+    if fam.hf_read is not None:
+        out |= fam.hf_read(ckpt.config, where)
     out["family"] = ModelFamily(out["family"])
     return out
 
@@ -450,10 +455,12 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
 
     spec = model_spec(model.cfg)
     names, rope, experts = spec.hf_names(), spec.rope_heads(), spec.hf_experts()
-    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.params()}, names, experts=experts)
+    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.tensors()}, names, experts=experts)
     if model.cfg.tie_embeddings:
         names["output.weight"] = names["tok_embeddings.weight"]
     params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}  # adapters: not in HF
+    # The spec's persistent buffers (a router's selection bias) are read as the weights are.
+    params |= {n: b for n, b in model.named_buffers() if n in names}
     assert set(params) <= set(names) | set(experts), (
         f"parameters the spec does not name: {sorted(set(params) - set(names) - set(experts))[:5]}"
     )

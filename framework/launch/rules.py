@@ -50,7 +50,7 @@ from framework.config.schema import (
     own_keys,
     owners,
 )
-from framework.models import FAMILIES
+from framework.models import FAMILIES, model_spec
 from framework.planner.layout import Degrees, check_dense_ep
 
 INT64_MAX = 2**63 - 1  # step counters, sizes and seeds end up in int64 tensors and JSON
@@ -578,6 +578,26 @@ def moe_key(
 # The context the range of a key is tested in: a sparse family with 4 experts.
 _SPARSE = {"family": "qwen3_moe", "num_experts": 4}
 
+# DeepSeek-V3's routing keys are tested on its family with 8 experts.
+_DEEPSEEK = {"family": "deepseek_v3", "num_experts": 8}
+
+
+def _n_group_ok(g: int, experts: int) -> bool:
+    return g == 1 or (1 < g and experts % g == 0 and experts // g >= 2)
+
+
+def _topk_group_ok(tg: int, moe: Any) -> bool:
+    g = moe.n_group
+    return 1 <= tg <= g and moe.num_experts_per_tok <= tg * (moe.num_experts // max(g, 1))
+
+
+def _pattern_layers(c: Config) -> int:
+    """The layers model.layer_pattern gives (-1: it does not parse; the spec's refusal says where)."""
+    try:
+        return model_spec(c.model).n_layers
+    except ValueError:
+        return -1
+
 
 MOE_RULES: dict[str, Rule] = {
     f"model.moe.{k}": r
@@ -654,6 +674,28 @@ MOE_RULES: dict[str, Rule] = {
             **_SPARSE,
         ),
         "expert_kernel": moe_key("expert_kernel", "auto, grouped or loop", lambda v, _c: True, ("loop",)),
+        # DeepSeek-V3's group-limited routing (framework.models.moe.check_moe says why each bound).
+        "n_group": moe_key(
+            "n_group",
+            lambda c: (
+                f"a divisor of model.moe.num_experts={c.model.moe.num_experts} leaving >= 2 experts a group, "
+                "or 1 (no group limit)"
+            ),
+            lambda v, c: _is_int(v) and _n_group_ok(v, c.model.moe.num_experts),
+            (0, 3, 8),
+            **_DEEPSEEK,
+        ),
+        "topk_group": moe_key(
+            "topk_group",
+            lambda c: (
+                f"an integer in 1..model.moe.n_group={c.model.moe.n_group}, its groups holding at least "
+                f"model.moe.num_experts_per_tok={c.model.moe.num_experts_per_tok} experts"
+            ),
+            lambda v, c: _is_int(v) and _topk_group_ok(v, c.model.moe),
+            (0, 5),
+            **_DEEPSEEK,
+            n_group=4,
+        ),
     }.items()
 }
 
@@ -685,6 +727,32 @@ RULES: dict[str, Rule] = {
     "model.sliding_window": integer(
         0, MAX_POSITIONS, what="0 = off, full causal attention; >= 1: the window"
     ),
+    # DeepSeek-V3's own (framework.models.deepseek_v3): its stack of layers and multi-head latent
+    # attention. The pattern must give model.n_layers layers (before it: its rule reads it).
+    "model.layer_pattern": Rule(
+        lambda c: (
+            f"a stack of model.n_layers={c.model.n_layers} layers: items KIND or KIND xN separated by commas, "
+            "KIND dense|moe (e.g. 'dense x1, moe x3')"
+        ),
+        lambda v, c: isinstance(v, str) and _pattern_layers(c) == c.model.n_layers,
+        ("dense x1, moe x2", "dense x1, mo x3", "dense x5"),
+    ),
+    "model.q_lora_rank": integer(0, MAX_WIDTH, what="0 = one full query projection"),
+    "model.kv_lora_rank": integer(1, MAX_WIDTH),
+    "model.qk_nope_head_dim": integer(1, MAX_WIDTH),
+    # RoPE rotates pairs of features: an even size.
+    "model.qk_rope_head_dim": Rule(
+        "an even integer >= 2 (RoPE rotates pairs of features)",
+        lambda v, _c: _is_int(v) and 2 <= v <= MAX_WIDTH and v % 2 == 0,
+        (0, 7, MAX_WIDTH + 2),
+    ),
+    "model.v_head_dim": integer(1, MAX_WIDTH),
+    "model.rope_yarn_factor": number(1, 1024, what="1 = no YaRN", bad=(math.nan, math.inf, 0.5, 1e18)),
+    "model.rope_yarn_original_max_position": integer(1, MAX_POSITIONS),
+    "model.rope_yarn_beta_fast": number(0, 1e4, lo_open=True),
+    "model.rope_yarn_beta_slow": number(0, 1e4, lo_open=True),
+    "model.rope_yarn_mscale": number(0, 1e4),
+    "model.rope_yarn_mscale_all_dim": number(0, 1e4),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, 1, lo_open=True),
     "model.rope_theta": number(0, 1e12, lo_open=True),  # published: 1e4 to 1e7

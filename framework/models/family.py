@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from framework.config.schema import ModelConfig
 from framework.models.parts.decoder import BlockFactory
-from framework.models.spec import ModelSpec
+from framework.models.spec import LayerKind, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,11 @@ class Family:
     for a dense family. The launcher refuses any other MoE key changed from its default.
     ``hf_moe_fields``: ``model.moe`` key -> its config.json key (both ways); ``hf_fixed``: config.json
     keys that must hold these values (what the family's block computes), written by the export and
-    checked by the import.
+    checked by the import. ``hf_moe_values``: ``model.moe`` values the HF class computes (DeepSeek-V3's
+    sigmoid router), set by the import and required by the export.
+    ``hf_read(config_json, where)``: the family's fields that config.json holds in its own form (a
+    layer pattern from ``first_k_dense_replace``, YaRN); ``hf_write(model_cfg, layers)``: the inverse,
+    config.json entries of the export (it refuses what the HF class cannot build). None: none.
     """
 
     name: str
@@ -46,3 +51,6 @@ class Family:
     moe_keys: tuple[str, ...] = ()
     hf_moe_fields: dict[str, str] = field(default_factory=dict)
     hf_fixed: dict[str, object] = field(default_factory=dict)
+    hf_moe_values: dict[str, object] = field(default_factory=dict)
+    hf_read: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    hf_write: Callable[[Any, tuple[LayerKind, ...]], dict[str, Any]] | None = None

@@ -25,7 +25,9 @@ class LinearShape:
     fqn: str
     out_features: int
     in_features: int
-    tp_style: str  # "colwise" (shards out_features under TP) or "rowwise" (shards in_features)
+    # "colwise" (shards out_features under TP), "rowwise" (shards in_features) or "replicated"
+    # (whole on every TP rank: multi-head latent attention's)
+    tp_style: str
 
 
 def linear_shapes(m: ModelConfig) -> list[LinearShape]:
@@ -34,7 +36,9 @@ def linear_shapes(m: ModelConfig) -> list[LinearShape]:
     out: list[LinearShape] = []
     for unit, kind in spec.layer_units():
         for w in kind.weights:
-            if w.tp in (TPStyle.colwise, TPStyle.rowwise):
+            if w.tp in (TPStyle.colwise, TPStyle.rowwise) or (
+                w.tp is TPStyle.replicated and len(w.shape) == 2
+            ):
                 out.append(LinearShape(f"{unit}.{w.module}", *w.shape, w.tp.value))
     head = next(w for w in spec.last if w.tp is TPStyle.output)
     out.append(LinearShape(head.module, *head.shape, "colwise"))
@@ -164,4 +168,3 @@ def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1, l
         if g.fqn.startswith(f"layers.{layer}.") and (g.fqn, g.param) not in experts
     )
     return 2 * (dense // tp + stacked // ep)
-

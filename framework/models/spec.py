@@ -30,6 +30,9 @@ class TPStyle(Enum):
     sequence = "sequence"  # a norm over the model dim, run sequence-parallel (weight replicated)
     heads = "heads"  # a norm over head_dim, run on the rank's own heads (weight replicated)
     moe = "moe"  # an MoE layer's router or stacked experts (framework.models.moe): not sharded by TP
+    # A weight TP leaves whole (multi-head latent attention's): its sublayer runs whole on every TP
+    # rank, as an MoE sublayer does
+    replicated = "replicated"
 
 
 # The weight dim each style shards (None: replicated over the TP axis).
@@ -56,6 +59,9 @@ class Weight:
     # by these templates (``{e}``: the expert), whose rows are stacked in this order along dim 1 (gate
     # then up for ``gate_up_proj``). Empty: the tensor is stored whole under ``hf``.
     hf_experts: tuple[str, ...] = ()
+    # A persistent buffer, not a parameter (DeepSeek-V3's router selection bias): in the state dict
+    # and the Hub files, never in ``params()`` (no gradient, no optimizer state, not sharded).
+    buffer: bool = False
 
     @property
     def name(self) -> str:
@@ -229,6 +235,11 @@ class ModelSpec:
 
     def params(self) -> Iterator[tuple[str, Weight, str]]:
         """(full name, weight, unit) in ``named_parameters()`` order; unit is a block or "root"."""
+        return (t for t in self.tensors() if not t[1].buffer)
+
+    def tensors(self) -> Iterator[tuple[str, Weight, str]]:
+        """``params()`` and the persistent buffers among them (``Weight.buffer``): what the state dict
+        and the Hub files hold."""
         for w in self.first:
             yield w.name, w, "root"
         for unit, kind in self.layer_units():

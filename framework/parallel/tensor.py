@@ -73,6 +73,10 @@ def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelS
     return styles[1](output_layouts=Shard(1)) if styles else RowwiseParallel(output_layouts=Shard(1))
 
 
+# The styles of a sublayer that TP runs whole on every rank (block_plan).
+_WHOLE = (TPStyle.moe, TPStyle.replicated)
+
+
 def block_plan(
     spec: ModelSpec, kind: LayerKind, block: nn.Module, recipe: Float8Recipe
 ) -> dict[str, ParallelStyle]:
@@ -90,7 +94,7 @@ def block_plan(
         module
         for module in spec.sublayers
         if (mine := [w for w in kind.weights if w.module.startswith(f"{module}.")])
-        and all(w.tp is TPStyle.moe for w in mine)
+        and all(w.tp in _WHOLE for w in mine)
     }
     for module, n_inputs in spec.sublayers.items():
         rest = (None,) * (n_inputs - 1)
@@ -108,7 +112,7 @@ def block_plan(
             input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
         )
     for w in kind.weights:
-        if w.tp is not TPStyle.moe:
+        if w.tp not in _WHOLE:
             plan[w.module] = _block_style(block, w, recipe)
     return plan
 

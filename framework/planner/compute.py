@@ -81,7 +81,7 @@ def _linear_s(
         out, inp = s.out_features, s.in_features
         if s.tp_style == "colwise":
             out = max(1, out // d.tp)
-        else:
+        elif s.tp_style == "rowwise":
             inp = max(1, inp // d.tp)
         again = recompute if s.fqn.startswith(blocks) else 0.0
         if s.fqn in float8:  # model.float8_fast_accum speeds the two backward GEMMs up

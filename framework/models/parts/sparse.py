@@ -49,6 +49,8 @@ def layer_config(m: ModelConfig) -> moe.MoEConfig:
         num_shared_experts=c.num_shared_experts,
         shared_intermediate_size=c.shared_intermediate_size,
         kernel=moe.ExpertKernel(c.expert_kernel.value),
+        n_group=c.n_group,
+        topk_group=c.topk_group,
     )
 
 
