@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from framework.config.schema import ModelFamily
 from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
 from framework.models.lora import is_lora_name
+
+log = logging.getLogger("framework")
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -358,10 +361,31 @@ def check_against(
         unknown.append("lm_head.weight")
     # Buffers some exporters add; recomputed here from the shape.
     unknown = [n for n in unknown if not n.endswith("rotary_emb.inv_freq")]
+    mtp = mtp_layer_names(ckpt.config, unknown)
+    if mtp:
+        unknown = [n for n in unknown if n not in mtp]
+        log.warning(
+            "%s: the checkpoint's %d multi-token prediction tensors (config.json's num_nextn_predict_layers, "
+            "e.g. %s) are not read: multi-token prediction is not built here",
+            where,
+            len(mtp),
+            min(mtp),
+        )
     if missing or unknown:
         raise ValueError(
             f"{where}: tensor names do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
         )
+
+
+def mtp_layer_names(config: dict[str, Any], names: list[str]) -> set[str]:
+    """Among ``names``, the tensors of DeepSeek-V3's multi-token prediction layers: the Hub files store
+    them as the ``num_nextn_predict_layers`` layers after ``num_hidden_layers`` (the published
+    DeepSeek-V3 and Kimi K2 hold one, ``model.layers.61.*``)."""
+    n, k = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+    if not isinstance(n, int) or not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        return set()
+    prefixes = tuple(f"model.layers.{i}." for i in range(n, n + k))
+    return {t for t in names if t.startswith(prefixes)}
 
 
 def hf_shapes(

@@ -214,3 +214,32 @@ def test_two_gloo_ranks_fsdp_ep_tp_pp_equal_transformers(tmp_path: Path) -> None
     worst = {key: max(d[key] for d in out) for key in out[0]}
     print("HF DeepSeek-V3 -> framework, 2 gloo ranks, max |logits diff|:", worst)
     assert len(worst) == len(LAYOUTS) and 0 <= min(worst.values()) and max(worst.values()) <= TOL, worst
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The published DeepSeek-V3 and Kimi K2 store their multi-token prediction layer as
+    ``model.layers.{num_hidden_layers}.*`` (config.json's ``num_nextn_predict_layers: 1``): the import
+    reads the rest, with one warning; the same tensors without that field are refused by name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path, expected = save(tmp_path)
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}, str(path / "mtp.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.3.eh_proj.weight"] = "mtp.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"unknown \['model.layers.3.eh_proj.weight'\]"):
+        ours(path)
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    with caplog.at_level("WARNING", logger="framework"):
+        _, model = ours(path)
+    assert (
+        "1 multi-token prediction tensors" in caplog.text and "model.layers.3.eh_proj.weight" in caplog.text
+    )
+    with torch.no_grad():
+        assert (model(tokens()) - expected).abs().max().item() <= TOL

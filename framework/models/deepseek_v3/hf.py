@@ -10,7 +10,8 @@ of ``moe_intermediate_size``, ``n_shared_experts`` beside them, sigmoid scores w
 ``e_score_correction_bias``, ``n_group`` / ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``.
 The Hub files keep one tensor per expert: ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
 Multi-token prediction layers (``model.layers.{num_hidden_layers}.*``, ``num_nextn_predict_layers``)
-are not built here: such tensors are refused by name, as any unknown tensor is.
+are not built here: the import skips them with one warning where config.json declares them
+(``framework.checkpoint.import_hf.mtp_layer_names``), and the export writes ``num_nextn_predict_layers: 0``.
 """
 
 from __future__ import annotations
