@@ -135,3 +135,34 @@ def test_parts_give_transformers_logits() -> None:
                 a.window = w
             for m, limit in zip(ours.moe, saved[1], strict=True):
                 m.limit = limit
+
+
+def test_yarn_without_truncation_gives_transformers_tables() -> None:
+    """GPT-OSS's published RoPE (YaRN factor 32 over 4096, beta_fast 32, beta_slow 1, ``truncate:
+    false``, theta 150000, head_dim 64): our tables equal transformers' cos and sin, which the
+    truncated ramp (DeepSeek-V3's) does not."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    yarn |= {"original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+    config = GptOssConfig(head_dim=64, hidden_size=128, num_attention_heads=2, rope_parameters=yarn)
+    positions = torch.arange(0, 8192, 7)[None]
+    cos, sin = GptOssRotaryEmbedding(config)(torch.zeros(1), positions)
+    ours = SimpleNamespace(
+        rope_scaling_factor=1.0,
+        rope_yarn_factor=32.0,
+        rope_yarn_original_max_position=4096,
+        rope_yarn_beta_fast=32.0,
+        rope_yarn_beta_slow=1.0,
+        rope_yarn_mscale=1.0,
+        rope_yarn_mscale_all_dim=0.0,
+        rope_yarn_truncate=False,
+    )
+    tables = rope_tables(64, 8192, 150000.0, None, ours)[positions[0]]
+    torch.testing.assert_close(tables[..., 0], cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tables[..., 1], sin[0], rtol=1e-6, atol=1e-6)
+    ours.rope_yarn_truncate = True
+    assert (rope_tables(64, 8192, 150000.0, None, ours)[positions[0]][..., 0] - cos[0]).abs().max() > 1e-4

@@ -46,9 +46,10 @@ def yarn_inv_freq(
     head_dim: int, theta: float, cfg: ModelConfig, device: torch.device | None
 ) -> tuple[torch.Tensor, float]:
     """YaRN's frequencies and attention factor (transformers' ``_compute_yarn_parameters``, the same
-    operations in the same order; ``truncate`` on, its default): high frequencies kept, low ones
-    divided by the factor, a linear ramp between the dims that make ``beta_fast`` and ``beta_slow``
-    rotations over the original context."""
+    operations in the same order): high frequencies kept, low ones divided by the factor, a linear
+    ramp between the dims that make ``beta_fast`` and ``beta_slow`` rotations over the original
+    context, rounded outwards to whole dims unless ``cfg.rope_yarn_truncate`` is false (transformers'
+    ``truncate``: on by default and for DeepSeek-V3, off for GPT-OSS)."""
     factor, orig = cfg.rope_yarn_factor, cfg.rope_yarn_original_max_position
     mscale, mscale_all = cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
     if mscale and mscale_all:
@@ -60,8 +61,10 @@ def yarn_inv_freq(
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if getattr(cfg, "rope_yarn_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
