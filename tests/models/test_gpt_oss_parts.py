@@ -166,3 +166,27 @@ def test_yarn_without_truncation_gives_transformers_tables() -> None:
     torch.testing.assert_close(tables[..., 1], sin[0], rtol=1e-6, atol=1e-6)
     ours.rope_yarn_truncate = True
     assert (rope_tables(64, 8192, 150000.0, None, ours)[positions[0]][..., 0] - cos[0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("window", [0, WINDOW])
+def test_cached_decode_equals_the_full_forward(window: int) -> None:
+    """Token by token through a KV cache (5 prompt tokens, then one at a time), each position's
+    output equals the full forward's, full causal and with the window of 4."""
+    from framework.models.parts.cache import KVCache
+
+    torch.manual_seed(0)
+    attn = SinkAttention(DIM, HEADS, KV, HD, window)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0.0, 0.1)
+        x = torch.randn(2, SEQ, DIM)
+        rope = rope_tables(HD, SEQ, 10000.0, None)
+        want = attn(x, rope)
+        shape = (2, KV, SEQ, HD)
+        cache = KVCache([torch.zeros(shape)], [torch.zeros(shape)], rope, windows=[window])
+        got = [attn.forward_cached(x[:, :5], cache, 0)]
+        cache.length = 5
+        for i in range(5, SEQ):
+            got.append(attn.forward_cached(x[:, i : i + 1], cache, 0))
+            cache.length += 1
+    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-5, atol=1e-5)

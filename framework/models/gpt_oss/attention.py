@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from framework.models.parts.cache import KVCache
 from framework.models.parts.masks import causal_band
 from framework.models.parts.rope import apply_rope
 
@@ -39,6 +40,26 @@ class SinkAttention(nn.Module):
         if mask is None:
             mask = causal_band(s, s, 0, self.window, x.device)
         return self.wo(self.attend(q, k, v, mask))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """``forward`` for ``x`` (batch, new, dim) after the cached positions, its keys and values
+        written into ``cache`` (framework.models.parts.cache: (batch, kv_heads, capacity, head_dim)),
+        each query seeing the cached keys its layer's window leaves."""
+        b, s, _ = x.shape
+        start, end = cache.length, cache.length + s
+        rope = cache.rope[start:end]
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), rope)
+        cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
+        cache.values[layer][:, :, start:end] = (
+            self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        )
+        keys, values = (
+            cache.keys[layer][:, :, :end].transpose(1, 2),
+            cache.values[layer][:, :, :end].transpose(1, 2),
+        )
+        mask = causal_band(s, end, start, cache.windows[layer], x.device)
+        return self.wo(self.attend(q, keys, values, mask))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q (batch, queries, heads, hd), k and v (batch, keys, kv_heads, hd), ``mask`` (queries, keys)
