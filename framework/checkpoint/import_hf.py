@@ -210,7 +210,7 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     if own.hf_read is not None:  # the family reads its RoPE (and its own fields) itself
         c = {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_scaling")}
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if c.get(flag):
+        if c.get(flag) and flag not in own.hf_fixed:  # GPT-OSS's attention has biases
             raise ValueError(f"{where}: config.json has {flag}=true; valid: false (not in our models)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")

@@ -92,7 +92,8 @@ class ModelFamily(Enum):
     """The architecture (framework.models): ``llama`` (Llama 2/3), ``qwen3`` (Qwen3 dense: Llama's
     layout plus an RMSNorm over each query and key head before RoPE), ``mistral`` (a sliding window),
     and the sparse ones (``model.moe``): ``qwen3_moe`` (Qwen3-MoE), ``mixtral`` (Mixtral),
-    ``deepseek_v3`` (DeepSeek-V3: multi-head latent attention, dense then MoE layers)."""
+    ``deepseek_v3`` (DeepSeek-V3: multi-head latent attention, dense then MoE layers), ``gpt_oss``
+    (GPT-OSS: attention sinks, sliding and full layers, biased experts)."""
 
     llama = "llama"
     qwen3 = "qwen3"
@@ -100,6 +101,7 @@ class ModelFamily(Enum):
     qwen3_moe = "qwen3_moe"
     mixtral = "mixtral"
     deepseek_v3 = "deepseek_v3"
+    gpt_oss = "gpt_oss"
 
 
 class AttentionBackend(Enum):
@@ -523,6 +525,29 @@ class DeepseekV3Config(ModelConfig):
     rope_yarn_mscale_all_dim: float = 0.0
 
 
+@dataclass
+class GptOssConfig(ModelConfig):
+    """GPT-OSS (framework.models.gpt_oss): grouped-query attention with biases and a learned sink per
+    head, layers alternating a sliding window and full attention, every MLP a ``model.moe`` layer of
+    experts with biases and the clamped SwiGLU; YaRN. Names are transformers' GptOssConfig's."""
+
+    family: ModelFamily = ModelFamily.gpt_oss
+    # The stack, one layer kind per layer: sliding (a window of model.sliding_window) or full, e.g.
+    # "[sliding, full] x12" (transformers' layer_types); n_layers layers in all.
+    layer_pattern: str = "[sliding, full] x2"
+    sliding_window: int = 128  # the sliding layers' window (transformers' sliding_window)
+    # The experts' SwiGLU clamp (transformers' swiglu_limit): gate <= limit, |up| <= limit.
+    swiglu_limit: float = 7.0
+    # YaRN as DeepSeek-V3's (factor 1 = off); GPT-OSS does not round its ramp (truncate: false).
+    rope_yarn_factor: float = 1.0
+    rope_yarn_original_max_position: int = 4096
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
+    rope_yarn_truncate: bool = False
+
+
 # family -> its schema (the option ``model=NAME``, conf/model/NAME.yaml).
 MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
     ModelFamily.llama: LlamaConfig,
@@ -531,6 +556,7 @@ MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
     ModelFamily.mixtral: MixtralConfig,
     ModelFamily.mistral: MistralConfig,
     ModelFamily.deepseek_v3: DeepseekV3Config,
+    ModelFamily.gpt_oss: GptOssConfig,
 }
 
 

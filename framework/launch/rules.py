@@ -732,7 +732,8 @@ RULES: dict[str, Rule] = {
     "model.layer_pattern": Rule(
         lambda c: (
             f"a stack of model.n_layers={c.model.n_layers} layers: items KIND or KIND xN separated by commas, "
-            "KIND dense|moe (e.g. 'dense x1, moe x3')"
+            "KIND the family's (deepseek_v3: dense|moe, e.g. 'dense x1, moe x3'; gpt_oss: sliding|full, "
+            "e.g. '[sliding, full] x2')"
         ),
         lambda v, c: isinstance(v, str) and _pattern_layers(c) == c.model.n_layers,
         ("dense x1, moe x2", "dense x1, mo x3", "dense x5"),
@@ -753,6 +754,9 @@ RULES: dict[str, Rule] = {
     "model.rope_yarn_beta_slow": number(0, 1e4, lo_open=True),
     "model.rope_yarn_mscale": number(0, 1e4),
     "model.rope_yarn_mscale_all_dim": number(0, 1e4),
+    "model.rope_yarn_truncate": TYPED,
+    # GPT-OSS's own (framework.models.gpt_oss): the experts' SwiGLU clamp.
+    "model.swiglu_limit": number(0, 1e4, lo_open=True),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, 1, lo_open=True),
     "model.rope_theta": number(0, 1e12, lo_open=True),  # published: 1e4 to 1e7

@@ -40,6 +40,7 @@ class Family:
     ``hf_read(config_json, where)``: the family's fields that config.json holds in its own form (a
     layer pattern from ``first_k_dense_replace``, YaRN); ``hf_write(model_cfg, layers)``: the inverse,
     config.json entries of the export (it refuses what the HF class cannot build). None: none.
+    ``expert_parallel``: False where ``parallel.ep`` cannot shard the family's experts (refused).
     """
 
     name: str
@@ -54,3 +55,6 @@ class Family:
     hf_moe_values: dict[str, object] = field(default_factory=dict)
     hf_read: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
     hf_write: Callable[[Any, tuple[LayerKind, ...]], dict[str, Any]] | None = None
+    # Whether expert parallelism (framework.parallel.expert, which shards framework.models.moe's MoE
+    # layer) runs the family's experts: GPT-OSS's biased experts are a layer of its own.
+    expert_parallel: bool = True

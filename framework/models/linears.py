@@ -70,7 +70,7 @@ def expert_gemms(m: ModelConfig) -> list[ExpertGemm]:
         ExpertGemm(f"{unit}.{w.module}", w.param, *w.shape, m.moe.num_experts_per_tok)
         for unit, kind in spec.layer_units()
         for w in kind.weights
-        if w.experts
+        if w.experts and len(w.shape) == 3  # not the stacked biases (GPT-OSS's)
     ]
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from framework.config.schema import ModelConfig, ModelFamily, model_schema, own_keys
 from framework.models.deepseek_v3 import DEEPSEEK_V3
 from framework.models.family import Family
+from framework.models.gpt_oss import GPT_OSS
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
 from framework.models.mixtral import MIXTRAL
@@ -32,6 +33,7 @@ FAMILIES: dict[ModelFamily, Family] = {
     ModelFamily.qwen3_moe: QWEN3_MOE,
     ModelFamily.mixtral: MIXTRAL,
     ModelFamily.deepseek_v3: DEEPSEEK_V3,
+    ModelFamily.gpt_oss: GPT_OSS,
 }
 
 

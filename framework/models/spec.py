@@ -62,6 +62,9 @@ class Weight:
     # A persistent buffer, not a parameter (DeepSeek-V3's router selection bias): in the state dict
     # and the Hub files, never in ``params()`` (no gradient, no optimizer state, not sharded).
     buffer: bool = False
+    # Routed experts stacked on dim 0 that the Hub files also store stacked, whole under ``hf``
+    # (GPT-OSS's ``mlp.experts.gate_up_proj`` and its bias).
+    stacked: bool = False
 
     @property
     def name(self) -> str:
@@ -71,7 +74,7 @@ class Weight:
     def experts(self) -> int:
         """Routed experts stacked on dim 0 (``hf_experts`` set), which expert parallelism shards over
         the ep ranks and of which a token runs top-k; 0 for every other weight."""
-        return self.shape[0] if self.hf_experts else 0
+        return self.shape[0] if self.hf_experts or self.stacked else 0
 
     @property
     def tp_dim(self) -> int | None:

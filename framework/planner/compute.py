@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 # FlashAttention-2. Where the table has no kernel of its own: FlashAttention-4 at cuDNN's rates (it
 # ran 9% faster than cuDNN at 8K, PERF.md round 15: a pessimistic assumption, named in the plan), the
 # memory-efficient and math kernels at FA2's (slower still: optimistic for them).
-_ATTENTION_TABLE = {AttentionBackend.flash: "flash", AttentionBackend.efficient: "flash", AttentionBackend.math: "flash"}
+_ATTENTION_TABLE = {
+    AttentionBackend.flash: "flash",
+    AttentionBackend.efficient: "flash",
+    AttentionBackend.math: "flash",
+}
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,12 @@ def _layer_experts_s(
 ) -> float:
     """One MoE layer of ``kind``'s expert GEMMs and the routing around them (``_experts_s``)."""
     m = cfg.model
-    stacks = [w for w in kind.weights if w.experts]
+    stacks = [w for w in kind.weights if w.experts and len(w.shape) == 3]  # not GPT-OSS's stacked biases
     k, experts = m.moe.num_experts_per_tok, stacks[0].experts
     rows_per_expert = d.ep * tokens * k / experts
-    dim, width = m.dim, stacks[-1].shape[-1]  # down_proj is (E, dim, width)
+    # down_proj is (E, dim, width), or in the Hub's layout (GPT-OSS's) (E, width, dim)
+    down = stacks[-1]
+    dim, width = m.dim, down.shape[-1] if down.shape[1] == m.dim else down.shape[1]
     flop = sum(2.0 * tokens * k * w.shape[1] * w.shape[2] for w in stacks)  # forward, the rank's rows
     seconds = table.grouped_s(rows_per_expert, dim, width, flop, recompute)
     converted_here = bool(converted_experts(m)) and m.float8 is not Float8Recipe.none

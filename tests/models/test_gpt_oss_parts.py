@@ -3,8 +3,7 @@ biases and the clamped SwiGLU) against transformers' ``GptOssForCausalLM`` in fp
 random model (2 layers, sliding window 4 then full attention over 16 tokens, 8 experts top-2, random
 sinks and biases, activations large enough that the SwiGLU clamp bites) run through our parts,
 assembled here as the family's block will assemble them, gives transformers' logits.
-
-The family itself (spec, block, HF import/export, recipes) is not built yet."""
+(The family's own parity, through the import and export: tests/models/test_models_gpt_oss.py.)"""
 
 from __future__ import annotations
 

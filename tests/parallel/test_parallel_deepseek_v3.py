@@ -7,7 +7,8 @@ framework's ``train_step`` (AdamW, clipping that clips) on the same global batch
 norm of every step within rtol 1e-5 of one process, and the routers' biases equal, in each layout:
 expert parallelism (ep=2, and with full activation checkpointing: backward reruns the all-to-alls),
 tensor parallelism (tp=2: the latent attention whole on each TP rank, the dense MLP sharded) and a
-pipeline (pp=2, cut by cost: the dense layer is cheaper than an MoE one).
+pipeline (pp=2, cut by cost: the dense layer is cheaper than an MoE one). And ``gpt_oss_tiny`` (the
+other family on the layer-kind stack) under FSDP, tp=2 and pp=2.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ CPU = torch.device("cpu")
 LAYOUTS = [{"ep": 2}, {"ep": 2, "ac": "full"}, {"tp": 2}, {"pp": 2}]
 
 
-def make_cfg(world: int, **parallel: object) -> Config:
-    cfg = compose_recipe("deepseek_v3_tiny")
+def make_cfg(world: int, recipe: str = "deepseek_v3_tiny", **parallel: object) -> Config:
+    cfg = compose_recipe(recipe)
     cfg.mesh.shape = [world]
     cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = SEQ, GLOBAL_BATCH, 0
     cfg.train.grad_clip, cfg.train.warmup_steps = 0.3, 0
@@ -64,17 +65,19 @@ def run_steps(model: torch.nn.Module, cfg: Config, dp_rank: int, dp_size: int, m
     return {"steps": steps, "biases": biases}
 
 
-def reference() -> dict:
-    cfg = make_cfg(1)
+def reference(recipe: str = "deepseek_v3_tiny") -> dict:
+    cfg = make_cfg(1, recipe)
     model = build_model(cfg.model, SEQ)
     materialize(model, CPU, 0)
     return run_steps(model, cfg, 0, 1, GLOBAL_BATCH)
 
 
-def _worker(rank: int, world: int) -> list[dict]:
+def _worker(
+    rank: int, world: int, recipe: str = "deepseek_v3_tiny", layouts: list | None = None
+) -> list[dict]:
     out = []
-    for layout in LAYOUTS:
-        cfg = make_cfg(world, **{k: v for k, v in layout.items() if k != "ac"})
+    for layout in LAYOUTS if layouts is None else layouts:
+        cfg = make_cfg(world, recipe, **{k: v for k, v in layout.items() if k != "ac"})
         cfg.sharding.activation_checkpointing = ActivationCheckpointing(layout.get("ac", "none"))
         plan = make_plan(cfg)
         mesh = build_mesh(plan, "cpu")
@@ -104,3 +107,22 @@ def test_two_gloo_ranks_ep_tp_pp_train_as_one_process() -> None:
                 torch.testing.assert_close(bias, ref["biases"][name], rtol=0, atol=0)
     print("deepseek_v3_tiny, 2 gloo ranks, worst relative loss/grad-norm difference:", worst)
     assert len(worst) == len(LAYOUTS), worst
+
+
+GPT_OSS_LAYOUTS = [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}]
+
+
+def test_gpt_oss_on_two_gloo_ranks_fsdp_tp_pp_trains_as_one_process() -> None:
+    """``gpt_oss_tiny`` (sinks, sliding and full layers, biased experts; no expert parallelism: refused
+    before launch) trained 2 steps: FSDP over its stacked experts, tp=2 (attention and the MoE layer
+    whole on each TP rank) and pp=2, loss and gradient norm within rtol 1e-5 of one process."""
+    ref = reference("gpt_oss_tiny")
+    worst = {}
+    for rank in run_ranks(_worker, 2, "gpt_oss_tiny", GPT_OSS_LAYOUTS):
+        for r in rank:
+            for got, want in zip(r["steps"], ref["steps"], strict=True):
+                for name, a, b in zip(("loss", "grad_norm"), got, want, strict=True):
+                    assert abs(a - b) <= RTOL * abs(b), (r["layout"], name, a, b)
+                    worst[r["layout"]] = max(worst.get(r["layout"], 0.0), abs(a - b) / abs(b))
+    print("gpt_oss_tiny, 2 gloo ranks, worst relative loss/grad-norm difference:", worst)
+    assert len(worst) == len(GPT_OSS_LAYOUTS), worst

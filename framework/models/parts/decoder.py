@@ -183,6 +183,8 @@ class Decoder(nn.Module):
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block(cfg, spec, kind) for i, kind in enumerate(spec.layers)})
         self.num_moe_layers = sum(isinstance(m, moe.MoE) for m in self.layers.modules())
+        if self.num_moe_layers == 0:  # experts of a family's own (GPT-OSS's): no load-balancing terms
+            self.router_aux_loss_coef = None
         if self.router_aux_loss_coef is not None:
             self.register_forward_hook(keep_aux)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
