@@ -57,7 +57,7 @@ def to_hf_state_dict(model_state: dict[str, torch.Tensor], model_cfg: ModelConfi
     """
     spec = model_spec(model_cfg)
     every = spec.hf_names()
-    names = {ours: every[ours] for ours, _, _ in spec.params()}
+    names = {ours: every[ours] for ours, _, _ in spec.tensors()}
     rope = spec.rope_heads()
     # A tied model's state dict also names output.weight: the embedding's tensor, not exported.
     allowed = set(names) | ({"output.weight"} if model_cfg.tie_embeddings else set())
@@ -105,7 +105,9 @@ def hf_config(
     own = {theirs: getattr(model_cfg, ours) or None for ours, theirs in fam.hf_fields.items()}
     if fam.hf_moe_fields:
         own |= moe_config(model_cfg)
-    return own | {
+    # the family's own config.json entries (DeepSeek-V3's first_k_dense_replace, YaRN) last: they win
+    own_form = fam.hf_write(model_cfg, spec.layers) if fam.hf_write is not None else {}
+    out = own | {
         "architectures": [spec.hf_architecture],
         "model_type": spec.hf_model_type,
         "hidden_size": model_cfg.dim,
@@ -131,6 +133,7 @@ def hf_config(
         "pad_token_id": pad_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    return out | own_form
 
 
 def moe_config(model_cfg: ModelConfig) -> dict[str, object]:
@@ -143,7 +146,12 @@ def moe_config(model_cfg: ModelConfig) -> dict[str, object]:
         "routed_scaling_factor": (moe.routed_scaling_factor, 1.0),
         "num_shared_experts": (moe.num_shared_experts, 0),
     }
+    for key, want in fam.hf_moe_values.items():  # what the HF class computes, fixed
+        value = getattr(moe, key)
+        unsupported[key] = (getattr(value, "value", value), getattr(want, "value", want))
     for key, (value, want) in unsupported.items():
+        if key in fam.hf_moe_fields:  # the HF class computes it (DeepSeek-V3's shared experts)
+            continue
         if value != want:
             raise ValueError(
                 f"export-hf: model.moe.{key}={value} has no {fam.hf_architecture} counterpart; valid for an HF "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from framework.config.schema import ModelFamily
 from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
 from framework.models.lora import is_lora_name
+
+log = logging.getLogger("framework")
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -203,8 +206,11 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     families = [f.value for f in ModelFamily]
     if c.get("model_type") not in families:
         raise ValueError(f"{where}: config.json has model_type={c.get('model_type')!r}; valid: {families}")
+    own = FAMILIES[ModelFamily(c["model_type"])]
+    if own.hf_read is not None:  # the family reads its RoPE (and its own fields) itself
+        c = {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_scaling")}
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if c.get(flag):
+        if c.get(flag) and flag not in own.hf_fixed:  # GPT-OSS's attention has biases
             raise ValueError(f"{where}: config.json has {flag}=true; valid: false (not in our models)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: config.json has hidden_act={c['hidden_act']!r}; valid: 'silu'")
@@ -262,7 +268,9 @@ def model_shape(ckpt: HFCheckpoint, key: str = "model.init_from") -> dict[str, A
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: config.json lacks or mangles a shape field: {e!r}") from None
     if fam.hf_moe_fields:
-        out["moe"] = moe_fields(c, fam.hf_moe_fields, fam.hf_fixed, where)
+        out["moe"] = moe_fields(c, fam.hf_moe_fields, fam.hf_fixed, where) | dict(fam.hf_moe_values)
+    if fam.hf_read is not None:
+        out |= fam.hf_read(ckpt.config, where)
     out["family"] = ModelFamily(out["family"])
     return out
 
@@ -353,10 +361,31 @@ def check_against(
         unknown.append("lm_head.weight")
     # Buffers some exporters add; recomputed here from the shape.
     unknown = [n for n in unknown if not n.endswith("rotary_emb.inv_freq")]
+    mtp = mtp_layer_names(ckpt.config, unknown)
+    if mtp:
+        unknown = [n for n in unknown if n not in mtp]
+        log.warning(
+            "%s: the checkpoint's %d multi-token prediction tensors (config.json's num_nextn_predict_layers, "
+            "e.g. %s) are not read: multi-token prediction is not built here",
+            where,
+            len(mtp),
+            min(mtp),
+        )
     if missing or unknown:
         raise ValueError(
             f"{where}: tensor names do not match the model: missing {missing[:5]}, unknown {unknown[:5]}"
         )
+
+
+def mtp_layer_names(config: dict[str, Any], names: list[str]) -> set[str]:
+    """Among ``names``, the tensors of DeepSeek-V3's multi-token prediction layers: the Hub files store
+    them as the ``num_nextn_predict_layers`` layers after ``num_hidden_layers`` (the published
+    DeepSeek-V3 and Kimi K2 hold one, ``model.layers.61.*``)."""
+    n, k = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+    if not isinstance(n, int) or not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        return set()
+    prefixes = tuple(f"model.layers.{i}." for i in range(n, n + k))
+    return {t for t in names if t.startswith(prefixes)}
 
 
 def hf_shapes(
@@ -450,10 +479,12 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
 
     spec = model_spec(model.cfg)
     names, rope, experts = spec.hf_names(), spec.rope_heads(), spec.hf_experts()
-    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.params()}, names, experts=experts)
+    check_against(ckpt, {n: tuple(w.shape) for n, w, _ in spec.tensors()}, names, experts=experts)
     if model.cfg.tie_embeddings:
         names["output.weight"] = names["tok_embeddings.weight"]
     params = {n: p for n, p in model.named_parameters() if not is_lora_name(n)}  # adapters: not in HF
+    # The spec's persistent buffers (a router's selection bias) are read as the weights are.
+    params |= {n: b for n, b in model.named_buffers() if n in names}
     assert set(params) <= set(names) | set(experts), (
         f"parameters the spec does not name: {sorted(set(params) - set(names) - set(experts))[:5]}"
     )

@@ -104,13 +104,17 @@ class ResidualDtype(Enum):
 class ModelFamily(Enum):
     """The architecture (framework.models): ``llama`` (Llama 2/3), ``qwen3`` (Qwen3 dense: Llama's
     layout plus an RMSNorm over each query and key head before RoPE), ``mistral`` (a sliding window),
-    and the sparse ones (``model.moe``): ``qwen3_moe`` (Qwen3-MoE), ``mixtral`` (Mixtral)."""
+    and the sparse ones (``model.moe``): ``qwen3_moe`` (Qwen3-MoE), ``mixtral`` (Mixtral),
+    ``deepseek_v3`` (DeepSeek-V3: multi-head latent attention, dense then MoE layers), ``gpt_oss``
+    (GPT-OSS: attention sinks, sliding and full layers, biased experts)."""
 
     llama = "llama"
     qwen3 = "qwen3"
     mistral = "mistral"
     qwen3_moe = "qwen3_moe"
     mixtral = "mixtral"
+    deepseek_v3 = "deepseek_v3"
+    gpt_oss = "gpt_oss"
 
 
 class AttentionBackend(Enum):
@@ -210,6 +214,11 @@ class MoEConfig:
     num_shared_experts: int = 0
     # One shared expert's width; 0 = the routed experts' width.
     shared_intermediate_size: int = 0
+    # DeepSeek-V3's group-limited routing (transformers' n_group / topk_group): the experts form
+    # n_group groups, each scored by its two best experts, and a token picks its top-k among the
+    # topk_group best groups only. 1 / 1: one group, plain top-k.
+    n_group: int = 1
+    topk_group: int = 1
     expert_kernel: ExpertKernel = ExpertKernel.auto
 
 
@@ -333,6 +342,57 @@ class MixtralConfig(ModelConfig):
     sliding_window: int = 0  # as Mistral's (transformers' ``sliding_window``; 0 = off)
 
 
+@dataclass
+class DeepseekV3Config(ModelConfig):
+    """DeepSeek-V3 (framework.models.deepseek_v3): multi-head latent attention (low-rank q and kv
+    projections, decoupled RoPE heads, YaRN), a stack of dense then ``model.moe`` layers with shared
+    experts and group-limited sigmoid routing. Names are transformers' DeepseekV3Config's."""
+
+    family: ModelFamily = ModelFamily.deepseek_v3
+    # The stack, one layer kind per layer: dense (SwiGLU, model.ffn_dim wide) or moe (model.moe),
+    # e.g. "dense x3, moe x58" (transformers' first_k_dense_replace: 3); n_layers layers in all.
+    layer_pattern: str = "dense x1, moe x3"
+    # The query's low-rank projection (transformers' q_lora_rank); 0: one full projection (V2-Lite).
+    q_lora_rank: int = 0
+    # The compressed key/value latent, what the decode cache holds per position (kv_lora_rank).
+    kv_lora_rank: int = 64
+    # Per head: the query/key features without RoPE, the decoupled RoPE ones (shared by every head
+    # on the key side), the value's.
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    # YaRN RoPE scaling (transformers' rope_type "yarn"; factor 1 = off).
+    rope_yarn_factor: float = 1.0
+    rope_yarn_original_max_position: int = 4096
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
+
+
+@dataclass
+class GptOssConfig(ModelConfig):
+    """GPT-OSS (framework.models.gpt_oss): grouped-query attention with biases and a learned sink per
+    head, layers alternating a sliding window and full attention, every MLP a ``model.moe`` layer of
+    experts with biases and the clamped SwiGLU; YaRN. Names are transformers' GptOssConfig's."""
+
+    family: ModelFamily = ModelFamily.gpt_oss
+    # The stack, one layer kind per layer: sliding (a window of model.sliding_window) or full, e.g.
+    # "[sliding, full] x12" (transformers' layer_types); n_layers layers in all.
+    layer_pattern: str = "[sliding, full] x2"
+    sliding_window: int = 128  # the sliding layers' window (transformers' sliding_window)
+    # The experts' SwiGLU clamp (transformers' swiglu_limit): gate <= limit, |up| <= limit.
+    swiglu_limit: float = 7.0
+    # YaRN as DeepSeek-V3's (factor 1 = off); GPT-OSS does not round its ramp (truncate: false).
+    rope_yarn_factor: float = 1.0
+    rope_yarn_original_max_position: int = 4096
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
+    rope_yarn_truncate: bool = False
+
+
 # family -> its schema (the option ``model=NAME``, conf/model/NAME.yaml).
 MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
     ModelFamily.llama: LlamaConfig,
@@ -340,6 +400,8 @@ MODEL_SCHEMAS: dict[ModelFamily, type[ModelConfig]] = {
     ModelFamily.qwen3_moe: Qwen3MoeConfig,
     ModelFamily.mixtral: MixtralConfig,
     ModelFamily.mistral: MistralConfig,
+    ModelFamily.deepseek_v3: DeepseekV3Config,
+    ModelFamily.gpt_oss: GptOssConfig,
 }
 
 

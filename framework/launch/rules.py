@@ -41,7 +41,7 @@ from framework.config.rules.run import EXECUTOR_RULES, FREEZE_RULES, LOGGER_RULE
 from framework.config.rules.train import LR_SCHEDULER_RULES, OPTIMIZER_RULES, PEFT_RULES, TRAIN_RULES
 from framework.config.schema import Config, MoEConfig, OptimizerName
 from framework.launch.optimizer_rules import OPTIMIZER_PROBED_RULES, muon_valid
-from framework.models import FAMILIES
+from framework.models import FAMILIES, model_spec
 from framework.planner.layout import Degrees, check_dense_ep
 
 __all__ = [
@@ -155,9 +155,31 @@ LORA_RULES: dict[str, Rule] = {
 }
 
 
+def _pattern_layers(c: Config) -> int:
+    """The layers model.layer_pattern gives (-1: it does not parse; the spec's refusal says where)."""
+    try:
+        return model_spec(c.model).n_layers
+    except ValueError:
+        return -1
+
+
+# A family's stack of layer kinds (framework.models.spec: DeepSeek-V3's dense then MoE layers, GPT-OSS's
+# sliding and full attention): parsed by the family's spec, so it is judged here, after model.n_layers.
+LAYER_PATTERN = Rule(
+    lambda c: (
+        f"a stack of model.n_layers={c.model.n_layers} layers: items KIND or KIND xN separated by commas, "
+        "KIND the family's (deepseek_v3: dense|moe, e.g. 'dense x1, moe x3'; gpt_oss: sliding|full, "
+        "e.g. '[sliding, full] x2')"
+    ),
+    lambda v, c: isinstance(v, str) and _pattern_layers(c) == c.model.n_layers,
+    ("dense x1, moe x2", "dense x1, mo x3", "dense x5"),
+)
+
+
 def _in_order() -> Iterator[tuple[str, Rule]]:
     """The groups' tables in the order the checks run (a rule after the keys it reads)."""
     yield from MODEL_RULES.items()
+    yield "model.layer_pattern", LAYER_PATTERN
     yield from ((k, family_gated(k, r)) for k, r in MOE_RULES.items())
     yield from DATA_RULES.items()
     yield from TRAIN_RULES.items()

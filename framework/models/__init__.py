@@ -31,7 +31,7 @@ from framework.models.parts.sparse import (
     update_expert_biases,
 )
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
-from framework.models.spec import ModelSpec, TPStyle, Weight
+from framework.models.spec import AttentionKind, LayerKind, MLPKind, ModelSpec, TPStyle, Weight, layer_pattern
 
 __all__ = [
     "FAMILIES",
@@ -48,6 +48,10 @@ __all__ = [
     "Family",
     "KVCache",
     "ModelSpec",
+    "AttentionKind",
+    "LayerKind",
+    "MLPKind",
+    "layer_pattern",
     "TPStyle",
     "Weight",
     "WeightLoader",

@@ -47,5 +47,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.tie_embeddings:
         # The tied output projection is a matmul of vocab x dim even though its weight is shared.
         n += cfg.vocab_size * cfg.dim
-    head_dim = model_spec(cfg).head_dim
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    return 6.0 * n + 12.0 * model_spec(cfg).score_width(cfg.n_heads) * seq_len

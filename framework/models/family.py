@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from framework.config.schema import ModelConfig
 from framework.models.parts.decoder import BlockFactory
-from framework.models.spec import ModelSpec
+from framework.models.spec import LayerKind, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,11 @@ class Family:
     """One family, from its folder.
 
     ``spec``: the layout of one shape (weights, TP styles, HF names, head size, attention window).
-    ``block``: (config, spec) -> the module the decoder trunk repeats ``n_layers`` times.
+    ``block``: (config, spec, a layer's kind) -> that layer's module (``spec.layers``: one kind per
+    layer, the family's pattern).
     ``hf_architecture``: its ``transformers`` class. ``hf_fields``: the family's own ModelConfig field
     -> its HF ``config.json`` key, beyond the fields every family here shares
     (``import_hf.SHAPE_FIELDS``); 0 in ours is ``null`` in HF's (off), both ways.
-    ``activation_values``: the values one block saves for backward per token (the planner's memory
-    term, ``framework.planner.memory``), from the shape.
     ``config``: its schema, the option ``model=NAME`` (``framework.config.schema.MODEL_SCHEMAS``):
     the shared ``ModelConfig`` keys plus the family's own (Mistral's ``sliding_window``). The config
     layer sits below the models, so the class is declared there and the record points at it.
@@ -44,13 +44,18 @@ class Family:
     ``tiny``: a tiny shape of the family (its schema's fields over their defaults) that builds and
     steps in a unit test in well under a second; the tests over families build it for every registry
     entry (``tiny_config``).
+    ``hf_moe_values``: ``model.moe`` values the HF class computes (DeepSeek-V3's
+    sigmoid router), set by the import and required by the export.
+    ``hf_read(config_json, where)``: the family's fields that config.json holds in its own form (a
+    layer pattern from ``first_k_dense_replace``, YaRN); ``hf_write(model_cfg, layers)``: the inverse,
+    config.json entries of the export (it refuses what the HF class cannot build). None: none.
+    ``expert_parallel``: False where ``parallel.ep`` cannot shard the family's experts (refused).
     """
 
     name: str
     spec: Callable[[ModelConfig], ModelSpec]
     block: BlockFactory
     hf_architecture: str
-    activation_values: Callable[[ModelConfig], int]
     hf_fields: dict[str, str] = field(default_factory=dict)
     config: type[ModelConfig] = ModelConfig
     moe_keys: tuple[str, ...] = ()
@@ -58,6 +63,12 @@ class Family:
     hf_fixed: dict[str, object] = field(default_factory=dict)
     cannot_run: dict[str, str] = field(default_factory=dict)
     tiny: dict[str, object] = field(default_factory=dict)
+    hf_moe_values: dict[str, object] = field(default_factory=dict)
+    hf_read: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    hf_write: Callable[[Any, tuple[LayerKind, ...]], dict[str, Any]] | None = None
+    # Whether expert parallelism (framework.parallel.expert, which shards framework.models.moe's MoE
+    # layer) runs the family's experts: GPT-OSS's biased experts are a layer of its own.
+    expert_parallel: bool = True
 
     def tiny_config(self) -> ModelConfig:
         """The family's tiny test shape, as its schema."""

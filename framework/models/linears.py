@@ -25,7 +25,9 @@ class LinearShape:
     fqn: str
     out_features: int
     in_features: int
-    tp_style: str  # "colwise" (shards out_features under TP) or "rowwise" (shards in_features)
+    # "colwise" (shards out_features under TP), "rowwise" (shards in_features) or "replicated"
+    # (whole on every TP rank: multi-head latent attention's)
+    tp_style: str
 
 
 def linear_shapes(m: ModelConfig) -> list[LinearShape]:
@@ -45,9 +47,11 @@ def _spec_linears(spec: ModelSpec) -> tuple[LinearShape, ...]:
     if len(_LINEARS) >= 256:
         _LINEARS.clear()
     out: list[LinearShape] = []
-    for unit in spec.units():
-        for w in spec.block:
-            if w.tp in (TPStyle.colwise, TPStyle.rowwise):
+    for unit, kind in spec.layer_units():
+        for w in kind.weights:
+            if w.tp in (TPStyle.colwise, TPStyle.rowwise) or (
+                w.tp is TPStyle.replicated and len(w.shape) == 2
+            ):
                 out.append(LinearShape(f"{unit}.{w.module}", *w.shape, w.tp.value))
     head = next(w for w in spec.last if w.tp is TPStyle.output)
     out.append(LinearShape(head.module, *head.shape, "colwise"))
@@ -78,9 +82,9 @@ def expert_gemms(m: ModelConfig) -> list[ExpertGemm]:
     spec = model_spec(m)
     return [
         ExpertGemm(f"{unit}.{w.module}", w.param, *w.shape, m.moe.num_experts_per_tok)
-        for unit in spec.units()
-        for w in spec.block
-        if w.experts
+        for unit, kind in spec.layer_units()
+        for w in kind.weights
+        if w.experts and len(w.shape) == 3  # not the stacked biases (GPT-OSS's)
     ]
 
 
@@ -151,16 +155,17 @@ def _good_tp(chosen: list[LinearShape]) -> list[int]:
     return ok
 
 
-def saved_activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int) -> int:
-    """Saved-activation bytes that float8 saves per block and micro-batch (the planner subtracts it)."""
+def saved_activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, layer: int = 0) -> int:
+    """Saved-activation bytes that float8 saves per micro-batch in block ``layer`` (the planner
+    subtracts it, once per layer of that block's kind)."""
     if m.float8 is Float8Recipe.none:
         return 0
-    per_block = [s for s in converted(m) if s.fqn.startswith("layers.0.")]
+    per_block = [s for s in converted(m) if s.fqn.startswith(f"layers.{layer}.")]
     return int(SAVED_BYTES_PER_INPUT * tokens * sum(s.in_features for s in per_block)) // tp
 
 
-def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """The bf16 copies of one block's weights that bf16 autocast makes for its GEMMs: every Linear
+def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1, layer: int = 0) -> int:
+    """The bf16 copies of block ``layer``'s weights that bf16 autocast makes for its GEMMs: every Linear
     that ``model.float8`` leaves in bf16 and every stacked expert GEMM it leaves in bf16 (2 bytes a
     weight; TP shards the Linear layers, expert parallelism the experts). The planner counts them
     where a compiled backward keeps them (framework.planner.memory)."""
@@ -169,11 +174,11 @@ def bf16_weight_copy_bytes_per_layer(m: ModelConfig, tp: int = 1, ep: int = 1) -
     dense = sum(
         s.out_features * s.in_features
         for s in linear_shapes(m)
-        if s.fqn.startswith("layers.0.") and s.fqn not in linears
+        if s.fqn.startswith(f"layers.{layer}.") and s.fqn not in linears
     )
     stacked = sum(
         g.num_experts * g.out_features * g.in_features
         for g in expert_gemms(m)
-        if g.fqn.startswith("layers.0.") and (g.fqn, g.param) not in experts
+        if g.fqn.startswith(f"layers.{layer}.") and (g.fqn, g.param) not in experts
     )
     return 2 * (dense // tp + stacked // ep)

@@ -74,6 +74,10 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_intermediate_size: int = 0  # per shared expert; 0: moe_intermediate_size
     kernel: ExpertKernel = ExpertKernel.AUTO
+    # DeepSeek-V3's group-limited routing: n_group groups of experts, the top-k picked among the
+    # topk_group groups whose two best (biased) scores sum highest. 1 / 1: plain top-k.
+    n_group: int = 1
+    topk_group: int = 1
 
 
 def check_moe(cfg: MoEConfig, ep: int = 1, prefix: str = "model.moe") -> None:
@@ -96,6 +100,24 @@ def check_moe(cfg: MoEConfig, ep: int = 1, prefix: str = "model.moe") -> None:
         raise ValueError(f"{prefix}.bias_update_rate={cfg.bias_update_rate} must be >= 0")
     if cfg.num_shared_experts < 0:
         raise ValueError(f"{prefix}.num_shared_experts={cfg.num_shared_experts} must be >= 0")
+    g, tg = cfg.n_group, cfg.topk_group
+    if g < 1 or e % g:
+        valid = ", ".join(str(d) for d in range(1, e + 1) if e % d == 0 and (d == 1 or e // d >= 2))
+        raise ValueError(
+            f"{prefix}.n_group={g} does not divide {prefix}.num_experts={e}: valid n_group are {valid}"
+        )
+    if g > 1 and e // g < 2:
+        raise ValueError(
+            f"{prefix}.n_group={g} leaves {e // g} expert per group; valid: groups of >= 2 experts (a group "
+            f"is scored by its two best), n_group <= {e // 2}"
+        )
+    if not 1 <= tg <= g:
+        raise ValueError(f"{prefix}.topk_group={tg} must be in 1..{prefix}.n_group={g}")
+    if k > tg * (e // g):
+        raise ValueError(
+            f"{prefix}.num_experts_per_tok={k} is more than the {tg * (e // g)} experts of {prefix}.topk_group="
+            f"{tg} groups of {e // g}; valid: num_experts_per_tok <= {tg * (e // g)}, or a larger topk_group"
+        )
     if ep < 1 or e % ep:
         valid = ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
         raise ValueError(f"parallel.ep={ep} does not divide {prefix}.num_experts={e}: valid ep are {valid}")
@@ -136,12 +158,25 @@ class Router(nn.Module):
             weights, indices = torch.topk(scores, cfg.num_experts_per_tok, dim=-1)
         else:
             scores = torch.sigmoid(logits.float())
-            _, indices = torch.topk(scores + self.expert_bias, cfg.num_experts_per_tok, dim=-1)
+            choice = scores + self.expert_bias
+            if cfg.n_group > 1:
+                choice = self._group_limited(choice)
+            _, indices = torch.topk(choice, cfg.num_experts_per_tok, dim=-1)
             weights = scores.gather(-1, indices)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)  # softmax/sigmoid scores are > 0
         weights = weights * cfg.routed_scaling_factor
         return Routing(logits=logits, indices=indices, weights=weights.to(x.dtype))
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` (T, E) with the experts outside each token's ``topk_group`` best groups at -inf:
+        a group scores the sum of its two best experts (transformers' DeepseekV3TopkRouter)."""
+        g, e = self.cfg.n_group, self.cfg.num_experts
+        grouped = choice.view(-1, g, e // g)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, G)
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(best, self.cfg.topk_group, dim=-1)[1], True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, e)
 
 
 @torch.no_grad()

@@ -15,7 +15,9 @@ from typing import Any
 from torch import nn
 
 from framework.config.schema import ModelConfig, ModelFamily, model_schema, own_keys
+from framework.models.deepseek_v3 import DEEPSEEK_V3
 from framework.models.family import Family
+from framework.models.gpt_oss import GPT_OSS
 from framework.models.llama import LLAMA
 from framework.models.mistral import MISTRAL
 from framework.models.mixtral import MIXTRAL
@@ -30,6 +32,8 @@ FAMILIES: dict[ModelFamily, Family] = {
     ModelFamily.mistral: MISTRAL,
     ModelFamily.qwen3_moe: QWEN3_MOE,
     ModelFamily.mixtral: MIXTRAL,
+    ModelFamily.deepseek_v3: DEEPSEEK_V3,
+    ModelFamily.gpt_oss: GPT_OSS,
 }
 
 

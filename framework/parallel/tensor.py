@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.config.schema import Float8Recipe
-from framework.models import Decoder, ModelSpec, TPStyle, Weight, blocks, model_spec, tie
+from framework.models import Decoder, LayerKind, ModelSpec, TPStyle, Weight, model_spec, tie
 from framework.parallel.float8 import tp_styles
 
 
@@ -73,8 +73,14 @@ def _block_style(block: nn.Module, w: Weight, recipe: Float8Recipe) -> ParallelS
     return styles[1](output_layouts=Shard(1)) if styles else RowwiseParallel(output_layouts=Shard(1))
 
 
-def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[str, ParallelStyle]:
-    """One block's plan from the spec: each sublayer's input gathered from the sequence shards
+# The styles of a sublayer that TP runs whole on every rank (block_plan).
+_WHOLE = (TPStyle.moe, TPStyle.replicated)
+
+
+def block_plan(
+    spec: ModelSpec, kind: LayerKind, block: nn.Module, recipe: Float8Recipe
+) -> dict[str, ParallelStyle]:
+    """One block's plan from its layer kind's weights: each sublayer's input gathered from the sequence shards
     (the other inputs, such as the RoPE table, pass through), then each weight's module.
 
     An MoE sublayer (all its weights ``TPStyle.moe``: router and experts) is not split by TP: it
@@ -87,8 +93,8 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
     replicated = {
         module
         for module in spec.sublayers
-        if (mine := [w for w in spec.block if w.module.startswith(f"{module}.")])
-        and all(w.tp is TPStyle.moe for w in mine)
+        if (mine := [w for w in kind.weights if w.module.startswith(f"{module}.")])
+        and all(w.tp in _WHOLE for w in mine)
     }
     for module, n_inputs in spec.sublayers.items():
         rest = (None,) * (n_inputs - 1)
@@ -105,8 +111,8 @@ def block_plan(spec: ModelSpec, block: nn.Module, recipe: Float8Recipe) -> dict[
         plan[module] = PrepareModuleInput(
             input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
         )
-    for w in spec.block:
-        if w.tp is not TPStyle.moe:
+    for w in kind.weights:
+        if w.tp not in _WHOLE:
             plan[w.module] = _block_style(block, w, recipe)
     return plan
 
@@ -155,8 +161,9 @@ def apply_tp(
         if getattr(model, w.module) is not None
     }
     parallelize_module(model, tp_mesh, root)
-    for block in blocks(model):
-        parallelize_module(block, tp_mesh, block_plan(spec, block, model.cfg.float8))
+    for key, block in model.get_submodule(spec.blocks).items():  # a pipeline stage: its own layers
+        kind = spec.layers[int(key)]
+        parallelize_module(block, tp_mesh, block_plan(spec, kind, block, model.cfg.float8))
     # The embedding's output is ``to_local()``'s *view* of its DTensor's local tensor. When the block
     # that takes it is compiled, AOTAutograd replays that view from its base, and the gradient
     # reaches the embedding's redistribute as a plain tensor, skipping ``to_local``'s backward

@@ -7,6 +7,7 @@ all-reduces. Each ``CommEstimate`` is priced here and overlapped in framework.pl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from framework.config.schema import (
     ActivationCheckpointing,
@@ -141,7 +142,7 @@ def step_comm(
     num_buckets: int,
     units: list[int],
     ddp: bool,
-    layers: int | None = None,
+    layers: Sequence[int] | None = None,
     held: bool = False,
 ) -> list[CommEstimate]:
     """Per optimizer step. FSDP all-gathers every unit in forward and (with reshard_after_forward) again
@@ -221,8 +222,14 @@ def step_comm(
     return out
 
 
+def sparse_layers(cfg: Config, layers: Sequence[int] | None) -> int:
+    """The MoE layers among ``layers`` (block indices; None: the whole model), by their layer kind:
+    every layer of Qwen3-MoE and Mixtral, all but the first dense ones of DeepSeek-V3."""
+    return sum(c for kind, c in model_spec(cfg.model).kinds(layers) if kind.sparse)
+
+
 def _tp_comm(
-    cfg: Config, tp: int, cp: int, intra_tp: bool, accum: int, layers: int | None
+    cfg: Config, tp: int, cp: int, intra_tp: bool, accum: int, layers: Sequence[int] | None
 ) -> list[CommEstimate]:
     """TP with sequence parallelism: each block's activations all-gathered and reduce-scattered twice
     forward and twice backward (again in a recomputed forward), and the loss's collectives."""
@@ -232,7 +239,7 @@ def _tp_comm(
     act = tokens * cfg.model.dim * elem
     # 2 forward + 2 backward, each kind, and 2 more in each recomputed forward (activation
     # checkpointing); a pipeline rank runs only its own blocks.
-    n = cfg.model.n_layers if layers is None else layers
+    n = cfg.model.n_layers if layers is None else len(layers)
     mode = cfg.sharding.activation_checkpointing
     recomputed = {ActivationCheckpointing.full: n, ActivationCheckpointing.selective: (n + 1) // 2}
     # selective_op keeps the reduce-scatters' outputs and re-gathers (every block's two
@@ -259,14 +266,16 @@ def _tp_comm(
     return out
 
 
-def _ep_comm(cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: int | None) -> list[CommEstimate]:
+def _ep_comm(
+    cfg: Config, ep: int, tp: int, cp: int, accum: int, layers: Sequence[int] | None
+) -> list[CommEstimate]:
     """Expert parallelism's all-to-alls (framework.parallel.expert): in every MoE layer's forward the
     rank's routed rows go out to their experts' ranks (dispatch) and come back (combine), and the
     backward runs both in reverse; a recomputed forward (activation checkpointing) runs them again.
     Each carries the rank's rows x top-k x dim in the activation dtype, (ep - 1) / ep of it off the
     rank (a perfectly balanced router; the per-expert counts exchanged first are E integers, in the
     latency term). The ep group is ep consecutive ranks of dp_shard x cp, tp apart (layout.check_ep)."""
-    n = cfg.model.n_layers if layers is None else layers
+    n = sparse_layers(cfg, layers)
     _, rows = moe_tokens(cfg, tp, cp)
     elem = 2 if autocast_bf16(cfg) else 4
     payload = rows * cfg.model.dim * elem
@@ -299,7 +308,7 @@ def all_to_all(cfg: Config, axis: str, kind: str, n: int, local: int, calls: int
 
 
 def _aux_comm(
-    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int, layers: int | None
+    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], accum: int, layers: Sequence[int] | None
 ) -> list[CommEstimate]:
     """The load-balancing loss's all-reduce (``model.moe.router_aux_loss_coef > 0``): each forward
     sums the MoE layers' expert counts, probability sums and token counts over the ranks holding the
@@ -322,7 +331,7 @@ def _aux_comm(
     pp = size.get(MeshAxis.pp, 1)
     stages = cfg.parallel.pp_stages_per_rank if pp > 1 else 1
     per_layer = pp > 1 or cfg.model.moe.aux_loss_scope.name == "layer"
-    n = cfg.model.n_layers if layers is None else layers  # every block of an MoE family is sparse
+    n = sparse_layers(cfg, layers)
     values = (2 * experts + 1) * (n // stages if per_layer else 1)
     intra = _group_is_intra_node(sizes, axes, group, cfg.mesh.procs_per_node)
     calls = accum * stages
@@ -345,7 +354,7 @@ _EXPERT_COUNT_BYTES = 8
 
 
 def _bias_comm(
-    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], layers: int | None
+    cfg: Config, sizes: tuple[int, ...], axes: tuple[MeshAxis, ...], layers: Sequence[int] | None
 ) -> list[CommEstimate]:
     """The sigmoid routers' bias update (DeepSeek-V3's aux-loss-free balancing: ``model.moe.
     router_score=sigmoid`` with ``bias_update_rate > 0``): after each optimizer step (an optimizer
@@ -364,13 +373,13 @@ def _bias_comm(
     group, ranks = _token_group(size)
     if ranks <= 1:
         return []
-    n = cfg.model.n_layers if layers is None else layers  # every block of an MoE family is sparse
+    n = sparse_layers(cfg, layers)
     intra = _group_is_intra_node(sizes, axes, group, cfg.mesh.procs_per_node)
     return [collective(cfg, "dp_tokens", "bias_all_reduce", ranks, intra, n, experts * _EXPERT_COUNT_BYTES)]
 
 
 def _cp_comm(
-    cfg: Config, cp: int, intra: bool, accum: int, tp: int, layers: int | None = None
+    cfg: Config, cp: int, intra: bool, accum: int, tp: int, layers: Sequence[int] | None = None
 ) -> list[CommEstimate]:
     """Ring attention's K/V passes (torch's context_parallel): in every layer's forward each rank
     receives the other cp-1 shards of K and V (an all-gather's volume, whether rotated by
@@ -381,7 +390,7 @@ def _cp_comm(
     again). A pipeline rank (``layers``) runs
     only its own blocks, for each of its micro batches (``accum``)."""
     m = cfg.model
-    n = m.n_layers if layers is None else layers
+    n = m.n_layers if layers is None else len(layers)
     elem = 2 if autocast_bf16(cfg) else 4
     kv = 2 * cfg.train.micro_batch_size * cfg.train.seq_len * m.n_kv_heads * model_spec(m).head_dim // tp
     mode = cfg.sharding.activation_checkpointing

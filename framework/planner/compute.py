@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from framework.config.schema import ActivationCheckpointing, AttentionBackend, Config, Float8Recipe
 from framework.models import model_spec
 from framework.models.linears import converted, converted_experts, linear_shapes
-from framework.models.spec import TPStyle
+from framework.models.spec import LayerKind, TPStyle
 from framework.planner.kernels import KernelTable
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def _linear_s(
         out, inp = s.out_features, s.in_features
         if s.tp_style == "colwise":
             out = max(1, out // d.tp)
-        else:
+        elif s.tp_style == "rowwise":
             inp = max(1, inp // d.tp)
         shapes[(out, inp, s.fqn.startswith(blocks), s.fqn in float8)] += 1
     total = 0.0
@@ -97,10 +97,10 @@ def _linear_s(
             total += count * (fwd * (1.0 + again) + (fwd_bwd - fwd) / fast_accum)
         else:
             total += count * table.gemm_s("bf16", tokens, out, inp, again)
-    spec = model_spec(m)
-    routers = [w for w in spec.block if w.tp is TPStyle.moe and not w.experts and len(w.shape) == 2]
-    for w in routers:  # whole on every TP rank
-        total += spec.n_layers * table.gemm_s("bf16", tokens, w.shape[0], w.shape[1], recompute)
+    for layer_kind, n in model_spec(m).kinds():
+        routers = [w for w in layer_kind.weights if w.tp is TPStyle.moe and not w.experts and len(w.shape) == 2]
+        for w in routers:  # whole on every TP rank
+            total += n * table.gemm_s("bf16", tokens, w.shape[0], w.shape[1], recompute)
     return total
 
 
@@ -110,13 +110,30 @@ def _experts_s(
     """One micro batch's expert GEMMs on one rank: its local experts (E / ep) get ep x tokens x top_k / E
     rows each, on every TP rank alike; the rank's forward FLOPs are those of its own tokens' rows."""
     m = cfg.model
-    spec = model_spec(m)
-    stacks = [w for w in spec.block if w.experts]
-    if not stacks:
-        return 0.0
+    return sum(
+        n * _layer_experts_s(cfg, d, table, tokens, recompute, float8_speedup, kind)
+        for kind, n in model_spec(m).kinds()
+        if kind.sparse
+    )
+
+
+def _layer_experts_s(
+    cfg: Config,
+    d: Degrees,
+    table: KernelTable,
+    tokens: float,
+    recompute: float,
+    float8_speedup: float,
+    kind: LayerKind,
+) -> float:
+    """One MoE layer of ``kind``'s expert GEMMs and the routing around them (``_experts_s``)."""
+    m = cfg.model
+    stacks = [w for w in kind.weights if w.experts and len(w.shape) == 3]  # not GPT-OSS's stacked biases
     k, experts = m.moe.num_experts_per_tok, stacks[0].experts
     rows_per_expert = d.ep * tokens * k / experts
-    dim, width = m.dim, stacks[-1].shape[-1]  # down_proj is (E, dim, width)
+    # down_proj is (E, dim, width), or in the Hub's layout (GPT-OSS's) (E, width, dim)
+    down = stacks[-1]
+    dim, width = m.dim, down.shape[-1] if down.shape[1] == m.dim else down.shape[1]
     flop = sum(2.0 * tokens * k * w.shape[1] * w.shape[2] for w in stacks)  # forward, the rank's rows
     seconds = table.grouped_s(rows_per_expert, dim, width, flop, recompute)
     converted_here = bool(converted_experts(m)) and m.float8 is not Float8Recipe.none
@@ -124,7 +141,7 @@ def _experts_s(
     # Routing, permutation and combine around the experts: the rank's routed rows (its tokens x top-k)
     # at the table's measured time per row and element of dim, and again in a recomputed forward.
     around = table.moe_overhead_s * tokens * k * dim * (1.0 + recompute / 3.0)
-    return spec.n_layers * (seconds + around)
+    return seconds + around
 
 
 def _attention_s(cfg: Config, d: Degrees, table: KernelTable, kernel: str, recompute: float) -> float:
@@ -134,9 +151,12 @@ def _attention_s(cfg: Config, d: Degrees, table: KernelTable, kernel: str, recom
     spec = model_spec(m)
     seq, hd = cfg.train.seq_len, spec.head_dim
     heads = m.n_heads / d.tp
-    window = spec.sliding_window
-    span = min(window, seq) if window > 0 else seq
-    # Forward FLOPs the causal mask leaves: scores and values, 2 x 2 x head_dim per (query, key) pair.
-    pairs = seq * span - span * span / 2 if window > 0 else seq * seq / 2
-    flop = 4.0 * cfg.train.micro_batch_size * heads * pairs * hd / d.cp
-    return spec.n_layers * table.attention_s(kernel, span, hd, True, flop, recompute)
+    total = 0.0
+    for kind, n in spec.kinds():  # each layer kind's window
+        window = kind.window
+        span = min(window, seq) if window > 0 else seq
+        # Forward FLOPs the causal mask leaves: scores and values, 2 x 2 x head_dim per (query, key) pair.
+        pairs = seq * span - span * span / 2 if window > 0 else seq * seq / 2
+        flop = 4.0 * cfg.train.micro_batch_size * heads * pairs * hd / d.cp
+        total += n * table.attention_s(kernel, span, hd, True, flop, recompute)
+    return total

@@ -245,8 +245,7 @@ def _recompute_flops_per_token(cfg: Config) -> float:
     """Forward flops of the blocks (what a checkpointed block runs again): 2 N_blocks + 4·L·H·Q·T."""
     m = cfg.model
     blocks = active_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    head_dim = model_spec(m).head_dim
-    return 2.0 * blocks + 4.0 * m.n_layers * m.n_heads * head_dim * cfg.train.seq_len
+    return 2.0 * blocks + 4.0 * model_spec(m).score_width(m.n_heads) * cfg.train.seq_len
 
 
 def _op_recompute_flops_per_token(cfg: Config) -> float:
@@ -262,9 +261,12 @@ def _op_recompute_flops_per_token(cfg: Config) -> float:
 def _expert_flops_per_token(cfg: Config, recompute: float) -> float:
     """The routed experts' GEMM flops per token: top-k of each MoE layer's experts, forward and
     backward (6 per weight) and the recomputed forward (2 x ``recompute``); 0 for a dense model."""
-    spec = model_spec(cfg.model)
-    per_expert = sum(math.prod(w.shape[1:]) for w in spec.block if w.experts)
-    return (6.0 + 2.0 * recompute) * cfg.model.moe.num_experts_per_tok * per_expert * spec.n_layers
+    k = cfg.model.moe.num_experts_per_tok
+    total = 0.0
+    for kind, n in model_spec(cfg.model).kinds():  # each layer kind's experts, times its layers
+        per_expert = sum(math.prod(w.shape[1:]) for w in kind.weights if w.experts)
+        total += (6.0 + 2.0 * recompute) * k * per_expert * n
+    return total
 
 
 def recompute_fraction(cfg: Config) -> float:

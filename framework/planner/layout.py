@@ -328,8 +328,22 @@ def num_experts(model: ModelConfig) -> int:
     return int(getattr(getattr(model, "moe", None), "num_experts", 0) or 0)
 
 
+def ep_shards_experts(model: ModelConfig) -> bool:
+    """Whether ``parallel.ep`` can shard the model's experts: a sparse family whose record allows it."""
+    from framework.models import family
+
+    return bool(num_experts(model)) and family(model).expert_parallel
+
+
 def check_dense_ep(d: Degrees, model: ModelConfig) -> None:
-    """Refuse ``parallel.ep`` on a dense model before launch: it has no experts to shard."""
+    """Refuse ``parallel.ep`` on a dense model before launch: it has no experts to shard; and on a
+    family whose experts expert parallelism does not run (GPT-OSS's)."""
+    if d.ep > 1 and num_experts(model) and not ep_shards_experts(model):
+        raise ValueError(
+            f"parallel.ep={d.ep} with model.family={model.family.value}: expert parallelism does not run "
+            f"this family's experts yet (its own MoE layer: biases, the clamped SwiGLU); valid: parallel.ep=1 "
+            f"(FSDP shards the stacked experts)"
+        )
     if d.ep > 1 and num_experts(model) == 0:
         raise ValueError(
             f"parallel.ep={d.ep} with model.family={model.family.value}, a dense model "

@@ -8,6 +8,7 @@ layout, pipeline rank and search candidate gets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from framework.config.schema import (
@@ -19,7 +20,7 @@ from framework.config.schema import (
     FusedCrossEntropy,
     OptimizerName,
 )
-from framework.models import family, model_spec
+from framework.models import model_spec
 from framework.models.linears import bf16_weight_copy_bytes_per_layer, saved_activation_bytes_per_layer
 from framework.models.parts.layout import op_saved_values
 from framework.planner.cost import adamw_state_bytes, bf16_moments
@@ -120,15 +121,15 @@ def activation_bytes(
     cfg: Config,
     tp: int,
     mode: ActivationCheckpointing,
-    layers: int | None = None,
+    layers: Sequence[int] | None = None,
     in_flight: float = 1.0,
     head: bool = True,
     cp: int = 1,
 ) -> int:
     """Saved activations of one micro batch, per rank.
 
-    Per token and layer the block saves the values its family's record counts
-    (``Family.activation_values``; a dense block's are on the order of 10*dim + 3*kv_dim + 4*ffn_dim,
+    Per token and layer the block saves the values its layer kind counts (``LayerKind.saved_values``,
+    summed over the layers of each kind; a dense block's are on the order of 10*dim + 3*kv_dim + 4*ffn_dim,
     ``framework.models.parts.layout.dense_saved_values``), scaled by a measured factor per executor
     (see above). Values are bf16 under autocast (CUDA), fp32 on the CPU. Sequence parallelism
     divides it all by the TP degree. ``full`` keeps only each block's input plus one block being
@@ -142,7 +143,7 @@ def activation_bytes(
     its sequence shard); the ring then holds one layer's whole K and V and their gradients
     (torch's default rotation all-gathers them), transient, on top.
 
-    A pipeline rank holds ``layers`` blocks for ``in_flight`` micro batches (framework.planner.stages), and
+    A pipeline rank holds the blocks ``layers`` (their indices) for ``in_flight`` micro batches (framework.planner.stages), and
     the logits of one micro batch only if it runs the ``head`` (its loss and backward follow at once).
     """
     m = cfg.model
@@ -154,10 +155,19 @@ def activation_bytes(
     logit_bytes = _COMPILED_LOGIT_BYTES if loss_head_compiled(cfg) else _EAGER_LOGIT_BYTES
     if not bf16:
         logit_bytes = 12  # fp32 logits, their log-softmax and its gradient
-    # The family's own count of what one block saves per token (its record: framework.models).
-    per_layer = int(k * tokens * family(m).activation_values(m) * elem) // tp
-    # model.float8: the converted Linear layers keep their inputs in float8 (framework.kernels.float8).
-    per_layer -= saved_activation_bytes_per_layer(m, tokens, tp) if bf16 else 0
+    # Each layer kind's own count of what one block saves per token (framework.models.LayerKind),
+    # less what model.float8's converted Linear layers keep in float8 (framework.kernels.float8).
+    spec = model_spec(m)
+    saved = [
+        (
+            int(k * tokens * kind.saved_values * elem) // tp
+            - (saved_activation_bytes_per_layer(m, tokens, tp, spec.first_of(kind)) if bf16 else 0),
+            count,
+        )
+        for kind, count in spec.kinds(layers)
+    ]
+    every = sum(v * c for v, c in saved)  # all the blocks' saved values
+    per_layer = max(v for v, _ in saved)  # one block being (re)computed: the largest kind
     block_input = tokens * m.dim * elem // tp
     if loss_parallel_on(cfg, tp):
         logits = int(tokens * m.vocab_size * logit_bytes) // tp
@@ -168,33 +178,38 @@ def activation_bytes(
         # gradient, and (liger) the fp32 weight gradient and its bf16 copy until backward. An
         # estimate from the kernels' code, not a fit.
         logits = tokens * m.dim * 2 * elem + m.vocab_size * m.dim * 6
-    n = m.n_layers if layers is None else layers
+    n = sum(c for _, c in saved)
     logits = logits if head else 0
     if mode == ActivationCheckpointing.none:
-        layers = n * per_layer
+        acts = every
     elif mode == ActivationCheckpointing.full:
-        layers = n * block_input + per_layer
+        acts = n * block_input + per_layer
     elif mode == ActivationCheckpointing.selective_op:
         values = op_saved_values(m, model_spec(m).head_dim)
         if tp > 1:  # the two reduce-scatters' outputs kept besides w2's partial sums (dim each)
             values = (values + m.dim) / tp + m.dim
-        layers = n * int(tokens * values * elem) + per_layer
+        acts = n * int(tokens * values * elem) + per_layer
     elif mode == ActivationCheckpointing.budget:
         # Below 1.0 the partitioner's knapsack keeps _BUDGET_KEPT x budget of what the default
         # partition saves (1.0 is the default partition itself), and at least what a full recompute
         # keeps (each block's input); one block's recomputed rest is live in backward.
         budget = cfg.sharding.activation_memory_budget
         share = 1.0 if budget >= 1.0 else _BUDGET_KEPT * budget
-        kept = max(block_input, int(share * per_layer))
-        layers = n * kept + (per_layer - kept)
+        acts = sum(c * max(block_input, int(share * v)) for v, c in saved)
+        acts += per_layer - max(block_input, int(share * per_layer))
     else:
         kept = n - (n + 1) // 2  # odd blocks keep everything, even ones only their input
-        layers = kept * per_layer + (n - kept) * block_input + per_layer
-    return int(layers * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
+        acts = kept * every // n + (n - kept) * block_input + per_layer
+    return int(acts * in_flight) + logits + _cp_ring_bytes(cfg, tp, cp)
 
 
 def _weight_copy_bytes(
-    cfg: Config, tp: int, dp_shard: int, ep: int, mode: ActivationCheckpointing, layers: int | None
+    cfg: Config,
+    tp: int,
+    dp_shard: int,
+    ep: int,
+    mode: ActivationCheckpointing,
+    layers: Sequence[int] | None,
 ) -> int:
     """The bf16 copies of the blocks' weights that a compiled backward keeps (``none``: every block;
     ``selective``: the blocks it does not checkpoint), where the peak is at the forward's end (the
@@ -218,9 +233,14 @@ def _weight_copy_bytes(
         return 0
     if dp_shard > 1 and cfg.sharding.param_dtype is DType.bfloat16:
         return 0
-    n = cfg.model.n_layers if layers is None else layers
+    spec = model_spec(cfg.model)
+    kinds = spec.kinds(layers)
+    n = sum(c for _, c in kinds)
     kept = n if mode is ActivationCheckpointing.none else n - (n + 1) // 2
-    return kept * bf16_weight_copy_bytes_per_layer(cfg.model, tp, ep)
+    copies = [(bf16_weight_copy_bytes_per_layer(cfg.model, tp, ep, spec.first_of(k)), c) for k, c in kinds]
+    if len(copies) == 1:
+        return kept * copies[0][0]
+    return kept * sum(b * c for b, c in copies) // n  # the kept blocks at the mean kind
 
 
 def budget_of(cfg: Config) -> float | None:
@@ -297,7 +317,7 @@ def rank_memory(
     unit_bytes: list[int],
     ddp: bool = False,
     accum: int = 1,
-    pipeline: tuple[int, float, bool] | None = None,
+    pipeline: tuple[Sequence[int], float, bool] | None = None,
     cp: int = 1,
     held: bool = False,
 ) -> MemoryEstimate:
@@ -357,7 +377,9 @@ def rank_memory(
         # framework.parallel.activation.apply_offload: the blocks' saved tensors live in host memory;
         # the device holds the block being computed (or recomputed) and the head's logits.
         mode = cfg.sharding.activation_checkpointing
-        acts = min(acts, activation_bytes(cfg, tp, mode, 1, 1.0, head, cp))
+        spec = model_spec(cfg.model)
+        heaviest = max(range(spec.n_layers), key=lambda i: spec.layers[i].saved_values)
+        acts = min(acts, activation_bytes(cfg, tp, mode, (heaviest,), 1.0, head, cp))
     total = params + grads + optimizer + comm_buffers + acts
     device = int(cfg.mesh.hardware.memory_gib * GIB)
     state = "bf16" if bf16_moments(cfg) else "fp32"

@@ -251,7 +251,7 @@ def _lora_specs(specs: list[ParamSpec], m: ModelConfig, peft: PeftConfig) -> lis
 
 
 def _is_linear(w: Weight) -> bool:
-    if w.tp in _LINEAR_STYLES:
+    if w.tp in _LINEAR_STYLES or (w.tp is TPStyle.replicated and len(w.shape) == 2):  # MLA's Linears
         return True
     shared_expert = w.tp is TPStyle.moe and w.param == "weight" and not w.experts and len(w.shape) == 2
     return shared_expert and not w.module.endswith("gate")

@@ -33,7 +33,7 @@ class PipelinePlan:
     split: tuple[tuple[int, int], ...]
     ranks: tuple[tuple[int, ...], ...]
     specs: list[ParamSpec]  # the busiest rank's parameters
-    layers: int  # its blocks
+    layers: tuple[int, ...]  # its blocks' indices
     memory: MemoryEstimate  # the rank with the most memory
     fraction: float  # the busiest rank's share of the model's cost
     bubble: float
@@ -63,7 +63,7 @@ def plan_pipeline(
     per_rank = []
     for ids in ranks:
         mine = rank_specs(specs, split, ids, tied_copy(cfg.model))
-        layers = sum(split[s][1] - split[s][0] for s in ids)
+        layers = tuple(i for s in ids for i in range(*split[s]))
         # The first rank holds the most micro batches in flight; every rank is costed at that peak.
         mem = rank_memory(
             cfg,

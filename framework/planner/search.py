@@ -36,7 +36,7 @@ from framework.config.schema import (
 )
 from framework.kernels import fa4
 from framework.planner import stages as pipeline_stages
-from framework.planner.layout import Degrees, divisors, fixed_degrees, num_experts
+from framework.planner.layout import Degrees, divisors, ep_shards_experts, fixed_degrees, num_experts
 from framework.planner.memory import largest_fitting_budget, moments_hint, runs_on_cpu
 from framework.planner.params import GIB
 from framework.planner.plan import Plan, plan_for, with_degrees
@@ -134,7 +134,9 @@ def _ep_options(cfg: Config, d: Degrees) -> list[Degrees]:
     of each link. Each degree in between multiplied the search (a 235B MoE on 128 ranks: 4,677
     layouts, 45 s)."""
     experts = num_experts(cfg.model)
-    if not experts or d.cp > 1:  # ep is borrowed from dp_shard, and not combined with cp (check_ep)
+    if (
+        not experts or d.cp > 1 or not ep_shards_experts(cfg.model)
+    ):  # ep is borrowed from dp_shard, and not combined with cp (check_ep)
         return [d]
     valid = [e for e in divisors(d.dp_shard) if experts % e == 0]
     ppn = cfg.mesh.procs_per_node
@@ -424,7 +426,9 @@ def _searches_budget(cfg: Config) -> bool:
 
 def _budget_compiles(cfg: Config) -> bool:
     """A compiled executor, and an attention op this torch's partitioner can weigh."""
-    return cfg.executor.mode is not ExecutorMode.eager and not fa4.budget_fails(cfg, fa4.flop_counter_takes_gqa())
+    return cfg.executor.mode is not ExecutorMode.eager and not fa4.budget_fails(
+        cfg, fa4.flop_counter_takes_gqa()
+    )
 
 
 def _budget_candidates(

@@ -239,38 +239,53 @@ def check_features(cfg: Config, pp: int) -> None:
             raise ValueError(f"{key} does not work with parallel.pp={pp} (pipeline parallelism): {reason}")
 
 
-def layer_costs(cfg: Config, tokens: float) -> tuple[float, float, float]:
-    """(one block, the embedding, the head) in seconds per step for ``tokens`` tokens on one rank, at
-    the declared hardware's calibrated GEMM rate and HBM bandwidth (framework.planner.cost's terms)."""
+def layer_costs(cfg: Config, tokens: float) -> tuple[tuple[float, ...], float, float]:
+    """(each block, the embedding, the head) in seconds per step for ``tokens`` tokens on one rank, at
+    the declared hardware's calibrated GEMM rate and HBM bandwidth (framework.planner.cost's terms).
+    Each block is costed by its layer kind (its weights and attention: a dense layer of a stack of
+    dense and MoE layers costs less than an MoE one)."""
     m, hw, seq = cfg.model, cfg.mesh.hardware, cfg.train.seq_len
     peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency
     hbm = hw.hbm_gbps * 1e9
     spec = model_spec(m)
     hd = spec.head_dim
     adamw = adamw_step_bytes(cfg)
-    block_params = sum(math.prod(w.shape) for w in spec.block)
-    block = tokens * (6.0 * block_params + 12.0 * m.n_heads * hd * seq) / peak
-    block += (tokens * (2 * m.dim + m.ffn_dim) * 40.0 + block_params * adamw) / hbm
+    costs = {}
+    for kind, _ in spec.kinds():
+        block_params = sum(math.prod(w.shape) for w in kind.weights)
+        heads = kind.score_width or m.n_heads * hd
+        block = tokens * (6.0 * block_params + 12.0 * heads * seq) / peak
+        block += (tokens * (2 * m.dim + m.ffn_dim) * 40.0 + block_params * adamw) / hbm
+        costs[id(kind)] = block
     table = m.vocab_size * m.dim
     embed = (tokens * m.dim * _EMBED_BYTES_PER_ELEM + table * adamw) / hbm
     head = tokens * 6.0 * table / peak + (tokens * m.vocab_size * 12.0 + table * adamw) / hbm
-    return block, embed, head
+    return tuple(costs[id(kind)] for kind in spec.layers), embed, head
 
 
 def split_layers(cfg: Config, stages: int, tokens: float) -> tuple[tuple[int, int], ...]:
     """[start, stop) blocks of each of ``stages`` stages: contiguous, >= 1 block each, minimising the
-    slowest stage's cost (blocks, plus the embedding on the first and the head on the last)."""
-    block, embed, head = layer_costs(cfg, tokens)
-    # In block units, rounded so that the cache sees few distinct keys.
-    return _split(cfg.model.n_layers, stages, round(embed / block, 3), round(head / block, 3))
+    slowest stage's cost (blocks, plus the embedding on the first and the head on the last). Layers
+    of one kind are cut by count; layers of several kinds by their cost (``layer_costs``)."""
+    blocks, embed, head = layer_costs(cfg, tokens)
+    # In block units (the mean block's), rounded so that the cache sees few distinct keys.
+    block = sum(blocks) / len(blocks)
+    weights = None if model_spec(cfg.model).uniform else tuple(round(b / block, 3) for b in blocks)
+    return _split(cfg.model.n_layers, stages, round(embed / block, 3), round(head / block, 3), weights)
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(n: int, stages: int, embed: float, head: float) -> tuple[tuple[int, int], ...]:
+def _split(
+    n: int, stages: int, embed: float, head: float, weights: tuple[float, ...] | None = None
+) -> tuple[tuple[int, int], ...]:
     assert 1 <= stages <= n, (stages, n)
+    prefix = [0.0]
+    for w in weights or ():
+        prefix.append(prefix[-1] + w)
 
     def cost(i: int, j: int, s: int) -> float:  # blocks i..j-1 as stage s
-        return (j - i) + (embed if s == 0 else 0.0) + (head if s == stages - 1 else 0.0)
+        blocks = (j - i) if weights is None else prefix[j] - prefix[i]
+        return blocks + (embed if s == 0 else 0.0) + (head if s == stages - 1 else 0.0)
 
     # best[s][j]: (slowest stage, cut) placing blocks 0..j-1 on stages 0..s.
     best = [[(math.inf, -1)] * (n + 1) for _ in range(stages)]
@@ -295,14 +310,19 @@ def stage_cost_fraction(
     split: tuple[tuple[int, int], ...], ranks: list[list[int]], cfg: Config, tokens: float
 ) -> float:
     """The busiest pp rank's share of the whole model's cost (1 / pp when perfectly balanced)."""
-    block, embed, head = layer_costs(cfg, tokens)
+    blocks, embed, head = layer_costs(cfg, tokens)
     last = len(split) - 1
+    uniform = model_spec(cfg.model).uniform
+    block = blocks[0]
+
+    def layers(a: int, b: int) -> float:
+        return (b - a) * block if uniform else sum(blocks[a:b])
 
     def stage(s: int) -> float:
         a, b = split[s]
-        return (b - a) * block + (embed if s == 0 else 0.0) + (head if s == last else 0.0)
+        return layers(a, b) + (embed if s == 0 else 0.0) + (head if s == last else 0.0)
 
-    total = cfg.model.n_layers * block + embed + head
+    total = layers(0, cfg.model.n_layers) + embed + head
     return max(sum(stage(s) for s in ids) for ids in ranks) / total
 
 

@@ -117,7 +117,7 @@ def test_every_gemm_is_counted_once_at_a_flat_rate() -> None:
     terms = table_compute(cfg, d, table, accum=1, recompute=0.0, fast_accum_speedup=1.0, expert_float8_speedup=1.0)
     tokens = 2 * 1024
     linear = active_params(m, include_embedding=False) - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    linear -= sum(math.prod(w.shape) for w in spec.block if len(w.shape) == 1) * m.n_layers
+    linear -= sum(math.prod(w.shape) for _, w, unit in spec.params() if len(w.shape) == 1 and unit != "root")
     linear -= sum(math.prod(w.shape) for w in spec.last if len(w.shape) == 1)
     linear += m.vocab_size * m.dim  # the head's GEMM, tied or not
     assert terms.gemm_s == pytest.approx(6 * linear * tokens / rate / 1e12, rel=1e-9)
@@ -188,6 +188,7 @@ def test_the_shipped_h100_table_loads_and_prices_a_step_at_its_measured_rates() 
     cfg = _cfg("llama3_8b", "train.seq_len=8192", "train.micro_batch_size=1", "train.global_batch_size=1")
     terms = table_compute(cfg, Degrees(1, 1, 1, 1, 1, 1), table, 1, 0.0, 1.0, 1.0)
     spec, m = model_spec(cfg.model), cfg.model
-    linear = sum(math.prod(w.shape) for w in spec.block if len(w.shape) == 2) * m.n_layers + m.vocab_size * m.dim
+    linear = sum(math.prod(w.shape) for _, w, unit in spec.params() if len(w.shape) == 2 and unit != "root")
+    linear += m.vocab_size * m.dim
     achieved = 6 * linear * 8192 / terms.gemm_s / 1e12
     assert min(rates) < achieved < max(rates)

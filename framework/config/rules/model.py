@@ -80,6 +80,26 @@ MODEL_RULES: dict[str, Rule] = {
     "model.sliding_window": integer(
         0, MAX_POSITIONS, what="0 = off, full causal attention; >= 1: the window"
     ),
+    # DeepSeek-V3's multi-head latent attention (framework.models.deepseek_v3) and YaRN.
+    "model.q_lora_rank": integer(0, MAX_WIDTH, what="0 = one full query projection"),
+    "model.kv_lora_rank": integer(1, MAX_WIDTH),
+    "model.qk_nope_head_dim": integer(1, MAX_WIDTH),
+    # RoPE rotates pairs of features: an even size.
+    "model.qk_rope_head_dim": Rule(
+        "an even integer >= 2 (RoPE rotates pairs of features)",
+        lambda v, _c: is_int(v) and 2 <= v <= MAX_WIDTH and v % 2 == 0,
+        (0, 7, MAX_WIDTH + 2),
+    ),
+    "model.v_head_dim": integer(1, MAX_WIDTH),
+    "model.rope_yarn_factor": number(1, 1024, what="1 = no YaRN", bad=(math.nan, math.inf, 0.5, 1e18)),
+    "model.rope_yarn_original_max_position": integer(1, MAX_POSITIONS),
+    "model.rope_yarn_beta_fast": number(0, 1e4, lo_open=True),
+    "model.rope_yarn_beta_slow": number(0, 1e4, lo_open=True),
+    "model.rope_yarn_mscale": number(0, 1e4),
+    "model.rope_yarn_mscale_all_dim": number(0, 1e4),
+    "model.rope_yarn_truncate": TYPED,
+    # GPT-OSS's own (framework.models.gpt_oss): the experts' SwiGLU clamp.
+    "model.swiglu_limit": number(0, 1e4, lo_open=True),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),
     "model.norm_eps": number(0, 1, lo_open=True),
     "model.rope_theta": number(0, 1e12, lo_open=True),  # published: 1e4 to 1e7
@@ -129,6 +149,18 @@ MODEL_RULES: dict[str, Rule] = {
 
 # The context the range of a key is tested in: a sparse family with 4 experts.
 _SPARSE = (("model.family", "qwen3_moe"), ("model.moe.num_experts", 4))
+# DeepSeek-V3's routing keys are tested on its family with 8 experts.
+_DEEPSEEK = (("model.family", "deepseek_v3"), ("model.moe.num_experts", 8))
+
+
+def _n_group_ok(g: int, experts: int) -> bool:
+    return g == 1 or (1 < g and experts % g == 0 and experts // g >= 2)
+
+
+def _topk_group_ok(tg: int, moe: Any) -> bool:
+    g = moe.n_group
+    return 1 <= tg <= g and moe.num_experts_per_tok <= tg * (moe.num_experts // max(g, 1))
+
 
 # model.moe: the range of each key (and its relation to the others) on a family that reads it; on a
 # family that does not, the key must stay at its default (framework.launch.rules.family_gated).
@@ -191,4 +223,23 @@ MOE_RULES: dict[str, Rule] = {
         context=_SPARSE,
     ),
     "model.moe.expert_kernel": Rule("auto, grouped or loop", lambda v, _c: True, ("loop",)),
+    # DeepSeek-V3's group-limited routing (framework.models.moe.check_moe says why each bound).
+    "model.moe.n_group": Rule(
+        lambda c: (
+            f"a divisor of model.moe.num_experts={c.model.moe.num_experts} leaving >= 2 experts a group, "
+            "or 1 (no group limit)"
+        ),
+        lambda v, c: is_int(v) and _n_group_ok(v, c.model.moe.num_experts),
+        (0, 3, 8),
+        context=_DEEPSEEK,
+    ),
+    "model.moe.topk_group": Rule(
+        lambda c: (
+            f"an integer in 1..model.moe.n_group={c.model.moe.n_group}, its groups holding at least "
+            f"model.moe.num_experts_per_tok={c.model.moe.num_experts_per_tok} experts"
+        ),
+        lambda v, c: is_int(v) and _topk_group_ok(v, c.model.moe),
+        (0, 5),
+        context=(*_DEEPSEEK, ("model.moe.n_group", 4)),
+    ),
 }

@@ -6,14 +6,13 @@ from framework.config.schema import LlamaConfig
 from framework.models.family import Family
 from framework.models.llama.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.llama.model import llama_block
-from framework.models.llama.spec import activation_values, llama_spec
+from framework.models.llama.spec import llama_spec
 
 LLAMA = Family(
     "llama",
     llama_spec,
     llama_block,
     HF_ARCHITECTURE,
-    activation_values,
     HF_FIELDS,
     config=LlamaConfig,
     tiny=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96),

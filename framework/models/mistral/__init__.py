@@ -12,14 +12,13 @@ from framework.config.schema import MistralConfig
 from framework.models.family import Family
 from framework.models.mistral.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.mistral.model import mistral_block
-from framework.models.mistral.spec import activation_values, mistral_spec
+from framework.models.mistral.spec import mistral_spec
 
 MISTRAL = Family(
     "mistral",
     mistral_spec,
     mistral_block,
     HF_ARCHITECTURE,
-    activation_values,
     HF_FIELDS,
     config=MistralConfig,
     tiny=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, sliding_window=8),  # 8 < a test's seq

@@ -9,14 +9,13 @@ from framework.config.schema import MixtralConfig, MoEConfig
 from framework.models.family import Family
 from framework.models.mixtral.hf import HF_ARCHITECTURE, HF_FIELDS, HF_FIXED, HF_MOE_FIELDS, MOE_KEYS
 from framework.models.mixtral.model import mixtral_block
-from framework.models.mixtral.spec import activation_values, mixtral_spec
+from framework.models.mixtral.spec import mixtral_spec
 
 MIXTRAL = Family(
     "mixtral",
     mixtral_spec,
     mixtral_block,
     HF_ARCHITECTURE,
-    activation_values,
     HF_FIELDS,
     config=MixtralConfig,
     moe_keys=MOE_KEYS,

@@ -6,8 +6,8 @@ from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.models.parts.sparse import sparse_block
-from framework.models.spec import ModelSpec
+from framework.models.spec import LayerKind, ModelSpec
 
 
-def mixtral_block(cfg: ModelConfig, spec: ModelSpec) -> nn.Module:
+def mixtral_block(cfg: ModelConfig, spec: ModelSpec, kind: LayerKind) -> nn.Module:
     return sparse_block(cfg, spec)

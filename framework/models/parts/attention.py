@@ -93,7 +93,7 @@ class Attention(nn.Module):
         keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
         # Query i sits at position start + i and sees keys 0..start + i (causal, offset by the cache),
         # the last ``sliding_window`` of them where the family has a window.
-        mask = causal_band(s, end, start, cache.window, x.device)
+        mask = causal_band(s, end, start, cache.windows[layer], x.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.gqa
         )

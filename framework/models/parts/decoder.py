@@ -48,7 +48,7 @@ from framework.models.parts.masks import (
 from framework.models.parts.mlp import FeedForward
 from framework.models.parts.norm import RMSNorm
 from framework.models.parts.rope import rope_tables
-from framework.models.spec import ModelSpec
+from framework.models.spec import LayerKind, ModelSpec
 
 
 class TransformerBlock(nn.Module):
@@ -92,8 +92,8 @@ def dense_block(cfg: ModelConfig, spec: ModelSpec, qk_norm: bool = False) -> Tra
     return TransformerBlock(cfg, Attention(cfg, spec.head_dim, qk_norm), FeedForward(cfg.dim, cfg.ffn_dim))
 
 
-# A family's block: (config, spec) -> the module repeated ``n_layers`` times.
-BlockFactory = Callable[[ModelConfig, ModelSpec], nn.Module]
+# A family's block: (config, spec, the layer's kind) -> that layer's module.
+BlockFactory = Callable[[ModelConfig, ModelSpec, LayerKind], nn.Module]
 
 
 class Decoder(nn.Module):
@@ -123,9 +123,17 @@ class Decoder(nn.Module):
         # model.attention=flash|fa4 on CUDA, FlexAttention where it trains (``flex_trains_on``) under
         # model.attention=auto, else SDPA with the dense mask; True / False force flex / dense (tests).
         self.document_flex: bool | None = None
-        # The family's attention window (its spec: Mistral); None = full causal attention, an
-        # attribute TorchScript drops the branch on.
-        self.sliding_window: int | None = spec.sliding_window or None
+        # The attention window every layer shares (its kind's: Mistral); None = full causal attention,
+        # an attribute TorchScript drops the branch on. Layers of several windows (a stack of
+        # sliding and full layers): ``layer_windows``, each layer's by its key (0: full), and no
+        # shared one.
+        windows = {str(i): kind.window for i, kind in enumerate(spec.layers)}
+        self.layer_windows: dict[str, int] | None = None
+        if len(set(windows.values())) > 1:
+            self.layer_windows = windows
+        self.sliding_window: int | None = (
+            (spec.layers[0].window or None) if self.layer_windows is None else None
+        )
         # Pieces the residual stream's sequence is cut into between the blocks: tp under tensor
         # (sequence) parallelism (framework.parallel.tensor sets it), whose attention sees it whole.
         self.sequence_shards = 1
@@ -138,10 +146,9 @@ class Decoder(nn.Module):
         # leaves them sharded for the schedule's loss.
         self.vocab_shards: int | None = None
         self.gather_logits = True
-        if self.sliding_window is not None and document_eos is not None:
-            raise ValueError(
-                f"model.sliding_window={self.sliding_window} with data.document_mask: valid: one of them"
-            )
+        if (self.sliding_window is not None or self.layer_windows is not None) and document_eos is not None:
+            window = self.sliding_window or max((self.layer_windows or {}).values())
+            raise ValueError(f"model.sliding_window={window} with data.document_mask: valid: one of them")
         # model.fused_cross_entropy, None for the default head: an attribute rather than a config
         # read, so TorchScript (freeze=script) drops the fused branch it cannot compile.
         self.fused_cross_entropy = (
@@ -174,8 +181,10 @@ class Decoder(nn.Module):
         self.aux_values: list[torch.Tensor] = []
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps fully-qualified names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): block(cfg, spec) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): block(cfg, spec, kind) for i, kind in enumerate(spec.layers)})
         self.num_moe_layers = sum(isinstance(m, moe.MoE) for m in self.layers.modules())
+        if self.num_moe_layers == 0:  # experts of a family's own (GPT-OSS's): no load-balancing terms
+            self.router_aux_loss_coef = None
         if self.router_aux_loss_coef is not None:
             self.register_forward_hook(keep_aux)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -185,7 +194,11 @@ class Decoder(nn.Module):
         self.register_buffer("rope", self._rope_tables(None), persistent=False)
 
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
-        return rope_tables(self.head_dim, self.max_seq_len, self.cfg.rope_theta, device, self.cfg)
+        return self.rope_for(self.max_seq_len, device)
+
+    def rope_for(self, length: int, device: torch.device | None) -> torch.Tensor:
+        """The RoPE tables of positions 0..length-1 (the cache's capacity, or training's length)."""
+        return rope_tables(self.head_dim, length, self.cfg.rope_theta, device, self.cfg)
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
@@ -201,6 +214,8 @@ class Decoder(nn.Module):
             return self._forward_documents(tokens, targets, documents)
         if self.sliding_window is not None:
             return self._forward_window(tokens, targets, self.sliding_window)
+        if self.layer_windows is not None:
+            return self._forward_layer_windows(tokens, targets, self.layer_windows)
         h = self._embed(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
@@ -215,6 +230,20 @@ class Decoder(nn.Module):
         mask = causal_band(s, s, 0, window, h.device)
         for layer in self.layers.values():
             h = layer(h, self.rope, mask=mask)
+        return self._head(h, targets)
+
+    @torch.jit.unused
+    def _forward_layer_windows(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, windows: dict[str, int]
+    ) -> torch.Tensor:
+        """``forward`` over layers of several windows: one banded mask per window (full causal
+        attention, window 0, takes none), each layer its own."""
+        h = self._embed(tokens)
+        s = h.shape[1] * self.sequence_shards
+        masks = {w: causal_band(s, s, 0, w, h.device) for w in set(windows.values()) if w > 0}
+        for key, layer in self.layers.items():
+            w = windows[key]
+            h = layer(h, self.rope, mask=masks[w]) if w > 0 else layer(h, self.rope)
         return self._head(h, targets)
 
     def _forward_documents(

@@ -7,7 +7,7 @@ A family's ``spec.py`` lays its block out from these; the names are torchtitan's
 from __future__ import annotations
 
 from framework.config.schema import ModelConfig
-from framework.models.spec import ModelSpec, TPStyle, Weight
+from framework.models.spec import LayerKind, ModelSpec, TPStyle, Weight, layer_pattern
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -54,9 +54,26 @@ def dense_block(m: ModelConfig, hd: int, qk_norm: bool = False) -> tuple[Weight,
     )
 
 
-def decoder_spec(m: ModelConfig, family: str, block: tuple[Weight, ...], hd: int, arch: str) -> ModelSpec:
-    """The root weights every family here shares around its ``block``: embedding, final norm, head.
-    ``family`` is also the HF ``model_type``."""
+def repeated(kind: LayerKind, m: ModelConfig) -> tuple[LayerKind, ...]:
+    """A stack of one kind: ``KIND xN`` for the model's N layers (every family before DeepSeek-V3)."""
+    return layer_pattern(f"{kind.name} x{m.n_layers}", {kind.name: kind})
+
+
+def dense_kind(m: ModelConfig, hd: int, qk_norm: bool = False, window: int = 0) -> LayerKind:
+    """The dense block as a layer kind: its weights, what it saves, its attention window."""
+    return LayerKind("dense", dense_block(m, hd, qk_norm), dense_saved_values(m, hd), window=window)
+
+
+def decoder_spec(
+    m: ModelConfig,
+    family: str,
+    layers: tuple[LayerKind, ...],
+    hd: int,
+    arch: str,
+    sublayers: dict[str, int] | None = None,
+) -> ModelSpec:
+    """The root weights every family here shares around its ``layers`` (one kind per layer):
+    embedding, final norm, head. ``family`` is also the HF ``model_type``."""
     last = (
         Weight("norm", "model.norm.weight", (m.dim,), TPStyle.sequence),
         Weight("output", "lm_head.weight", (m.vocab_size, m.dim), TPStyle.output, tied=m.tie_embeddings),
@@ -65,15 +82,14 @@ def decoder_spec(m: ModelConfig, family: str, block: tuple[Weight, ...], hd: int
         family=family,
         hf_architecture=arch,
         hf_model_type=family,
-        n_layers=m.n_layers,
         head_dim=hd,
         first=(
             Weight("tok_embeddings", "model.embed_tokens.weight", (m.vocab_size, m.dim), TPStyle.embedding),
         ),
-        block=block,
+        layers=layers,
         last=last,
         # attention(x, rope): the RoPE table is a plain tensor every rank holds whole.
-        sublayers={"attention": 2, "feed_forward": 1},
+        sublayers=sublayers or {"attention": 2, "feed_forward": 1},
     )
 
 

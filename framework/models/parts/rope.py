@@ -1,4 +1,5 @@
-"""Rotary position embeddings: the cos/sin tables (with Llama 3.1's frequency scaling) and the rotation."""
+"""Rotary position embeddings: the cos/sin tables (with Llama 3.1's frequency scaling, or YaRN's) and
+the rotation."""
 
 from __future__ import annotations
 
@@ -19,14 +20,58 @@ def rope_tables(
     """cos/sin tables, shape (seq_len, head_dim // 2, 2); real-valued so export and compile keep them.
 
     ``scaling``: a model config whose ``rope_scaling_factor`` != 1 applies Llama 3.1's frequency
-    scaling (transformers' ``_compute_llama3_parameters``, the same operations in the same order).
+    scaling (transformers' ``_compute_llama3_parameters``, the same operations in the same order);
+    one whose ``rope_yarn_factor`` != 1 (DeepSeek-V3's) YaRN's (``yarn_inv_freq``), the tables then
+    scaled by YaRN's attention factor, as transformers scales its cos and sin.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None and scaling.rope_scaling_factor != 1.0:
         inv = _llama3_scaled(inv, scaling)
+    factor = 1.0
+    if scaling is not None and getattr(scaling, "rope_yarn_factor", 1.0) != 1.0:
+        inv, factor = yarn_inv_freq(head_dim, theta, scaling, device)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
-    return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+    tables = torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+    return tables * factor if factor != 1.0 else tables
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``scale`` times the original (transformers'
+    ``yarn_get_mscale``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(
+    head_dim: int, theta: float, cfg: ModelConfig, device: torch.device | None
+) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor (transformers' ``_compute_yarn_parameters``, the same
+    operations in the same order): high frequencies kept, low ones divided by the factor, a linear
+    ramp between the dims that make ``beta_fast`` and ``beta_slow`` rotations over the original
+    context, rounded outwards to whole dims unless ``cfg.rope_yarn_truncate`` is false (transformers'
+    ``truncate``: on by default and for DeepSeek-V3, off for GPT-OSS)."""
+    factor, orig = cfg.rope_yarn_factor, cfg.rope_yarn_original_max_position
+    mscale, mscale_all = cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+    if mscale and mscale_all:
+        attention = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all))
+    else:
+        attention = yarn_mscale(factor)
+    dim = head_dim
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if getattr(cfg, "rope_yarn_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp.to(device=device, dtype=torch.float)
+    return interpolation * (1 - keep) + extrapolation * keep, attention
 
 
 def _llama3_scaled(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

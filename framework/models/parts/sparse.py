@@ -24,7 +24,7 @@ from framework.config.schema import ModelConfig
 from framework.models import moe
 from framework.models.parts.attention import Attention
 from framework.models.parts.decoder import Decoder, TransformerBlock
-from framework.models.spec import ModelSpec, TPStyle, Weight
+from framework.models.spec import LayerKind, MLPKind, ModelSpec, TPStyle, Weight
 
 
 def expert_width(m: ModelConfig) -> int:
@@ -49,6 +49,8 @@ def layer_config(m: ModelConfig) -> moe.MoEConfig:
         num_shared_experts=c.num_shared_experts,
         shared_intermediate_size=c.shared_intermediate_size,
         kernel=moe.ExpertKernel(c.expert_kernel.value),
+        n_group=c.n_group,
+        topk_group=c.topk_group,
     )
 
 
@@ -106,9 +108,22 @@ def count_load(block: nn.Module, _args: object, _out: object) -> None:
 
 def sparse_block(cfg: ModelConfig, spec: ModelSpec, qk_norm: bool = False) -> TransformerBlock:
     """Grouped-query attention (``qk_norm``: Qwen3's per-head norms), then the MoE layer."""
-    block = TransformerBlock(cfg, Attention(cfg, spec.head_dim, qk_norm), SparseMLP(layer_config(cfg)))
+    return sparse(TransformerBlock(cfg, Attention(cfg, spec.head_dim, qk_norm), SparseMLP(layer_config(cfg))))
+
+
+def sparse(block: nn.Module) -> nn.Module:
+    """``block`` (one holding a ``SparseMLP``) with the forward hook that counts its routing."""
     block.register_forward_hook(count_load)
     return block
+
+
+def moe_kind(
+    m: ModelConfig, weights: tuple[Weight, ...], hd: int, window: int = 0, name: str = "moe"
+) -> LayerKind:
+    """A sparse block as a layer kind: its weights, what it saves (``sparse_saved_values``), its window;
+    ``moe_shared`` where ``model.moe`` has shared experts."""
+    mlp = MLPKind.moe_shared if m.moe.num_shared_experts else MLPKind.moe
+    return LayerKind(name, weights, sparse_saved_values(m, hd), window=window, mlp=mlp)
 
 
 def moe_weights(m: ModelConfig, prefix: str, parts: tuple[str, str, str]) -> tuple[Weight, ...]:

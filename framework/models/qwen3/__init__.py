@@ -6,14 +6,13 @@ from framework.config.schema import Qwen3Config
 from framework.models.family import Family
 from framework.models.qwen3.hf import HF_ARCHITECTURE, HF_FIELDS
 from framework.models.qwen3.model import qwen3_block
-from framework.models.qwen3.spec import activation_values, qwen3_spec
+from framework.models.qwen3.spec import qwen3_spec
 
 QWEN3 = Family(
     "qwen3",
     qwen3_spec,
     qwen3_block,
     HF_ARCHITECTURE,
-    activation_values,
     HF_FIELDS,
     config=Qwen3Config,
     # q/k norms, and heads wider than dim / n_heads (4 x 32 = 128 > 64)

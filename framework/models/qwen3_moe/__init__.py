@@ -8,14 +8,13 @@ from framework.config.schema import MoEConfig, Qwen3MoeConfig
 from framework.models.family import Family
 from framework.models.qwen3_moe.hf import HF_ARCHITECTURE, HF_FIELDS, HF_FIXED, HF_MOE_FIELDS, MOE_KEYS
 from framework.models.qwen3_moe.model import qwen3_moe_block
-from framework.models.qwen3_moe.spec import activation_values, qwen3_moe_spec
+from framework.models.qwen3_moe.spec import qwen3_moe_spec
 
 QWEN3_MOE = Family(
     "qwen3_moe",
     qwen3_moe_spec,
     qwen3_moe_block,
     HF_ARCHITECTURE,
-    activation_values,
     HF_FIELDS,
     config=Qwen3MoeConfig,
     moe_keys=MOE_KEYS,

@@ -1,0 +1,37 @@
+"""DeepSeek-V3 (Hugging Face ``DeepseekV3ForCausalLM``): multi-head latent attention with YaRN, a stack
+of dense layers then MoE ones (``model.layer_pattern``: ``dense x3, moe x58``), the MoE layers with
+shared experts, sigmoid routing limited to the best expert groups, the aux-loss-free selection bias
+and a routed scaling factor (framework.models.moe). Kimi K2 and Moonlight share the architecture.
+The record the registry lists."""
+
+from __future__ import annotations
+
+from framework.config.schema import DeepseekV3Config
+from framework.models.deepseek_v3.hf import (
+    HF_ARCHITECTURE,
+    HF_FIELDS,
+    HF_FIXED,
+    HF_MOE_FIELDS,
+    HF_MOE_VALUES,
+    MOE_KEYS,
+    hf_read,
+    hf_write,
+)
+from framework.models.deepseek_v3.model import deepseek_v3_block
+from framework.models.deepseek_v3.spec import deepseek_v3_spec
+from framework.models.family import Family
+
+DEEPSEEK_V3 = Family(
+    "deepseek_v3",
+    deepseek_v3_spec,
+    deepseek_v3_block,
+    HF_ARCHITECTURE,
+    HF_FIELDS,
+    config=DeepseekV3Config,
+    moe_keys=MOE_KEYS,
+    hf_moe_fields=HF_MOE_FIELDS,
+    hf_fixed=HF_FIXED,
+    hf_moe_values=HF_MOE_VALUES,
+    hf_read=hf_read,
+    hf_write=hf_write,
+)
