@@ -81,8 +81,8 @@ def explained(error: Exception, overrides: list[str]) -> str:
         ("+train.steps=3", "+train.steps=3: train.steps already has a value; set it with train.steps=3"),
         (  # a family's own key under another family (the default recipe is a Llama)
             "model.sliding_window=4096",
-            "model.sliding_window=4096: a key of model=mixtral|mistral only, not of model=llama (this recipe's "
-            "family); select the family with model=mixtral|mistral, or drop the override",
+            "model.sliding_window=4096: a key of model=mixtral|mistral|gpt_oss only, not of model=llama (this recipe's "
+            "family); select the family with model=mixtral|mistral|gpt_oss, or drop the override",
         ),
     ],
 )
@@ -124,11 +124,11 @@ def test_rejected_value_is_one_line_naming_it_and_what_is_valid(
         ("train.steps", "train.steps: not an override (no '='); an override is KEY=VALUE"),
         ("train.steps=[1,", "train.steps=[1,: cannot be parsed (no viable alternative at input '[1,')"),
         ("=3", "=3: no key before '='"),
-        ("model=gemma", "model=gemma: no such option in group 'model'; available: llama, mistral, mixtral, qwen3, qwen3_moe"),
-        ("model.family=gemma", "model=gemma: no such option in group 'model'; available: llama, mistral, mixtral, qwen3, qwen3_moe"),
+        ("model=gemma", "model=gemma: no such option in group 'model'; available: deepseek_v3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe"),
+        ("model.family=gemma", "model=gemma: no such option in group 'model'; available: deepseek_v3, gpt_oss, llama, mistral, mixtral, qwen3, qwen3_moe"),
         (  # the command line's family under a recipe that sets another family's key
             "recipe=mistral_tiny model.family=llama",
-            "model=llama: the recipe sets model.sliding_window, a key of model=mixtral|mistral only; keep the "
+            "model=llama: the recipe sets model.sliding_window, a key of model=mixtral|mistral|gpt_oss only; keep the "
             "recipe's family (drop model=llama) or pick a recipe of model=llama",
         ),
     ],
@@ -231,8 +231,8 @@ def test_train_py_a_family_key_under_another_family_is_one_line(
     run = tmp_path / "run"
     assert train_main(f"hydra.run.dir={run}", "model.sliding_window=4096") == 2
     assert capfd.readouterr().err.splitlines() == [
-        "error: model.sliding_window=4096: a key of model=mixtral|mistral only, not of model=llama (this recipe's "
-        "family); select the family with model=mixtral|mistral, or drop the override"
+        "error: model.sliding_window=4096: a key of model=mixtral|mistral|gpt_oss only, not of model=llama (this recipe's "
+        "family); select the family with model=mixtral|mistral|gpt_oss, or drop the override"
     ]
     assert not run.exists()
 

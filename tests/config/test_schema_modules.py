@@ -1,5 +1,5 @@
 """The schema by concern (framework/config/: data, train, run, parallel, execution, checkpoint,
-kernels, options, command_line; schema.py keeps the root, the model group and the conversion): every
+kernels, options, command_line, model; schema.py keeps the root and the conversion): every
 name that framework.config.schema held before the split still imports from it, as the same object, and
 each group's dataclass lives in its concern's module."""
 
@@ -43,7 +43,7 @@ HOME = {
     "executor": "execution",
     "checkpoint": "checkpoint",
     "verify": "checkpoint",
-    "model": "schema",
+    "model": "model",
 }
 
 

@@ -28,7 +28,9 @@ def test_spec_is_the_model(cfg: ModelConfig) -> None:
         module = model.get_submodule(name.removesuffix(f".{w.param}"))
         kind = type(module).__name__
         expected = {TPStyle.embedding: "Embedding", TPStyle.sequence: "RMSNorm", TPStyle.heads: "RMSNorm"}
-        if w.tp is not TPStyle.moe:  # an MoE layer's router and stacked experts: TP leaves them whole
+        # An MoE layer's router and stacked experts, and a sublayer TP leaves whole (multi-head latent
+        # attention, GPT-OSS's attention with sinks): any module, run whole on every TP rank.
+        if w.tp not in (TPStyle.moe, TPStyle.replicated):
             assert kind == expected.get(w.tp, "Linear"), (name, kind)
         assert unit == "root" or name.startswith(unit + ".")
     assert [model.get_submodule(u) for u in spec.units()] == blocks(model)
@@ -37,7 +39,12 @@ def test_spec_is_the_model(cfg: ModelConfig) -> None:
     assert ("output.weight" in dict((n, 0) for n, _, _ in spec.params())) is not cfg.tie_embeddings
     # RoPE rotates the q and k projections' rows, and a per-head norm over them (Qwen3's q/k norms)
     # sees the rotated features: the rows each of them holds per head are permuted on the way to HF.
+    # (DeepSeek-V3's latent attention has no wq / wk: its decoupled RoPE heads need no permutation.)
     heads = {n.rsplit(".", 2)[-2] for n, w, _ in spec.params() if w.tp is TPStyle.heads}
+    params = {n for n, _, _ in spec.params()}
     assert set(spec.rope_heads()) == {
-        f"layers.{i}.attention.{w}.weight" for i in range(cfg.n_layers) for w in ("wq", "wk", *heads)
-    }
+        f"layers.{i}.attention.{w}.{p}"
+        for i in range(cfg.n_layers)
+        for w in ("wq", "wk", *heads)
+        for p in ("weight", "bias")
+    } & params

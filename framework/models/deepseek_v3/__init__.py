@@ -6,7 +6,7 @@ The record the registry lists."""
 
 from __future__ import annotations
 
-from framework.config.schema import DeepseekV3Config
+from framework.config.schema import DeepseekV3Config, MoEConfig
 from framework.models.deepseek_v3.hf import (
     HF_ARCHITECTURE,
     HF_FIELDS,
@@ -34,4 +34,9 @@ DEEPSEEK_V3 = Family(
     hf_moe_values=HF_MOE_VALUES,
     hf_read=hf_read,
     hf_write=hf_write,
+    tiny=dict(
+        dim=64, n_layers=2, layer_pattern="dense x1, moe x1", n_heads=4, n_kv_heads=4, ffn_dim=96,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        moe=MoEConfig(num_experts=4, num_experts_per_tok=2, num_shared_experts=1),
+    ),
 )

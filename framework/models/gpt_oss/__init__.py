@@ -6,7 +6,7 @@ registry lists."""
 
 from __future__ import annotations
 
-from framework.config.schema import GptOssConfig
+from framework.config.schema import GptOssConfig, MoEConfig
 from framework.models.family import Family
 from framework.models.gpt_oss.hf import (
     HF_ARCHITECTURE,
@@ -33,4 +33,8 @@ GPT_OSS = Family(
     hf_read=hf_read,
     hf_write=hf_write,
     expert_parallel=False,
+    tiny=dict(
+        dim=64, n_layers=2, layer_pattern="[sliding, full] x1", sliding_window=8, n_heads=4, n_kv_heads=2,
+        head_dim=16, ffn_dim=96, moe=MoEConfig(num_experts=4, num_experts_per_tok=2),
+    ),
 )

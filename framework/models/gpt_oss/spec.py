@@ -15,22 +15,20 @@ R, M = TPStyle.replicated, TPStyle.moe
 
 def attention_weights(m: GptOssConfig, hd: int) -> tuple[Weight, ...]:
     q, kv, d = m.n_heads * hd, m.n_kv_heads * hd, m.dim
-    out: list[Weight] = []
+    # The module's own parameter first, as named_parameters() lists it, then its Linears'.
+    out: list[Weight] = [Weight("attention", "self_attn.sinks", (m.n_heads,), R, param="sinks")]
     for ours, theirs, rows, heads in (("wq", "q_proj", q, m.n_heads), ("wk", "k_proj", kv, m.n_kv_heads)):
         out.append(Weight(f"attention.{ours}", f"self_attn.{theirs}.weight", (rows, d), R, heads))
         out.append(Weight(f"attention.{ours}", f"self_attn.{theirs}.bias", (rows,), R, heads, param="bias"))
     for ours, theirs, shape in (("wv", "v_proj", (kv, d)), ("wo", "o_proj", (d, q))):
         out.append(Weight(f"attention.{ours}", f"self_attn.{theirs}.weight", shape, R))
         out.append(Weight(f"attention.{ours}", f"self_attn.{theirs}.bias", shape[:1], R, param="bias"))
-    out.append(Weight("attention", "self_attn.sinks", (m.n_heads,), R, param="sinks"))
     return tuple(out)
 
 
 def moe_weights(m: GptOssConfig) -> tuple[Weight, ...]:
     e, i, d = m.moe.num_experts, expert_width(m), m.dim
     return (
-        Weight("feed_forward.router", "mlp.router.weight", (e, d), M),
-        Weight("feed_forward.router", "mlp.router.bias", (e,), M, param="bias"),
         Weight(
             "feed_forward", "mlp.experts.gate_up_proj", (e, d, 2 * i), M, param="gate_up_proj", stacked=True
         ),
@@ -44,6 +42,9 @@ def moe_weights(m: GptOssConfig) -> tuple[Weight, ...]:
         ),
         Weight("feed_forward", "mlp.experts.down_proj", (e, i, d), M, param="down_proj", stacked=True),
         Weight("feed_forward", "mlp.experts.down_proj_bias", (e, d), M, param="down_proj_bias", stacked=True),
+        # the MoE module's own parameters (the stacked experts), then its router's, as named_parameters()
+        Weight("feed_forward.router", "mlp.router.weight", (e, d), M),
+        Weight("feed_forward.router", "mlp.router.bias", (e,), M, param="bias"),
     )
 
 
