@@ -40,7 +40,7 @@ from framework.launch.ranks import (
 )
 from framework.launch.rules import check as check_rules
 from framework.launch.rules import check_family_layout, check_known_keys, check_layout, check_model_shape
-from framework.models import linears, model_spec
+from framework.models import FAMILIES, linears, model_spec
 from framework.parallel.lora import check_layout as lora_layout
 from framework.parallel.process import resolve_device
 from framework.planner import stages as pipeline_stages
@@ -212,7 +212,8 @@ def aux_scope_under_pipeline(cfg: Config, pp: int) -> Config:
     torchtitan, whose aux loss is per layer under any layout, expects the term to be there, not a
     stop; transformers' global loss couples every layer's routers, which the stages hold apart."""
     m = cfg.model.moe
-    if not (pp > 1 and m.num_experts and m.router_aux_loss_coef > 0 and m.aux_loss_scope.name == "global"):
+    reads = "aux_loss_scope" in FAMILIES[cfg.model.family].moe_keys  # GPT-OSS has no load-balancing loss
+    if not (reads and pp > 1 and m.num_experts and m.router_aux_loss_coef > 0 and m.aux_loss_scope.name == "global"):
         return cfg
     log.warning(
         "model.moe.aux_loss_scope=global under parallel.pp=%d: the load-balancing loss is each layer's, "
