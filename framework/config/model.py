@@ -178,18 +178,18 @@ class ModelConfig:
     float8_size_filter: bool = True
     # The output gradients' float8 format under tensorwise (rowwise is e4m3 throughout). e5m2,
     # torchao's default: over 3 seeds of the 125M at lr 6e-4 it ended +0.4% from bf16's loss and
-    # e4m3 +2.5%, its gap growing with the steps (benchmarks/PERF.md round 15); same speed.
+    # e4m3 +2.5%, its gap growing with the steps (benchmarks/PERF.md); same speed.
     float8_grad_dtype: Float8GradDtype = only_with(
         "model.float8", Float8Recipe.tensorwise, default=Float8GradDtype.e5m2
     )
     # torch._scaled_mm's fast accumulation in the two backward GEMMs too (torchao's default: the
     # forward GEMM only). Faster on Hopper, coarser gradients: an experiment's switch, measured in
-    # benchmarks/PERF.md (session 13), off by default as in torchao and torchtitan.
+    # benchmarks/PERF.md, off by default as in torchao and torchtitan.
     float8_fast_accum: bool = only_with(
         "model.float8", Float8Recipe.tensorwise, Float8Recipe.rowwise, default=False
     )
     # A fused linear cross-entropy for the loss head (CUDA only, its package installed; block-scope
-    # executors; no TP): saves the logits' memory. benchmarks/PERF.md round 13 measures its speed.
+    # executors; no TP): saves the logits' memory. benchmarks/PERF.md measures its speed.
     fused_cross_entropy: FusedCrossEntropy = FusedCrossEntropy.none
     # Initial weights instead of a random init: a Hugging Face Llama/Qwen3 safetensors folder, or a framework
     # checkpoint (step dir, checkpoint root or run dir; model only, new optimizer and schedule). The

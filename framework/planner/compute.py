@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # The table's kernel that prices each model.attention: auto is cuDNN's (what SDPA picks on Hopper in
 # torch 2.11: the 1B profile's attention ran in cuDNN's kernels, benchmarks/PERF.md), flash is torch's
 # FlashAttention-2. Where the table has no kernel of its own: FlashAttention-4 at cuDNN's rates (it
-# ran 9% faster than cuDNN at 8K, PERF.md round 15: a pessimistic assumption, named in the plan), the
+# ran 9% faster than cuDNN at 8K, benchmarks/PERF.md: a pessimistic assumption, named in the plan), the
 # memory-efficient and math kernels at FA2's (slower still: optimistic for them).
 _ATTENTION_TABLE = {
     AttentionBackend.flash: "flash",

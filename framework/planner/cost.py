@@ -137,7 +137,7 @@ _BLOCKING_AXES = ("tp", "cp", "ep")
 _FSDP_AXES = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
 # Each TP collective costs this much beyond its alpha-beta time: DTensor's redistribution, the
 # sequence-parallel layout changes around it and the stream sync of a blocking collective. Fitted to
-# the one TP run measured (benchmarks/PERF.md, multi-GPU session 2: llama1b tp=2 on 2 H200s, micro 4,
+# the one TP run measured (benchmarks/PERF.md, multi-GPU: llama1b tp=2 on 2 H200s, micro 4,
 # 224.4 ms measured against 156.8 ms predicted without it, 256 TP collectives a step: 0.26 ms each).
 _TP_DISPATCH_S = 0.26e-3
 # parallel.async_tp: TP's all-gathers and reduce-scatters fused with their matmuls (Inductor's
@@ -158,14 +158,14 @@ _CALIBRATION_SHAPE = (16 * 2048, 2048, 8192, 16, 32, 8, 128256)  # tokens, dim, 
 # model.float8: the converted Linear layers' GEMMs (forward, input gradient, weight gradient) run on
 # the float8 tensor cores at this multiple of the bf16 rate. Hopper's dense float8 peak is twice its
 # bf16 peak (H100 / H200 datasheets: 1979 vs 989 TFLOP/s). Tensorwise: measured, not fitted: the 8B's
-# float8 GEMMs ran 3.43e14 FLOP in 259 ms of `_scaled_mm` (benchmarks/PERF.md, session 12), 1,324
+# float8 GEMMs ran 3.43e14 FLOP in 259 ms of `_scaled_mm` (benchmarks/PERF.md), 1,324
 # TFLOP/s = 0.669 of their peak, where h200.yaml's bf16 GEMMs run at 0.68 of theirs: 2 x 0.669 /
-# 0.68 = 1.97. (Session 10's 1.74 was fitted to one full-AC pair and left every no-recompute float8
-# run 11-17% slow in the plan; benchmarks/PERF.md, session 15.) Rowwise (the MoE experts' recipe,
+# 0.68 = 1.97. (1.74, fitted to one full-AC pair alone, left every no-recompute float8
+# run 11-17% slow in the plan; benchmarks/PERF.md.) Rowwise (the MoE experts' recipe,
 # whose casts _FLOAT8_EXPERT_CAST_SLOWDOWN was fitted with) keeps 1.74.
 _FLOAT8_GEMM_SPEEDUP = {Float8Recipe.tensorwise: 1.97, Float8Recipe.rowwise: 1.74}
 # model.float8_fast_accum: the two backward GEMMs (2/3 of a Linear's float8 FLOPs) this much faster
-# again. Llama-3-8B at 8K on one H200, tensorwise, the same machine (benchmarks/PERF.md, session 13):
+# again. Llama-3-8B at 8K on one H200, tensorwise, the same machine (benchmarks/PERF.md):
 # 595.1 -> 579.5 ms a step; the float8 GEMMs' backward share of the profile is ~173 ms (2/3 of
 # `_scaled_mm`'s 259 ms), so 173 / (173 - 15.6) = 1.10. One measurement: a fit.
 _FAST_ACCUM_BACKWARD_SPEEDUP = 1.10
@@ -188,7 +188,7 @@ _FLOAT8_WEIGHT_BACKWARD_BYTES = 3.0
 _FLOAT8_EXPERT_WEIGHT_BYTES = 5.0
 _FLOAT8_EXPERT_WEIGHT_BACKWARD_BYTES = 5.0
 # ... and those casts run at 1/2.4 of the bandwidth the counts above assume: Qwen3-30B-A3B cut to 8
-# layers on one H200 (seq 4096 x 2, compiled; benchmarks/PERF.md, session 13) stepped 30.6 ms slower
+# layers on one H200 (seq 4096 x 2, compiled; benchmarks/PERF.md) stepped 30.6 ms slower
 # with float8 experts, of which the grouped GEMMs saved 7.3 ms (the profile): 37.9 ms of casts and
 # padding against 15.7 ms counted (torchao's per-group rowwise scale kernels, the padding copies).
 # One measurement: a fit.

@@ -69,8 +69,8 @@ _COMPILED_K, _COMPILED_LOGIT_BYTES = 0.72, 2
 # activations that the partitioner keeps per unit of budget. Fitted on one H200 (Llama-3-8B, seq
 # 8192, micro 1, the optimizer in backward; budgets 0.8, 0.9, 0.95, 0.98 peaked at 110.9, 112.85,
 # 113.85, 114.35 GiB: a slope of 19.2 GiB per unit of budget against the plan's 34.6;
-# benchmarks/PERF.md, session 12). Linear in the budget was 13% over at 0.9 and 17% over on the 7B
-# at 0.5 (round 5); at budget 1.0 (the default partition) the 8B ran out of memory.
+# benchmarks/PERF.md). Linear in the budget was 13% over at 0.9 and 17% over on the 7B
+# at 0.5; at budget 1.0 (the default partition) the 8B ran out of memory.
 _BUDGET_KEPT = 0.555
 # Under TP with parallel.loss_parallel=false the output projection's local logit shard is
 # all-gathered to full logits on every rank (Replicate, for the loss), and both live with their

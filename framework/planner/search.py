@@ -55,8 +55,8 @@ SEARCHED_AC = (
     ActivationCheckpointing.full,
 )
 # sharding.activation_checkpointing=budget under auto: the budgets weighed span those measured
-# (benchmarks/PERF.md): BUDGET_MIN, the lowest that fed the planner's fit (the 7B at 0.5, round 5),
-# BUDGET_MAX the highest that ran (Llama-3-8B at 8K on one H200, 114.4 GiB, session 12); above it
+# (benchmarks/PERF.md): BUDGET_MIN, the lowest that fed the planner's fit (the 7B at 0.5),
+# BUDGET_MAX the highest that ran (Llama-3-8B at 8K on one H200, 114.4 GiB); above it
 # the partitioner nears its default partition (1.0 ran out of memory there), which the plan's
 # linear _BUDGET_KEPT does not model. BUDGET_STEP: a chosen budget is rounded down to it.
 BUDGET_MIN, BUDGET_MAX, BUDGET_STEP = 0.5, 0.98, 0.01

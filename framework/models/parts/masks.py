@@ -77,7 +77,7 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
 
     b, s = doc.shape
     # On CUDA the mask's construction is compiled (torch's ``_compile``): at 8K, 3.2 ms a step
-    # instead of 9.0 eager on one H200 (benchmarks/PERF.md, issue 28); elsewhere eager, as tests run it.
+    # instead of 9.0 eager on one H200 (benchmarks/PERF.md); elsewhere eager, as tests run it.
     return create_block_mask(same_document_causal, b, None, s, s, device=doc.device, _compile=doc.is_cuda)
 
 
