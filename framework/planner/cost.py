@@ -413,53 +413,17 @@ def predict_step(
     micro batch that ``sharding.activation_offload`` moves to host memory (and back in backward).
     """
     hw, m = cfg.mesh.hardware, cfg.model
-    peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
     hbm = hw.hbm_gbps * 1e9
     # Per rank: its data-parallel share, and of that its sequence shard under CP (load-balanced, so
     # each CP rank also does 1/cp of the causal attention).
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / d.dp / d.cp
     recompute = recompute_fraction(cfg)
-    flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
     f8 = _float8_terms(cfg, recompute)
-    speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
-    expert_speedup = _FLOAT8_GEMM_SPEEDUP[EXPERTS_RECIPE]
-    backward = _FAST_ACCUM_BACKWARD_SPEEDUP if m.float8_fast_accum else 1.0
-    linear = f8.linear_flops * (1 / 3 + 2 / 3 / backward) / speedup
-    f8_flops = linear - f8.expert_flops + f8.expert_flops / expert_speedup
-    # The MoE sublayer runs whole on every TP rank (framework.parallel.tensor.block_plan): TP divides
-    # the rest of the work, never the experts'.
-    experts = f8.expert_flops / expert_speedup if f8.expert_flops else _expert_flops_per_token(cfg, recompute)
-    dense = flops - f8.linear_flops + f8_flops - experts
-    compute_s = (dense / d.tp + experts) * tokens / peak
-    terms = None
-    if hw.kernel_table:
-        terms = table_compute(cfg, d, load_table(hw.kernel_table), accum, recompute, backward, expert_speedup)
-        compute_s = terms.total_s
-
-    width = m.n_layers * (2 * m.dim + m.ffn_dim)
-    # A recomputed forward runs its pointwise work again (a third of the forward and backward's);
-    # selective_op recomputes all of it (norms, RoPE, SiLU: it keeps only matmul and attention outputs).
-    op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
-    again = 1.0 if op else recompute
-    pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + again / 3.0)
-    # The full logits on every TP rank, or its vocabulary shard under loss parallelism.
-    logits = tokens * m.vocab_size * _LOGIT_BYTES / (d.tp if loss_parallel_on(cfg, d.tp) else 1)
-    if cfg.executor.mode == ExecutorMode.eager:
-        pointwise *= _EAGER_POINTWISE
-    if not loss_head_compiled(cfg):  # eager, or the blocks alone compiled (executor.compile_loss)
-        logits *= _EAGER_POINTWISE
-    unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
-    local = unsharded / d.fsdp_shard if local_params is None else local_params
-    casts = accum * unsharded * _CAST_BYTES
-    # float8's casts: the activations' per token (TP: each rank casts its shard), the weights' per
-    # micro batch (this TP rank's whole weights, as the bf16 casts above)
-    # (a pipeline rank: its share of both, below)
-    f8_casts = (tokens * f8.act_bytes + accum * f8.weight_bytes) / d.tp
-    f8_casts += _FLOAT8_EXPERT_CAST_SLOWDOWN * (tokens * f8.expert_act_bytes + accum * f8.expert_weight_bytes / d.ep) / d.tp
-    trained = local * trained_share(cfg)  # what has gradients to accumulate and an optimizer step
-    accumulate = (accum - 1) * trained * _ACCUM_BYTES
+    compute_s, terms = _compute_s(cfg, d, tokens, recompute, f8, accum)
+    b = _memory_bytes(cfg, d, tokens, recompute, f8, accum, unit_bytes, local_params)
+    pointwise, logits, casts, accumulate, f8_casts = b.pointwise, b.logits, b.casts, b.accumulate, b.f8_casts
     memory_s = (pointwise + logits + casts + accumulate + f8_casts) / hbm
-    optimizer_s = trained * adamw_step_bytes(cfg) / hbm
+    optimizer_s = b.trained * adamw_step_bytes(cfg) / hbm
     bubble_s = 0.0
     if pipeline is not None:
         fraction, bubble = pipeline
@@ -499,6 +463,77 @@ def predict_step(
         sources=describe(origin, parts),
         **(_terms(terms, hw.kernel_table, pipeline[0] if pipeline is not None else 1.0) if terms else {}),
     )
+
+
+def _compute_s(
+    cfg: Config, d: Degrees, tokens: float, recompute: float, f8: Float8Terms, accum: int
+) -> tuple[float, ComputeTerms | None]:
+    """One step's compute on a rank: from the profile's kernel table when it names one, else its
+    FLOPs at the fitted GEMM efficiency (the experts whole on every TP rank, float8 at its speedups)."""
+    hw, m = cfg.mesh.hardware, cfg.model
+    speedup = _FLOAT8_GEMM_SPEEDUP.get(m.float8, 1.0)
+    expert_speedup = _FLOAT8_GEMM_SPEEDUP[EXPERTS_RECIPE]
+    backward = _FAST_ACCUM_BACKWARD_SPEEDUP if m.float8_fast_accum else 1.0
+    if hw.kernel_table:
+        terms = table_compute(cfg, d, load_table(hw.kernel_table), accum, recompute, backward, expert_speedup)
+        return terms.total_s, terms
+    peak = hw.peak_tflops * 1e12 * hw.gemm_efficiency * gemm_shape_efficiency(cfg, d)
+    flops = flops_per_token(m, cfg.train.seq_len) + recompute * _recompute_flops_per_token(cfg)
+    linear = f8.linear_flops * (1 / 3 + 2 / 3 / backward) / speedup
+    f8_flops = linear - f8.expert_flops + f8.expert_flops / expert_speedup
+    # The MoE sublayer runs whole on every TP rank (framework.parallel.tensor.block_plan): TP divides
+    # the rest of the work, never the experts'.
+    experts = f8.expert_flops / expert_speedup if f8.expert_flops else _expert_flops_per_token(cfg, recompute)
+    dense = flops - f8.linear_flops + f8_flops - experts
+    return (dense / d.tp + experts) * tokens / peak, None
+
+
+@dataclass(frozen=True)
+class _MemoryBytes:
+    """A step's memory-bound traffic on a rank, by what scales with a pipeline rank's share (pointwise,
+    logits, float8 casts) and what does not (its own weights' casts and gradient accumulation)."""
+
+    pointwise: float
+    logits: float
+    casts: float
+    accumulate: float
+    f8_casts: float
+    trained: float  # the elements with gradients and an optimizer step
+
+
+def _memory_bytes(
+    cfg: Config,
+    d: Degrees,
+    tokens: float,
+    recompute: float,
+    f8: Float8Terms,
+    accum: int,
+    unit_bytes: list[int],
+    local_params: int | None,
+) -> _MemoryBytes:
+    m = cfg.model
+    width = m.n_layers * (2 * m.dim + m.ffn_dim)
+    # A recomputed forward runs its pointwise work again (a third of the forward and backward's);
+    # selective_op recomputes all of it (norms, RoPE, SiLU: it keeps only matmul and attention outputs).
+    op = cfg.sharding.activation_checkpointing is ActivationCheckpointing.selective_op
+    again = 1.0 if op else recompute
+    pointwise = tokens * width * _POINTWISE_BYTES / d.tp * (1.0 + again / 3.0)
+    # The full logits on every TP rank, or its vocabulary shard under loss parallelism.
+    logits = tokens * m.vocab_size * _LOGIT_BYTES / (d.tp if loss_parallel_on(cfg, d.tp) else 1)
+    if cfg.executor.mode == ExecutorMode.eager:
+        pointwise *= _EAGER_POINTWISE
+    if not loss_head_compiled(cfg):  # eager, or the blocks alone compiled (executor.compile_loss)
+        logits *= _EAGER_POINTWISE
+    unsharded = sum(unit_bytes) / 4  # this TP rank's parameters, whole (FSDP all-gathers them)
+    local = unsharded / d.fsdp_shard if local_params is None else local_params
+    casts = accum * unsharded * _CAST_BYTES
+    # float8's casts: the activations' per token (TP: each rank casts its shard), the weights' per
+    # micro batch (this TP rank's whole weights, as the bf16 casts above)
+    f8_casts = (tokens * f8.act_bytes + accum * f8.weight_bytes) / d.tp
+    f8_casts += _FLOAT8_EXPERT_CAST_SLOWDOWN * (tokens * f8.expert_act_bytes + accum * f8.expert_weight_bytes / d.ep) / d.tp
+    trained = local * trained_share(cfg)
+    accumulate = (accum - 1) * trained * _ACCUM_BYTES
+    return _MemoryBytes(pointwise, logits, casts, accumulate, f8_casts, trained)
 
 
 def _terms(terms: ComputeTerms, table: str | None, fraction: float) -> dict[str, float | str]:
