@@ -23,13 +23,14 @@ import contextlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from framework.checkpoint.quantized import Quantized, logical_tensors, open_slice
 from framework.config.schema import ModelFamily
 from framework.data.folder_links import check_inside
 from framework.models import FAMILIES, model_spec
@@ -75,12 +76,14 @@ _HF_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class HFCheckpoint:
-    """A safetensors folder: its config.json and, per tensor name, the file and shape."""
+    """A safetensors folder: its config.json and, per tensor name, the file and shape. A quantized
+    folder's shapes are its logical tensors' (framework.checkpoint.quantized), read dequantized."""
 
     path: Path
     config: dict[str, Any]
-    files: dict[str, str]  # tensor name -> file name inside ``path``
+    files: dict[str, str]  # tensor name (stored or logical) -> file name inside ``path``
     shapes: dict[str, tuple[int, ...]]
+    quantized: dict[str, Quantized] = field(default_factory=dict)
 
 
 def is_hf_checkpoint(path: Path) -> bool:
@@ -144,7 +147,9 @@ def read_hf_checkpoint(path: Path, key: str = "model.init_from") -> HFCheckpoint
         missing = sorted(t for t, f in weight_map.items() if files.get(t) != f)
         if missing:
             raise ValueError(f"{where}: {INDEX_FILE} lists tensors its files do not hold: {missing[:5]}")
-    return HFCheckpoint(path, config, files, shapes)
+    shapes, stored, quantized = logical_tensors(config, shapes, where)
+    files |= {name: files[t] for name, t in stored.items()}
+    return HFCheckpoint(path, config, files, shapes, quantized)
 
 
 def _check_names(names: list[object], where: str) -> None:
@@ -406,8 +411,7 @@ def hf_shapes(
 
 
 def _read_experts(
-    open_file: Any,
-    files: dict[str, str],
+    get_slice: Any,
     parts: tuple[str, ...],
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
@@ -421,14 +425,12 @@ def _read_experts(
     experts = []
     for e in range(e0, e0 + ne):
         names = [t.format(e=e) for t in parts]
-        per = open_file(files[names[0]]).get_slice(names[0]).get_shape()[0]
+        per = get_slice(names[0]).get_shape()[0]
         rows = []
         for j, name in enumerate(names):
             lo, hi = max(r0, j * per), min(r0 + nr, (j + 1) * per)
             if lo < hi:
-                rows.append(
-                    open_file(files[name]).get_slice(name)[(slice(lo - j * per, hi - j * per), *cols)]
-                )
+                rows.append(get_slice(name)[(slice(lo - j * per, hi - j * per), *cols)])
         experts.append(torch.cat(rows))
     return torch.stack(experts)
 
@@ -488,31 +490,26 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> None:
     assert set(params) <= set(names) | set(experts), (
         f"parameters the spec does not name: {sorted(set(params) - set(names) - set(experts))[:5]}"
     )
-    stacked = [n for n in params if n in experts]
-    if stacked:
-        with contextlib.ExitStack() as stack:
-            handles: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
 
-            def open_file(name: str) -> Any:
-                if name not in handles:
-                    handles[name] = stack.enter_context(safe_open(str(ckpt.path / name), framework="pt"))
-                return handles[name]
+        def get_slice(name: str) -> Any:
+            """A tensor's slice reader (dequantizing a quantized one), its file opened once."""
 
-            for n in stacked:
-                local, offsets, sizes = _local_chunk(params[n])
-                value = _read_experts(open_file, ckpt.files, experts[n], offsets, sizes)
-                local.copy_(value.to(device=local.device, dtype=local.dtype))
-    by_file: dict[str, list[str]] = {}
-    for n in params:
-        if n not in experts:
-            by_file.setdefault(ckpt.files[names[n]], []).append(n)
-    for file, in_file in sorted(by_file.items()):
-        with safe_open(str(ckpt.path / file), framework="pt") as f:
-            for n in in_file:
-                local, offsets, sizes = _local_chunk(params[n])
-                sl = f.get_slice(names[n])
-                if n in rope:
-                    value = _read_rope_rows(sl, offsets, sizes, params[n].shape[0] // rope[n])
-                else:
-                    value = _read_rows(sl, offsets, sizes)
-                local.copy_(value.to(device=local.device, dtype=local.dtype))
+            def stored(t: str) -> Any:
+                file = ckpt.files[t]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(ckpt.path / file), framework="pt"))
+                return handles[file].get_slice(t)
+
+            return open_slice(name, ckpt.quantized, stored)
+
+        for n in sorted(params, key=lambda n: (ckpt.files.get(names.get(n, ""), ""), n)):
+            local, offsets, sizes = _local_chunk(params[n])
+            if n in experts:
+                value = _read_experts(get_slice, experts[n], offsets, sizes)
+            elif n in rope:
+                value = _read_rope_rows(get_slice(names[n]), offsets, sizes, params[n].shape[0] // rope[n])
+            else:
+                value = _read_rows(get_slice(names[n]), offsets, sizes)
+            local.copy_(value.to(device=local.device, dtype=local.dtype))
