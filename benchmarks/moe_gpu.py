@@ -74,7 +74,8 @@ def hand(args: argparse.Namespace) -> None:
     register_resolvers()
     t_start = time.perf_counter()
     dev = torch.device("cuda")
-    cfg = compose_cfg([f"recipe={args.recipe}", f"model.n_layers={args.layers}", f"train.seq_len={args.seq}"])
+    over = [f"recipe={args.recipe}", f"model.n_layers={args.layers}", f"train.seq_len={args.seq}"]
+    cfg = compose_cfg(over + ([f"model.layer_pattern='{args.pattern}'"] if args.pattern else []))
     m = cfg.model
     m = dataclasses.replace(
         m, moe=dataclasses.replace(m.moe, expert_kernel=config_mod.ExpertKernel(args.kernel))
@@ -120,7 +121,7 @@ def hand(args: argparse.Namespace) -> None:
     gemm_ms, _ = grouped_share(step)
     share = gemm_ms / (step_s * 1e3)
     row = {
-        "what": f"hand {'compile' if args.compile else 'eager'} expert_kernel={args.kernel}"
+        "what": f"hand {args.recipe} {'compile' if args.compile else 'eager'} expert_kernel={args.kernel}"
         + (" +norm/found_inf" if args.guard else "")
         + (" float8 experts" if args.float8 else ""),
         "layers": args.layers, "seq": args.seq, "batch": args.batch,
@@ -175,6 +176,7 @@ def main() -> None:
     h = sub.add_parser("hand")
     h.add_argument("--recipe", default="qwen3_30b_a3b")
     h.add_argument("--layers", type=int, default=8)
+    h.add_argument("--pattern", default="", help="model.layer_pattern for --layers (e.g. 'dense x1, moe x7')")
     h.add_argument("--seq", type=int, default=4096)
     h.add_argument("--batch", type=int, default=2)
     h.add_argument("--steps", type=int, default=12)
