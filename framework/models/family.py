@@ -66,8 +66,8 @@ class Family:
     hf_moe_values: dict[str, object] = field(default_factory=dict)
     hf_read: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
     hf_write: Callable[[Any, tuple[LayerKind, ...]], dict[str, Any]] | None = None
-    # Whether expert parallelism (framework.parallel.expert, which shards framework.models.moe's MoE
-    # layer) runs the family's experts: GPT-OSS's biased experts are a layer of its own.
+    # Whether expert parallelism (framework.parallel.expert, which shards any layer whose experts are
+    # framework.models.grouped.StackedExperts, GPT-OSS's biased ones included) runs the family's experts.
     expert_parallel: bool = True
 
     def tiny_config(self) -> ModelConfig:

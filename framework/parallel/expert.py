@@ -38,22 +38,26 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from framework.models.moe import GroupedExperts, MoE, check_moe, run_experts
+from framework.models.moe import MoE, StackedExperts, check_moe
 
 
 class ExpertParallel(nn.Module):
-    """This rank's ``E / ep`` experts, reached from every ep rank by all-to-all. ``gate_up_proj`` and
-    ``down_proj`` are the global ``(E, ...)`` stacks as DTensors ``Shard(0)`` on the ep mesh."""
+    """This rank's ``E / ep`` experts, reached from every ep rank by all-to-all. Every parameter of
+    the experts it replaces (``gate_up_proj`` and ``down_proj``; GPT-OSS's biases too) is the global
+    ``(E, ...)`` stack as a DTensor ``Shard(0)`` on the ep mesh, under the same name; the local rows
+    run the experts' own math (``StackedExperts.compute``) on the local slices."""
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+    def __init__(self, experts: StackedExperts, ep_mesh: DeviceMesh) -> None:
         super().__init__()
         self.kernel = experts.kernel
         self.float8 = experts.float8  # framework.parallel.float8 ran first (parallelize's order)
+        self.compute = experts.compute()
         self.ep_mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
-        self.num_local = experts.gate_up_proj.shape[0] // self.ep
-        for name in ("gate_up_proj", "down_proj"):
+        self.names = tuple(name for name, _ in experts.named_parameters(recurse=False))
+        self.num_local = getattr(experts, self.names[0]).shape[0] // self.ep
+        for name in self.names:
             full = getattr(experts, name)
             # src_data_rank=None: every rank holds the same full tensor (one seed, or meta): slice locally
             dt = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
@@ -67,13 +71,8 @@ class ExpertParallel(nn.Module):
         recv_splits = recv.sum(1).tolist()
         routed = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         order = expert_major_order(recv)
-        y = run_experts(
-            routed[order],
-            recv.sum(0),
-            _local(self.gate_up_proj),
-            _local(self.down_proj),
-            self.kernel,
-            self.float8,
+        y = self.compute(
+            routed[order], recv.sum(0), [_local(getattr(self, name)) for name in self.names], self.float8
         )
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
@@ -93,18 +92,31 @@ def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
     return torch.argsort(torch.repeat_interleave(key, recv.reshape(-1)), stable=True)
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """The model's MoE layers, in module order."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE layers, in module order: ``MoE`` and a family's own layer (GPT-OSS's) alike,
+    any module whose ``experts`` are stacked (``StackedExperts``, or the runner that replaced them)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "experts", None), (StackedExperts, ExpertParallel))
+    ]
 
 
-def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> MoE:
+def shard_experts(moe: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     """Shard ``moe``'s experts over ``ep_mesh`` (every ep rank calls it, with the same full weights,
     or on meta). Raises ValueError when ep does not divide the number of experts."""
     ep = ep_mesh.size()
-    check_moe(moe.cfg, ep)
     full = moe.experts
-    assert isinstance(full, GroupedExperts), "shard_experts runs once, on the layer as built"
+    assert isinstance(full, StackedExperts), "shard_experts runs once, on the layer as built"
+    if isinstance(moe, MoE):
+        check_moe(moe.cfg, ep)
+    else:
+        e = next(full.parameters()).shape[0]
+        if e % ep:
+            valid = ", ".join(str(d) for d in range(1, e + 1) if e % d == 0)
+            raise ValueError(
+                f"parallel.ep={ep} does not divide model.moe.num_experts={e}: valid ep are {valid}"
+            )
     moe.experts = ExpertParallel(full, ep_mesh)
     return moe
 

@@ -96,7 +96,7 @@ class Reference(torch.nn.Module):
                 m.router.weight.copy_(layer.mlp.router.weight)
                 m.router.bias.copy_(layer.mlp.router.bias)
                 for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-                    getattr(m, name).copy_(getattr(e, name))
+                    getattr(m.experts, name).copy_(getattr(e, name))
                 self.norms[2 * i].weight.copy_(layer.input_layernorm.weight)
                 self.norms[2 * i + 1].weight.copy_(layer.post_attention_layernorm.weight)
 
@@ -119,7 +119,7 @@ def test_parts_give_transformers_logits() -> None:
         assert diff <= 1e-5, diff
         # Each part decides the logits (the test can fail): the sinks, the window, the clamp.
         for change in ("sinks", "window", "clamp"):
-            saved = [(a.sinks.clone(), a.window) for a in ours.attn], [m.limit for m in ours.moe]
+            saved = [(a.sinks.clone(), a.window) for a in ours.attn], [m.experts.limit for m in ours.moe]
             if change == "sinks":
                 for a in ours.attn:
                     a.sinks.zero_()
@@ -127,13 +127,13 @@ def test_parts_give_transformers_logits() -> None:
                 ours.attn[0].window = 0
             else:
                 for m in ours.moe:
-                    m.limit = 1e9
+                    m.experts.limit = 1e9
             assert (ours(x) - want).abs().max().item() > 1e-4, change
             for a, (s, w) in zip(ours.attn, saved[0], strict=True):
                 a.sinks.copy_(s)
                 a.window = w
             for m, limit in zip(ours.moe, saved[1], strict=True):
-                m.limit = limit
+                m.experts.limit = limit
 
 
 def test_yarn_without_truncation_gives_transformers_tables() -> None:

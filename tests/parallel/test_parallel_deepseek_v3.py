@@ -8,7 +8,8 @@ norm of every step within rtol 1e-5 of one process, and the routers' biases equa
 expert parallelism (ep=2, and with full activation checkpointing: backward reruns the all-to-alls),
 tensor parallelism (tp=2: the latent attention whole on each TP rank, the dense MLP sharded) and a
 pipeline (pp=2, cut by cost: the dense layer is cheaper than an MoE one). And ``gpt_oss_tiny`` (the
-other family on the layer-kind stack) under FSDP, tp=2 and pp=2.
+other family on the layer-kind stack) under FSDP, tp=2, pp=2 and expert parallelism (ep=2: its biased
+experts sharded with their biases, the same all-to-all dispatch).
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ GPT_OSS_LAYOUTS = [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}]
 
 
 def test_gpt_oss_on_two_gloo_ranks_fsdp_tp_pp_trains_as_one_process() -> None:
-    """``gpt_oss_tiny`` (sinks, sliding and full layers, biased experts; no expert parallelism: refused
-    before launch) trained 2 steps: FSDP over its stacked experts, tp=2 (attention and the MoE layer
-    whole on each TP rank) and pp=2, loss and gradient norm within rtol 1e-5 of one process."""
+    """``gpt_oss_tiny`` (sinks, sliding and full layers, biased experts) trained 2 steps: FSDP over its
+    stacked experts, tp=2 (attention and the MoE layer whole on each TP rank) and pp=2, loss and
+    gradient norm within rtol 1e-5 of one process."""
     ref = reference("gpt_oss_tiny")
     worst = {}
     for rank in run_ranks(_worker, 2, "gpt_oss_tiny", GPT_OSS_LAYOUTS):
@@ -126,3 +127,19 @@ def test_gpt_oss_on_two_gloo_ranks_fsdp_tp_pp_trains_as_one_process() -> None:
                     worst[r["layout"]] = max(worst.get(r["layout"], 0.0), abs(a - b) / abs(b))
     print("gpt_oss_tiny, 2 gloo ranks, worst relative loss/grad-norm difference:", worst)
     assert len(worst) == len(GPT_OSS_LAYOUTS), worst
+
+
+def test_gpt_oss_expert_parallel_trains_as_one_process() -> None:
+    """``gpt_oss_tiny`` under ep=2: each rank holds two of the four experts with their biases (the
+    stacks and the biases sharded by expert), tokens moved by the all-to-all dispatch the other MoE
+    families use; 2 steps' loss and gradient norm within rtol 1e-5 of one process."""
+    ref = reference("gpt_oss_tiny")
+    worst = 0.0
+    for rank in run_ranks(_worker, 2, "gpt_oss_tiny", [{"ep": 2}]):
+        for r in rank:
+            assert "e2" in r["layout"], r["layout"]
+            for got, want in zip(r["steps"], ref["steps"], strict=True):
+                for name, a, b in zip(("loss", "grad_norm"), got, want, strict=True):
+                    assert abs(a - b) <= RTOL * abs(b), (r["layout"], name, a, b)
+                    worst = max(worst, abs(a - b) / abs(b))
+    print("gpt_oss_tiny ep=2 on 2 gloo ranks, worst relative loss/grad-norm difference:", worst)

@@ -25,6 +25,7 @@ def latent_attention(m: DeepseekV3Config) -> LatentAttention:
         m.v_head_dim,
         m.norm_eps,
         softmax_scale(qk, m.rope_yarn_factor, m.rope_yarn_mscale_all_dim),
+        m.attention,
     )
 
 

@@ -32,7 +32,6 @@ GPT_OSS = Family(
     hf_fixed=HF_FIXED,
     hf_read=hf_read,
     hf_write=hf_write,
-    expert_parallel=False,
     tiny=dict(
         dim=64, n_layers=2, layer_pattern="[sliding, full] x1", sliding_window=8, n_heads=4, n_kv_heads=2,
         head_dim=16, ffn_dim=96, moe=MoEConfig(num_experts=4, num_experts_per_tok=2),

@@ -28,23 +28,17 @@ def attention_weights(m: GptOssConfig, hd: int) -> tuple[Weight, ...]:
 
 def moe_weights(m: GptOssConfig) -> tuple[Weight, ...]:
     e, i, d = m.moe.num_experts, expert_width(m), m.dim
+    experts = "feed_forward.experts"
     return (
-        Weight(
-            "feed_forward", "mlp.experts.gate_up_proj", (e, d, 2 * i), M, param="gate_up_proj", stacked=True
-        ),
-        Weight(
-            "feed_forward",
-            "mlp.experts.gate_up_proj_bias",
-            (e, 2 * i),
-            M,
-            param="gate_up_proj_bias",
-            stacked=True,
-        ),
-        Weight("feed_forward", "mlp.experts.down_proj", (e, i, d), M, param="down_proj", stacked=True),
-        Weight("feed_forward", "mlp.experts.down_proj_bias", (e, d), M, param="down_proj_bias", stacked=True),
-        # the MoE module's own parameters (the stacked experts), then its router's, as named_parameters()
+        # the router first, as named_parameters() lists the MoE module's children (router, experts)
         Weight("feed_forward.router", "mlp.router.weight", (e, d), M),
         Weight("feed_forward.router", "mlp.router.bias", (e,), M, param="bias"),
+        Weight(experts, "mlp.experts.gate_up_proj", (e, d, 2 * i), M, param="gate_up_proj", stacked=True),
+        Weight(
+            experts, "mlp.experts.gate_up_proj_bias", (e, 2 * i), M, param="gate_up_proj_bias", stacked=True
+        ),
+        Weight(experts, "mlp.experts.down_proj", (e, i, d), M, param="down_proj", stacked=True),
+        Weight(experts, "mlp.experts.down_proj_bias", (e, d), M, param="down_proj_bias", stacked=True),
     )
 
 

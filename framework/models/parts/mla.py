@@ -10,6 +10,13 @@ checkpoints store them (transformers' ``rope_interleave: true``), so no row is p
 
 Tensor parallelism leaves this sublayer whole on every TP rank (its weights are ``TPStyle.replicated``:
 framework.parallel.tensor.block_plan): the heads are not split yet.
+
+The kernel: SDPA. Its flash kernels take equal q, k and v widths only, and MLA's differ (192 and 128
+in the published models), so under ``model.attention=auto`` torch picks the memory-efficient kernel
+on CUDA (which takes a narrower v; not the math fallback). ``model.attention=flash|fa4`` pads v with
+zero columns to the q/k width and slices the output back (``padded_v_attention``): exact, as a zero
+column of v gives a zero column of the output and its gradient is dropped, for 1.2x the FLOPs at
+(192, 128). ``cudnn``, ``efficient`` and ``math`` pick that SDPA backend.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from framework.config.schema import AttentionBackend
 from framework.models.parts.cache import KVCache
 from framework.models.parts.masks import causal_band
 from framework.models.parts.norm import RMSNorm
@@ -40,8 +49,10 @@ class LatentAttention(nn.Module):
         v_head_dim: int,
         norm_eps: float,
         softmax_scale: float,
+        backend: AttentionBackend = AttentionBackend.auto,
     ) -> None:
         super().__init__()
+        self.backend = backend
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk = qk_nope_head_dim + qk_rope_head_dim
@@ -94,6 +105,11 @@ class LatentAttention(nn.Module):
             out = flex_attention(q, k, v, block_mask=mask, scale=self.scale)
         elif mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        elif self.backend in (AttentionBackend.flash, AttentionBackend.fa4):
+            out = padded_v_attention(q, k, v, causal, self.scale)
+        elif self.backend is not AttentionBackend.auto:
+            with sdpa_kernel(_SDPA_BACKENDS[self.backend]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale)
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
@@ -130,6 +146,25 @@ class LatentAttention(nn.Module):
             False,
         )
         return self.wo(out)
+
+
+_SDPA_BACKENDS = {
+    AttentionBackend.cudnn: SDPBackend.CUDNN_ATTENTION,
+    AttentionBackend.efficient: SDPBackend.EFFICIENT_ATTENTION,
+    AttentionBackend.math: SDPBackend.MATH,
+}
+
+
+def padded_v_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    """SDPA's flash kernel on q, k (batch, heads, seq, qk) and v (batch, heads, seq, v_dim), v_dim <=
+    qk: v padded with zero columns to qk (the kernel's equal widths), the output's first v_dim kept."""
+    width = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - width))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return out[..., :width]
 
 
 def softmax_scale(qk_head_dim: int, yarn_factor: float, mscale_all_dim: float) -> float:
