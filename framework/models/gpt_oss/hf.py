@@ -28,7 +28,7 @@ HF_MOE_FIELDS = {
 # What GptOssForCausalLM computes: biases on attention (the shared import refuses them elsewhere).
 HF_FIXED: dict[str, object] = {"attention_bias": True}
 SWIGLU_ALPHA = 1.702  # transformers' swiglu_alpha, the published models' (not a config key here)
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "expert_kernel")
 _LAYER = {"sliding_attention": "sliding", "full_attention": "full"}
 _YARN = {
     "rope_yarn_factor": "factor",
