@@ -386,9 +386,8 @@ def _recipe_target(name: str) -> list[str]:
     """The mesh and hardware a shipped recipe is for: the default (one CPU rank) for a model under
     1B parameters (framework.kernels.target.GPU_SIZED_PARAMS), else the fewest H200s of
     8, 4x8, 16x8, 32x8 that hold it (found by dry runs; a recipe that outgrows its mesh fails below)."""
-    # gpt_oss_120b: no expert parallelism for its family yet (docs/models.md), so it needs 16x8
-    on_16x8 = {"gpt_314b", "gpt_462b", "gpt_oss_120b", "llama3_405b", "nemotron4_340b", "qwen3_235b_a22b"}
-    on_4x8 = {"gpt3_175b", "gpt_119b", "gpt_177b"}
+    on_16x8 = {"gpt_314b", "gpt_462b", "llama3_405b", "nemotron4_340b", "qwen3_235b_a22b"}
+    on_4x8 = {"gpt3_175b", "gpt_119b", "gpt_177b", "gpt_oss_120b"}
     on_32x8 = {"deepseek_v3_671b", "kimi_k2"}
     if name in on_32x8:
         return ["mesh=32x8", "mesh/hardware=h200"]
