@@ -89,7 +89,7 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(tmp_path: P
     ours_state = model.state_dict()
     for name, want in reference.items():
         layer = name.split(".")[2]
-        got = ours_state[f"layers.{layer}.feed_forward.{name.split('.')[-1]}"]
+        got = ours_state[f"layers.{layer}.feed_forward.experts.{name.split('.')[-1]}"]
         assert torch.equal(got, want), name
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
