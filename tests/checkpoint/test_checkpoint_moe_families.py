@@ -37,7 +37,11 @@ SAVED = {
 # Half the recipe's depth (one layer of each kind): the same paths at half the CPU time.
 SHALLOW = {
     "deepseek_v3_tiny": ["model.n_layers=2", "model.layer_pattern='dense x1, moe x1'"],
-    "gpt_oss_tiny": ["model.n_layers=2", "model.layer_pattern='[sliding, full] x1'", "model.sliding_window=8"],
+    "gpt_oss_tiny": [
+        "model.n_layers=2",
+        "model.layer_pattern='[sliding, full] x1'",
+        "model.sliding_window=8",
+    ],
 }
 
 
@@ -58,13 +62,22 @@ def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 def train(run: Path, world: int, recipe: str, *overrides: str) -> list[float]:
     """The run's losses, one per step it trained."""
     train_on_forked_ranks(
-        run, world, f"hydra.run.dir={run}", f"recipe={recipe}", f"mesh={world}", *FAST, *SHALLOW[recipe], *overrides
+        run,
+        world,
+        f"hydra.run.dir={run}",
+        f"recipe={recipe}",
+        f"mesh={world}",
+        *FAST,
+        *SHALLOW[recipe],
+        *overrides,
     )
     return [r["loss"] for r in read_metrics(run) if "loss" in r]
 
 
 @pytest.mark.parametrize("recipe", list(SAVED))
-def test_resume_is_bitwise_and_one_process_continues_the_sharded_checkpoint(tmp_path: Path, recipe: str) -> None:
+def test_resume_is_bitwise_and_one_process_continues_the_sharded_checkpoint(
+    tmp_path: Path, recipe: str
+) -> None:
     unbroken = train(tmp_path / "unbroken", 2, recipe, *SAVED[recipe])
     step2 = tmp_path / "unbroken" / "checkpoints" / "step_000002"
     assert len(unbroken) == 4 and step2.is_dir()
