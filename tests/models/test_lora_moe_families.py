@@ -35,7 +35,7 @@ CASES = {
     "deepseek_v3": (
         ["wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "down_proj"],
         ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts.down_proj"],
-        ["parallel.ep=2"],
+        ["parallel.ep=2", "model.moe.bias_update_rate=0.01"],  # the bias would move 0.01 a step
     ),
     "gpt_oss": (["wq", "wk", "wv", "wo"], ["q_proj", "k_proj", "v_proj", "o_proj"], ["sharding=fsdp"]),
 }
