@@ -30,7 +30,15 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.checkpoint import import_hf
-from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily, RouterScore, replace_model
+from framework.config.schema import (
+    Config,
+    Integrity,
+    ModelConfig,
+    ModelFamily,
+    RouterScore,
+    own_keys,
+    replace_model,
+)
 from framework.models import SHAPE_KEYS, family, model_spec
 
 KEY = "model.init_from"
@@ -48,9 +56,12 @@ MOE_SHAPE = (
 
 
 def shape_of(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The shape fields of a model config (what a checkpoint records about its model), as JSON values."""
-    fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields]
-    shape = {k: getattr(model_cfg, k) for k in fields}
+    """The shape fields of a model config (what a checkpoint records about its model), as JSON values:
+    the shared ones and every key of the family's own schema (DeepSeek-V3's latent ranks and layer
+    pattern, GPT-OSS's window): ``model.init_from`` of a checkpoint builds the model from them, as
+    the run's recipe is not there to give them."""
+    fields = [*import_hf.SHAPE_FIELDS, *family(model_cfg).hf_fields, *own_keys(type(model_cfg))]
+    shape = {k: getattr(model_cfg, k) for k in dict.fromkeys(fields)}
     if model_cfg.moe.num_experts:  # an MoE family: the keys that decide its tensors
         shape["moe"] = {
             k: getattr(getattr(model_cfg.moe, k), "value", getattr(model_cfg.moe, k)) for k in MOE_SHAPE
@@ -95,6 +106,10 @@ def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
     return None
 
 
+# The keys ``saved_shape`` reads back: the shared shape fields, every family's own keys, the MoE entry.
+_RECORDED = frozenset((*import_hf.SHAPE_FIELDS, *SHAPE_KEYS))
+
+
 def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     """The model shape a framework checkpoint was saved with: ``extra.json``'s ``model`` (written
     since init_from exists), else the run's ``config.yaml`` two levels up (the default layout)."""
@@ -105,14 +120,14 @@ def saved_shape(step_dir: Path) -> dict[str, Any] | None:
     except ValueError:  # a malformed one: the load refuses it (auto resume then tries an older one)
         extra = {}
     if isinstance(extra.get("model"), dict):
-        return _typed({k: v for k, v in extra["model"].items() if k in import_hf.SHAPE_FIELDS or k == "moe"})
+        return _typed({k: v for k, v in extra["model"].items() if k in _RECORDED})
     run_config = step_dir.parent.parent / RUN_CONFIG
     if run_config.is_file():
         try:
             model = OmegaConf.to_container(OmegaConf.load(run_config)).get("model", {})
         except Exception:  # noqa: BLE001 - an unreadable config.yaml just gives no shape
             return None
-        shape = {k: model[k] for k in import_hf.SHAPE_FIELDS if k in model}
+        shape = {k: model[k] for k in _RECORDED if k in model and k != "moe"}
         if isinstance(model.get("moe"), dict) and model["moe"].get("num_experts"):
             shape["moe"] = {k: model["moe"][k] for k in MOE_SHAPE if k in model["moe"]}
         return _typed(shape)
@@ -185,9 +200,11 @@ def command_line_keys(overrides: list[str]) -> dict[str, str]:
 
 
 def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the model ``model_cfg`` builds, read from its spec (framework.models,
-    the source of ``named_parameters()``'s names): no model is built, and checkpoint/ needs no model."""
-    return {name: w.shape for name, w, _ in model_spec(model_cfg).params()}
+    """Tensor name -> shape of the model ``model_cfg`` builds, read from its spec (framework.models,
+    the source of ``named_parameters()``'s names): no model is built, and checkpoint/ needs no model.
+    The persistent buffers too (DeepSeek-V3's routers' selection biases): the Hub files and a DCP
+    checkpoint hold them, and a source without them would load a model that routes otherwise."""
+    return {name: w.shape for name, w, _ in model_spec(model_cfg).tensors()}
 
 
 def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config], None]) -> Config:

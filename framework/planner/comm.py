@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from framework.config.schema import (
     ActivationCheckpointing,
     Config,
+    PeftMethod,
     RouterScore,
 )
 from framework.models import model_spec
@@ -363,11 +364,13 @@ def _bias_comm(
     ``dist.all_reduce`` of E int64 per layer, one layer after another), so that every data-parallel
     replica moves its biases alike. Once per step, not per micro batch (the counts accumulate over
     the step's forwards); under a pipeline each rank sums its own stages' layers. Nothing where the
-    router is softmax (no bias), the rate is 0 (no hook) or one rank holds the step's tokens
-    (token_group is None)."""
+    router is softmax (no bias), the rate is 0 or ``peft.method=lora`` (no hook: the biases are part
+    of the frozen base) or one rank holds the step's tokens (token_group is None)."""
     moe = cfg.model.moe
     experts = num_experts(cfg.model)
     if not experts or moe.router_score is not RouterScore.sigmoid or moe.bias_update_rate <= 0:
+        return []
+    if cfg.peft.method is not PeftMethod.none:
         return []
     size = dict(zip(axes, sizes, strict=True))
     group, ranks = _token_group(size)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.checkpoint.state import capture_rng, restore_rng
-from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe
+from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe, PeftMethod
 from framework.models import (
     Decoder,
     WeightLoader,
@@ -156,7 +156,10 @@ class StepRunner:
         if self.float8 is not Float8Recipe.none:
             attach_scale_precompute(self.model, self.optimizer)  # FSDP2's float8 all-gather only
         self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.lr_scheduler)
-        if cfg.model.moe.bias_update_rate > 0:  # DeepSeek-V3's aux-loss-free balancing, per optimizer step
+        # DeepSeek-V3's aux-loss-free balancing, per optimizer step; under peft=lora the selection
+        # biases are part of the frozen base: a LoRA checkpoint, its exports and generate rebuild
+        # the base from model.init_from or the seed, so a bias moved in training would be lost there.
+        if cfg.model.moe.bias_update_rate > 0 and cfg.peft.method is PeftMethod.none:
             self.optimizer.register_step_post_hook(functools.partial(_update_biases, self.model))
         if self.in_backward is not None:
             self.in_backward.remove()  # hooks of the model being replaced

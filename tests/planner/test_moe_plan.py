@@ -194,3 +194,7 @@ def test_no_bias_all_reduce_without_the_update_or_other_data_ranks() -> None:
     assert not _bias_rows(_tiny_plan("mesh=4", "parallel.dp_shard=4", SIGMOID[0]))  # rate 0: fixed bias
     assert not _bias_rows(_tiny_plan("mesh=1", *SIGMOID))  # dp = 1: token_group is None
     assert not _bias_rows(_tiny_plan("mesh=2", "parallel.tp=2", *SIGMOID))  # tp ranks hold the same tokens
+    # peft=lora: the biases are part of the frozen base (framework.train.runner registers no update)
+    assert not _bias_rows(
+        _tiny_plan("mesh=4", "parallel.dp_shard=4", *SIGMOID, "peft=lora", "peft.targets=[wq]")
+    )
