@@ -116,8 +116,10 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     tp = declared.tp if declared is not None else cfg.sharding.tp
     check_float8(cfg, device, tp)
     check_fa4(cfg, device)
-    fa4.check_budget(cfg, fa4.flop_counter_takes_gqa())
-    check_document_kernel(cfg, target.of_run(cfg, device).type)
+    fa4.check_budget(
+        cfg.model, cfg.sharding.activation_checkpointing, cfg.data.document_mask, fa4.flop_counter_takes_gqa()
+    )
+    check_document_kernel(cfg, target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device).type)
     check_fused_ce(cfg, device, tp)
     pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg
@@ -235,14 +237,16 @@ def check_hardware(cfg: Config, device: torch.device) -> None:
 
     warning = None if cfg.run.dry_run else target.mismatch(cfg.mesh.hardware, target.local(device))
     if warning is None:
-        warning = target.cpu_profile_notice(cfg, num_params(cfg.model), group_options("mesh/hardware"))
+        warning = target.cpu_profile_notice(
+            cfg.mesh.hardware, cfg.nccl.preset, num_params(cfg.model), group_options("mesh/hardware")
+        )
     if warning:
         log.warning("%s", warning)
 
 
 def check_cudagraphs(cfg: Config, device: torch.device) -> None:
     """``executor=cudagraphs``: CUDA (the declared hardware's in a dry run, framework.kernels.target)."""
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     if cfg.executor.mode is ExecutorMode.cudagraphs and where.type != "cuda":
         raise ValueError(
             f"executor=cudagraphs needs a CUDA device, this run uses {where.type}: "
@@ -259,7 +263,7 @@ def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     if recipe is Float8Recipe.none:
         return
     linears.check_shapes(cfg.model, tp)
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     fast = float8.fast_accum_notice(cfg.model.float8_fast_accum)
     if fast:
@@ -279,17 +283,20 @@ def check_fa4(cfg: Config, device: torch.device) -> None:
     a head size its kernels have, the package (a dry run only warns)."""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     with target.tolerate_missing_packages(where):
-        fa4.check(cfg, where.type, where.capability, where.name, head_dim=model_spec(cfg.model).head_dim)
+        fa4.check(
+            cfg.model, cfg.parallel.cp, where.type, where.capability, where.name,
+            head_dim=model_spec(cfg.model).head_dim,
+        )  # fmt: skip
 
 
 def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:
     """``model.fused_cross_entropy``: CUDA (the declared hardware's in a dry run), no whole-model
     graph, no TP, the package (a dry run only warns)."""
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     with target.tolerate_missing_packages(where):
-        fused_ce.check(cfg, where.type, tp)
+        fused_ce.check(cfg.model, cfg.executor, where.type, tp)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:
