@@ -332,13 +332,15 @@ def setup(
     torch.manual_seed(cfg.train.seed * 1_000_003 + env.rank)
     digest = check_same_config(cfg, env, run_dir)
     verifier = Verifier(
-        cfg,
+        cfg.verify,
+        cfg.model,
         run_dir,
         env.is_main,
         world_size=env.world_size,
         device_name=device_name(env.device),
         layout=plan.layout,
         batch=values.batch,
+        mesh_shape=cfg.mesh.shape,
     )
     runner, graph = build(cfg, values.batch, plan, env, run_dir, verifier, digest)
     data = make_data(cfg, values.batch, env, *dp_mesh_info(runner.mesh, plan))
