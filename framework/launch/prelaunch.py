@@ -26,6 +26,7 @@ from framework.config.schema import (
     ExecutorMode,
     Float8Recipe,
     LoggerKind,
+    ModelConfig,
     RunConfig,
     VerifyConfig,
     to_config,
@@ -88,7 +89,12 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
 
     check_torch()
     check_known_keys(dcfg)
-    cfg = init_from.resolve(to_config(dcfg), overrides or [], check_shape=check_model_shape)
+    cfg = to_config(dcfg)
+
+    def check_shape(model: ModelConfig) -> None:
+        check_model_shape(dataclasses.replace(cfg, model=model))
+
+    cfg = dataclasses.replace(cfg, model=init_from.resolve(cfg.model, overrides or [], check_shape=check_shape))
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)

@@ -136,7 +136,7 @@ def test_a_checkpoint_saved_by_two_fsdp_ranks_equals_transformers_on_its_export(
     """Fine-tune the HF folder on 2 gloo ranks (FSDP; forked from this process, tests/dist.py), then
     evaluate the run dir, its checkpoint and its HF export on one data set: the same figure,
     transformers' on the export within 1e-5."""
-    from framework.checkpoint.export_hf import export_checkpoint
+    from framework.launch.export_run import export_checkpoint
     from tests.dist import train_on_forked_ranks
 
     run = tmp_path / "run"
