@@ -53,7 +53,7 @@ from framework.record.train_state import TrainState
 from framework.train.callbacks import Callbacks, RunContext, build_callbacks
 from framework.train.loop import evaluate
 from framework.train.run_dir_watch import RunDirWatch
-from framework.train.runner import Step, StepRunner
+from framework.train.runner import BuildGroups, Step, StepRunner
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
 from framework.verify.fallback import Ladder, Verdict
@@ -428,8 +428,9 @@ def build(
     # Lag only without verify=on: with it, every step is read at once (its checks and report read
     # each step before the next is queued). The ladder's breaker reads lagged steps as they come.
     lag = not verifier.enabled
+    groups = BuildGroups(cfg.train, cfg.optimizer, cfg.lr_scheduler, cfg.sharding, cfg.bucketing, cfg.peft, cfg.run)
     runner = StepRunner(
-        cfg, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank, load_weights=init_from.load
+        groups, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank, load_weights=init_from.load
     )
     return runner, graph
 
