@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from framework.config.schema import Config, TrainConfig
+from framework.config.schema import Config, DataConfig, EvalSet, TokenizerConfig, TrainConfig
 
 CHECKPOINTS = "checkpoints"  # the checkpoint root under the run dir when checkpoint.dir is unset
 
@@ -56,3 +56,27 @@ def run_values(cfg: Config, run_dir: Path) -> RunValues:
     """The one derivation of ``RunValues`` from a resolved ``cfg`` and its run dir."""
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / CHECKPOINTS
     return RunValues(batch_shape(cfg.train), root)
+
+
+@dataclass(frozen=True)
+class DataRun:
+    """What the data side reads of a run (``data_run``): its own group, the tokenizer's, and the few
+    values of other groups its sources and checks depend on; never the whole config."""
+
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    vocab_size: int  # model.vocab_size: token ids must fit it
+    init_from: str | None  # model.init_from: the vocabulary check reads whether a checkpoint sets it
+    seed: int  # train.seed: the sampler's draws
+    eval_every: int  # train.eval_every: whether validation data is held out and built
+    eval_batches: int  # train.eval_batches: the validation set's global batches
+    eval_sets: tuple[EvalSet, ...]  # train.eval_sets: the named sets scored at each evaluation
+
+
+def data_run(cfg: Config) -> DataRun:
+    """The one derivation of ``DataRun`` from a run config."""
+    t = cfg.train
+    return DataRun(
+        cfg.data, cfg.tokenizer, cfg.model.vocab_size, cfg.model.init_from, t.seed, t.eval_every,
+        t.eval_batches, tuple(t.eval_sets),
+    )  # fmt: skip

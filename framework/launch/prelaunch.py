@@ -98,10 +98,12 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)
+    from framework.config.run_values import batch_shape, data_run
     from framework.data import check_data, follow_tokenizer_vocab
 
-    cfg = follow_tokenizer_vocab(cfg, "vocab_size" in init_from.command_line_keys(overrides or []))
-    check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
+    on_cli = "vocab_size" in init_from.command_line_keys(overrides or [])
+    cfg = dataclasses.replace(cfg, model=follow_tokenizer_vocab(cfg.model, cfg.tokenizer, on_cli))
+    check_data(data_run(cfg), batch_shape(cfg.train))  # tokenizer, files, token files, mixture, document mask: before any rank starts
     # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
     device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
@@ -125,7 +127,8 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     fa4.check_budget(
         cfg.model, cfg.sharding.activation_checkpointing, cfg.data.document_mask, fa4.flop_counter_takes_gqa()
     )
-    check_document_kernel(cfg, target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device).type)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device).type
+    check_document_kernel(cfg.data, cfg.model.attention, cfg.executor, where)
     check_fused_ce(cfg, device, tp)
     pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg

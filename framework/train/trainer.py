@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from framework import data as data_mod
 from framework.checkpoint import export_hf, full_model_state, init_from
 from framework.checkpoint.session import RunCheckpoints
-from framework.config.run_values import BatchShape, RunValues, run_values
+from framework.config.run_values import BatchShape, RunValues, data_run, run_values
 from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
@@ -409,7 +409,7 @@ def build(
     Returns the graph check's verdict too: the reference graph differs under
     ``verify.policy=fallback``."""
     mesh = build_mesh(plan, env.device.type)
-    meta = build_model(cfg.model, batch.seq_len, data_mod.document_eos(cfg))
+    meta = build_model(cfg.model, batch.seq_len, data_mod.document_eos(cfg.data, cfg.tokenizer))
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
@@ -493,7 +493,7 @@ def export_model(
 
 
 def make_data(cfg: Config, batch: BatchShape, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
-    data = data_mod.build_data(cfg, batch, dp_rank, dp_size)
+    data = data_mod.build_data(data_run(cfg), batch, dp_rank, dp_size)
     if env.is_main:
         log.info("data: %s", data.description)
     return data
