@@ -11,8 +11,10 @@ argument reads a carried name and the callee is a framework function found by na
 (its ``__init__``) or ``self.method``. Calls through other objects are not followed, so the counts are
 a lower bound. "Re-entries": calls from one file into another file the walk had already entered.
 
-Last, issue 41's counts, from the text: the rank-side files that name the config, and the lines that
-read each derived value there (``framework.config.run_values`` derives them once).
+Last, issue 41's counts: the rank-side files that read the root run config (read from the AST: a
+file that names the ``Config`` root or a ``DictConfig``, or reads a root group, ``cfg.train`` or
+``p.cfg.data``, off a name bound to it), listed; and the lines that read each derived value there
+(``framework.config.run_values`` derives them once).
 """
 
 from __future__ import annotations
@@ -211,34 +213,69 @@ def planner_reach(mods: dict[str, Module], module: str, func: str, params: set[s
     return sorted(f for f in reached if f.startswith("framework.planner."))
 
 
-# Issue 41's counts, read from the text (a grep, not the AST): the rank side is framework/ outside the
-# packages that run before the ranks start (config, launch, planner).
+# Issue 41's counts: the rank side is framework/ outside the packages that run before the ranks start
+# (config, launch, planner).
 LAUNCH_SIDE = ("config", "launch", "planner")
-NAMES_CONFIG = re.compile(r"\bcfg\b|\bConfig\b|DictConfig")
-# A derived value read off a train group (``cfg.train.X``, ``train_cfg.X``, ``t = cfg.train; t.X``),
-# and the checkpoint root derived from ``checkpoint.dir``.
+# The root config's types, and the names a root config is bound to (``cfg``, ``config``, ``dcfg``,
+# ``p.cfg``, ``run.cfg``): a ``ModelConfig`` named ``cfg`` has none of the root's groups.
+ROOT_TYPES = ("Config", "DictConfig")
+ROOT_NAMES = ("cfg", "config", "dcfg")
+# A derived value read on the rank side off the config it is derived from (a train group,
+# ``cfg.train.X``, ``train_cfg.X``, ``t = cfg.train; t.X``; the checkpoint dir), not off the record.
 DERIVED = {
     "train.seq_len": r"(cfg\.train|train_cfg|\bt)\.seq_len\b",
     "train.micro_batch_size": r"(cfg\.train|train_cfg|\bt)\.micro_batch_size\b",
     "train.global_batch_size": r"(cfg\.train|train_cfg|\bt)\.global_batch_size\b",
     "checkpoint root (from checkpoint.dir)": r"Path\(cfg\.checkpoint\.dir\)",
+    "gradient accumulation (from the plan)": r"\bplan\.grad_accum_steps\b",
+    "data shard count (from the plan)": r"\bplan\.dp_degree\b",
+    "rows per data shard (global batch // dp size)": r"global_batch_size\s*//\s*(self\.)?dp_size",
+    "compute dtype (from the device)": r"\bcompute_dtype\(",
 }
 
 
-def rank_side_reads(root: Path) -> tuple[int, dict[str, dict[str, int]]]:
-    """(rank-side files that name the config, {derived value: {file: lines reading it}})."""
+def root_groups(root: Path) -> set[str]:
+    """The root ``Config``'s fields (its groups), from framework/config/schema.py's text."""
+    tree = ast.parse((root / "framework" / "config" / "schema.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _bound_to_root(expr: ast.AST) -> bool:
+    return (isinstance(expr, ast.Name) and expr.id in ROOT_NAMES) or (
+        isinstance(expr, ast.Attribute) and expr.attr == "cfg"
+    )
+
+
+def reads_root(tree: ast.Module, groups: set[str]) -> int:
+    """How many places of ``tree`` read the root config: its type named, or a root group read off a
+    name bound to it."""
+    n = 0
+    for x in ast.walk(tree):
+        if isinstance(x, ast.Name) and x.id in ROOT_TYPES:
+            n += 1
+        elif isinstance(x, ast.Constant) and x.value in ROOT_TYPES:  # a string annotation
+            n += 1
+        elif isinstance(x, ast.Attribute) and x.attr in groups and _bound_to_root(x.value):
+            n += 1
+    return n
+
+
+def rank_side_reads(root: Path) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """({rank-side file reading the root config: its reads}, {derived value: {file: lines reading it}})."""
     files = [
         p for p in sorted((root / "framework").rglob("*.py"))
         if p.relative_to(root / "framework").parts[0] not in LAUNCH_SIDE
     ]  # fmt: skip
     texts = {str(p.relative_to(root)): p.read_text() for p in files}
-    naming = sum(1 for t in texts.values() if NAMES_CONFIG.search(t))
+    groups = root_groups(root)
+    readers = {f: n for f, t in texts.items() if (n := reads_root(ast.parse(t), groups))}
     out: dict[str, dict[str, int]] = {}
     for name, pattern in DERIVED.items():
         rx = re.compile(pattern)
         counts = {f: sum(1 for ln in t.splitlines() if rx.search(ln)) for f, t in texts.items()}
         out[name] = {f: n for f, n in counts.items() if n}
-    return naming, out
+    return readers, out
 
 
 def main() -> None:
@@ -253,8 +290,10 @@ def main() -> None:
         total = sum(files.values())
         inside = sum(v for k, v in files.items() if k.startswith("framework/"))
         print(f"{name}: {total} call sites ({inside} in framework/): {files}")
-    naming, derived = rank_side_reads(root)
-    print(f"rank-side files (framework/ outside {', '.join(LAUNCH_SIDE)}) naming the config: {naming}")
+    readers, derived = rank_side_reads(root)
+    print(f"rank-side files (framework/ outside {', '.join(LAUNCH_SIDE)}) reading the root config: {len(readers)}")
+    for f, n in sorted(readers.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {f}: {n}")
     for name, files in derived.items():
         print(f"{name}: {sum(files.values())} rank-side lines in {len(files)} files: {files}")
 

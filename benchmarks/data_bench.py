@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from framework.config.run_values import batch_shape  # noqa: E402
+from framework.config.run_values import batch_shape, data_run  # noqa: E402
 from framework.config.schema import (  # noqa: E402
     Config,
     DataConfig,
@@ -67,7 +67,7 @@ def bench_stream(cfg: Config, dp: int, batches: int) -> tuple[float, float]:
     batches from a cold start: the packer encodes data.encode_batch documents per call, so a short
     window after a warm-up would time only its buffer."""
     t0 = time.perf_counter()
-    data = build_data(cfg, batch_shape(cfg.train), 0, dp)
+    data = build_data(data_run(cfg), batch_shape(cfg.train), 0, dp)
     for _ in range(batches):
         data.sampler.next_batch()
     dt = time.perf_counter() - t0

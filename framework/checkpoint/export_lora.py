@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 
 from framework.checkpoint.export_hf import (
-    check_out_dir,
-    checkpoint_model_state,
     finish_export,
     permute_rope_rows,
     save_safetensors,
@@ -85,33 +83,3 @@ def export_adapter(
     marker = {"written_by": "framework.checkpoint export-hf --adapter", "architecture": ["PEFT LoRA"]}
     finish_export(out_dir, marker, [ADAPTER_WEIGHTS, ADAPTER_CONFIG])
     return out_dir
-
-
-def export_adapter_checkpoint(
-    checkpoint: Path, out_dir: Path, run_config: Path | None = None, force: bool = False
-) -> Path:
-    """``export-hf --adapter``: a LoRA run's checkpoint -> a PEFT adapter folder, with
-    ``export_checkpoint``'s checks of CHECKPOINT and OUT. The run's ``config.yaml`` gives the
-    ``peft`` settings and the base (``model.init_from``, recorded as ``base_model_name_or_path``).
-    Raises ValueError (one line) before writing anything."""
-    from framework.checkpoint.init_from import framework_checkpoint, load, saved_shape, with_shape
-    from framework.config.run_file import read_run_config
-
-    checkpoint = Path(checkpoint).expanduser().resolve()
-    step_dir = framework_checkpoint(checkpoint, "CHECKPOINT") if checkpoint.is_dir() else None
-    if step_dir is None:
-        raise ValueError(f"CHECKPOINT={str(checkpoint)!r} is not a framework checkpoint; valid: a step_N dir")
-    check_out_dir(Path(out_dir), step_dir, force)
-    run_config = Path(run_config) if run_config is not None else step_dir.parent.parent / "config.yaml"
-    if not run_config.is_file():
-        raise ValueError(f"--adapter: no {run_config}; pass --config RUN_DIR/config.yaml of the LoRA run")
-    cfg = read_run_config(run_config, f"--config {run_config}")
-    if cfg.peft.method.value != "lora":
-        raise ValueError(
-            f"--adapter: {run_config} has peft.method={cfg.peft.method.value}; valid: a LoRA run's"
-        )
-    model_cfg = with_shape(cfg.model, saved_shape(step_dir), init_from=None)
-    state = lora.with_base(
-        checkpoint_model_state(step_dir), cfg.peft, model_cfg, cfg.model.init_from, cfg.train, load
-    )
-    return export_adapter(state, model_cfg, cfg.peft, out_dir, cfg.model.init_from)

@@ -31,7 +31,6 @@ from torch import nn
 
 from framework.checkpoint import import_hf
 from framework.config.schema import (
-    Config,
     Integrity,
     ModelConfig,
     ModelFamily,
@@ -207,22 +206,24 @@ def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: w.shape for name, w, _ in model_spec(model_cfg).tensors()}
 
 
-def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config], None]) -> Config:
+def resolve(
+    model: ModelConfig, overrides: list[str], *, check_shape: Callable[[ModelConfig], None]
+) -> ModelConfig:
     """Take the model shape from ``model.init_from`` and check the source against it.
 
-    Returns ``cfg`` with the shape fields replaced and ``init_from`` made absolute (for a run dir or
+    Returns ``model`` with the shape fields replaced and ``init_from`` made absolute (for a run dir or
     a checkpoint root: the concrete step dir, so every rank and ``config.yaml`` name the same one).
     Raises ValueError (one line) for a missing path, a folder with no weights, a contradicting
     command-line override (naming the key and both values), and a tensor of another name or shape.
     ``check_shape``: the launcher's rules for the ``model`` group (framework.launch.rules, a layer
     above this one), run on the shape read from the source before anything is listed per layer.
     """
-    if cfg.model.init_from is None or not cfg.model.init_from.strip():
-        return cfg  # unset; an empty string is refused by its rule (framework.launch.rules)
-    path = Path(cfg.model.init_from).expanduser().resolve()
+    if model.init_from is None or not model.init_from.strip():
+        return model  # unset; an empty string is refused by its rule (framework.launch.rules)
+    path = Path(model.init_from).expanduser().resolve()
     if not path.exists():
         raise ValueError(
-            f"{KEY}={cfg.model.init_from!r} does not exist; valid: a Hugging Face safetensors folder, "
+            f"{KEY}={model.init_from!r} does not exist; valid: a Hugging Face safetensors folder, "
             "or a framework checkpoint (step dir, checkpoint root or run dir)"
         )
     hf = None
@@ -235,7 +236,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     set_on_cli = command_line_keys(overrides)
     if "moe" in shape:  # an MoE family's keys (config.json's), over the recipe's others
         for k, v in shape["moe"].items():
-            here = getattr(cfg.model.moe, k)
+            here = getattr(model.moe, k)
             if f"moe.{k}" in set_on_cli and getattr(here, "value", here) != v:
                 raise ValueError(
                     f"model.moe.{k}={set_on_cli[f'moe.{k}']} on the command line contradicts {KEY}={str(path)!r}, "
@@ -244,7 +245,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     for k, v in shape.items():
         if k == "moe":
             continue
-        if k in set_on_cli and getattr(cfg.model, k, None) != v:
+        if k in set_on_cli and getattr(model, k, None) != v:
             v = getattr(v, "value", v)  # the family: its name
             theirs = f"config.json has {import_hf.SHAPE_FIELDS[k]}={v}" if hf else f"checkpoint has {k}={v}"
             raise ValueError(
@@ -255,10 +256,10 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
         name = path.name if hf is not None else saved_name(step_dir)  # type: ignore[arg-type]
         if name is not None:
             shape["name"] = name
-    model_cfg = with_shape(cfg.model, shape, init_from=str(step_dir or path))
+    model_cfg = with_shape(model, shape, init_from=str(step_dir or path))
     try:  # before anything is listed per layer: the shape is untrusted input too (the launcher's
         # rules, passed in: this layer sits below them)
-        check_shape(dataclasses.replace(cfg, model=model_cfg))
+        check_shape(model_cfg)
     except ValueError as e:
         raise ValueError(f"{KEY}={str(path)!r} gives a model shape that is not valid: {e}") from None
     expected = expected_shapes(model_cfg)
@@ -271,7 +272,7 @@ def resolve(cfg: Config, overrides: list[str], *, check_shape: Callable[[Config]
     else:
         assert step_dir is not None
         check_dcp_shapes(step_dir, expected)
-    return dataclasses.replace(cfg, model=model_cfg)
+    return model_cfg
 
 
 # safetensors dtype names of floating-point tensors: weights of any other dtype (I8, BOOL) were cast

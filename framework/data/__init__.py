@@ -7,7 +7,8 @@ Modules, one concern each:
 - ``stream``: on-the-fly tokenization, packing with EOS, mixtures, background prefetch;
 - ``sft``: chat / instruction records packed whole per row (each its own document), the loss
   masked on prompt tokens;
-- ``pipeline``: config -> sampler, and every check that runs before launch;
+- ``pipeline``: the data side's view of a run (``DataRun``) -> sampler, on every rank;
+- ``checks``: every data check that runs before launch;
 - ``prepare``: ``python -m framework data prepare`` (its command line: framework.launch.data_cli).
 
 The invariant every source keeps: a sample is a function of (seed, global batch index, position in
@@ -15,14 +16,8 @@ the global batch) and the small replicated data state, never of the rank or the 
 a checkpoint resumes on any number of data-parallel ranks with no sample skipped or repeated.
 """
 
-from framework.data.pipeline import (
-    Pipeline,
-    build_data,
-    check_data,
-    check_document_kernel,
-    document_eos,
-    follow_tokenizer_vocab,
-)
+from framework.data.checks import check_data, check_document_kernel, follow_tokenizer_vocab
+from framework.data.pipeline import Pipeline, build_data, document_eos
 from framework.data.prepare import prepare
 from framework.data.sampler import (
     BatchSampler,

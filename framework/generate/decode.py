@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from framework.config.run_values import run_values
+from framework.config.run_values import checkpoint_root
 from framework.config.schema import Config, PeftMethod
 from framework.data.tokenizer import Tokenizer
 from framework.models import Decoder, KVCache, build_model, forward_cached
@@ -162,7 +162,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
 
     if (path / ".metadata").is_file():
         return check_step_dir(path, "PATH")
-    root = run_values(cfg, path).checkpoint_root  # ``path`` is the run dir here
+    root = checkpoint_root(cfg.checkpoint, path)  # ``path`` is the run dir here
     found = find_latest(root, Channel(None), cfg.checkpoint.integrity) if root.is_dir() else None
     if found is None:
         raise ValueError(

@@ -139,11 +139,11 @@ def place_model(
         if adapters is not None:
             from framework.generate.decode import lora_model
 
-            return lora_model(cfg, device, adapters, document_eos(cfg)), 0, 1, 1
-        meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
+            return lora_model(cfg, device, adapters, document_eos(cfg.data, cfg.tokenizer)), 0, 1, 1
+        meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg.data, cfg.tokenizer))
         materialize(meta, device, cfg.train.seed, load)
         return meta, 0, 1, 1
-    meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
+    meta = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg.data, cfg.tokenizer))
     from framework.parallel import build_mesh, parallelize
     from framework.parallel.mesh import dp_mesh_info
     from framework.planner.resolve import make_plan

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from framework.config.schema import ActivationCheckpointing, AttentionBackend, Config
+from framework.config.schema import ActivationCheckpointing, AttentionBackend, ModelConfig
 from framework.kernels.target import MissingPackage
 
 IMPL = "FA4_framework"  # this module's entry in torch's registry (torch's own is "FA4")
@@ -88,15 +88,16 @@ def head_dim_supported(major: int, head_dim: int) -> bool:
 
 
 def check(
-    cfg: Config, device_type: str, capability: tuple[int, int] | None, name: str, *, head_dim: int
+    model: ModelConfig, cp: int, device_type: str, capability: tuple[int, int] | None, name: str, *, head_dim: int
 ) -> None:
     """Refuse ``model.attention=fa4`` where it cannot run: off CUDA, on a GPU other than sm90/sm100,
     with a head size its kernels lack, with context parallelism (its ring attention calls the
     attention ops itself), on a torch without the registry, or without the package. (Document
     masks run its variable-length form: framework.data.check_document_kernel.)
     The last two are ``MissingPackage``: a dry run only warns of them (framework.kernels.target).
-    ``head_dim``: the model's head size, from its spec (the caller reads it: kernels sit below models)."""
-    if cfg.model.attention is not AttentionBackend.fa4:
+    ``head_dim``: the model's head size, from its spec (the caller reads it: kernels sit below models);
+    ``cp``: the context-parallel degree (``parallel.cp``)."""
+    if model.attention is not AttentionBackend.fa4:
         return
     if device_type != "cuda" or capability is None:
         raise ValueError(
@@ -114,9 +115,9 @@ def check(
             f"{KEY}: head size {head_dim} is not one FlashAttention-4 has on compute capability "
             f"{capability[0]}.x (valid: a multiple of 8, {valid}): use model.attention=auto"
         )
-    if cfg.parallel.cp > 1:
+    if cp > 1:
         raise ValueError(
-            f"{KEY} with parallel.cp={cfg.parallel.cp}: context parallelism's ring attention calls the "
+            f"{KEY} with parallel.cp={cp}: context parallelism's ring attention calls the "
             "attention kernels itself; use model.attention=auto with context parallelism"
         )
     if not registry_has_fa4():
@@ -187,23 +188,24 @@ def flop_counter_takes_gqa() -> bool:
     return True
 
 
-def budget_fails(cfg: Config, gqa_counted: bool) -> bool:
+def budget_fails(m: ModelConfig, document_mask: bool, gqa_counted: bool) -> bool:
     """Would the compiler's activation budget fail to compile this model's attention? The flash
     kernels (``model.attention=flash|fa4``) on a GQA model, unmasked (a document mask runs the
     variable-length op, which every torch here counts), where the flop counter cannot count it
-    (``gqa_counted``: ``flop_counter_takes_gqa()``). The search leaves ``budget`` out there."""
-    m = cfg.model
+    (``gqa_counted``: ``flop_counter_takes_gqa()``; ``document_mask``: ``data.document_mask``). The
+    search leaves ``budget`` out there."""
     flash = m.attention in (AttentionBackend.flash, AttentionBackend.fa4)
-    return flash and m.n_heads != m.n_kv_heads and not cfg.data.document_mask and not gqa_counted
+    return flash and m.n_heads != m.n_kv_heads and not document_mask and not gqa_counted
 
 
-def check_budget(cfg: Config, gqa_counted: bool) -> None:
+def check_budget(
+    m: ModelConfig, checkpointing: ActivationCheckpointing, document_mask: bool, gqa_counted: bool
+) -> None:
     """Refuse a user's ``activation_checkpointing=budget`` where ``budget_fails``: the compile would
     fail at the first step."""
-    if cfg.sharding.activation_checkpointing is not ActivationCheckpointing.budget:
+    if checkpointing is not ActivationCheckpointing.budget:
         return
-    if budget_fails(cfg, gqa_counted):
-        m = cfg.model
+    if budget_fails(m, document_mask, gqa_counted):
         raise ValueError(
             f"model.attention={m.attention.value} with sharding.activation_checkpointing=budget: torch "
             f"{torch.__version__}'s flop counter, which the budget's partitioner uses, rejects the flash "

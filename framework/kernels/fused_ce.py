@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from framework.config.schema import CompileScope, Config, ExecutorMode, FusedCrossEntropy
+from framework.config.schema import CompileScope, ExecutorConfig, ExecutorMode, FusedCrossEntropy, ModelConfig
 from framework.kernels.target import MissingPackage
 
 # The package (import name, pip name) that provides each kernel.
@@ -27,11 +27,11 @@ PACKAGES = {
 IGNORE_INDEX = -100
 
 
-def check(cfg: Config, device_type: str, tp: int) -> None:
+def check(model: ModelConfig, executor: ExecutorConfig, device_type: str, tp: int) -> None:
     """Refuse ``model.fused_cross_entropy`` where it cannot run: off CUDA, under a whole-model
     compiled graph, with the output head sharded by TP (``tp`` > 1), or without its package
     (``MissingPackage``: a dry run only warns of it, framework.kernels.target)."""
-    kind = cfg.model.fused_cross_entropy
+    kind = model.fused_cross_entropy
     if kind is FusedCrossEntropy.none:
         return
     key = f"model.fused_cross_entropy={kind.value}"
@@ -40,7 +40,7 @@ def check(cfg: Config, device_type: str, tp: int) -> None:
             f"{key} needs a CUDA device (its kernels are Triton), this run uses {device_type}: "
             "use model.fused_cross_entropy=none"
         )
-    if cfg.executor.mode is not ExecutorMode.eager and cfg.executor.scope is CompileScope.model:
+    if executor.mode is not ExecutorMode.eager and executor.scope is CompileScope.model:
         raise ValueError(
             f"{key} cannot run inside one compiled graph (executor.scope=model: the kernel reads the "
             "targets on the host): use executor.scope=block, or model.fused_cross_entropy=none"

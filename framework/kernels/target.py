@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.config.schema import Config, HardwareConfig
+from framework.config.schema import HardwareConfig
 
 log = logging.getLogger("framework")
 
@@ -51,9 +51,10 @@ def declared(hw: HardwareConfig) -> Target:
     return Target(hw.device_type, hw.capability, f"mesh.hardware.name={hw.name}", declared=True)
 
 
-def of_run(cfg: Config, device: torch.device) -> Target:
-    """The declared hardware for ``run.dry_run=true``, else this host's ``device``."""
-    return declared(cfg.mesh.hardware) if cfg.run.dry_run else local(device)
+def of_run(hw: HardwareConfig, dry_run: bool, device: torch.device) -> Target:
+    """The declared hardware ``hw`` (``mesh.hardware``) for ``run.dry_run=true``, else this host's
+    ``device``."""
+    return declared(hw) if dry_run else local(device)
 
 
 def mismatch(hw: HardwareConfig, here: Target) -> str | None:
@@ -85,17 +86,18 @@ def mismatch(hw: HardwareConfig, here: Target) -> str | None:
 GPU_SIZED_PARAMS = 1_000_000_000
 
 
-def cpu_profile_notice(cfg: Config, num_params: int, hardware_options: list[str]) -> str | None:
+def cpu_profile_notice(
+    hw: HardwareConfig, nccl_preset: str, num_params: int, hardware_options: list[str]
+) -> str | None:
     """One warning line when a GPU-sized job (``GPU_SIZED_PARAMS`` or more parameters) or an NCCL
     preset (GPU ranks only: gloo reads none of it) meets the CPU profile, the default
     ``mesh/hardware``: which hardware the plan assumes and how to pick another. None otherwise."""
-    hw = cfg.mesh.hardware
     gpu_sized = num_params >= GPU_SIZED_PARAMS
-    preset = cfg.nccl.preset != "default"
+    preset = nccl_preset != "default"
     if hw.device_type != "cpu" or not (gpu_sized or preset):
         return None
     why = [f"a {num_params / 1e9:.3g}B-parameter model"] if gpu_sized else []
-    why += [f"nccl={cfg.nccl.preset} (NCCL runs on GPU ranks only)"] if preset else []
+    why += [f"nccl={nccl_preset} (NCCL runs on GPU ranks only)"] if preset else []
     gpus = ", ".join(o for o in hardware_options if o != hw.name)
     return (
         f"mesh/hardware={hw.name}: the plan assumes a CPU host ({hw.memory_gib:g} GiB, "

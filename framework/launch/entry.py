@@ -206,9 +206,9 @@ def _run_spawned(cfg: Config, run_dir: Path, started: float) -> float | None:
     Each rank reads the run dir's config.yaml and plan.json (framework.launch.worker.load_run)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from framework.config.run_values import run_values
+    from framework.config.run_values import checkpoint_root
 
-    checkpoints = run_values(cfg, run_dir).checkpoint_root if cfg.checkpoint.enabled else None
+    checkpoints = checkpoint_root(cfg.checkpoint, run_dir) if cfg.checkpoint.enabled else None
     try:
         signum = spawn_local(run_dir, cfg.mesh.world_size, cfg.run.max_restarts, checkpoints)
     except ChildFailedError as e:

@@ -184,11 +184,11 @@ def evaluate_here(
             batches, windows = rank_batches(rows, cfg.train.micro_batch_size, dp_rank, dp_size)
             result = score(model, batches, device, windows, replicas)
         else:
-            from framework.config.run_values import batch_shape
+            from framework.config.run_values import batch_shape, data_run
             from framework.data.pipeline import build_data
 
             cfg.train.eval_batches = args.batches or cfg.train.eval_batches
-            pipe = build_data(cfg, batch_shape(cfg.train), dp_rank, dp_size)
+            pipe = build_data(data_run(cfg), batch_shape(cfg.train), dp_rank, dp_size)
             what = f"the run's validation batches: {pipe.description}"
             result = score(model, pipe.val_batches, device, None, replicas)
     if rank != 0:

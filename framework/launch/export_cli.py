@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from framework.checkpoint.export_hf import export_checkpoint
-    from framework.checkpoint.export_lora import export_adapter_checkpoint
+    from framework.launch.export_run import export_adapter_checkpoint, export_checkpoint
 
     export = export_adapter_checkpoint if args.adapter else export_checkpoint
     try:

@@ -34,9 +34,9 @@ def data_changed_report(run_dir: Path, cfg: Config, e: Exception | str) -> str:
     """One line: which data file changed (or which folder was deleted), and which checkpoints the
     run keeps."""
     from framework.checkpoint import store
-    from framework.config.run_values import run_values
+    from framework.config.run_values import checkpoint_root
 
-    committed = store.committed(run_values(cfg, run_dir).checkpoint_root) if cfg.checkpoint.enabled else []
+    committed = store.committed(checkpoint_root(cfg.checkpoint, run_dir)) if cfg.checkpoint.enabled else []
     if not committed:
         return f"{e}; no checkpoint is left" if cfg.checkpoint.enabled else f"{e}; checkpointing was off"
     return f"{e}; the checkpoints up to step {committed[-1][0]} are kept ({committed[-1][1].parent})"
@@ -53,12 +53,12 @@ def preemption(run_dir: Path, since: float) -> dict | None:
 def stop_report(run_dir: Path, cfg: Config, stop: dict | None, signum: int | None = None) -> str:
     """The one true line about a stop by a signal: which checkpoint exists now, and how to resume."""
     from framework.checkpoint import store
-    from framework.config.run_values import run_values
+    from framework.config.run_values import checkpoint_root
 
     name = f"signal {signum}" if signum is not None else "a signal"
     if signum == 2:
         name += " (SIGINT: Ctrl-C)"
-    root = run_values(cfg, run_dir).checkpoint_root
+    root = checkpoint_root(cfg.checkpoint, run_dir)
     if stop is not None and stop.get("saved"):
         path = store.step_dir(root, int(stop["step"]))
         return (

@@ -26,6 +26,7 @@ from framework.config.schema import (
     ExecutorMode,
     Float8Recipe,
     LoggerKind,
+    ModelConfig,
     RunConfig,
     VerifyConfig,
     to_config,
@@ -88,14 +89,21 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
 
     check_torch()
     check_known_keys(dcfg)
-    cfg = init_from.resolve(to_config(dcfg), overrides or [], check_shape=check_model_shape)
+    cfg = to_config(dcfg)
+
+    def check_shape(model: ModelConfig) -> None:
+        check_model_shape(dataclasses.replace(cfg, model=model))
+
+    cfg = dataclasses.replace(cfg, model=init_from.resolve(cfg.model, overrides or [], check_shape=check_shape))
     validate_mesh(cfg.mesh)
     check_rules(cfg)
     check_callbacks(cfg)  # each built once through the allowlist (framework.train.callbacks)
+    from framework.config.run_values import batch_shape, data_run
     from framework.data import check_data, follow_tokenizer_vocab
 
-    cfg = follow_tokenizer_vocab(cfg, "vocab_size" in init_from.command_line_keys(overrides or []))
-    check_data(cfg)  # tokenizer, files, token files, mixture, document mask: before any rank starts
+    on_cli = "vocab_size" in init_from.command_line_keys(overrides or [])
+    cfg = dataclasses.replace(cfg, model=follow_tokenizer_vocab(cfg.model, cfg.tokenizer, on_cli))
+    check_data(data_run(cfg), batch_shape(cfg.train))  # tokenizer, files, token files, mixture, document mask: before any rank starts
     # A dry run builds on the meta device and checks the declared mesh/hardware (framework.kernels.target):
     # this host's device (a login node's CPU, run.device=cuda with no GPU, too few GPUs) is not used.
     device = torch.device("meta") if cfg.run.dry_run else resolve_device(cfg.run.device)
@@ -116,8 +124,11 @@ def validate(dcfg: DictConfig, overrides: list[str] | None = None) -> Config:
     tp = declared.tp if declared is not None else cfg.sharding.tp
     check_float8(cfg, device, tp)
     check_fa4(cfg, device)
-    fa4.check_budget(cfg, fa4.flop_counter_takes_gqa())
-    check_document_kernel(cfg, target.of_run(cfg, device).type)
+    fa4.check_budget(
+        cfg.model, cfg.sharding.activation_checkpointing, cfg.data.document_mask, fa4.flop_counter_takes_gqa()
+    )
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device).type
+    check_document_kernel(cfg.data, cfg.model.attention, cfg.executor, where)
     check_fused_ce(cfg, device, tp)
     pipeline_stages.check_without_pipeline(cfg, declared.pp if declared is not None else None)
     return cfg
@@ -235,14 +246,16 @@ def check_hardware(cfg: Config, device: torch.device) -> None:
 
     warning = None if cfg.run.dry_run else target.mismatch(cfg.mesh.hardware, target.local(device))
     if warning is None:
-        warning = target.cpu_profile_notice(cfg, num_params(cfg.model), group_options("mesh/hardware"))
+        warning = target.cpu_profile_notice(
+            cfg.mesh.hardware, cfg.nccl.preset, num_params(cfg.model), group_options("mesh/hardware")
+        )
     if warning:
         log.warning("%s", warning)
 
 
 def check_cudagraphs(cfg: Config, device: torch.device) -> None:
     """``executor=cudagraphs``: CUDA (the declared hardware's in a dry run, framework.kernels.target)."""
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     if cfg.executor.mode is ExecutorMode.cudagraphs and where.type != "cuda":
         raise ValueError(
             f"executor=cudagraphs needs a CUDA device, this run uses {where.type}: "
@@ -259,7 +272,7 @@ def check_float8(cfg: Config, device: torch.device, tp: int) -> None:
     if recipe is Float8Recipe.none:
         return
     linears.check_shapes(cfg.model, tp)
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     float8.check_device(recipe, where.type, where.capability, where.name)
     fast = float8.fast_accum_notice(cfg.model.float8_fast_accum)
     if fast:
@@ -279,17 +292,20 @@ def check_fa4(cfg: Config, device: torch.device) -> None:
     a head size its kernels have, the package (a dry run only warns)."""
     if cfg.model.attention is not AttentionBackend.fa4:
         return
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     with target.tolerate_missing_packages(where):
-        fa4.check(cfg, where.type, where.capability, where.name, head_dim=model_spec(cfg.model).head_dim)
+        fa4.check(
+            cfg.model, cfg.parallel.cp, where.type, where.capability, where.name,
+            head_dim=model_spec(cfg.model).head_dim,
+        )  # fmt: skip
 
 
 def check_fused_ce(cfg: Config, device: torch.device, tp: int) -> None:
     """``model.fused_cross_entropy``: CUDA (the declared hardware's in a dry run), no whole-model
     graph, no TP, the package (a dry run only warns)."""
-    where = target.of_run(cfg, device)
+    where = target.of_run(cfg.mesh.hardware, cfg.run.dry_run, device)
     with target.tolerate_missing_packages(where):
-        fused_ce.check(cfg, where.type, tp)
+        fused_ce.check(cfg.model, cfg.executor, where.type, tp)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

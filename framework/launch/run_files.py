@@ -109,9 +109,9 @@ def take_launch_lock(cfg: Config, run_dir: Path) -> Owner | None:
     if not cfg.checkpoint.enabled or cfg.run.dry_run:
         return None
     from framework.checkpoint import lock
-    from framework.config.run_values import run_values
+    from framework.config.run_values import checkpoint_root
 
-    return lock.acquire(run_values(cfg, run_dir).checkpoint_root, str(run_dir))
+    return lock.acquire(checkpoint_root(cfg.checkpoint, run_dir), str(run_dir))
 
 
 def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | None) -> None:
@@ -120,9 +120,9 @@ def release_launch_lock(job: PreparedJob | None, run_dir: Path, owner: Owner | N
     if owner is None or job is None:
         return
     from framework.checkpoint import lock
-    from framework.config.run_values import run_values
+    from framework.config.run_values import checkpoint_root
 
-    lock.release(run_values(job.cfg, run_dir).checkpoint_root, owner)
+    lock.release(checkpoint_root(job.cfg.checkpoint, run_dir), owner)
 
 
 def check_export_dir(cfg: Config, run_dir: Path) -> None:

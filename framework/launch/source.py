@@ -196,9 +196,9 @@ def load_source(
     if adapters is not None:
         from framework.generate.decode import lora_model
 
-        model = lora_model(cfg, device, adapters, document_eos(cfg))
+        model = lora_model(cfg, device, adapters, document_eos(cfg.data, cfg.tokenizer))
         return Source(cfg, model.eval(), load_tokenizer(cfg.tokenizer), adapters, run_config)
-    model = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg))
+    model = build_model(cfg.model, cfg.train.seq_len, document_eos(cfg.data, cfg.tokenizer))
     materialize(model, device, cfg.train.seed, init_from.load)
     assert cfg.model.init_from is not None
     return Source(cfg, model.eval(), load_tokenizer(cfg.tokenizer), Path(cfg.model.init_from), run_config)

@@ -33,7 +33,7 @@ def join_torchrun(dcfg: DictConfig, run_dir: Path) -> None:
 
     Raises JobFailed (exit 2) for settings that do not convert, or ranks that disagree."""
     from framework.parallel.process import init_distributed
-    from framework.train.trainer import check_same_composition
+    from framework.train.agreement import check_same_composition
 
     try:
         own = to_config(dcfg)

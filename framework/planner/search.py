@@ -427,7 +427,7 @@ def _searches_budget(cfg: Config) -> bool:
 def _budget_compiles(cfg: Config) -> bool:
     """A compiled executor, and an attention op this torch's partitioner can weigh."""
     return cfg.executor.mode is not ExecutorMode.eager and not fa4.budget_fails(
-        cfg, fa4.flop_counter_takes_gqa()
+        cfg.model, cfg.data.document_mask, fa4.flop_counter_takes_gqa()
     )
 
 

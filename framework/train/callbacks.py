@@ -37,7 +37,7 @@ groups' ``"lr"``) are the rates of step ``k + 1``. Step ``k``'s own rates are th
 - ``on_save(run, step)``: a checkpoint of ``step`` was written (or handed to the async writer), after
   that step's ``on_step_read``;
 - ``on_finish(run, summary)``: after the final evaluation, before summary.json is written (a
-  callback may fill its field of the ``framework.train.trainer.Summary``);
+  callback may fill its field of the ``framework.train.summary.Summary``);
 - ``close()``: always, also after an exception (the ``with`` block of the run).
 
 A rollback (a bad step, ``verify.max_bad_steps``) loads an earlier checkpoint: the step numbers that

@@ -23,7 +23,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from framework import data as data_mod
 from framework.checkpoint.state import capture_rng, restore_rng
-from framework.config.schema import Config, ExecutorConfig, ExecutorMode, Float8Recipe, PeftMethod
+from framework.config.schema import (
+    BucketingConfig,
+    ExecutorConfig,
+    ExecutorMode,
+    Float8Recipe,
+    LRSchedulerConfig,
+    OptimizerConfig,
+    PeftConfig,
+    PeftMethod,
+    RunConfig,
+    ShardingConfig,
+    TrainConfig,
+)
 from framework.models import (
     Decoder,
     WeightLoader,
@@ -64,6 +76,20 @@ class Step:
     wait_s: float = 0.0  # how long the sampler kept the loop waiting for this step's batch
 
 
+@dataclass(frozen=True)
+class BuildGroups:
+    """The config groups a build and its steps read, each the run's own (the trainer picks them off
+    the run config): the runner takes these, not the whole config."""
+
+    train: TrainConfig  # seed, grad clip, optimizer in backward, when a step is due to be read
+    optimizer: OptimizerConfig
+    lr_scheduler: LRSchedulerConfig
+    sharding: ShardingConfig
+    bucketing: BucketingConfig
+    peft: PeftConfig
+    run: RunConfig  # instantiate_allow (a custom optimizer), fault_kill_at_step (read at once)
+
+
 class StepRunner:
     """Builds the executed model for a ladder rung and runs its steps; see the module docstring.
 
@@ -73,7 +99,7 @@ class StepRunner:
 
     def __init__(
         self,
-        cfg: Config,
+        groups: BuildGroups,
         plan: Plan,
         mesh: DeviceMesh | None,
         meta: Decoder,
@@ -83,7 +109,7 @@ class StepRunner:
         rank: int = 0,
         load_weights: WeightLoader | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.groups = groups
         self.plan = plan
         self.mesh = mesh
         self.meta = meta  # built once on meta by the trainer; each build parallelizes a copy of it
@@ -135,37 +161,37 @@ class StepRunner:
             self.executor = dataclasses.replace(self.executor, mode=mode)
         if float8 is not None:
             self.float8 = float8
-        cfg = self.cfg
+        g = self.groups
         self.model = parallelize(
             self._meta_copy(),
             self.mesh,
             self.plan,
-            cfg.sharding,
-            cfg.bucketing,
+            g.sharding,
+            g.bucketing,
             self.executor,
             self.device,
-            cfg.train.seed,
-            peft=cfg.peft,
+            g.train.seed,
+            peft=g.peft,
             load_weights=self.load_weights,
         )
         # parallel.cp > 1: cuts each micro-batch to this rank's sequence shard (framework.parallel.context).
         self.seq_shard = sequence_shard(self.model, self.mesh, self.plan) if self.mesh is not None else None
         self.optimizer = build_optimizer(
-            self.model, cfg.train, self.device, cfg.optimizer, cfg.run.instantiate_allow
+            self.model, g.train, self.device, g.optimizer, g.run.instantiate_allow
         )
         if self.float8 is not Float8Recipe.none:
             attach_scale_precompute(self.model, self.optimizer)  # FSDP2's float8 all-gather only
-        self.scheduler = build_scheduler(self.optimizer, cfg.train, cfg.lr_scheduler)
+        self.scheduler = build_scheduler(self.optimizer, g.train, g.lr_scheduler)
         # DeepSeek-V3's aux-loss-free balancing, per optimizer step; under peft=lora the selection
         # biases are part of the frozen base: a LoRA checkpoint, its exports and generate rebuild
         # the base from model.init_from or the seed, so a bias moved in training would be lost there.
-        if cfg.model.moe.bias_update_rate > 0 and cfg.peft.method is PeftMethod.none:
+        if self.meta.cfg.moe.bias_update_rate > 0 and g.peft.method is PeftMethod.none:
             self.optimizer.register_step_post_hook(functools.partial(_update_biases, self.model))
         if self.in_backward is not None:
             self.in_backward.remove()  # hooks of the model being replaced
         self.in_backward = (
-            attach_in_backward(self.optimizer, cfg.train.in_backward_grad_checks)
-            if cfg.train.optimizer_in_backward
+            attach_in_backward(self.optimizer, g.train.in_backward_grad_checks)
+            if g.train.optimizer_in_backward
             else None
         )
         settle_ddp_buckets(self.model, self.plan.micro_batch_size, self.plan.seq_len, self.device)
@@ -179,7 +205,7 @@ class StepRunner:
             self.model,
             self.optimizer,
             self.scheduler,
-            cfg.train.grad_clip,
+            g.train.grad_clip,
             self.device,
             self.in_backward,
             self.seq_shard,
@@ -217,8 +243,8 @@ class StepRunner:
         in FSDP's param_dtype: what the verifier's numerics check compares the built model with."""
         from framework.parallel.data_parallel import TORCH_DTYPES
 
-        dtype = TORCH_DTYPES[self.cfg.sharding.param_dtype]
-        return reference_model(self._meta_copy(), self.cfg.train.seed, self.device, dtype, self.load_weights)
+        dtype = TORCH_DTYPES[self.groups.sharding.param_dtype]
+        return reference_model(self._meta_copy(), self.groups.train.seed, self.device, dtype, self.load_weights)
 
     # -- the steps ---------------------------------------------------------------------------------
 
@@ -250,14 +276,14 @@ class StepRunner:
         lag is off (verify on: the breaker may swap the executor before the next step), it is this
         launch's first step, or it ends at a log row, an evaluation, the end of the run or a fault
         injection. Checkpoints and preemption are decided by the caller (they are collectives)."""
-        t = self.cfg.train
+        t = self.groups.train
         due = (
             not self.lag
             or not self._read_any
             or s.step % t.log_every == 0
             or s.step >= t.steps
             or (t.eval_every > 0 and s.step % t.eval_every == 0)
-            or s.step == self.cfg.run.fault_kill_at_step
+            or s.step == self.groups.run.fault_kill_at_step
         )
         if due:
             self._read_any = True

@@ -20,40 +20,37 @@ state and timing, steps them (``train``, the loop) and writes the summary (``fin
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import OmegaConf
 
 from framework import data as data_mod
 from framework.checkpoint import export_hf, full_model_state, init_from
 from framework.checkpoint.session import RunCheckpoints
-from framework.config.run_values import BatchShape, RunValues, run_values
-from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten, to_yaml
+from framework.config.run_values import BatchShape, RunValues, data_run, run_values, write_run_values
+from framework.config.schema import Config, ExecutorMode, FreezeMode, flatten
 from framework.data.sft import split_rows
 from framework.freeze import FrozenResult, freeze
-from framework.models import balance_row, build_model, flops_per_token, lora, num_params
+from framework.models import balance_row, build_model, compute_dtype, flops_per_token, lora, num_params
 from framework.parallel import build_mesh, dp_mesh_info
 from framework.parallel.pipeline import pipeline_group
 from framework.parallel.process import DistEnv, process_group, resolve_device, set_task_threads
 from framework.planner.plan import Plan
 from framework.planner.resolve import check_plan
-from framework.record.metrics import Metrics, format_row, perplexity, validation_row
+from framework.record.metrics import Metrics, format_row, validation_row
 from framework.record.train_state import TrainState
+from framework.train.agreement import check_same_config
 from framework.train.callbacks import Callbacks, RunContext, build_callbacks
 from framework.train.loop import evaluate
 from framework.train.run_dir_watch import RunDirWatch
-from framework.train.runner import Step, StepRunner
+from framework.train.runner import BuildGroups, Step, StepRunner
+from framework.train.summary import Summary, write_summary
 from framework.verify import StepAction, Verifier, next_mode, perf_figures
 from framework.verify.baseline import device_name
 from framework.verify.fallback import Ladder, Verdict
@@ -61,97 +58,11 @@ from framework.verify.fallback import Ladder, Verdict
 log = logging.getLogger("framework")
 
 
-def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
-
-
-def check_same_config(cfg: Config, env: DistEnv, run_dir: Path | None = None) -> str:
-    """All ranks must run the same resolved config in the same run dir; stop naming the differing
-    keys, or the ranks' run dirs, otherwise.
-
-    Why the run dir: under torchrun each rank composes its own config, and a ``RUN_STAMP`` that
-    differs between ranks (exported per host) puts them in different run dirs. The configs agree,
-    but rank 0 then writes the run files where the others never look and every checkpoint save
-    fails (each rank's files land in its own ``checkpoints/``)."""
-    digest = config_hash(cfg)
-    if env.world_size == 1:
-        return digest
-    flat = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
-    _check_ranks_agree(env, run_dir, digest, flat, "resolved")
-    return digest
-
-
-def check_same_composition(env: DistEnv, run_dir: Path, composed: dict[str, Any]) -> None:
-    """``check_same_config`` for what each torchrun rank composed (its command line, unresolved),
-    before rank 0 alone resolves it: the ranks would otherwise all run rank 0's config silently."""
-    if env.world_size == 1:
-        return
-    digest = hashlib.sha256(json.dumps(composed, sort_keys=True, default=str).encode()).hexdigest()
-    _check_ranks_agree(env, run_dir, digest, flatten(composed), "composed")
-
-
-def _check_ranks_agree(
-    env: DistEnv, run_dir: Path | None, digest: str, flat: dict[str, Any], what: str
-) -> None:
-    mine = (digest, str(run_dir) if run_dir is not None else None)
-    pairs: list[tuple[str, str | None]] = [("", None)] * env.world_size
-    dist.all_gather_object(pairs, mine)
-    dirs = [d for _, d in pairs]
-    if len(set(dirs)) > 1:
-        differ = {r: d for r, d in enumerate(dirs) if d != dirs[0]}
-        raise ValueError(
-            f"ranks {sorted(differ)} run in a different run dir than rank 0 ({dirs[0]}): "
-            f"{', '.join(f'rank {r}: {d}' for r, d in sorted(differ.items())[:4])}. Every rank must share "
-            "one run dir: export the same RUN_STAMP on every host (or none, and pass the same --rdzv-id "
-            "to torchrun)"
-        )
-    hashes = [h for h, _ in pairs]
-    if len(set(hashes)) == 1:
-        return
-    flats: list[dict[str, Any]] = [{}] * env.world_size
-    dist.all_gather_object(flats, flat)
-    bad = sorted({k for f in flats for k in set(f) | set(flats[0]) if f.get(k) != flats[0].get(k)})
-    ranks = [r for r, h in enumerate(hashes) if h != hashes[0]]
-    raise ValueError(f"ranks {ranks} {what} a different config than rank 0; differing keys: {bad}")
-
-
 def peak_tflops(cfg: Config, device: torch.device) -> float | None:
     """Peak dense TFLOP/s per device for MFU: the declared hardware's figure, on CUDA only."""
     if device.type != "cuda":
         return None
     return cfg.mesh.hardware.peak_tflops if cfg.mesh.hardware.name != "cpu" else 989.0
-
-
-@dataclass
-class Summary:
-    steps: int = 0
-    final_loss: float | None = None
-    final_val_loss: float | None = None
-    first_val_loss: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    peak_mem_gib: float | None = None
-    time_to_first_step_s: float | None = None
-    # The first step's own time less the median step: torch.compile (and CUDA graph capture) time.
-    compile_s: float | None = None
-    train_time_s: float = 0.0
-    skipped_steps: int = 0
-    step_p50_s: float | None = None
-    step_p99_s: float | None = None
-    # The time the loop waited for its batches (framework.data's ``last_wait_s``) over the warm steps:
-    # per step, and as a share of the step time (an upper bound of the device's idle time: on CUDA
-    # the host waits while the previous step still runs).
-    data_wait_ms: float | None = None
-    data_wait_share: float | None = None
-    executor: str | None = None  # the executor the run ended on (after any fallback)
-    # Every event row of this launch's metrics.jsonl ("step N: event: detail"): fallbacks, resumes,
-    # rejected checkpoints, failed saves, preemption.
-    events: list[str] = field(default_factory=list)
-    # checkpoint=...: saves committed and failed, the last failure, the newest committed checkpoint
-    # (None with checkpoint=none).
-    checkpoint: dict[str, Any] | None = None
-    # executor.cache_dir: artifacts loaded / saved, Inductor FX-graph cache hits / misses (rank 0).
-    compile_cache: dict[str, int] | None = None
 
 
 Data = data_mod.Pipeline
@@ -162,7 +73,7 @@ class Parts:
     """What ``setup`` built once, for the loop and ``finish``."""
 
     cfg: Config
-    values: RunValues  # the derived values (sequence length, batch sizes, checkpoint root), derived once
+    values: RunValues  # the derived values (batch shape, checkpoint root, accumulation, ...), derived once
     env: DistEnv
     run_dir: Path
     digest: str
@@ -320,7 +231,7 @@ def setup(
     env = stack.enter_context(process_group(resolve_device(cfg.run.device), cfg.nccl.timeout_s))
     run = RunContext(cfg, run_dir, env.rank, env.is_main, state)
     callbacks.setup(run)
-    values = run_values(cfg, run_dir)
+    values = derive_values(cfg, plan, run_dir, env)
     if env.device.type == "cpu":  # threads that do not collapse when another process takes a core
         threads = set_task_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if env.is_main:
@@ -332,13 +243,15 @@ def setup(
     torch.manual_seed(cfg.train.seed * 1_000_003 + env.rank)
     digest = check_same_config(cfg, env, run_dir)
     verifier = Verifier(
-        cfg,
+        cfg.verify,
+        cfg.model,
         run_dir,
         env.is_main,
         world_size=env.world_size,
         device_name=device_name(env.device),
         layout=plan.layout,
         batch=values.batch,
+        mesh_shape=cfg.mesh.shape,
     )
     runner, graph = build(cfg, values.batch, plan, env, run_dir, verifier, digest)
     data = make_data(cfg, values.batch, env, *dp_mesh_info(runner.mesh, plan))
@@ -398,6 +311,16 @@ def setup(
     )
 
 
+def derive_values(cfg: Config, plan: Plan, run_dir: Path, env: DistEnv) -> RunValues:
+    """The run's derived values, once per rank (from the config, its plan and this rank's device);
+    rank 0 writes them beside plan.json (``run_values.json``), the record of what the ranks ran with."""
+    dtype = compute_dtype(env.device) or torch.float32
+    values = run_values(cfg, run_dir, plan.grad_accum_steps, plan.dp_degree, str(dtype).removeprefix("torch."))
+    if env.is_main:
+        write_run_values(run_dir, values)
+    return values
+
+
 def build(
     cfg: Config, batch: BatchShape, plan: Plan, env: DistEnv, run_dir: Path, verifier: Verifier, digest: str
 ) -> tuple[StepRunner, Verdict | None]:
@@ -407,7 +330,7 @@ def build(
     Returns the graph check's verdict too: the reference graph differs under
     ``verify.policy=fallback``."""
     mesh = build_mesh(plan, env.device.type)
-    meta = build_model(cfg.model, batch.seq_len, data_mod.document_eos(cfg))
+    meta = build_model(cfg.model, batch.seq_len, data_mod.document_eos(cfg.data, cfg.tokenizer))
     if env.is_main:
         log.info(
             "model %s: %.2fM parameters, %.3g flops/token (6N + 12LHQT) at seq_len %d",
@@ -426,8 +349,9 @@ def build(
     # Lag only without verify=on: with it, every step is read at once (its checks and report read
     # each step before the next is queued). The ladder's breaker reads lagged steps as they come.
     lag = not verifier.enabled
+    groups = BuildGroups(cfg.train, cfg.optimizer, cfg.lr_scheduler, cfg.sharding, cfg.bucketing, cfg.peft, cfg.run)
     runner = StepRunner(
-        cfg, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank, load_weights=init_from.load
+        groups, plan, mesh, meta, cfg.executor, env.device, lag=lag, rank=env.rank, load_weights=init_from.load
     )
     return runner, graph
 
@@ -471,7 +395,7 @@ def finish(p: Parts, state: TrainState) -> Summary:
     if cfg.checkpoint.export_hf:  # also when preempted: the job may not come back
         export_model(cfg, p.values.batch, p.runner.model, p.run_dir, env, s.steps)
     p.metrics.close()
-    write_summary(p.run_dir, cfg, p.plan, s, p.digest, env)
+    write_summary(p.run_dir, s, p.digest, env)
     return s
 
 
@@ -490,7 +414,7 @@ def export_model(
 
 
 def make_data(cfg: Config, batch: BatchShape, env: DistEnv, dp_rank: int, dp_size: int) -> Data:
-    data = data_mod.build_data(cfg, batch, dp_rank, dp_size)
+    data = data_mod.build_data(data_run(cfg), batch, dp_rank, dp_size)
     if env.is_main:
         log.info("data: %s", data.description)
     return data
@@ -524,50 +448,3 @@ def freeze_stage(
     return result
 
 
-@rank_zero_only
-def write_summary(
-    run_dir: Path, cfg: Config, plan: Plan, summary: Summary, digest: str, env: DistEnv
-) -> None:
-    info = {
-        **summary.__dict__,
-        "config_hash": digest,
-        "world_size": env.world_size,
-        "device": str(env.device),
-        "device_name": device_name(env.device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(info, indent=2) + "\n")
-    lines = [f"run dir: {run_dir}", f"steps: {summary.steps} in {summary.train_time_s:.1f}s"]
-    if summary.first_val_loss is not None and summary.final_val_loss is not None:
-        lines.append(
-            f"val loss: {summary.first_val_loss:.4f} -> {summary.final_val_loss:.4f}"
-            f" (perplexity {perplexity(summary.final_val_loss):.2f})"
-        )
-    if summary.final_loss is not None:
-        lines.append(f"final train loss: {summary.final_loss:.4f}")
-    latest = (summary.checkpoint or {}).get("latest")
-    if latest:  # the first model a user trains is one command away from use
-        lines.append(
-            f"checkpoint: {latest} (use it: python -m framework generate {run_dir} --prompt 'def '; "
-            f"python -m framework export-hf {run_dir} OUT)"
-        )
-    if summary.tokens_per_s:
-        lines.append(f"throughput: {summary.tokens_per_s:,.0f} tokens/s")
-    if summary.data_wait_share is not None:
-        lines.append(
-            f"data wait: {summary.data_wait_ms:.2f} ms/step ({summary.data_wait_share:.2%} of the step time)"
-        )
-    if summary.mfu is not None:
-        lines.append(f"MFU: {summary.mfu:.1%}")
-    if summary.time_to_first_step_s is not None:
-        lines.append(f"time to first step: {summary.time_to_first_step_s:.1f}s")
-    if summary.compile_s is not None:
-        lines.append(f"compile (first step less a median step): {summary.compile_s:.1f}s")
-    if summary.compile_cache is not None:
-        c = summary.compile_cache
-        lines.append(
-            f"compile cache: {c['loaded']} artifacts loaded, {c['hits']} graph hits, {c['misses']} misses, "
-            f"{c['saved']} saved"
-        )
-    log.info("summary:\n  %s", "\n  ".join(lines))

@@ -13,13 +13,14 @@ import math
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from framework.config.schema import Config, ExecutorMode, VerifyConfig
+from framework.config.schema import ExecutorMode, VerifyConfig
 from framework.planner.layout import Degrees
 from framework.verify.report import CheckResult
 
@@ -65,16 +66,22 @@ def perf_figures(
 
 
 def baseline_key(
-    cfg: Config, layout: Degrees, world_size: int, device_name: str, executor: ExecutorMode | None = None
+    model_name: str,
+    mesh_shape: Sequence[int],
+    layout: Degrees,
+    world_size: int,
+    device_name: str,
+    executor: ExecutorMode,
 ) -> str:
-    """The store key; ``layout`` is the plan's (``Plan.layout``); ``executor`` is the mode that
-    actually ran (after a fallback), default the configured one."""
-    mode = (executor or cfg.executor.mode).value
+    """The store key: the model's name, the declared ``mesh.shape``, ``layout`` (the plan's,
+    ``Plan.layout``), the device, the world and ``executor``, the mode that actually ran (after a
+    fallback: the configured one until then)."""
+    mode = executor.value
     sharding = layout.name() + (f"-tp{layout.tp}" if layout.tp > 1 else "")
-    mesh = "x".join(str(s) for s in cfg.mesh.shape)
+    mesh = "x".join(str(s) for s in mesh_shape)
     return "|".join(
         (
-            cfg.model.name,
+            model_name,
             f"mesh={mesh}",
             sharding,
             mode,

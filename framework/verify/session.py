@@ -23,7 +23,7 @@ the float8 rung) and ``fallback``'s recording always run: the trainer needs them
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from framework.config.run_values import BatchShape
-from framework.config.schema import Config, ExecutorMode, Float8Recipe, Policy
+from framework.config.schema import ExecutorMode, Float8Recipe, ModelConfig, Policy, VerifyConfig
 from framework.freeze import FrozenResult
 from framework.planner.layout import Degrees
 from framework.verify import baseline as baseline_mod
@@ -62,7 +62,8 @@ class Built(Protocol):
 class Verifier:
     def __init__(
         self,
-        cfg: Config,
+        verify: VerifyConfig,
+        model: ModelConfig,
         run_dir: Path,
         is_main: bool,
         emit: Emit | None = None,
@@ -71,19 +72,21 @@ class Verifier:
         *,
         layout: Degrees,
         batch: BatchShape,
+        mesh_shape: Sequence[int],
     ) -> None:
-        self.cfg = cfg
+        self.model_cfg = model  # its name keys the baseline; its size and float8 recipe the numerics
+        self.mesh_shape = tuple(mesh_shape)  # the declared ``mesh.shape``, part of the baseline's key
         self.batch = batch  # the run's batch shape: the graph check exports the model at it
         self.layout = layout  # the plan's, part of the performance baseline's key (``verify.enabled``)
         self.world_size = world_size
         self.device_name = device_name  # with world_size, part of the performance baseline's key
-        self.vcfg = cfg.verify
-        self.enabled = cfg.verify.enabled
+        self.vcfg = verify
+        self.enabled = verify.enabled
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.emit = emit
-        self.report = VerificationReport(cfg.verify.policy.value)
-        self.bad_steps = BadStepTracker(cfg.verify.max_bad_steps)
+        self.report = VerificationReport(verify.policy.value)
+        self.bad_steps = BadStepTracker(verify.max_bad_steps)
         self.breaker: CircuitBreaker | None = None
         self.fingerprint: str | None = None
         self._pending_rows: list[dict[str, Any]] = []
@@ -175,12 +178,12 @@ class Verifier:
         is small: ``verify.reference_model_max_params``). Collective."""
         if not (self.enabled and self.vcfg.numerics):
             return None
-        if not wants_reference(self.cfg.model, self.vcfg.reference_model_max_params):
+        if not wants_reference(self.model_cfg, self.vcfg.reference_model_max_params):
             make_reference = None
         # The loop runs bf16 autocast on CUDA (framework.train.loop.autocast): rounding differs more;
         # float8 GEMMs (model.float8, in the reference model too) more still.
         logits_rtol = self.vcfg.logits_rtol_bf16 if device.type == "cuda" else self.vcfg.logits_rtol
-        if self.cfg.model.float8 is not Float8Recipe.none:
+        if self.model_cfg.float8 is not Float8Recipe.none:
             logits_rtol = max(logits_rtol, self.vcfg.logits_rtol_float8)
         rtol = self.vcfg.loss_rtol
         check = check_numerics(model, batch, device, rtol, compiled, make_reference, logits_rtol)
@@ -255,10 +258,14 @@ class Verifier:
             tripped = self.breaker.observe(seconds)
         return action, tripped
 
+    def _key(self, world_size: int, device_name: str, executor: ExecutorMode) -> str:
+        name, shape = self.model_cfg.name, self.mesh_shape
+        return baseline_mod.baseline_key(name, shape, self.layout, world_size, device_name, executor)
+
     def baseline_p99(self, world_size: int, device_name: str, executor: ExecutorMode) -> float | None:
         if not self.enabled:
             return None
-        key = baseline_mod.baseline_key(self.cfg, self.layout, world_size, device_name, executor)
+        key = self._key(world_size, device_name, executor)
         figures = baseline_mod.load_baseline(baseline_mod.store_path(self.vcfg), key)
         return None if figures is None else figures.step_p99_s
 
@@ -278,7 +285,7 @@ class Verifier:
             self.report.add(CheckResult("performance", None, "no post-warm-up steps to measure"))
             self.write()
             return None
-        key = baseline_mod.baseline_key(self.cfg, self.layout, world_size, device_name, executor)
+        key = self._key(world_size, device_name, executor)
         path = baseline_mod.store_path(self.vcfg)
         check = baseline_mod.compare_perf(figures, baseline_mod.load_baseline(path, key), self.vcfg)
         check.figures["key"] = key

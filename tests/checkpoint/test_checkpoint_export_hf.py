@@ -256,7 +256,7 @@ def test_export_of_a_fine_tuned_hf_model_carries_its_context_rope_and_special_to
     unk, and had no chat template."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from framework.checkpoint.export_hf import export_checkpoint
+    from framework.launch.export_run import export_checkpoint
     from tests.entry import train_forked
 
     src = make_hf_folder(tmp_path / "src")

@@ -6,6 +6,7 @@ Parity figures (max |logits difference|, fp32, CPU) are printed with ``pytest -s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -47,7 +48,10 @@ FAST = [
 
 def resolve(cfg: Config, overrides: list[str]) -> Config:
     """``init_from.resolve`` with the launcher's model rules, as train.py calls it."""
-    return init_from.resolve(cfg, overrides, check_shape=check_model_shape)
+    def check_shape(model: ModelConfig) -> None:
+        check_model_shape(dataclasses.replace(cfg, model=model))
+
+    return dataclasses.replace(cfg, model=init_from.resolve(cfg.model, overrides, check_shape=check_shape))
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

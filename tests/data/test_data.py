@@ -126,13 +126,13 @@ def test_default_batches_are_pinned() -> None:
     same path the trainer takes (build_data)."""
     import hashlib
 
-    from framework.config.run_values import batch_shape
+    from framework.config.run_values import batch_shape, data_run
     from framework.config.schema import Config
     from framework.data import build_data
 
     cfg = Config()
     cfg.train.global_batch_size = cfg.train.micro_batch_size = 16
-    data = build_data(cfg, batch_shape(cfg.train), 0, 1)
+    data = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1)
     assert isinstance(data.sampler, BatchSampler)
     h = hashlib.sha256()
     for _ in range(3):

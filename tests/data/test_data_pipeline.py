@@ -1,5 +1,5 @@
 """Every bad data or tokenizer input is refused before launch with one line naming the value
-(framework.data.pipeline.check_data), and through train.py: exit 2, nothing written."""
+(framework.data.checks.check_data), and through train.py: exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from framework import data as data_mod
+from framework.config.run_values import batch_shape, data_run
 from framework.config.schema import (
     AttentionBackend,
     CompileScope,
@@ -25,7 +27,6 @@ from framework.config.schema import (
     TokenizerKind,
     TrainConfig,
 )
-from framework.data import check_data, check_document_kernel
 from framework.data.tokens import write_tokens
 from tests.corpus import ROOT, Corpus, write_corpus
 
@@ -33,6 +34,16 @@ from tests.corpus import ROOT, Corpus, write_corpus
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def check_data(c: Config) -> None:
+    """``check_data`` on a whole config, as the launcher calls it (framework.launch.prelaunch)."""
+    data_mod.check_data(data_run(c), batch_shape(c.train))
+
+
+def check_document_kernel(c: Config, device_type: str) -> None:
+    """``check_document_kernel`` on a whole config, as the launcher calls it."""
+    data_mod.check_document_kernel(c.data, c.model.attention, c.executor, device_type)
 
 
 def cfg(
@@ -488,7 +499,6 @@ def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, m
 
     import torch
 
-    from framework.config.run_values import batch_shape
     from framework.data import build_data
 
     base = cfg(DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl)), bpe(corpus))
@@ -496,7 +506,7 @@ def test_packed_validation_is_the_same_windows_on_every_layout(corpus: Corpus, m
 
     def rows(m: int, rank: int, size: int) -> list[torch.Tensor]:
         c = dataclasses.replace(base, train=dataclasses.replace(base.train, micro_batch_size=m))
-        data = build_data(c, batch_shape(c.train), rank, size)
+        data = build_data(data_run(c), batch_shape(c.train), rank, size)
         data.sampler.close()
         assert all(x.shape[0] == m for x, _ in data.val_batches)
         return [x for x, _ in data.val_batches]

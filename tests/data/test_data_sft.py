@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from framework.config.run_values import batch_shape
+from framework.config.run_values import batch_shape, data_run
 from framework.config.schema import (
     AttentionBackend,
     Config,
@@ -25,11 +25,12 @@ from framework.config.schema import (
     TokenizerKind,
     TrainConfig,
 )
-from framework.data import build_data, check_data, check_document_kernel
+from framework.data import build_data
 from framework.data.sft import IGNORE_INDEX, ChatFormat, Fields, read_records
 from framework.data.tokenizer import load_tokenizer
 from framework.models import build_model, materialize
 from tests.corpus import ROOT
+from tests.data.test_data_pipeline import check_data, check_document_kernel
 
 SHIPPED = ROOT / "recipes" / "data" / "sft_tiny"
 GBS, MBS, SEQ = 8, 2, 64
@@ -82,7 +83,7 @@ def test_plain_format_masks_prompts_and_trains_response_and_eos(plain_tok: Path,
     cfg.tokenizer.add_bos = True
     check_data(cfg)
     tok = load_tokenizer(cfg.tokenizer)
-    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    sampler = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     (x, y), *rest = sampler.next_batch()
     sampler.close()
     assert x[0, 0] == tok.bos_id
@@ -100,7 +101,7 @@ def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> Non
     cfg = make_cfg(SHIPPED / "train.jsonl", sft_pack=False)
     model = build_model(cfg.model, SEQ)
     materialize(model, "cpu", seed=0)
-    whole = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    whole = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     batch = whole.next_batch()
     x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
     logits = model(x).detach().requires_grad_(True)
@@ -115,7 +116,7 @@ def test_masked_targets_give_no_gradient_and_the_loss_is_token_weighted() -> Non
         for dp in (1, 2):  # the step's loss: sum of scale * micro-batch loss, averaged over ranks
             total = 0.0
             for r in range(dp):
-                s = build_data(cfg, batch_shape(cfg.train), r, dp).sampler
+                s = build_data(data_run(cfg), batch_shape(cfg.train), r, dp).sampler
                 mbs = s.next_batch()
                 total += sum(k * float(model(a, b)) for k, (a, b) in zip(s.loss_scales(), mbs, strict=True))
                 s.close()
@@ -177,7 +178,7 @@ def test_resume_on_another_dp_degree_skips_and_repeats_nothing(pack: bool) -> No
         assert len({tuple(r.tolist()) for r in rows}) == rows.shape[0]
     # the validation conversations (every 8th) never reach training
     ev = dataclass_replace_eval(cfg)
-    val = build_data(ev, batch_shape(ev.train), 0, 1).val_batches
+    val = build_data(data_run(ev), batch_shape(ev.train), 0, 1).val_batches
     train_rows = {tuple(r.tolist()) for r in torch.cat(whole)}
     for vx, vy in val:
         for r in torch.cat([vx, vy[:, -1:]], 1):
@@ -286,7 +287,7 @@ def test_fine_tune_a_hugging_face_llama_with_the_tiny_recipe(
     cfg = make_cfg(SHIPPED / "train.jsonl", hf, sft_pack=False)
     cfg.model.vocab_size = 320
     tok = load_tokenizer(cfg.tokenizer)
-    (x, y), *_ = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler.next_batch()
+    (x, y), *_ = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler.next_batch()
     trained = y[0] != IGNORE_INDEX
     _, msgs = records()[0]
     answers = "".join(m["content"] + "<|end_of_text|>" for m in msgs if m["role"] == "assistant")

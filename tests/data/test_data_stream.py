@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config.run_values import batch_shape
+from framework.config.run_values import batch_shape, data_run
 from framework.config.schema import (
     Config,
     DataConfig,
@@ -52,7 +52,7 @@ def global_rows(cfg: Config, dp: int, state: dict | None, n: int) -> tuple[list[
     per_rank = []
     final = None
     for r in range(dp):
-        sampler = build_data(cfg, batch_shape(cfg.train), r, dp).sampler
+        sampler = build_data(data_run(cfg), batch_shape(cfg.train), r, dp).sampler
         if state is not None:
             sampler.load_state_dict(json.loads(json.dumps(state)))  # as the checkpoint stores it (JSON)
         per_rank.append(
@@ -103,7 +103,7 @@ def test_resume_on_another_dp_degree_skips_and_repeats_nothing(corpus: Corpus, n
 def test_packing_joins_documents_with_eos_in_order(corpus: Corpus) -> None:
     cfg = make_cfg(corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.0))
     tok = load_tokenizer(cfg.tokenizer)
-    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    sampler = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     batches = [sampler.next_batch() for _ in range(8)]
     stream = np.concatenate([torch.cat([x, y[:, -1:]], 1).reshape(-1).numpy() for b in batches for x, y in b])
     sampler.close()
@@ -115,7 +115,7 @@ def test_packing_joins_documents_with_eos_in_order(corpus: Corpus) -> None:
 def test_bos_is_added_before_every_document_when_asked(corpus: Corpus) -> None:
     cfg = make_cfg(corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.0))
     cfg = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, add_bos=True))
-    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    sampler = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     flat = [
         t
         for _ in range(8)
@@ -132,21 +132,21 @@ def test_validation_records_never_reach_training(corpus: Corpus) -> None:
     cfg = make_cfg(
         corpus, DataConfig(source=DataSource.jsonl, path=str(corpus.jsonl), val_fraction=0.25), eval_every=1
     )
-    data = build_data(cfg, batch_shape(cfg.train), 0, 1)
+    data = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1)
     train = torch.cat([torch.cat([x, y[:, -1:]], 1) for _ in range(3) for x, y in data.sampler.next_batch()])
     data.sampler.close()
     val = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in data.val_batches])
     assert len(data.val_batches) == cfg.train.eval_batches * GBS // MBS  # global batches, in micro batches
     train_windows = {tuple(r.tolist()) for r in train}
     assert not any(tuple(r.tolist()) in train_windows for r in val)
-    again = build_data(cfg, batch_shape(cfg.train), 0, 1)
+    again = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1)
     again.sampler.close()
     assert all(torch.equal(a[0], b[0]) for a, b in zip(data.val_batches, again.val_batches, strict=True))
 
 
 def test_peek_and_undo_give_the_same_batch_again(corpus: Corpus) -> None:
     cfg = make_cfg(corpus, sources(corpus)["mix"])
-    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    sampler = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     peeked = sampler.peek()
     first = sampler.next_batch()
     assert torch.equal(peeked[:MBS, :-1], first[0][0])

@@ -136,7 +136,7 @@ def test_a_checkpoint_saved_by_two_fsdp_ranks_equals_transformers_on_its_export(
     """Fine-tune the HF folder on 2 gloo ranks (FSDP; forked from this process, tests/dist.py), then
     evaluate the run dir, its checkpoint and its HF export on one data set: the same figure,
     transformers' on the export within 1e-5."""
-    from framework.checkpoint.export_hf import export_checkpoint
+    from framework.launch.export_run import export_checkpoint
     from tests.dist import train_on_forked_ranks
 
     run = tmp_path / "run"
@@ -171,7 +171,7 @@ def test_train_eval_sets_are_each_scored_and_logged_on_their_own(
     set; the last one equals the loss of the saved model on the same rows (weighted by their trained
     targets, as the validation loss is), computed here. The ranks are forked from this process
     (tests/dist.py: the run's config as train.py composes it, trained as a launched rank trains)."""
-    from framework.config.run_values import batch_shape
+    from framework.config.run_values import batch_shape, data_run
     from framework.data.pipeline import eval_set_batches
     from framework.data.tokenizer import load_tokenizer
     from framework.launch.source import load_source
@@ -194,7 +194,7 @@ def test_train_eval_sets_are_each_scored_and_logged_on_their_own(
         assert len({r["val_loss"], r["val_loss/docs"], r["val_loss/chat"]}) == 3
     src = load_source(run, [], torch.device("cpu"))
     tok = load_tokenizer(src.cfg.tokenizer)
-    ours = [eval_set_batches(src.cfg, batch_shape(src.cfg.train), tok, rank, 2) for rank in (0, 1)]  # what each rank scored
+    ours = [eval_set_batches(data_run(src.cfg), batch_shape(src.cfg.train), tok, rank, 2) for rank in (0, 1)]  # what each rank scored
     for name in ("docs", "chat"):
         # the ranks' batches scored in one process: the mean over every trained target of both ranks
         both = loop_evaluate(src.model, ours[0][name] + ours[1][name], torch.device("cpu"))

@@ -32,8 +32,8 @@ def fa4_cfg(*overrides: str) -> Config:
 
 def refused(cfg: Config, capability: tuple[int, int] | None, *fragments: str, device: str = "cuda") -> None:
     with pytest.raises(ValueError) as e:
-        fa4.check(cfg, device, capability, "NVIDIA A100" if capability == (8, 0) else "NVIDIA H100",
-                  head_dim=model_spec(cfg.model).head_dim)
+        name = "NVIDIA A100" if capability == (8, 0) else "NVIDIA H100"
+        fa4.check(cfg.model, cfg.parallel.cp, device, capability, name, head_dim=model_spec(cfg.model).head_dim)
     message = str(e.value)
     assert "\n" not in message and message.startswith("model.attention=fa4"), message
     for f in fragments:
@@ -54,12 +54,17 @@ def test_refused_head_sizes_and_context_parallelism() -> None:
     refused(fa4_cfg("parallel.cp=2"), H100, "parallel.cp=2", "context parallelism")
 
 
+def budget(cfg: Config, gqa_counted: bool) -> None:
+    fa4.check_budget(cfg.model, cfg.sharding.activation_checkpointing, cfg.data.document_mask, gqa_counted)
+
+
 def test_registry_and_package() -> None:
     """This torch (>= 2.11) has the registry and its FA4 glue; flash-attn-4 is not installed here
     (its CuTe DSL libraries are GPU-only), so a Hopper launch is refused for the package."""
     assert fa4.registry_has_fa4()
     if fa4.installed():
-        fa4.check(fa4_cfg(), "cuda", H100, "NVIDIA H100", head_dim=model_spec(fa4_cfg().model).head_dim)
+        model = fa4_cfg().model
+        fa4.check(model, 1, "cuda", H100, "NVIDIA H100", head_dim=model_spec(model).head_dim)
     else:
         refused(fa4_cfg(), H100, "needs the flash-attn-4 package", "pip install")
 
@@ -108,7 +113,8 @@ def test_other_backends_are_never_refused() -> None:
     for backend in AttentionBackend:
         if backend is not AttentionBackend.fa4:
             other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=backend))
-            fa4.check(other, "cpu", None, "cpu", head_dim=model_spec(other.model).head_dim)
+            head_dim = model_spec(other.model).head_dim
+            fa4.check(other.model, other.parallel.cp, "cpu", None, "cpu", head_dim=head_dim)
 
 
 def test_fa4_runs_sdpa_flash_and_context_parallelism_is_not_searched() -> None:
@@ -190,14 +196,14 @@ def test_budget_is_refused_and_not_searched_where_torch_cannot_count_gqa_flash(
     common = ("recipe=llama3_8b", "run.device=cuda", "mesh/hardware=h200", "executor=compile",
               "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1")  # fmt: skip
     cfg = compose_config(*common, f"model.attention={attention.value}", "sharding.activation_checkpointing=budget")
-    fa4.check_budget(cfg, gqa_counted=True)
+    budget(cfg, gqa_counted=True)
     line = rf"^model.attention={attention.value} with sharding.activation_checkpointing=budget: torch .* rejects"
     with pytest.raises(ValueError, match=line + r" the flash kernel with 8 key/value heads for 32 query heads"):
-        fa4.check_budget(cfg, gqa_counted=False)
+        budget(cfg, gqa_counted=False)
     masked = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True))
-    fa4.check_budget(masked, gqa_counted=False)
+    budget(masked, gqa_counted=False)
     auto = compose_config(*common, "sharding.activation_checkpointing=budget")
-    fa4.check_budget(auto, gqa_counted=False)
+    budget(auto, gqa_counted=False)
     # The search: a torch that cannot count it (2.11's, which this host's torch is not) skips budget.
     free = compose_config(*common, f"model.attention={attention.value}", "sharding=auto")
     assert search._searches_budget(free) == fa4.flop_counter_takes_gqa()

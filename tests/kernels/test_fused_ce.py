@@ -31,19 +31,19 @@ def cfg_with(kind: FusedCrossEntropy, *overrides: str):
 def test_refusals_name_the_value_and_what_runs() -> None:
     liger = cfg_with(FusedCrossEntropy.liger)
     with pytest.raises(ValueError, match=r"^model.fused_cross_entropy=liger needs a CUDA device .* uses cpu"):
-        fused_ce.check(liger, "cpu", 1)
+        fused_ce.check(liger.model, liger.executor, "cpu", 1)
     whole = cfg_with(FusedCrossEntropy.cce, "executor=compile", "executor.scope=model")
     with pytest.raises(ValueError, match=r"executor.scope=model.*use executor.scope=block"):
-        fused_ce.check(whole, "cuda", 1)
+        fused_ce.check(whole.model, whole.executor, "cuda", 1)
     with pytest.raises(ValueError, match=r"sharding.tp=2 shards it"):
-        fused_ce.check(liger, "cuda", 2)
+        fused_ce.check(liger.model, liger.executor, "cuda", 2)
     for kind, (module, pip_name) in fused_ce.PACKAGES.items():
         if importlib.util.find_spec(module) is None:
             with pytest.raises(ValueError, match=f"needs the {pip_name} package: pip install {pip_name}"):
-                fused_ce.check(cfg_with(kind), "cuda", 1)
+                fused_ce.check(cfg_with(kind).model, cfg_with(kind).executor, "cuda", 1)
         else:
-            fused_ce.check(cfg_with(kind), "cuda", 1)
-    fused_ce.check(cfg_with(FusedCrossEntropy.none), "cpu", 4)  # the default is never refused
+            fused_ce.check(cfg_with(kind).model, cfg_with(kind).executor, "cuda", 1)
+    fused_ce.check(cfg_with(FusedCrossEntropy.none).model, cfg_with(FusedCrossEntropy.none).executor, "cpu", 4)  # the default is never refused
 
 
 def test_dry_run_checks_the_declared_hardware_and_keeps_tp_off(caplog: pytest.LogCaptureFixture) -> None:

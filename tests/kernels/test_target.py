@@ -42,9 +42,9 @@ def test_profiles_declare_their_device() -> None:
 
 def test_a_dry_run_plans_for_the_declared_hardware_a_launch_for_its_device() -> None:
     dry = on(Config(), "h100_sxm")
-    assert target.of_run(dry, CPU) == Target("cuda", (9, 0), "mesh.hardware.name=h100_sxm", True)
+    assert target.of_run(dry.mesh.hardware, dry.run.dry_run, CPU) == Target("cuda", (9, 0), "mesh.hardware.name=h100_sxm", True)
     launch = on(Config(), "h100_sxm", dry_run=False)
-    assert target.of_run(launch, CPU) == Target("cpu", None, "cpu", False)
+    assert target.of_run(launch.mesh.hardware, launch.run.dry_run, CPU) == Target("cpu", None, "cpu", False)
 
 
 def test_cudagraphs_is_checked_against_the_declared_hardware_in_a_dry_run() -> None:

@@ -102,12 +102,11 @@ def test_logits_equal_transformers_both_ways(tmp_path: Path) -> None:
 def test_init_from_a_mistral_folder_gives_mistrals_schema(tmp_path: Path) -> None:
     """``model.init_from`` on a Llama recipe (the default) with a Mistral folder: the family, its
     schema and its window come from config.json, as the shape does."""
-    from framework.checkpoint import init_from
     from framework.config.schema import Config
-    from framework.launch.rules import check_model_shape
+    from tests.checkpoint.test_init_from import resolve
 
     make_hf(tmp_path / "hf", WINDOW)
-    cfg = init_from.resolve(Config(model=ModelConfig(init_from=str(tmp_path / "hf"))), [], check_shape=check_model_shape)
+    cfg = resolve(Config(model=ModelConfig(init_from=str(tmp_path / "hf"))), [])
     assert (type(cfg.model), cfg.model.sliding_window, cfg.model.dim) == (MistralConfig, WINDOW, 64)
 
 

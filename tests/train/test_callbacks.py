@@ -232,7 +232,8 @@ def test_a_rebuild_is_heard_and_the_fault_callback_rearms_on_the_new_model(
     _, args = _install(tmp_path, monkeypatch)
     over = ["verify=on", "executor=compile", "executor.backend=eager", "train.seq_len=32"]
     resolved = resolve(compose_config(*over))
-    key = baseline_key(resolved.cfg, resolved.plan.layout, 1, device_name(torch.device("cpu")))
+    c, cpu = resolved.cfg, device_name(torch.device("cpu"))
+    key = baseline_key(c.model.name, c.mesh.shape, resolved.plan.layout, 1, cpu, c.executor.mode)
     store = tmp_path / "baselines.json"
     save_baseline(store, key, PerfFigures(1e-9, 1e-9, 1e9, None, None), {})
     run = tmp_path / "run"

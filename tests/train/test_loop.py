@@ -472,7 +472,7 @@ def _layout_cfg(overrides: list[str], tmp_path) -> object:
 
 def _evaluate_worker(rank: int, world: int, cfg: object) -> dict:
     """This rank's validation tokens and the loss ``evaluate`` reports, for freshly initialised weights."""
-    from framework.config.run_values import batch_shape
+    from framework.config.run_values import batch_shape, data_run
     from framework.data import build_data
     from framework.parallel import build_mesh, dp_mesh_info, parallelize
     from framework.planner.resolve import make_plan
@@ -483,7 +483,7 @@ def _evaluate_worker(rank: int, world: int, cfg: object) -> dict:
     model = build_model(cfg.model, cfg.train.seq_len)
     model = parallelize(model, mesh, plan, cfg.sharding, cfg.bucketing, cfg.executor, CPU, cfg.train.seed)
     dp_rank, dp_size = dp_mesh_info(mesh, plan)
-    data = build_data(cfg, batch_shape(cfg.train), dp_rank, dp_size)
+    data = build_data(data_run(cfg), batch_shape(cfg.train), dp_rank, dp_size)
     data.sampler.close()
     tokens = torch.cat(
         [x for x, _ in data.val_batches]

@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from framework.config import schema as config
-from framework.config.run_values import batch_shape
+from framework.config.run_values import batch_shape, data_run
 from framework.config.schema import Config, quote_numeric_choices
 from framework.data import build_data, document_eos
 from framework.launch import recipes
@@ -73,7 +73,7 @@ def reference_run(cfg: Config) -> tuple[list[float], list[float]]:
     on 1-D weights), the schedule above."""
     t = cfg.train
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, t.seq_len, document_eos(cfg))
+    model = build_model(cfg.model, t.seq_len, document_eos(cfg.data, cfg.tokenizer))
     materialize(model, "cpu", t.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -82,7 +82,7 @@ def reference_run(cfg: Config) -> tuple[list[float], list[float]]:
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
-    sampler = build_data(cfg, batch_shape(cfg.train), 0, 1).sampler
+    sampler = build_data(data_run(cfg), batch_shape(cfg.train), 0, 1).sampler
     losses, lrs = [], []
     try:
         for step in range(t.steps):

@@ -83,7 +83,8 @@ def test_a_fallback_mid_run_trains_on_as_the_eager_run(tmp_path: Path, recipe: s
     compiled = [*common, "executor=compile", "executor.backend=eager"]
     resolved = resolve(compose_config(*compiled))
     store = tmp_path / "baselines.json"
-    key = baseline_key(resolved.cfg, resolved.plan.layout, 1, device_name(torch.device("cpu")))
+    c, cpu = resolved.cfg, device_name(torch.device("cpu"))
+    key = baseline_key(c.model.name, c.mesh.shape, resolved.plan.layout, 1, cpu, c.executor.mode)
     save_baseline(store, key, PerfFigures(1e-9, 1e-9, 1e9, None, None), {})
     eager = run_ok(tmp_path / "eager", *common, "executor=eager")
     breaker = [f"verify.baseline={store}", "verify.breaker_window=2", "verify.breaker_patience=1"]

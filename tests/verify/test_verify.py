@@ -107,7 +107,7 @@ def test_percentile_nearest_rank() -> None:
 def test_impossible_baseline_regresses_honest_one_passes(tmp_path: Path) -> None:
     cfg = Config()
     vcfg = VerifyConfig(enabled=True, baseline=str(tmp_path / "b.json"))
-    key = baseline_key(cfg, Degrees(), 1, "cpu-x")
+    key = baseline_key(cfg.model.name, cfg.mesh.shape, Degrees(), 1, "cpu-x", cfg.executor.mode)
     assert key == "llama_tiny|mesh=1|single|eager|cpu-x|world=1"
     run = PerfFigures(step_p50_s=0.10, step_p99_s=0.12, tokens_per_s=5000.0, peak_mem_gib=2.0)
     save_baseline(Path(vcfg.baseline), key, run, {"run_dir": "r"})

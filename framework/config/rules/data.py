@@ -23,8 +23,8 @@ DATA_RULES: dict[str, Rule] = {
     "tokenizer.eos_token": optional_name("unset (null: the tokenizer's own) or a token of its vocabulary"),
     "tokenizer.add_bos": TYPED,
     "data.source": TYPED,
-    "data.path": optional_path("framework.data.pipeline.check_data reads the files"),
-    "data.val_path": optional_path("framework.data.pipeline.check_data reads the files"),
+    "data.path": optional_path("framework.data.checks.check_data reads the files"),
+    "data.val_path": optional_path("framework.data.checks.check_data reads the files"),
     "data.val_fraction": number(0, 1, lo_open=True, hi_open=True, bad=(0.0, 1.0, 1.5, math.nan)),
     "data.field": name("a non-empty key of each jsonl line"),
     "data.column": name("a non-empty column name"),
@@ -37,7 +37,7 @@ DATA_RULES: dict[str, Rule] = {
     "data.mix": Rule(
         "[] (no mix) or entries {source, path, weight, ...} whose weights are finite numbers >= 0 "
         "summing to > 0",
-        checked_by="framework.data.pipeline.check_mix",
+        checked_by="framework.data.checks.check_mix",
         bad=([MixEntry(path="a.jsonl", weight=-1.0)], [MixEntry(path="a.jsonl", weight=0.0)]),
     ),
     "data.prefetch": integer(1, MAX_PREFETCH, what="global batches held ahead in memory"),

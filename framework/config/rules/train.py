@@ -71,7 +71,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "train.eval_sets": Rule(
         "[] (none) or entries {name, source, path, field, column} with unique names and data of at least "
         "one window (train.eval_every>0)",
-        checked_by="framework.data.pipeline.check_eval_sets",
+        checked_by="framework.data.checks.check_eval_sets",
         bad=([EvalSet(name="", path="a.jsonl")],),
     ),
     "train.eval_batches": Rule(_eval_batches_valid, _eval_batches_ok, (0, 10**8, 10**1000)),
