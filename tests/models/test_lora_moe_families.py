@@ -99,10 +99,10 @@ def test_a_two_rank_lora_run_exports_merged_and_adapter_with_its_logits(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from framework.checkpoint.export_hf import checkpoint_model_state, export_checkpoint
-    from framework.checkpoint.export_lora import export_adapter_checkpoint
+    from framework.checkpoint.export_hf import checkpoint_model_state
     from framework.config.schema import to_config
     from framework.generate.decode import load_model
+    from framework.launch.export_run import export_adapter_checkpoint, export_checkpoint
     from tests.dist import train_on_forked_ranks
 
     ours_targets, _, layout = CASES[family]

@@ -290,7 +290,9 @@ class Decoder(nn.Module):
         if self.vocab_shards is not None:
             self._require_loss_scope()
         loss = self.head_loss(h, targets)
-        if self.router_aux_loss_coef is not None:
+        # The load-balancing term trains the routers; a forward without gradients (validation,
+        # evaluate) reports the cross-entropy alone, as transformers' models and torchtitan's do.
+        if self.router_aux_loss_coef is not None and torch.is_grad_enabled():
             if not self.inject_aux:
                 aux = self.router_aux_loss()
                 self.router_aux = aux.detach()
