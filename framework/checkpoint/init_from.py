@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.checkpoint import import_hf
+from framework.checkpoint import hf_weights, import_hf
 from framework.config.schema import Config, Integrity, ModelConfig, ModelFamily, RouterScore, replace_model
 from framework.models import SHAPE_KEYS, family, model_spec
 
@@ -318,7 +318,7 @@ def load(model: nn.Module, path: str) -> None:
     reads its own shards, no collective runs."""
     source = Path(path)
     if import_hf.is_hf_checkpoint(source):
-        import_hf.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
+        hf_weights.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
         return
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
