@@ -81,7 +81,7 @@ def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
     or a run dir), or None when ``path`` is not a framework checkpoint at all. ValueError when it is
     a checkpoint root with no complete, intact checkpoint."""
     from framework.checkpoint.group import Channel
-    from framework.checkpoint.manager import check_step_dir, find_latest
+    from framework.checkpoint.resolve import check_step_dir, find_latest
     from framework.checkpoint.store import MANIFEST, committed
 
     if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
