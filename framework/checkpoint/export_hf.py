@@ -36,7 +36,8 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded model state on CPU, on rank 0 (``{}`` on the others). Collective for
     FSDP/TP models and pipelines (each rank holds its stages: ``pipeline_full_state``): call it on
     every rank."""
-    from framework.parallel.pipeline import is_pipeline, pipeline_full_state
+    from framework.parallel.pipeline import is_pipeline
+    from framework.parallel.pipeline_run import pipeline_full_state
 
     if is_pipeline(model):
         return pipeline_full_state(model)

@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from framework.checkpoint import import_hf
+from framework.checkpoint import hf_weights, import_hf
 from framework.config.schema import (
     Integrity,
     ModelConfig,
@@ -91,7 +91,7 @@ def framework_checkpoint(path: Path, key: str = KEY) -> Path | None:
     or a run dir), or None when ``path`` is not a framework checkpoint at all. ValueError when it is
     a checkpoint root with no complete, intact checkpoint."""
     from framework.checkpoint.group import Channel
-    from framework.checkpoint.manager import check_step_dir, find_latest
+    from framework.checkpoint.resolve import check_step_dir, find_latest
     from framework.checkpoint.store import MANIFEST, committed
 
     if (path / ".metadata").is_file() or (path / MANIFEST).is_file():
@@ -336,7 +336,7 @@ def load(model: nn.Module, path: str) -> None:
     reads its own shards, no collective runs."""
     source = Path(path)
     if import_hf.is_hf_checkpoint(source):
-        import_hf.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
+        hf_weights.load_hf_weights(model, import_hf.read_hf_checkpoint(source, KEY))
         return
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -81,7 +81,7 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    """The optimizer (conf/optimizer/NAME.yaml; framework.train.loop.build_optimizer). Its learning rate,
+    """The optimizer (conf/optimizer/NAME.yaml; framework.train.optimizers.build_optimizer). Its learning rate,
     weight decay and betas stay train.lr, train.weight_decay, train.beta1/beta2."""
 
     name: OptimizerName = OptimizerName.adamw
@@ -107,7 +107,7 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
-    """The learning-rate schedule (conf/lr_scheduler/NAME.yaml; framework.train.loop.lr_lambda). The peak,
+    """The learning-rate schedule (conf/lr_scheduler/NAME.yaml; framework.train.optimizers.lr_lambda). The peak,
     the floor and the warmup stay train.lr, train.min_lr_ratio and train.warmup_steps."""
 
     name: LRSchedulerName = LRSchedulerName.cosine

@@ -9,8 +9,8 @@ How an example becomes tokens:
 - with a chat template (an HF tokenizer folder's ``chat_template.jinja``, where transformers 5's
   ``save_pretrained`` writes it, or its ``tokenizer_config.json``'s ``chat_template``:
   framework.data.tokenizer.read_chat_template): the template is rendered with jinja2 as ``transformers``' ``apply_chat_template``
-  renders it (a sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
-  ``bos_token``/``eos_token``), one message at a time: the text an assistant message adds after the
+  renders it (framework.data.chat_template: a sandboxed environment, ``trim_blocks``/``lstrip_blocks``,
+  ``raise_exception``, ``bos_token``/``eos_token``), one message at a time: the text an assistant message adds after the
   generation prompt (its content and the template's end-of-turn token) is trained on, everything else
   (system, user, the assistant header) is masked. A template that does not render a conversation as
   a prefix of its continuation is refused, naming the message.
@@ -33,7 +33,6 @@ the packer, mixtures, prefetch and the replicated data state handle SFT rows as 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from framework.config.schema import DataConfig
+from framework.data.chat_template import TemplateBudget, chat_env, render_bounded
 from framework.data.records import json_line, watched
 from framework.data.tokenizer import Tokenizer, eos_fix
 from framework.data.tokens import FileStamp
@@ -135,132 +135,6 @@ def read_records(files: Sequence[Path], fields: Fields, skip: int = 0) -> Iterat
                 yield where, parse_example(json_line(raw, where), fields, where)
 
 
-# What rendering one conversation may cost. A template from a shared folder is untrusted: nested
-# loops over range(99999) or ``(10 ** 100000) ** 100000`` hung the launcher. Real templates render
-# a conversation in a few hundred template lines and a few KB.
-RENDER_MAX_LINES = 1_000_000  # template lines executed (each loop iteration is at least one)
-RENDER_MAX_SECONDS = 10.0
-RENDER_MAX_CHARS = 4 * 2**20  # output of one rendering
-MAX_OPERAND_BITS = 4096  # an int operand or result of ** (a 1233-digit number)
-MAX_SEQUENCE = 2**20  # a string or list built by * or +
-
-
-class TemplateBudget(Exception):
-    """A chat template went over its rendering budget (RENDER_MAX_*): reported as one ValueError."""
-
-
-def _bounded_binop(op: str, left: Any, right: Any) -> Any:
-    """``**``, ``*`` and ``+`` with operands and results bounded before they are computed."""
-    import operator
-
-    if op == "**" and isinstance(left, int) and isinstance(right, int):
-        if right > 0 and abs(left) > 1 and right * max(abs(left), 2).bit_length() > MAX_OPERAND_BITS:
-            raise TemplateBudget(f"{left!r:.20} ** {right!r:.20} is above {MAX_OPERAND_BITS} bits")
-    if op == "*":
-        for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_SEQUENCE:
-                raise TemplateBudget(f"a sequence of {len(seq)} x {n} is above {MAX_SEQUENCE} items")
-    if op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-        if len(left) + len(right) > MAX_SEQUENCE:
-            raise TemplateBudget(f"a sequence of {len(left) + len(right)} is above {MAX_SEQUENCE} items")
-    ops = {"**": operator.pow, "*": operator.mul, "+": operator.add}
-    return ops[op](left, right)
-
-
-def _chat_env() -> Any:
-    """transformers' chat-template environment (utils/chat_template_utils.py): a sandbox, since a
-    template from a shared folder is untrusted, whose arithmetic is bounded (``_bounded_binop``;
-    ``render_bounded`` bounds the loops). ``{% generation %}`` blocks render their body (transformers
-    tracks their offsets; the masks here come from rendering message by message). No ``strftime_now``:
-    templates that test for it (Llama 3's) then write their fixed date, so that the tokens of an
-    example do not change with the day a run (or its resume) starts."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationBlocks(jinja2.ext.Extension):
-        tags = frozenset({"generation"})
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"**", "*", "+"})
-
-        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            return _bounded_binop(operator, left, right)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    return env
-
-
-def render_bounded(template: Any, **context: Any) -> str:
-    """``template.render(**context)`` within RENDER_MAX_LINES template lines, RENDER_MAX_SECONDS and
-    RENDER_MAX_CHARS of output; raise TemplateBudget past any of them.
-
-    Why a line tracer: a jinja2 ``for`` loop runs as a plain Python loop in the compiled template, with
-    no sandbox hook per iteration; the tracer counts the compiled template's own lines only (other
-    frames are not traced) and works in any thread, unlike a signal-based timeout.
-    """
-    import sys
-    import time
-
-    deadline = time.monotonic() + RENDER_MAX_SECONDS
-    lines = 0
-
-    def local(frame: Any, event: str, _arg: Any) -> Any:
-        nonlocal lines
-        if event == "line":
-            lines += 1
-            if lines > RENDER_MAX_LINES or (lines % 4096 == 0 and time.monotonic() > deadline):
-                raise TemplateBudget(
-                    f"rendering one conversation ran over {RENDER_MAX_LINES} template lines or "
-                    f"{RENDER_MAX_SECONDS:g} s (nested loops?)"
-                )
-        return local
-
-    def tracer(frame: Any, event: str, _arg: Any) -> Any:
-        return local if event == "call" and frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        out: list[str] = []
-        size = 0
-        for piece in template.generate(**context):
-            size += len(piece)
-            if size > RENDER_MAX_CHARS:
-                raise TemplateBudget(f"one conversation rendered to more than {RENDER_MAX_CHARS} characters")
-            out.append(piece)
-        return "".join(out)
-    finally:
-        sys.settrace(previous)
-
-
 class ChatFormat:
     """Messages -> (token ids, which of them are trained on), by the chat template or the plain format."""
 
@@ -276,7 +150,7 @@ class ChatFormat:
         self.template = None
         if self.template_text is not None:
             try:
-                self.template = _chat_env().from_string(self.template_text)
+                self.template = chat_env().from_string(self.template_text)
             except Exception as e:  # noqa: BLE001 - jinja2 raises TemplateSyntaxError and others
                 where = getattr(tok, "path", "the tokenizer")
                 first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__

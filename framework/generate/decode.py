@@ -158,7 +158,7 @@ def resolve_checkpoint(path: Path, cfg: Config) -> Path:
     """``path`` itself when it is a checkpoint (has DCP ``.metadata``), else the run's newest verified one."""
     from framework.checkpoint import find_latest
     from framework.checkpoint.group import Channel
-    from framework.checkpoint.manager import check_step_dir
+    from framework.checkpoint.resolve import check_step_dir
 
     if (path / ".metadata").is_file():
         return check_step_dir(path, "PATH")

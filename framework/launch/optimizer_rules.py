@@ -2,7 +2,7 @@
 arguments, the state dtype and Muon (its availability here; its layout: ``framework.launch.rules.check_layout``).
 
 Why here and not beside the schema (framework.config.rules.train holds the optimizer's other keys): each
-is decided by probing ``framework.train.loop.build_optimizer`` over a tiny stand-in model, a layer the
+is decided by probing ``framework.train.optimizers.build_optimizer`` over a tiny stand-in model, a layer the
 config sits below.
 """
 
@@ -36,7 +36,7 @@ def muon_valid(c: Config) -> str:
 
 def _state_dtype_ok(v: Any, c: Config) -> bool:
     from framework.config.schema import DType
-    from framework.train.loop import OWN_CLASS
+    from framework.train.optimizers import OWN_CLASS
 
     if v is DType.float32:
         return True
@@ -103,7 +103,7 @@ def _run_device(c: Config) -> str:
 
 
 def _probe_error(c: Config, with_kwargs: bool, kwargs: dict[str, Any] | None = None) -> str | None:
-    """Why the training loop's own optimizer (framework.train.loop.build_optimizer) cannot be built over a
+    """Why the training loop's own optimizer (framework.train.optimizers.build_optimizer) cannot be built over a
     tiny stand-in model and stepped once on its dense gradients; None when it can. ``kwargs``: these
     instead of ``optimizer.kwargs`` (to find which one fails).
 
@@ -119,7 +119,7 @@ def _probe_error(c: Config, with_kwargs: bool, kwargs: dict[str, Any] | None = N
 
     import torch
 
-    from framework.train.loop import build_optimizer
+    from framework.train.optimizers import build_optimizer
 
     device = _run_device(c)
     chosen = dict(c.optimizer.kwargs if kwargs is None else kwargs) if with_kwargs else {}
@@ -241,7 +241,7 @@ RESERVED_KWARGS = (
 # The table's order: these three before the config's own optimizer keys, then state_dtype
 # (framework.launch.rules assembles it).
 OPTIMIZER_PROBED_RULES: dict[str, Rule] = {
-    # optimizer (framework.train.loop.build_optimizer)
+    # optimizer (framework.train.optimizers.build_optimizer)
     # Muon on a sharded layout: check_layout, once the launcher read the layout (the same line).
     "optimizer.name": Rule(
         muon_valid, _muon_ok, ("muon",), context=(("sharding.strategy", "fsdp"), ("mesh.shape", [2]))

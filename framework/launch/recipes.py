@@ -32,7 +32,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.launch import recipe_check
+from framework.launch import recipe_check, recipe_places
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "recipes"
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -167,7 +167,7 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
             content = {}
         else:
             REFUSED.pop(r.name, None)
-            content = recipe_check.localized(content, r.path.parent)  # data next to it, made absolute
+            content = recipe_places.localized(content, r.path.parent)  # data next to it, made absolute
             content = family_default(content)
         cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
     return recipes

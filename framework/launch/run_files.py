@@ -160,7 +160,7 @@ def check_resume_model(cfg: Config, run_dir: Path) -> None:
             return
         step_dir = found[-1][1]
     else:
-        from framework.checkpoint.manager import check_step_dir
+        from framework.checkpoint.resolve import check_step_dir
 
         step_dir = check_step_dir(Path(resume), "checkpoint.resume")
     init_from.check_resume_model(

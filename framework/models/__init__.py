@@ -12,14 +12,7 @@ from __future__ import annotations
 from framework.models.build import active_params, build_model, decoder, flops_per_token, num_params
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
-from framework.models.parts.decoder import (
-    Decoder,
-    WeightLoader,
-    compute_dtype,
-    forward_cached,
-    materialize,
-    tie,
-)
+from framework.models.parts.decoder import Decoder, forward_cached
 from framework.models.parts.sparse import (
     RoutingState,
     balance_row,
@@ -30,6 +23,7 @@ from framework.models.parts.sparse import (
     token_group_of,
     update_expert_biases,
 )
+from framework.models.parts.weights import WeightLoader, compute_dtype, materialize, tie
 from framework.models.registry import FAMILIES, SHAPE_KEYS, blocks, family, model_spec, own_fields
 from framework.models.spec import AttentionKind, LayerKind, MLPKind, ModelSpec, TPStyle, Weight, layer_pattern
 

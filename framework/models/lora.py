@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from framework.config.schema import DType, ModelConfig, PeftConfig, PeftMethod, TrainConfig
-from framework.models.parts.decoder import WeightLoader
+from framework.models.parts.weights import WeightLoader
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from framework.kernels.fused_ce import IGNORE_INDEX
 from framework.models import compute_dtype
@@ -77,6 +78,19 @@ class HostIO:
         slot[1] = torch.cuda.Event()
         slot[1].record()
         return slot[0], slot[1]
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What a build's step function binds once (framework.train.loop.pick_step): the model, its
+    optimizer and scheduler, the gradient clip (0: measure only) and the device. They travel
+    together from the build to every step, which then takes only its batch."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_clip: float
+    device: torch.device
 
 
 @dataclass

@@ -10,13 +10,13 @@ memory (it does not fit), communication, compute (recompute included) or memory-
 
 What is searched: the degrees when ``sharding=auto`` and no ``parallel.*`` is set (tp over the
 divisors of the processes per node that split the heads, KV heads and FFN, so TP stays inside a
-node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``_ep_options``), activation checkpointing under
+node; ``sharding.tp`` other than 1 pins it), ep for an MoE family (``search_space.ep_options``), activation checkpointing under
 ``sharding.activation_checkpointing=auto`` (none, selective, selective_op, full, and under a compiled
-executor the compiler's budget at the largest ``activation_memory_budget`` that fits: ``_budget_candidate``), and the micro batch when
+executor the compiler's budget at the largest ``activation_memory_budget`` that fits: ``_budget_plan``), and the micro batch when
 ``train.micro_batch_size=0`` (every divisor of the rank's share of the global batch), and
 ``sharding.reshard_after_forward`` wherever FSDP shards (False: units held unsharded for the step,
 framework.planner.stages.held_for_step; chosen only where it fits and is faster). Anything else the
-user set is kept. cp is searched for long sequences (``_cp_options``); pp is 1 (not implemented yet).
+user set is kept. cp is searched for long sequences (``search_space.cp_options``); pp is 1 (not implemented yet).
 """
 
 from __future__ import annotations
@@ -25,35 +25,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from framework.config.schema import (
-    ActivationCheckpointing,
-    AttentionBackend,
-    Config,
-    ExecutorMode,
-    FusedCrossEntropy,
-    OptimizerName,
-    PPSchedule,
-)
+from framework.config.schema import ActivationCheckpointing, Config, ExecutorMode, PPSchedule
 from framework.kernels import fa4
-from framework.planner import stages as pipeline_stages
-from framework.planner.layout import Degrees, divisors, ep_shards_experts, fixed_degrees, num_experts
-from framework.planner.memory import largest_fitting_budget, moments_hint, runs_on_cpu
+from framework.planner.layout import Degrees, fixed_degrees
+from framework.planner.memory import largest_fitting_budget, moments_hint
 from framework.planner.params import GIB
 from framework.planner.plan import Plan, plan_for, with_degrees
-
-# Context parallelism is searched for sequences of at least CP_MIN_SEQ tokens: below that, a
-# sequence's activations fit with checkpointing and TP, and the K/V passes only cost (Llama 3 ran
-# its 8K pre-training without CP and its 128K stage with CP 16: arXiv 2407.21783, table 4). Each
-# rank keeps at least CP_MIN_CHUNK tokens, so every ring step's attention has work to hide a pass.
-CP_MIN_SEQ = 16384
-CP_MIN_CHUNK = 2048
-CP_MAX = 32
-SEARCHED_AC = (
-    ActivationCheckpointing.none,
-    ActivationCheckpointing.selective,
-    ActivationCheckpointing.selective_op,
-    ActivationCheckpointing.full,
+from framework.planner.search_space import (
+    ac_options,
+    degree_options,
+    micro_options,
+    no_batch_split,
+    reshard_options,
+    schedule_options,
 )
+
 # sharding.activation_checkpointing=budget under auto: the budgets weighed span those measured
 # (benchmarks/PERF.md): BUDGET_MIN, the lowest that fed the planner's fit (the 7B at 0.5),
 # BUDGET_MAX the highest that ran (Llama-3-8B at 8K on one H200, 114.4 GiB); above it
@@ -61,8 +47,6 @@ SEARCHED_AC = (
 # linear _BUDGET_KEPT does not model. BUDGET_STEP: a chosen budget is rounded down to it.
 BUDGET_MIN, BUDGET_MAX, BUDGET_STEP = 0.5, 0.98, 0.01
 TOP = 10
-# The deepest pipeline the search tries: deeper ones only add bubble at the batch sizes planned here.
-MAX_PP = 16
 
 
 @dataclass(frozen=True)
@@ -116,216 +100,50 @@ class SearchResult:
     device_gib: float
 
 
-def _degree_options(cfg: Config) -> list[Degrees]:
-    fixed = fixed_degrees(cfg)
-    if fixed is not None:
-        return [fixed]
-    return [e for d in _dense_degree_options(cfg) for e in _ep_options(cfg, d)]
+# A pipeline's (schedule, virtual stages per rank, micro batches).
+Pipe = tuple[PPSchedule, int, int]
 
 
-def _ep_options(cfg: Config, d: Degrees) -> list[Degrees]:
-    """``d`` at each expert-parallel degree worth weighing (``d`` as it is for a dense model; a
-    ``parallel.ep`` the user set fixes the layout). Of the degrees that split both dp_shard and the experts
-    (framework.planner.layout.check_ep), three: 1 (experts sharded by FSDP like any weight, no
-    all-to-all), the largest whose group stays in a node (ep x tp ranks), and the largest. Why only
-    these: a rank's expert bytes are the same at every ep (E / ep experts over dp_shard / ep ranks), and the all-to-all's bytes are (ep - 1) / ep of the rows, nearly flat in ep; what a
-    larger ep buys is less FSDP traffic on the experts (fewer of them gathered), so within one
-    link (intra- or inter-node) the largest ep is the fastest, and the search weighs the largest
-    of each link. Each degree in between multiplied the search (a 235B MoE on 128 ranks: 4,677
-    layouts, 45 s)."""
-    experts = num_experts(cfg.model)
-    if (
-        not experts or d.cp > 1 or not ep_shards_experts(cfg.model)
-    ):  # ep is borrowed from dp_shard, and not combined with cp (check_ep)
-        return [d]
-    valid = [e for e in divisors(d.dp_shard) if experts % e == 0]
-    ppn = cfg.mesh.procs_per_node
-    intra = [e for e in valid if e * d.tp <= ppn and ppn % (e * d.tp) == 0]
-    keep = sorted({1, max(intra, default=1), max(valid)})
-    return [dataclasses.replace(d, ep=e) for e in keep]
+@dataclass(frozen=True)
+class Choice:
+    """One candidate's choices, as ``_configure`` writes them into the config: the degrees, the AC
+    mode and micro batch, and where set the pipeline, the FSDP reshard policy and the compiler's
+    budget (None: the user's is kept). One value, because each stage of the search (the layout, then
+    its AC modes, then the budget) fills in more of it."""
+
+    degrees: Degrees
+    ac: ActivationCheckpointing
+    micro: int
+    pipeline: Pipe | None = None
+    reshard_after_forward: bool | None = None
+    budget: float | None = None
 
 
-def _dense_degree_options(cfg: Config) -> list[Degrees]:
-    m, world, ppn = cfg.model, cfg.mesh.world_size, cfg.mesh.procs_per_node
-    tps = [
-        t
-        for t in divisors(world)
-        if ppn % t == 0 and m.n_heads % t == 0 and m.n_kv_heads % t == 0 and m.ffn_dim % t == 0
-    ]
-    if cfg.sharding.tp != 1:
-        tps = [t for t in tps if t == cfg.sharding.tp]
-        if not tps:
-            raise ValueError(
-                f"sharding=auto with sharding.tp={cfg.sharding.tp}: that TP degree does not divide the "
-                f"processes per node ({ppn}), model.n_heads, model.n_kv_heads and model.ffn_dim; "
-                f"valid: sharding.tp=1 (let the planner choose) or one of "
-                f"{[t for t in divisors(ppn) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]}"
-            )
-    out = []
-    pps = [1] + [p for p in divisors(world) if 1 < p <= min(m.n_layers, MAX_PP) and _pipeline_ok(cfg, p)]
-    for t in tps:
-        for p in (q for q in pps if (world // t) % q == 0):
-            # CP runs per micro batch, outside a pipeline's schedule: both only in a dry run's
-            # plan (layout.check_cp refuses to launch them together).
-            for c in _cp_options(cfg, world // t // p) if p == 1 or cfg.run.dry_run else [1]:
-                for r in divisors(world // t // p // c):
-                    out.append(Degrees(dp_replicate=r, dp_shard=world // t // p // c // r, cp=c, tp=t, pp=p))
-    if cfg.optimizer.name is OptimizerName.muon:  # Muon orthogonalizes whole matrices: no sharded ones
-        out = [d for d in out if d.dp_shard == 1 and d.tp == 1 and d.cp == 1]
-    if (
-        cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
-    ):  # the whole head: framework.kernels.fused_ce
-        out = [d for d in out if d.tp == 1]
-    # An MoE block under TP runs its MoE sublayer whole on every TP rank (framework.parallel.tensor),
-    # work the cost model does not count: the search keeps tp=1 there (a declared tp runs).
-    if cfg.model.moe.num_experts:
-        out = [d for d in out if d.tp == 1]
-    return out
-
-
-def _cp_options(cfg: Config, ranks: int) -> list[int]:
-    """CP degrees worth searching over ``ranks`` (the world over TP): 1, and for long sequences
-    (``train.seq_len >= CP_MIN_SEQ``) each degree up to ``CP_MAX`` whose load-balanced chunks
-    (2 x cp of them) split the sequence into pieces of at least ``CP_MIN_CHUNK`` tokens; never
-    where CP cannot run (a CPU launch: framework.planner.layout.check_cp; model.attention=fa4: framework.kernels.fa4)."""
-    seq = cfg.train.seq_len
-    if (
-        seq < CP_MIN_SEQ
-        or (runs_on_cpu(cfg) and not cfg.run.dry_run)
-        or cfg.model.attention is AttentionBackend.fa4
-    ):
-        return [1]
-    return [c for c in divisors(ranks) if c <= CP_MAX and seq % (2 * c) == 0 and seq // c >= CP_MIN_CHUNK]
-
-
-def _pipeline_ok(cfg: Config, pp: int) -> bool:
-    """Whether a pipeline of ``pp`` stages can run this config at all (tied embeddings, document
-    masks, ... cannot: framework.planner.stages); the search then leaves pp out rather than list failures."""
-    try:
-        pipeline_stages.check_features(cfg, pp)
-    except ValueError:
-        return False
-    return True
-
-
-def _schedule_options(cfg: Config, d: Degrees) -> list[tuple[PPSchedule, int, int]]:
-    """(schedule, virtual stages per rank, micro batches) to try for ``d``: the user's when the degrees
-    are theirs, else 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank where the blocks
-    allow), or the user's schedule when ``parallel.pp_schedule`` / ``pp_stages_per_rank`` are set;
-    each at the user's micro batch size (``train.micro_batch_size``), or else at up to three micro-batch
-    counts (so micro batch sizes): the smallest that divides the rank's batch at or above each of pp,
-    2 pp and 4 pp (pp itself and its multiples where they divide; a batch of 24 on 16 stages weighs
-    24), each where torch's schedule runs it (stages.schedule_accepts)."""
-    p = cfg.parallel
-    if d.pp == 1:
-        return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
-    if fixed_degrees(cfg) is not None:
-        return [(p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches)]
-    local = cfg.train.global_batch_size // d.dp
-    cuts = [c for c in divisors(local) if c >= d.pp]
-    counts = sorted({min((c for c in cuts if c >= k * d.pp), default=0) for k in (1, 2, 4)} - {0})
-    mbs = cfg.train.micro_batch_size
-    if mbs and local % mbs == 0 and local // mbs >= d.pp:  # the user's micro batch, pipelined
-        counts = [local // mbs]
-    if p.pp_microbatches:
-        counts = [p.pp_microbatches]
-    scheds = [(PPSchedule["1f1b"], 1), (PPSchedule["gpipe"], 1)]
-    if 2 * d.pp <= cfg.model.n_layers:
-        scheds += [(PPSchedule["interleaved_1f1b"], 2), (PPSchedule["zbv"], 2)]
-    if 4 * d.pp <= cfg.model.n_layers:  # more virtual stages: a smaller bubble, more sends
-        scheds.append((PPSchedule["interleaved_1f1b"], 4))
-    unset = type(p)()
-    if (p.pp_schedule, p.pp_stages_per_rank) != (unset.pp_schedule, unset.pp_stages_per_rank):
-        scheds = [(p.pp_schedule, p.pp_stages_per_rank)]  # the user's schedule: weighed, not replaced
-    return [(s, v, m) for s, v in scheds for m in counts if pipeline_stages.schedule_accepts(s, d.pp, m)]
-
-
-def _reshard_options(cfg: Config, d: Degrees, pipe: tuple[PPSchedule, int, int] | None) -> list[bool]:
-    """``sharding.reshard_after_forward`` to weigh: both where FSDP shards and it changes anything
-    (not under a zero-bubble schedule, which holds its units anyway: stages.held_for_step), unless
-    the user set it to false (not the default: kept, as everything else the user set). False holds
-    every unit unsharded for the step: one all-gather a step instead of one or two per micro batch,
-    for the rank's whole unsharded weights in memory."""
-    if d.fsdp_shard == 1 or (d.pp > 1 and pipe is not None and pipe[0] in pipeline_stages.ZERO_BUBBLE):
-        return [cfg.sharding.reshard_after_forward]
-    return [False] if not cfg.sharding.reshard_after_forward else [True, False]
-
-
-def _ac_options(cfg: Config) -> list[ActivationCheckpointing]:
-    """The user's mode, or under ``auto`` every searched one (selective_op only for a dense model:
-    framework.planner.memory counts what it keeps for a dense block only)."""
-    ac = cfg.sharding.activation_checkpointing
-    if ac != ActivationCheckpointing.auto:
-        return [ac]
-    dense = not num_experts(cfg.model)
-    return [a for a in SEARCHED_AC if dense or a != ActivationCheckpointing.selective_op]
-
-
-def _micro_options(cfg: Config, d: Degrees) -> list[int]:
-    gbs = cfg.train.global_batch_size
-    if gbs % d.dp:
-        return []
-    if d.pp > 1:  # the schedule's micro batches cut the rank's batch (framework.planner.stages)
-        pieces = pipeline_stages.microbatches(cfg, d.pp, d.dp)
-        # One option; one that does not divide, or a train.micro_batch_size the user set that is
-        # not the rank's batch / pieces, is refused by plan_for (framework.planner.stages), naming the
-        # valid values: never overwritten in silence.
-        return [cfg.train.micro_batch_size or max(1, gbs // d.dp // pieces)]
-    if cfg.train.micro_batch_size != 0:
-        return [cfg.train.micro_batch_size] if (gbs // d.dp) % cfg.train.micro_batch_size == 0 else []
-    return sorted(divisors(gbs // d.dp), reverse=True)
-
-
-def _no_batch_split(cfg: Config) -> str:
-    """Why no layout took the batch: the data-parallel degrees searched, and what pruned TP."""
-    t = cfg.train
-    degrees = sorted({d.dp for d in _degree_options(cfg)})
-    micro = f" in micro batches of train.micro_batch_size={t.micro_batch_size}" if t.micro_batch_size else ""
-    no_tp = (
-        " (model.fused_cross_entropy keeps tensor parallelism off)"
-        if cfg.model.fused_cross_entropy is not FusedCrossEntropy.none
-        else ""
-    )
-    return (
-        f"train.global_batch_size={t.global_batch_size}{micro} splits over none of the data-parallel "
-        f"degrees {degrees} of {cfg.mesh.world_size} ranks{no_tp}: set train.global_batch_size or "
-        "train.micro_batch_size (0: the rank's whole share)"
-    )
-
-
-def _configure(
-    cfg: Config,
-    d: Degrees,
-    ac: ActivationCheckpointing,
-    micro: int,
-    pipeline: tuple[PPSchedule, int, int] | None = None,
-    reshard_after_forward: bool | None = None,
-    budget: float | None = None,
-) -> Config:
-    """``cfg`` with one candidate's choices written in; ``budget`` (with ``ac`` budget) is its
+def _configure(cfg: Config, choice: Choice) -> Config:
+    """``cfg`` with one candidate's choices written in; ``choice.budget`` (with AC budget) is its
     ``sharding.activation_memory_budget``, else the user's is kept."""
+    d = choice.degrees
     out = with_degrees(cfg, d)
-    if budget is not None:
-        sharding = dataclasses.replace(out.sharding, activation_memory_budget=budget)
+    if choice.budget is not None:
+        sharding = dataclasses.replace(out.sharding, activation_memory_budget=choice.budget)
         out = dataclasses.replace(out, sharding=sharding)
-    if reshard_after_forward is not None:
-        out = dataclasses.replace(
-            out, sharding=dataclasses.replace(out.sharding, reshard_after_forward=reshard_after_forward)
-        )
-    if pipeline is not None and d.pp > 1:
-        sched, spr, m = pipeline
+    if choice.reshard_after_forward is not None:
+        raf = choice.reshard_after_forward
+        out = dataclasses.replace(out, sharding=dataclasses.replace(out.sharding, reshard_after_forward=raf))
+    if choice.pipeline is not None and d.pp > 1:
+        sched, spr, m = choice.pipeline
         parallel = dataclasses.replace(
             out.parallel, pp_schedule=sched, pp_stages_per_rank=spr, pp_microbatches=m
         )
         out = dataclasses.replace(out, parallel=parallel)
     return dataclasses.replace(
         out,
-        sharding=dataclasses.replace(out.sharding, activation_checkpointing=ac),
-        train=dataclasses.replace(out.train, micro_batch_size=micro),
+        sharding=dataclasses.replace(out.sharding, activation_checkpointing=choice.ac),
+        train=dataclasses.replace(out.train, micro_batch_size=choice.micro),
     )
 
 
-def _pipeline_of(c: Candidate) -> tuple[PPSchedule, int, int] | None:
+def _pipeline_of(c: Candidate) -> Pipe | None:
     return (PPSchedule[c.pp_schedule], c.pp_stages_per_rank, c.pp_microbatches) if c.pp_schedule else None
 
 
@@ -379,39 +197,24 @@ def _why(c: Candidate, best: Candidate, device_gib: float) -> str:
     return f"{name}: {mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms ({what})"
 
 
-def _plan(
-    cfg: Config,
-    d: Degrees,
-    ac: ActivationCheckpointing,
-    micro: int,
-    pipe: tuple[PPSchedule, int, int] | None,
-    raf: bool,
-    errors: list[str],
-    budget: float | None = None,
-) -> Plan | None:
+def _plan(cfg: Config, choice: Choice, errors: list[str]) -> Plan | None:
     """The plan of one set of choices, or None (its refusal appended to ``errors``)."""
     try:
-        return plan_for(_configure(cfg, d, ac, micro, pipe, raf, budget), d, check_memory=False)
+        return plan_for(_configure(cfg, choice), choice.degrees, check_memory=False)
     except ValueError as e:
         errors.append(str(e))
         return None
 
 
-def _ac_candidates(
-    cfg: Config,
-    d: Degrees,
-    micro: int,
-    pipe: tuple[PPSchedule, int, int] | None,
-    device: int,
-    errors: list[str],
-) -> list[Candidate]:
-    """Layout ``d`` at ``micro`` under each AC mode (``_ac_options``) and reshard option."""
+def _ac_candidates(cfg: Config, at: Choice, device: int, errors: list[str]) -> list[Candidate]:
+    """Layout ``at`` (its degrees, pipeline and micro batch) under each AC mode (``ac_options``) and
+    reshard option."""
     out = []
-    for ac in _ac_options(cfg):
+    for ac in ac_options(cfg):
         if ac == ActivationCheckpointing.budget and not _budget_compiles(cfg):
             continue
-        for raf in _reshard_options(cfg, d, pipe):
-            plan = _plan(cfg, d, ac, micro, pipe, raf, errors)
+        for raf in reshard_options(cfg, at.degrees, at.pipeline):
+            plan = _plan(cfg, dataclasses.replace(at, ac=ac, reshard_after_forward=raf), errors)
             if plan is not None:
                 out.append(_candidate(plan, device, raf))
     return out
@@ -432,15 +235,9 @@ def _budget_compiles(cfg: Config) -> bool:
 
 
 def _budget_candidates(
-    cfg: Config,
-    d: Degrees,
-    micro: int,
-    pipe: tuple[PPSchedule, int, int] | None,
-    device: int,
-    group: list[Candidate],
-    errors: list[str],
+    cfg: Config, at: Choice, device: int, group: list[Candidate], errors: list[str]
 ) -> list[Candidate]:
-    """The compiler's budget for layout ``d`` at ``micro``, one per reshard option, where the search
+    """The compiler's budget for layout ``at``, one per reshard option, where the search
     weighs it (``_searches_budget``) and AC none does not fit there (``group``: this layout's
     candidates, ``_ac_candidates``): none recomputes nothing and
     keeps what a budget of 1.0 keeps, so where it fits it beats every budget."""
@@ -448,24 +245,18 @@ def _budget_candidates(
         return []
     out = []
     none = ActivationCheckpointing.none.value
-    for raf in _reshard_options(cfg, d, pipe):
+    for raf in reshard_options(cfg, at.degrees, at.pipeline):
         none_fits = any(
             c.fits and c.activation_checkpointing == none and c.reshard_after_forward == raf for c in group
         )
-        plan = None if none_fits else _budget_plan(cfg, d, micro, pipe, raf, errors)
+        at_raf = dataclasses.replace(at, reshard_after_forward=raf)
+        plan = None if none_fits else _budget_plan(cfg, at_raf, errors)
         if plan is not None:
             out.append(_candidate(plan, device, raf))
     return out
 
 
-def _budget_plan(
-    cfg: Config,
-    d: Degrees,
-    micro: int,
-    pipe: tuple[PPSchedule, int, int] | None,
-    raf: bool,
-    errors: list[str],
-) -> Plan | None:
+def _budget_plan(cfg: Config, at: Choice, errors: list[str]) -> Plan | None:
     """The compiler's budget at the largest ``activation_memory_budget`` in [BUDGET_MIN, BUDGET_MAX]
     that fits (rounded down to BUDGET_STEP), or at BUDGET_MAX, not fitting, when none does.
 
@@ -474,7 +265,8 @@ def _budget_plan(
     at BUDGET_MAX, then at the budget ``plan.largest_fitting_budget`` bounds from its memory (the
     chord from full's activations: it fits by construction, a step or so low), then at the one
     the chord from that budget gives (the memory model's own line there: the largest that fits)."""
-    top = _plan(cfg, d, ActivationCheckpointing.budget, micro, pipe, raf, errors, BUDGET_MAX)
+    budget = dataclasses.replace(at, ac=ActivationCheckpointing.budget)
+    top = _plan(cfg, dataclasses.replace(budget, budget=BUDGET_MAX), errors)
     if top is None or _fits(top):
         return top
     best, low = top, None
@@ -485,7 +277,7 @@ def _budget_plan(
         value = max(BUDGET_MIN, round(int(round(bound / BUDGET_STEP, 6)) * BUDGET_STEP, 2))
         if low is not None and value <= low[0]:
             break
-        plan = _plan(cfg, d, ActivationCheckpointing.budget, micro, pipe, raf, errors, value)
+        plan = _plan(cfg, dataclasses.replace(budget, budget=value), errors)
         if plan is None or not _fits(plan):
             break
         best, low = plan, (value, plan.memory.activations_by_mode[ActivationCheckpointing.budget.value])
@@ -507,18 +299,17 @@ def search(cfg: Config) -> SearchResult:
     device_gib = cfg.mesh.hardware.memory_gib
     cands: list[Candidate] = []
     errors: list[str] = []
-    for d in _degree_options(cfg):
-        for pipe in _schedule_options(cfg, d):
-            trial_cfg = _configure(
-                cfg, d, cfg.sharding.activation_checkpointing, cfg.train.micro_batch_size, pipe
-            )
-            for micro in _micro_options(trial_cfg, d):
-                group = _ac_candidates(cfg, d, micro, pipe, device, errors)
-                cands += group + _budget_candidates(cfg, d, micro, pipe, device, group, errors)
+    for d in degree_options(cfg):
+        for pipe in schedule_options(cfg, d):
+            trial = Choice(d, cfg.sharding.activation_checkpointing, cfg.train.micro_batch_size, pipe)
+            for micro in micro_options(_configure(cfg, trial), d):
+                at = dataclasses.replace(trial, micro=micro)
+                group = _ac_candidates(cfg, at, device, errors)
+                cands += group + _budget_candidates(cfg, at, device, group, errors)
     if not cands and errors and fixed_degrees(cfg) is not None:
         raise ValueError(errors[0])  # the user's own layout is refused: say so, not "auto found none"
     if not cands:
-        why = errors[0] if errors else _no_batch_split(cfg)
+        why = errors[0] if errors else no_batch_split(cfg)
         raise ValueError(f"sharding=auto found no feasible layout: {why}")
     fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.predicted_step_time_s, c.memory_gib))
     others = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)
@@ -537,8 +328,7 @@ def search(cfg: Config) -> SearchResult:
 
 def _candidate_config(cfg: Config, c: Candidate) -> Config:
     """``cfg`` with candidate ``c``'s choices written in (``_configure``)."""
-    return _configure(
-        cfg,
+    choice = Choice(
         Degrees(**c.degrees),
         ActivationCheckpointing(c.activation_checkpointing),
         c.micro_batch_size,
@@ -546,6 +336,7 @@ def _candidate_config(cfg: Config, c: Candidate) -> Config:
         c.reshard_after_forward,
         c.activation_memory_budget,
     )
+    return _configure(cfg, choice)
 
 
 def _nothing_fits(cfg: Config, smallest: Candidate) -> str:

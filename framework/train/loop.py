@@ -10,31 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from framework.config.instantiate import check_target, safe_instantiate
-from framework.config.schema import (
-    DType,
-    LRSchedulerConfig,
-    LRSchedulerName,
-    OptimizerConfig,
-    OptimizerName,
-    RunConfig,
-    TrainConfig,
-)
 from framework.models import take_aux
 from framework.models.parts.loss import loss_parallel_scope
-from framework.parallel.pipeline import is_pipeline, pipeline_evaluate, pipeline_step, tied_copies
+from framework.parallel.pipeline import is_pipeline
+from framework.parallel.pipeline_run import pipeline_evaluate, pipeline_step
 from framework.parallel.step import (
     HostIO,
+    StepParts,
     StepResult,
     StepTimer,
     autocast,
@@ -47,135 +38,7 @@ from framework.parallel.step import (
     total_grad_norm,
     update,
 )
-from framework.train.adamw import AdamW, closure_loss
-
-
-def lr_lambda(cfg: TrainConfig, sched: LRSchedulerConfig | None = None) -> Callable[[int], float]:
-    """The learning-rate factor of each step (``lr_scheduler.name``): linear warmup to ``lr``, then
-    cosine or linear decay to ``lr * min_lr_ratio`` at ``steps``, a constant ``lr``, or
-    warmup-stable-decay (constant, then linear decay over the last ``decay_fraction`` of the steps)."""
-    sched = sched or LRSchedulerConfig()
-    name = sched.name
-    floor = cfg.min_lr_ratio
-    decay_start = cfg.warmup_steps
-    if name is LRSchedulerName.wsd:
-        decay_start = max(cfg.warmup_steps, cfg.steps - round(sched.decay_fraction * cfg.steps))
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if name is LRSchedulerName.constant or step < decay_start:
-            return 1.0
-        span = max(1, cfg.steps - decay_start)
-        progress = min(1.0, (step - decay_start) / span)
-        if name is LRSchedulerName.cosine:
-            cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-            return floor + (1.0 - floor) * cosine
-        return floor + (1.0 - floor) * (1.0 - progress)  # linear, and wsd's decay
-
-    return factor
-
-
-# The class each option names in its conf/optimizer/NAME.yaml: called with the option's own arguments.
-OWN_CLASS = {
-    OptimizerName.adamw: "torch.optim.AdamW",
-    OptimizerName.adam: "torch.optim.Adam",
-    OptimizerName.sgd: "torch.optim.SGD",
-    OptimizerName.muon: "torch.optim.Muon",
-}
-
-
-class Combined(torch.optim.Optimizer):
-    """Optimizers over disjoint parameters, seen as one (``optimizer=muon``: Muon and AdamW).
-
-    Why one object: the trainer, the scheduler, optimizer-in-backward and DCP's ``get_state_dict``
-    all take one optimizer. Its ``param_groups`` are the parts' own group dicts (the scheduler's lr
-    reaches every part) and its ``state`` is the one dict that every part reads and writes, so
-    ``state_dict`` / ``load_state_dict`` are torch's own; loading rebinds the parts to the new dicts.
-    """
-
-    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
-        self.parts = parts
-        super().__init__([{"params": g["params"]} for o in parts for g in o.param_groups], {})
-        self._bind(sum((o.param_groups for o in parts), []))
-
-    def _bind(self, groups: list[dict]) -> None:
-        self.param_groups = groups
-        i = 0
-        for o in self.parts:
-            n = len(o.param_groups)
-            o.param_groups = groups[i : i + n]
-            o.state = self.state
-            i += n
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure_loss(closure)
-        for o in self.parts:
-            o.step()
-        return loss
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._bind(self.param_groups)
-
-
-def _decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """No weight decay on norms (1-D weights)."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _optimizer_class(opt: OptimizerConfig, allow: list[str]) -> Callable[..., torch.optim.Optimizer]:
-    """``optimizer._target_`` through the allowlist; the caller passes ``optimizer.kwargs`` over the
-    option's own arguments (bound here, the option's own won: a kwargs betas did nothing)."""
-    check_target(opt._target_, allow, where="optimizer._target_")  # the error names the key
-    return safe_instantiate({"_target_": opt._target_, "_partial_": True}, allow)
-
-
-def build_optimizer(
-    model: nn.Module,
-    cfg: TrainConfig,
-    device: torch.device,
-    opt: OptimizerConfig | None = None,
-    allow: list[str] | None = None,
-) -> torch.optim.Optimizer:
-    """The ``optimizer`` group's optimizer (AdamW by default: fused kernel on CUDA). No weight decay
-    on norms. Under ``muon``, Muon steps the blocks' 2-D weight matrices and AdamW the rest."""
-    opt = opt or OptimizerConfig()
-    allow = RunConfig().instantiate_allow if allow is None else allow
-    # A pipeline's copy of a tied weight is stepped through the embedding it copies.
-    copies = {id(p) for p in tied_copies(model)}
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in copies]
-    own = opt._target_ == OWN_CLASS[opt.name]
-    fused = device.type == "cuda"
-    adam = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "fused": fused}
-    make = _optimizer_class(opt, allow)
-    kwargs = dict(opt.kwargs)  # over the option's own arguments, as the schema says
-    if opt.name is OptimizerName.muon:
-        matrices = [p for n, p in named if p.ndim == 2 and "layers" in n.split(".")]
-        taken = {id(p) for p in matrices}
-        rest = [p for _n, p in named if id(p) not in taken]
-        muon_kw: dict[str, Any] = {"lr": cfg.lr}
-        if own:
-            muon_kw |= {
-                "momentum": opt.momentum,
-                "nesterov": opt.nesterov,
-                "adjust_lr_fn": opt.muon_adjust_lr.value,
-                "ns_steps": opt.muon_ns_steps,
-            }
-        muon = make([{"params": matrices, "weight_decay": cfg.weight_decay}], **(muon_kw | kwargs))
-        return Combined([muon, torch.optim.AdamW(_decay_groups(rest, cfg.weight_decay), **adam)])
-    groups = _decay_groups([p for _n, p in named], cfg.weight_decay)
-    if not own:
-        return make(groups, lr=cfg.lr, **kwargs)
-    if opt.name is OptimizerName.adamw and opt.state_dtype is DType.bfloat16:
-        return AdamW(groups, **(adam | {"state_dtype": opt.state_dtype.value} | kwargs))
-    if opt.name is OptimizerName.sgd:
-        return make(groups, **({"lr": cfg.lr, "momentum": opt.momentum, "nesterov": opt.nesterov} | kwargs))
-    return make(groups, **(adam | kwargs))  # adamw, adam
-
+from framework.train.optimizers import Combined
 
 # train.optimizer_in_backward on CUDA: run the per-parameter updates on their own stream (InBackward).
 # A module constant, not a config field: the benchmark flips it to measure the overlap.
@@ -282,12 +145,6 @@ def attach_in_backward(optimizer: torch.optim.Optimizer, check_grads: bool = Tru
     return ib
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig, sched: LRSchedulerConfig | None = None
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, sched))
-
-
 # DDP modules whose static graph has been recorded (their first synced iteration is done): from then
 # on a micro-batch may skip the gradient sync. Weak: a module replaced by a fallback drops out.
 _GRAPH_RECORDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -365,15 +222,12 @@ def pick_step(
     """The step function of one build, picked once (the runner calls it at each build, never per
     step): the optimizer inside backward (``train.optimizer_in_backward``), the pipeline's schedule
     (``pp > 1``), or the plain step. Its parts are bound here; a step passes only its batch."""
+    parts = StepParts(model, optimizer, scheduler, grad_clip, device)
     if in_backward is not None:
-        return functools.partial(_step_in_backward, model, in_backward, scheduler, device=device)
+        return functools.partial(_step_in_backward, parts, in_backward)
     if is_pipeline(model):
-        return functools.partial(
-            pipeline_step, model, optimizer, scheduler, grad_clip=grad_clip, device=device
-        )
-    return functools.partial(
-        plain_step, model, optimizer, scheduler, grad_clip=grad_clip, device=device, seq_shard=seq_shard
-    )
+        return functools.partial(pipeline_step, parts)
+    return functools.partial(plain_step, parts, seq_shard=seq_shard)
 
 
 def train_step(
@@ -395,15 +249,11 @@ def train_step(
 
 
 def plain_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    parts: StepParts,
     micro_batches: Batches,
     io: HostIO | None = None,
     scales: list[float] | None = None,
     *,
-    grad_clip: float,
-    device: torch.device,
     seq_shard: SeqShard | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches of one global batch.
@@ -417,6 +267,7 @@ def plain_step(
     ``seq_shard`` (context parallelism, framework.parallel.context) cuts each micro-batch to this
     rank's sequence shard, in place, around its forward and backward.
     """
+    model, optimizer, device = parts.model, parts.optimizer, parts.device
     timer = StepTimer(device)
     if device.type == "cuda":
         # CUDA graphs (executor=cudagraphs) replay per step: mark where a new step begins.
@@ -436,28 +287,26 @@ def plain_step(
             loss.backward()
         total += loss.detach()
     mark_graph_recorded(model)
-    norm = global_grad_norm(model, grad_clip)
+    norm = global_grad_norm(model, parts.grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(total)
-    update(optimizer, scheduler, finite)
+    update(optimizer, parts.scheduler, finite)
     timer.stop()
     return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
 
 
 def _step_in_backward(
-    model: nn.Module,
+    parts: StepParts,
     ib: InBackward,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     micro_batches: Batches,
     io: HostIO | None = None,
     scales: list[float] | None = None,
-    *,
-    device: torch.device,
 ) -> StepResult:
     """The step of ``train.optimizer_in_backward``: the updates happen during backward; a
     non-finite loss skips them. One micro-batch on one rank, no clip (the planner refuses the
     rest), so ``scales`` would be [1.0] and is not read."""
     # One micro-batch per step: the planner refuses anything else (framework.planner.plan._check_in_backward).
     assert len(micro_batches) == 1, len(micro_batches)
+    model, device = parts.model, parts.device
     timer = StepTimer(device)
     if device.type == "cuda":
         torch.compiler.cudagraph_mark_step_begin()
@@ -478,7 +327,7 @@ def _step_in_backward(
     # optimiser's step() updates nothing; it runs so that the step the scheduler follows (and any
     # step hook) is the main optimiser's, in torch's order (the scheduler warns otherwise).
     ib.main.step()
-    scheduler.step()
+    parts.scheduler.step()
     timer.stop()
     return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
 

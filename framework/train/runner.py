@@ -53,11 +53,10 @@ from framework.train.loop import (
     InBackward,
     StepFn,
     attach_in_backward,
-    build_optimizer,
-    build_scheduler,
     mark_graph_recorded,
     pick_step,
 )
+from framework.train.optimizers import build_optimizer, build_scheduler
 from framework.verify import carry_state
 from framework.verify.numerics import reference_model
 

@@ -31,7 +31,8 @@ from torch import nn
 
 from framework.config.schema import ModelConfig
 from framework.models import WeightLoader, materialize, num_params
-from framework.parallel.pipeline import is_pipeline, pipeline_logits
+from framework.parallel.pipeline import is_pipeline
+from framework.parallel.pipeline_run import pipeline_logits
 from framework.parallel.step import autocast, loss_fn
 from framework.verify.report import CheckResult
 

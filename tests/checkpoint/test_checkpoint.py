@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.checkpoint import Checkpointer, PreemptionHandler, resolve_resume, state
-from framework.checkpoint.manager import _payload_bytes, _Writer
+from framework.checkpoint.save_io import Writer, payload_bytes
 from framework.checkpoint.store import tmp_dir
 from framework.config.schema import AsyncMode, CheckpointConfig, Integrity, ModelConfig
 from framework.models import build_model, materialize
@@ -244,7 +244,7 @@ def test_a_write_into_a_deleted_run_dir_fails_and_brings_no_folder_back(tmp_path
     tmp = tmp_dir(tmp_path / "run" / "checkpoints", 2)
     payload = {"w": torch.ones(3)}
     with pytest.raises((OSError, CheckpointException)):
-        dcp.save(payload, storage_writer=_Writer(tmp, sync_files=True), no_dist=True)
+        dcp.save(payload, storage_writer=Writer(tmp, sync_files=True), no_dist=True)
     assert list(tmp_path.iterdir()) == []
     dcp.save(payload, storage_writer=FileSystemWriter(tmp), no_dist=True)  # torch's own: it comes back
     assert (tmp_path / "run" / "checkpoints").is_dir()
@@ -305,7 +305,7 @@ def test_a_full_disk_mid_write_is_named_with_the_bytes_needed(tmp_path: Path) ->
     """The disk has room for the JSON files and passes the free-space check before the write, then
     fills up inside DCP's tensor write (torch's C++ writer, which drops the errno)."""
     model, opt, _ = _build(0, "plain")
-    needed = _payload_bytes(state.tensor_state(model, opt)[0])
+    needed = payload_bytes(state.tensor_state(model, opt)[0])
     size = (needed + 64 * 1024 + 4095) // 4096 * 4096
     mount = tmp_path / "disk"
     proc = _tmpfs(mount, size, sys.executable, "-c", FULL_DISK, str(mount / "ck"))

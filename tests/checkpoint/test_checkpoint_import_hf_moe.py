@@ -83,7 +83,8 @@ def _layout_logits(rank: int, world: int, models: dict, x: torch.Tensor) -> dict
     feeds its own row of ``x``: the max |logits diff| against transformers' row (-1: a pipeline rank
     without the last stage, which holds no logits)."""
     from framework.parallel import dp_mesh_info
-    from framework.parallel.pipeline import is_pipeline, pipeline_logits
+    from framework.parallel.pipeline import is_pipeline
+    from framework.parallel.pipeline_run import pipeline_logits
 
     out = {}
     for family, (path, expected) in models.items():

@@ -18,7 +18,7 @@ from framework.kernels import fa4
 from framework.launch.prelaunch import check_fa4
 from framework.models import model_spec
 from framework.models.parts.attention import _SDPA_BACKENDS
-from framework.planner import search
+from framework.planner import search, search_space
 from tests.config.test_config import compose_config
 from tests.data.test_data_pipeline import train_main
 from tests.kernels.test_target import on
@@ -122,11 +122,11 @@ def test_fa4_runs_sdpa_flash_and_context_parallelism_is_not_searched() -> None:
 
     assert _SDPA_BACKENDS[AttentionBackend.fa4] is SDPBackend.FLASH_ATTENTION
     long = compose_config("recipe=llama1b", "train.seq_len=65536", "run.device=cuda", "mesh/hardware=h200")
-    assert search._cp_options(long, 8) != [1]
+    assert search_space.cp_options(long, 8) != [1]
     with_fa4 = dataclasses.replace(
         long, model=dataclasses.replace(long.model, attention=AttentionBackend.fa4)
     )
-    assert search._cp_options(with_fa4, 8) == [1]
+    assert search_space.cp_options(with_fa4, 8) == [1]
 
 
 def test_train_py_refuses_it_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

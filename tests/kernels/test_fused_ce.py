@@ -16,7 +16,7 @@ from framework.kernels import fused_ce
 from framework.launch.prelaunch import check_fused_ce
 from framework.models import Decoder, build_model, materialize
 from framework.parallel.compile import apply_compile
-from framework.planner import search
+from framework.planner import search, search_space
 from framework.planner.resolve import make_plan
 from tests.config.test_config import compose_config
 from tests.kernels.test_target import on
@@ -59,7 +59,7 @@ def test_dry_run_checks_the_declared_hardware_and_keeps_tp_off(caplog: pytest.Lo
     assert all("needs the liger-kernel package" in w for w in warnings)
     with pytest.raises(ValueError, match="needs a CUDA device .* uses cpu"):
         check_fused_ce(on(liger, "cpu"), cpu, 1)
-    assert {d.tp for d in search._degree_options(h100)} == {1}
+    assert {d.tp for d in search_space.degree_options(h100)} == {1}
     with pytest.raises(
         ValueError, match=r"degrees \[8\] of 8 ranks \(model.fused_cross_entropy keeps tensor"
     ):
@@ -67,7 +67,7 @@ def test_dry_run_checks_the_declared_hardware_and_keeps_tp_off(caplog: pytest.Lo
     unfused = dataclasses.replace(
         h100, model=dataclasses.replace(h100.model, fused_cross_entropy=FusedCrossEntropy.none)
     )
-    assert max(d.tp for d in search._degree_options(unfused)) == 8
+    assert max(d.tp for d in search_space.degree_options(unfused)) == 8
 
 
 def test_train_py_refuses_it_on_cpu(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from framework.config import schema as config
-from framework.launch import recipe_check, recipe_cli
+from framework.launch import recipe_check, recipe_cli, recipe_places
 
 CALLBACK = {"pwn": {"_target_": "builtins.open", "file": "/tmp/x", "mode": "w"}}
 
@@ -215,7 +215,7 @@ def _schema_leaves(cls: type = config.Config, prefix: str = "") -> list[tuple[st
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], f"{prefix}{f.name}"
         args = typing.get_args(tp)
-        if key in recipe_check.NAMED:  # name -> {_target_, values}: the table says * for each name
+        if key in recipe_places.NAMED:  # name -> {_target_, values}: the table says * for each name
             out += [(f"{key}.*._target_", str), (f"{key}.*", Any)]
         elif dataclasses.is_dataclass(tp):
             out += _schema_leaves(tp, f"{key}.")
@@ -234,7 +234,7 @@ def test_every_place_like_or_string_field_is_classified() -> None:
     """A new field named like a place must be in COMMAND_LINE_ONLY; a new string field in it or in
     NOT_PLACES (a decision, written down, that it names no place)."""
     leaves = dict(_schema_leaves())
-    table, values = recipe_check.COMMAND_LINE_ONLY, recipe_check.NOT_PLACES
+    table, values = recipe_places.COMMAND_LINE_ONLY, recipe_places.NOT_PLACES
     unknown = sorted((set(table) | set(values)) - set(leaves))
     assert not unknown, f"not schema keys: {unknown}"
     assert not set(table) & set(values)
@@ -258,7 +258,7 @@ def cmd_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "root"
     folder.mkdir()
     (folder / "good.yaml").write_text("# Good.\nmodel:\n  name: good\n")
-    for key, guard in recipe_check.COMMAND_LINE_ONLY.items():
+    for key, guard in recipe_places.COMMAND_LINE_ONLY.items():
         content = {**_nested(key, guard.example)}
         for ck, cv in guard.context:
             group, leaf = ck.split(".")
@@ -269,11 +269,11 @@ def cmd_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("key", sorted(recipe_check.COMMAND_LINE_ONLY))
+@pytest.mark.parametrize("key", sorted(recipe_places.COMMAND_LINE_ONLY))
 def test_command_line_only_keys_are_refused_in_a_recipe_and_accepted_on_the_command_line(
     cmd_root: Path, capsys: pytest.CaptureFixture[str], key: str
 ) -> None:
-    guard = recipe_check.COMMAND_LINE_ONLY[key]
+    guard = recipe_places.COMMAND_LINE_ONLY[key]
     name = "sets_" + key.replace(".", "_").replace("[]", "")
     assert recipe_cli.main(["validate", name]) == 2
     err = capsys.readouterr().err
@@ -305,7 +305,7 @@ def test_a_recipe_may_name_data_inside_its_own_folder_only(tmp_path: Path) -> No
     (folder / "link.jsonl").symlink_to(secret)
     ok = {"data": {"path": "data/train.jsonl"}}
     assert recipe_check.refusal(ok, folder) is None
-    assert recipe_check.localized(ok, folder)["data"]["path"] == str(
+    assert recipe_places.localized(ok, folder)["data"]["path"] == str(
         (folder / "data" / "train.jsonl").resolve()
     )
     for value, why in [

@@ -173,7 +173,8 @@ def _layout_logits(rank: int, world: int, path: Path, x: torch.Tensor) -> dict:
     last stage)."""
     from framework.models import build_model
     from framework.parallel import build_mesh, dp_mesh_info, parallelize
-    from framework.parallel.pipeline import is_pipeline, pipeline_logits
+    from framework.parallel.pipeline import is_pipeline
+    from framework.parallel.pipeline_run import pipeline_logits
     from framework.planner.resolve import make_plan
 
     path, expected = path

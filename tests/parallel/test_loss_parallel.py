@@ -26,7 +26,8 @@ from framework.models.parts.loss import loss_parallel_scope
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.pipeline import is_pipeline, logit_modules
 from framework.planner.resolve import make_plan
-from framework.train.loop import build_optimizer, build_scheduler, evaluate, train_step
+from framework.train.loop import evaluate, train_step
+from framework.train.optimizers import build_optimizer, build_scheduler
 from framework.verify.numerics import batch_logits
 from tests.dist import run_ranks
 

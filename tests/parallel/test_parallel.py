@@ -453,7 +453,8 @@ def test_ddp_buckets_match_plan() -> None:
 
 def _accumulating_worker(rank: int, world: int, cfg: Config) -> dict:
     """train_step over 2 micro batches a step; FSDP2's parameter all-gathers counted per step."""
-    from framework.train.loop import build_optimizer, build_scheduler, train_step
+    from framework.train.loop import train_step
+    from framework.train.optimizers import build_optimizer, build_scheduler
 
     cpu = torch.device("cpu")
     model, mesh, plan = parallel_model(cfg)

@@ -23,7 +23,8 @@ from framework.launch.recipes import compose_recipe
 from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.planner.resolve import make_plan
-from framework.train.loop import build_optimizer, build_scheduler, train_step
+from framework.train.loop import train_step
+from framework.train.optimizers import build_optimizer, build_scheduler
 from framework.train.runner import _update_biases
 from tests.dist import run_ranks
 

@@ -19,7 +19,8 @@ from framework.models import build_model, materialize
 from framework.parallel import build_mesh, dp_mesh_info, parallelize
 from framework.parallel.pipeline import PipelineModel
 from framework.planner.resolve import make_plan
-from framework.train.loop import build_optimizer, build_scheduler, train_step
+from framework.train.loop import train_step
+from framework.train.optimizers import build_optimizer, build_scheduler
 from tests.dist import run_ranks
 
 SEQ, GLOBAL_BATCH, STEPS, RTOL = 16, 8, 4, 1e-5

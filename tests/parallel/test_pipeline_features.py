@@ -294,7 +294,8 @@ def _doc_steps(
     sft: bool,
     weighted: bool = True,
 ) -> list[tuple]:
-    from framework.train.loop import build_optimizer, build_scheduler, train_step
+    from framework.train.loop import train_step
+    from framework.train.optimizers import build_optimizer, build_scheduler
 
     opt = build_optimizer(model, cfg.train, torch.device("cpu"))
     sched = build_scheduler(opt, cfg.train)

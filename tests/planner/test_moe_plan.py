@@ -11,7 +11,8 @@ from framework.models import active_params, flops_per_token, num_params
 from framework.planner.layout import Degrees
 from framework.planner.report import format_plan
 from framework.planner.resolve import make_plan
-from framework.planner.search import _ep_options, search
+from framework.planner.search import search
+from framework.planner.search_space import ep_options
 
 E, K, D, W, L = 8, 2, 64, 48, 3  # experts, top-k, dim, expert width, layers
 MOE = ModelConfig(
@@ -99,7 +100,7 @@ def test_auto_weighs_ep_with_the_other_degrees() -> None:
     # model does not count); a declared tp still runs. The in-node ep, at tp 2: ep 4 keeps 8 ranks in a node.
     assert all(c.degrees["tp"] == 1 for c in result.candidates)
     tp2 = Degrees(dp_replicate=1, dp_shard=8, cp=1, tp=2, pp=1)
-    assert [d.ep for d in _ep_options(cfg, tp2)] == [1, 4, 8]
+    assert [d.ep for d in ep_options(cfg, tp2)] == [1, 4, 8]
     assert result.chosen_cfg.parallel.ep == result.chosen.degrees["ep"]
 
 

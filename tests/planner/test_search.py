@@ -104,11 +104,11 @@ def test_cp_is_searched_for_long_sequences() -> None:
 def test_cp_with_pp_is_searched_in_dry_runs_only() -> None:
     """A dry run plans cp together with pp (Llama 3's long-context layout); a launch's search leaves
     them apart, since a launch of both is refused (framework.planner.layout.check_cp)."""
-    from framework.planner.search import _degree_options
+    from framework.planner.search_space import degree_options
 
     long = ["mesh=2x8", "mesh/hardware=h100_sxm", "train.seq_len=32768", "run.device=cuda"]
-    launch = _degree_options(compose_recipe("llama7b", long))
-    planned = _degree_options(compose_recipe("llama7b", [*long, "run.dry_run=true"]))
+    launch = degree_options(compose_recipe("llama7b", long))
+    planned = degree_options(compose_recipe("llama7b", [*long, "run.dry_run=true"]))
     assert any(d.cp > 1 for d in launch) and not any(d.cp > 1 and d.pp > 1 for d in launch)
     both = {(d.cp, d.pp) for d in planned if d.cp > 1 and d.pp > 1}
     assert (2, 2) in both and (8, 2) in both

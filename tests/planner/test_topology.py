@@ -13,8 +13,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from framework.config.schema import HardwareConfig, MeshConfig, NcclConfig
+from framework.planner.nccl_variables import NcclDebugVariableWarning
 from framework.planner.topology import (
-    NcclDebugVariableWarning,
     TopologySummary,
     apply_nccl_environment,
     check_topology,

@@ -10,7 +10,8 @@ import torch
 from framework.config.schema import Config, DType, ModelConfig, OptimizerConfig, TrainConfig
 from framework.models import build_model, materialize
 from framework.train.adamw import AdamW, _compiled, _update
-from framework.train.loop import attach_in_backward, build_optimizer, build_scheduler, train_step
+from framework.train.loop import attach_in_backward, train_step
+from framework.train.optimizers import build_optimizer, build_scheduler
 from tests.train.test_loop import _fixed_batches
 
 CPU = torch.device("cpu")

@@ -18,17 +18,8 @@ from framework.data import BatchSampler
 from framework.models import build_model, materialize
 from framework.parallel.data_parallel import apply_ddp
 from framework.parallel.step import HostIO
-from framework.train.loop import (
-    OWN_CLASS,
-    Combined,
-    attach_in_backward,
-    build_optimizer,
-    build_scheduler,
-    lr_lambda,
-    pick_step,
-    plain_step,
-    train_step,
-)
+from framework.train.loop import attach_in_backward, pick_step, plain_step, train_step
+from framework.train.optimizers import OWN_CLASS, Combined, build_optimizer, build_scheduler, lr_lambda
 from tests.dist import run_ranks
 
 # A skipped (non-finite) step and the optimiser-in-backward step still call the main optimiser's

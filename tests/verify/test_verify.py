@@ -29,7 +29,8 @@ from framework.models import build_model, materialize
 from framework.parallel.compile import apply_compile
 from framework.planner.layout import Degrees
 from framework.train.faults import poison_logits
-from framework.train.loop import build_optimizer, build_scheduler, train_step
+from framework.train.loop import train_step
+from framework.train.optimizers import build_optimizer, build_scheduler
 from framework.verify import (
     BadStepTracker,
     CheckResult,

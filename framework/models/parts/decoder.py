@@ -15,7 +15,6 @@ What the rest of the framework may rely on (the decoder interface): ``cfg``, ``t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -27,7 +26,6 @@ from framework.config.schema import (
     Float8Recipe,
     FusedCrossEntropy,
     ModelConfig,
-    ResidualDtype,
 )
 from framework.kernels.fused_ce import linear_cross_entropy
 from framework.kernels.saved_copy import saved_copy
@@ -48,6 +46,7 @@ from framework.models.parts.masks import (
 from framework.models.parts.mlp import FeedForward
 from framework.models.parts.norm import RMSNorm
 from framework.models.parts.rope import rope_tables
+from framework.models.parts.weights import draw_weights, tie
 from framework.models.spec import LayerKind, ModelSpec
 
 
@@ -368,35 +367,10 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise in place after ``to_empty`` (meta -> real device).
-
-        Draws each parameter from a generator seeded by (seed, parameter name) on the parameter's
-        device type, so the values do not depend on the wrapping or the number of ranks (they do
-        depend on the device type: CPU and CUDA generators differ). Drawing on the GPU keeps a 7B
-        init to seconds rather than minutes of CPU sampling. Sharded (DTensor) parameters are filled
-        from the full tensor's generator and sliced to the local shard. Residual projections (wo, w2)
-        are scaled by 1/sqrt(2 * n_layers) as in GPT-2.
-        """
-        std = self.cfg.init_std
-        device = local_device(self)
-        for name, p in self.named_parameters():
-            if name == "output.weight" and self.cfg.tie_embeddings:
-                # A pipeline's last stage holds its own copy of the tied weight (the embedding is on
-                # the first stage): drawn from the embedding's name, it starts equal to it.
-                name = "tok_embeddings.weight"
-            leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-            # The projections into the residual stream: attention's, the MLP's, an MoE layer's experts'.
-            residual = leaf in ("wo", "w2", "down_proj") or name.endswith("experts.down_proj")
-            if name.endswith("norm.weight"):
-                full = torch.ones(_full_shape(p), device=device)
-            else:
-                scale = std / math.sqrt(2 * self.cfg.n_layers) if residual else std
-                g = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
-                full = torch.randn(_full_shape(p), generator=g, device=device) * scale
-            _copy_full_into(p, full)
-        # Non-persistent buffers are not restored by to_empty: fill the RoPE tables again.
-        self.rope = self._rope_tables(device)
-        init_buffers(self)
+        """Initialise in place after ``to_empty`` (meta -> real device): each parameter drawn
+        from a generator seeded by (seed, its name), so that every layout starts from the
+        single-process weights (framework.models.parts.weights.draw_weights says how)."""
+        draw_weights(self, seed)
 
 
 def keep_aux(model: Decoder, _args: object, _out: object) -> None:
@@ -410,14 +384,6 @@ def keep_aux(model: Decoder, _args: object, _out: object) -> None:
     model.aux_values.append(aux)
 
 
-def init_buffers(model: nn.Module) -> None:
-    """The modules' own buffers after ``to_empty`` (which leaves them uninitialised): an MoE router's
-    selection bias (framework.models.parts.sparse), before the weights are drawn or loaded."""
-    for m in model.modules():
-        if m is not model and hasattr(m, "init_buffers"):
-            m.init_buffers()
-
-
 @torch.no_grad()
 def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits of the last position for ``tokens`` (batch, new) appended after the cached ones: the
@@ -427,90 +393,3 @@ def forward_cached(model: Decoder, tokens: torch.Tensor, cache: KVCache) -> torc
         h = block.forward_cached(h, cache, i)
     cache.length += tokens.shape[1]
     return model.output(model.norm(h[:, -1]))
-
-
-def tie(model: Decoder) -> None:
-    """Tie the output projection to the embedding (``model.tie_embeddings``), again after anything
-    that re-creates parameters (``to_empty``, TP). A pipeline stage holding only one of the two
-    keeps its own (framework.parallel.pipeline ties the copies across stages)."""
-    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local_device(model: nn.Module) -> torch.device:
-    """The device of the model's (local shard of its) first parameter."""
-    p = next(model.parameters())
-    return p.to_local().device if _is_dtensor(p) else p.device
-
-
-def _full_shape(p: torch.Tensor) -> torch.Size:
-    return p.shape  # a DTensor reports its global shape
-
-
-def _name_seed(seed: int, name: str) -> int:
-    # Stable across processes (unlike hash()): a simple polynomial hash of the name.
-    h = seed * 1_000_003
-    for ch in name:
-        h = (h * 131 + ord(ch)) % (2**61 - 1)
-    return h
-
-
-def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
-    if _is_dtensor(p):
-        from torch.distributed.tensor import distribute_tensor
-
-        # src_data_rank=None: every rank drew the same full tensor, so each slices its own shard locally.
-        full = full.to(device=p.to_local().device, dtype=p.dtype)
-        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(local.to_local())
-    else:
-        p.copy_(full.to(device=p.device, dtype=p.dtype))
-
-
-def compute_dtype(device: torch.device | str) -> torch.dtype | None:
-    """The dtype the training loop autocasts to on ``device``: bf16 on CUDA; None (fp32) elsewhere."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else None
-
-
-# Loads ``model.init_from``'s weights into a placed (possibly sharded) model, in place: the
-# caller's, handed in (framework.checkpoint.init_from.load), so that models/ never imports a layer above.
-WeightLoader = Callable[[nn.Module, str], None]
-
-
-def materialize(
-    model: Decoder, device: torch.device | str, seed: int, load_weights: WeightLoader | None = None
-) -> None:
-    """Allocate a meta-built (possibly already sharded) model on ``device`` and initialise it:
-    from ``model.init_from`` when set, by ``load_weights`` (each rank reads its own shards:
-    framework.checkpoint.init_from.load, which the caller passes), else ``init_weights(seed)``.
-
-    ``to_empty`` unties shared parameters (it re-creates each module's tensors), so tied embeddings
-    are tied again before init. Raises ValueError when ``model.init_from`` is set and no loader was
-    given (the weights would silently be the seeded init's).
-    """
-    model.to_empty(device=device)
-    if model.cfg.attention is AttentionBackend.fa4:
-        from framework.kernels import fa4
-
-        fa4.activate()  # process-wide: where the model meets its device, before any forward
-    if model.cfg.residual_dtype == ResidualDtype.autocast:
-        model.stream_dtype = compute_dtype(device)
-    tie(model)
-    if model.cfg.init_from is None:
-        model.init_weights(seed)
-        return
-    if load_weights is None:
-        raise ValueError(
-            f"model.init_from={model.cfg.init_from!r} and no weight loader: pass "
-            "load_weights=framework.checkpoint.init_from.load to materialize / parallelize"
-        )
-    init_buffers(model)  # a framework checkpoint's load overwrites them; an HF one has none
-    load_weights(model, model.cfg.init_from)
-    # Non-persistent buffers are not restored by to_empty (init_weights fills them otherwise).
-    model.rope = model._rope_tables(local_device(model))
