@@ -1,7 +1,7 @@
 """Communication per optimizer step (alpha-beta ring model over the link each mesh axis crosses)
 and DDP's bucketing: FSDP all-gathers and reduce-scatters, DDP/HSDP all-reduces, TP with sequence
 parallelism, context parallelism's ring, expert parallelism's all-to-alls and the MoE routers'
-all-reduces. Each ``CommEstimate`` is priced here and overlapped in framework.planner.cost.
+all-reduces. Each ``CommEstimate`` is priced here and exposed by its mechanism in framework.planner.overlap.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from framework.config.schema import (
     RouterScore,
 )
 from framework.models import model_spec
-from framework.planner.cost import CommEstimate
 from framework.planner.layout import (
     DP_AXES,
     Degrees,
@@ -25,6 +24,7 @@ from framework.planner.layout import (
     num_experts,
 )
 from framework.planner.memory import autocast_bf16, moe_tokens
+from framework.planner.overlap import CommEstimate
 from framework.planner.params import DTYPE_BYTES, MASTER_BYTES, MIB, ParamSpec, ep_of, local_numel, sum_local
 
 # Bucket sizes the auto choice may pick: below 1 MiB launches dominate, above 256 MiB nothing overlaps.
@@ -249,7 +249,7 @@ def _tp_comm(
     rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
     # Under async TP (parallel.async_tp) Inductor fuses each with its matmul (torch's
     # fused_all_gather_matmul / fused_matmul_reduce_scatter): the same bytes, overlapped
-    # (framework.planner.cost.exposed_comm).
+    # (framework.planner.overlap.exposed_comm).
     fused = async_tp_on(cfg, tp)
     ag, rs = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("all_gather", "reduce_scatter")
     out.append(collective(cfg, "tp", ag, tp, intra_tp, ag_calls, act))
