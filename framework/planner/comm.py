@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from framework.config.schema import (
     ActivationCheckpointing,
     Config,
+    Float8Recipe,
     RouterScore,
 )
 from framework.models import model_spec
+from framework.models.linears import converted, expert_gemms
 from framework.planner.layout import (
     DP_AXES,
     Degrees,
@@ -168,6 +170,7 @@ def step_comm(
     expert_local = sum_local(specs, tp, 1, "experts")
     ep = ep_of(specs)
     groups = [(shard_axis, shard, full_local - expert_local)]
+    ag_el = float8_gather_bytes(cfg, p_el)
     if expert_local:
         groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
     ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
@@ -176,7 +179,15 @@ def step_comm(
             continue
         avg_unit = numel // len(units)
         out.append(
-            collective(cfg, axis, "all_gather", n, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el)
+            collective(
+                cfg,
+                axis,
+                "all_gather",
+                n,
+                intra[MeshAxis.dp_shard],
+                ag_calls,
+                int(avg_unit * (ag_el if axis == shard_axis else p_el)),
+            )
         )
         out.append(
             collective(
@@ -220,6 +231,20 @@ def step_comm(
     out += _aux_comm(cfg, sizes, axes, accum, layers)
     out += _bias_comm(cfg, sizes, axes, layers)
     return out
+
+
+def float8_gather_bytes(cfg: Config, p_el: int) -> float:
+    """Bytes an FSDP all-gather moves per element of the dense units: ``sharding.param_dtype``'s,
+    except that under ``model.float8=tensorwise`` the converted Linear weights go in float8, one byte
+    (framework.parallel.float8: torchao's enable_fsdp_float8_all_gather, tensorwise only), the
+    converted share of the dense parameters counted from the model."""
+    m = cfg.model
+    if m.float8 is not Float8Recipe.tensorwise or p_el <= 1:
+        return float(p_el)
+    experts = sum(g.num_experts * g.out_features * g.in_features for g in expert_gemms(m))
+    dense = model_spec(m).numel[0] - experts
+    share = sum(s.out_features * s.in_features for s in converted(m)) / dense if dense else 0.0
+    return p_el - share * (p_el - 1)
 
 
 def sparse_layers(cfg: Config, layers: Sequence[int] | None) -> int:

@@ -20,16 +20,17 @@ are named next to them; the hardware figures live in ``conf/mesh/hardware/*.yaml
   times faster, and their per-GEMM casts (amax, scale, cast of every operand) are memory-bound work;
   so do an MoE family's converted expert GEMMs (rowwise under either recipe), whose weight casts
   cover every local expert's weights each micro batch.
-- **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed.
-  TP's collectives (each also pays ``_TP_DISPATCH_S``), CP's K/V passes, a pipeline's
-  tied-embedding transfers (between backward and the optimizer step, and after it) and an MoE
-  model's load-balancing all-reduces (latency-bound: 2 E + 1 floats) and its sigmoid routers'
-  bias-update all-reduces (E int64 a layer, once a step) sit on the critical path. FSDP prefetches
-  the next unit while one computes, so of its all-gathers the first unit's of each pass is exposed,
-  and of its reduce-scatters (and HSDP's / DDP's all-reduces) the
-  last one of the step; the rest overlaps the compute by ``comm_overlap`` and never by more than
-  the compute lasts (``exposed_comm``). A pipeline's stage-to-stage sends overlap the steady state;
-  those of the fill and the drain (2 (pp v - 1) of them) are on the critical path.
+- **communication**: the planner's alpha-beta collectives at ``link_efficiency`` of the link speed,
+  exposed by mechanism (framework.planner.overlap.exposed_comm): TP's collectives (each also pays
+  ``_TP_DISPATCH_S``; under ``parallel.async_tp`` a share hidden by the fused matmuls), CP's K/V
+  passes, EP's all-to-alls, a pipeline's tied-embedding transfers and an MoE model's router
+  all-reduces sit on the critical path; FSDP's all-gathers are prefetched one unit ahead, so each
+  pass exposes its first unit's gather and what of every other the unit's compute does not cover;
+  the gradient collectives (FSDP's reduce-scatters, HSDP's and DDP's all-reduces) run behind the
+  last micro batch's backward, the last unit's exposed. Of what the compute covers, a link hides
+  ``comm_overlap`` (NVLink) or ``inter_node_comm_overlap`` (the network). A pipeline's
+  stage-to-stage sends overlap the steady state; those of the fill and the drain (2 (pp v - 1) of
+  them) are on the critical path.
 
 How well it predicts the GPU runs of benchmarks/PERF.md is the table of ``benchmarks/cost_check.py``.
 """
@@ -46,7 +47,7 @@ from framework.planner.compute import ComputeTerms, table_compute
 from framework.planner.confidence import describe, step_range, term_sources
 from framework.planner.kernels import load_table
 from framework.planner.layout import loss_head_compiled, loss_parallel_on
-from framework.planner.overlap import CommEstimate, exposed_comm
+from framework.planner.overlap import CommEstimate, Window, exposed_comm
 from framework.planner.work import (
     _FAST_ACCUM_BACKWARD_SPEEDUP,
     _FLOAT8_EXPERT_CAST_SLOWDOWN,
@@ -175,11 +176,19 @@ def predict_step(
     offload_s = 2 * accum * offload_bytes / (hw.host_link_gbps * 1e9)
     if pipeline is not None:
         offload_s *= pipeline[0]
-    window = compute_s + memory_s
-    hops = 2 * (d.pp * cfg.parallel.pp_stages_per_rank - 1) if d.pp > 1 else 0
-    total, exposed = exposed_comm(
-        comm, max(1, len(unit_bytes)), window, hw.link_efficiency, hw.comm_overlap, hops
+    # The compute stream's forward and backward work (a recomputed forward runs in backward: forward
+    # 2 FLOPs a weight and token, backward 4, a recompute 2 more per share recomputed).
+    work = compute_s + memory_s
+    window = Window(
+        work / (3.0 + recompute),
+        work * (2.0 + recompute) / (3.0 + recompute),
+        accum,
+        hw.comm_overlap,
+        hw.inter_node_comm_overlap,
+        bubble_s,
     )
+    hops = 2 * (d.pp * cfg.parallel.pp_stages_per_rank - 1) if d.pp > 1 else 0
+    total, exposed = exposed_comm(comm, max(1, len(unit_bytes)), window, hw.link_efficiency, hops)
     step = compute_s + memory_s + optimizer_s + exposed + bubble_s + offload_s
     parts = {"compute": compute_s, "memory": memory_s, "optimizer": optimizer_s, "comm": exposed,
              "bubble": bubble_s, "offload": offload_s}  # fmt: skip

@@ -58,28 +58,111 @@ _BLOCKING_COLLECTIVES = (
 )
 
 
+@dataclass(frozen=True)
+class Window:
+    """What the compute stream gives FSDP's and DDP's collectives to hide behind, in seconds of one
+    step on one rank: its forward work (GEMMs, attention, memory-bound kernels) and its backward
+    work (recomputed forwards included) over ``micro_batches`` micro batches, and the share of a
+    collective each link class may hide (``mesh.hardware.comm_overlap`` over the node's own links,
+    ``inter_node_comm_overlap`` over the network)."""
+
+    forward_s: float
+    backward_s: float
+    micro_batches: int
+    intra_overlap: float
+    inter_overlap: float
+    # A pipeline's idle time before its first forward (fill) and after its last backward (drain):
+    # the step's first gathers and last gradient collectives run in it.
+    bubble_s: float = 0.0
+
+    def share(self, c: CommEstimate) -> float:
+        return self.intra_overlap if c.link == "intra" else self.inter_overlap
+
+
+def _left(c: float, w: float, share: float) -> float:
+    """What of ``c`` seconds of communication a window of ``w`` seconds leaves exposed when the link
+    hides ``share`` of it: never less than what the window cannot cover."""
+    return max(c * (1.0 - share), c - w)
+
+
 def exposed_comm(
-    comm: list[CommEstimate], units: int, window: float, link_efficiency: float, overlap: float, pp_hops: int
+    comm: list[CommEstimate], units: int, window: Window, link_efficiency: float, pp_hops: int
 ) -> tuple[float, float]:
-    """(all communication, what the compute ``window`` does not hide), in seconds at the achieved link
-    speed (see the module docstring): blocking collectives in full; of FSDP's, one unit's all-gather
-    per pass and the step's last reduce-scatter / all-reduce, then the rest at ``overlap`` and never
-    hidden beyond the window; of the pipeline's sends, the ``pp_hops`` of its fill and drain."""
-    blocking = first = rest = 0.0
+    """(all communication, what the compute does not hide), in seconds at the achieved link speed, by
+    mechanism:
+
+    - **blocking** (TP's collectives, each with ``_TP_DISPATCH_S``; CP's K/V passes; EP's
+      all-to-alls; ``_BLOCKING_COLLECTIVES``): in full; under async TP (``_ASYNC_TP``) less
+      ``ASYNC_TP_HIDDEN`` of the link time.
+    - **pipeline sends** (``send_recv``): the steady state's overlap the other micro batches; the
+      ``pp_hops`` of the fill and the drain are exposed.
+    - **FSDP's all-gathers, prefetched**: each pass over the ``units`` gathers unit i + 1 while unit
+      i computes, so a pass exposes its first unit's gather and, of every other, what that unit's
+      share of the pass's compute (``window``) does not cover. A pass is a micro batch's forward and,
+      resharded after forward, its backward (held for the step: one forward pass, framework.planner.
+      stages.held_for_step).
+    - **gradient collectives** (FSDP's reduce-scatters, HSDP's and DDP's all-reduces) run in the
+      step's last backward, unit by unit behind the next unit's backward (sharing its window with that
+      pass's prefetched gather); the last unit's is exposed. Under a pipeline the first forward's
+      gathers also hide in the schedule's fill and the last backward's collectives in its drain.
+
+    Of what a window covers, a link hides its ``Window.share``: 0 leaves every FSDP / DDP collective
+    on the critical path."""
+    blocking = 0.0
+    gathers: list[tuple[CommEstimate, float]] = []
+    grads: list[tuple[CommEstimate, float]] = []
     for c in comm:
         t = c.time_s / link_efficiency
-        per_call = t / max(c.calls, 1)
         if c.collective in _ASYNC_TP:  # fused with its matmul: a share of it hidden
             blocking += t * (1.0 - ASYNC_TP_HIDDEN) + c.calls * _TP_DISPATCH_S
         elif c.axis in _BLOCKING_AXES or c.collective in _BLOCKING_COLLECTIVES:
             blocking += t + (c.calls * _TP_DISPATCH_S if c.axis == "tp" else 0.0)
         elif c.axis == "pp":  # send_recv: the steady state's sends overlap the other micro batches
-            blocking += min(t, per_call * pp_hops)
+            blocking += min(t, t / max(c.calls, 1) * pp_hops)
+        elif c.axis in _FSDP_AXES and c.collective == "all_gather":
+            gathers.append((c, t))
         else:
-            passes = c.calls / units if c.axis in _FSDP_AXES and c.collective == "all_gather" else 1.0
-            head = min(t, per_call * passes)
-            first += head
-            rest += t - head
-    hidden_left = max(rest * (1.0 - overlap), rest - window)
+            grads.append((c, t))
     total = sum(c.time_s for c in comm) / link_efficiency
-    return total, blocking + first + hidden_left
+    return total, blocking + _prefetched(gathers, grads, units, window)
+
+
+def _prefetched(
+    gathers: list[tuple[CommEstimate, float]],
+    grads: list[tuple[CommEstimate, float]],
+    units: int,
+    window: Window,
+) -> float:
+    """FSDP's and DDP's exposed seconds (``exposed_comm``'s last two mechanisms)."""
+    if not gathers and not grads:
+        return 0.0
+    m = max(1, window.micro_batches)
+    forward, backward = window.forward_s / m / units, window.backward_s / m / units
+    edge = window.bubble_s / 2 / units  # a unit's share of the fill, and of the drain
+    exposed = 0.0
+    # Per unit of a backward pass: the gathers' seconds and what of them the links may hide.
+    ag_backward = hide_backward = 0.0
+    backward_passes = 0.0
+    for c, t in gathers:
+        passes = c.calls / units
+        forward_passes = passes if passes <= 1 else passes / 2  # held: one forward gather a step
+        per = t / max(c.calls, 1)
+        if passes > forward_passes:
+            ag_backward += per
+            hide_backward += per * window.share(c)
+            backward_passes = max(backward_passes, passes - forward_passes)
+        # the first forward pass also has the fill to hide in
+        first = per + (units - 1) * _left(per, forward + edge, window.share(c))
+        exposed += first + (forward_passes - 1) * (per + (units - 1) * _left(per, forward, window.share(c)))
+    # Backward passes before the last: the next unit's gather behind this unit's backward.
+    if ag_backward:
+        share = hide_backward / ag_backward
+        exposed += (backward_passes - 1) * (ag_backward + (units - 1) * _left(ag_backward, backward, share))
+    # The last backward: the gather (if resharded) and this unit's gradient collectives.
+    g = sum(t for _, t in grads) / units
+    hide_g = sum(t * window.share(c) for c, t in grads) / units
+    per_unit = ag_backward + g
+    if per_unit:
+        share = (hide_backward + hide_g) / per_unit
+        exposed += ag_backward + (units - 1) * _left(per_unit, backward + edge, share) + g
+    return exposed
