@@ -91,7 +91,8 @@ class HardwareConfig:
     # pinned host <-> device copies, GB/s one direction (sharding.activation_offload's transfers)
     host_link_gbps: float = 10.0
     link_efficiency: float = 0.08  # fraction of the link bandwidths a collective achieves
-    comm_overlap: float = 0.0  # fraction of FSDP/DDP communication hidden under compute
+    comm_overlap: float = 0.0  # share of an FSDP/DDP collective over NVLink that its compute window hides
+    inter_node_comm_overlap: float = 0.0  # the same over the network between nodes (framework.planner.overlap)
     # CUDA compute capability [major, minor] of the device, e.g. [9, 0] for Hopper; [] (no CUDA GPU)
     # for the CPU. A dry run checks the GPU-only options (float8, fa4, fused cross-entropy, CUDA
     # graphs) against it, not against the device of the host that plans.

@@ -1,7 +1,7 @@
 """Communication per optimizer step (alpha-beta ring model over the link each mesh axis crosses)
 and DDP's bucketing: FSDP all-gathers and reduce-scatters, DDP/HSDP all-reduces, TP with sequence
 parallelism, context parallelism's ring, expert parallelism's all-to-alls and the MoE routers'
-all-reduces. Each ``CommEstimate`` is priced here and overlapped in framework.planner.cost.
+all-reduces. Each ``CommEstimate`` is priced here and exposed by its mechanism in framework.planner.overlap.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from framework.config.schema import (
     ActivationCheckpointing,
     Config,
+    Float8Recipe,
     PeftMethod,
     RouterScore,
 )
 from framework.models import model_spec
-from framework.planner.cost import CommEstimate
+from framework.models.linears import converted, expert_gemms
 from framework.planner.layout import (
     DP_AXES,
     Degrees,
@@ -26,6 +27,7 @@ from framework.planner.layout import (
     num_experts,
 )
 from framework.planner.memory import autocast_bf16, moe_tokens
+from framework.planner.overlap import CommEstimate
 from framework.planner.params import DTYPE_BYTES, MASTER_BYTES, MIB, ParamSpec, ep_of, local_numel, sum_local
 
 # Bucket sizes the auto choice may pick: below 1 MiB launches dominate, above 256 MiB nothing overlaps.
@@ -169,6 +171,7 @@ def step_comm(
     expert_local = sum_local(specs, tp, 1, "experts")
     ep = ep_of(specs)
     groups = [(shard_axis, shard, full_local - expert_local)]
+    ag_el = float8_gather_bytes(cfg, p_el)
     if expert_local:
         groups.append(("dp_shard_mod_ep", max(1, shard // ep), expert_local))
     ag_calls = len(units) * (1 if held else accum * (2 if cfg.sharding.reshard_after_forward else 1))
@@ -177,7 +180,15 @@ def step_comm(
             continue
         avg_unit = numel // len(units)
         out.append(
-            collective(cfg, axis, "all_gather", n, intra[MeshAxis.dp_shard], ag_calls, avg_unit * p_el)
+            collective(
+                cfg,
+                axis,
+                "all_gather",
+                n,
+                intra[MeshAxis.dp_shard],
+                ag_calls,
+                int(avg_unit * (ag_el if axis == shard_axis else p_el)),
+            )
         )
         out.append(
             collective(
@@ -223,6 +234,20 @@ def step_comm(
     return out
 
 
+def float8_gather_bytes(cfg: Config, p_el: int) -> float:
+    """Bytes an FSDP all-gather moves per element of the dense units: ``sharding.param_dtype``'s,
+    except that under ``model.float8=tensorwise`` the converted Linear weights go in float8, one byte
+    (framework.parallel.float8: torchao's enable_fsdp_float8_all_gather, tensorwise only), the
+    converted share of the dense parameters counted from the model."""
+    m = cfg.model
+    if m.float8 is not Float8Recipe.tensorwise or p_el <= 1:
+        return float(p_el)
+    experts = sum(g.num_experts * g.out_features * g.in_features for g in expert_gemms(m))
+    dense = model_spec(m).numel[0] - experts
+    share = sum(s.out_features * s.in_features for s in converted(m)) / dense if dense else 0.0
+    return p_el - share * (p_el - 1)
+
+
 def sparse_layers(cfg: Config, layers: Sequence[int] | None) -> int:
     """The MoE layers among ``layers`` (block indices; None: the whole model), by their layer kind:
     every layer of Qwen3-MoE and Mixtral, all but the first dense ones of DeepSeek-V3."""
@@ -250,7 +275,7 @@ def _tp_comm(
     rs_calls = (n * 4 + recomputed.get(mode, 0) * 2) * accum
     # Under async TP (parallel.async_tp) Inductor fuses each with its matmul (torch's
     # fused_all_gather_matmul / fused_matmul_reduce_scatter): the same bytes, overlapped
-    # (framework.planner.cost.exposed_comm).
+    # (framework.planner.overlap.exposed_comm).
     fused = async_tp_on(cfg, tp)
     ag, rs = ("all_gather_matmul", "matmul_reduce_scatter") if fused else ("all_gather", "reduce_scatter")
     out.append(collective(cfg, "tp", ag, tp, intra_tp, ag_calls, act))

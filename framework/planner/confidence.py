@@ -28,7 +28,11 @@ def term_sources(cfg: Config) -> dict[str, tuple[str, str]]:
         ),
         "memory": ("fitted", f"pointwise bytes per element (one profile) at {hw.hbm_gbps:g} GB/s"),
         "optimizer": ("counted", f"AdamW's bytes per parameter at {hw.hbm_gbps:g} GB/s"),
-        "comm": ("fitted", f"link speed x link_efficiency {hw.link_efficiency:g}, overlap {hw.comm_overlap:g}"),
+        "comm": (
+            "fitted",
+            f"link speed x link_efficiency {hw.link_efficiency:g}, by mechanism (overlap NVLink "
+            f"{hw.comm_overlap:g}, network {hw.inter_node_comm_overlap:g})",
+        ),
         "bubble": ("counted", "the schedule's fill and drain"),
         "offload": ("counted", f"bytes at host_link_gbps {hw.host_link_gbps:g}"),
     }

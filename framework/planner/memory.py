@@ -23,7 +23,6 @@ from framework.config.schema import (
 from framework.models import model_spec
 from framework.models.linears import bf16_weight_copy_bytes_per_layer, saved_activation_bytes_per_layer
 from framework.models.parts.layout import op_saved_values
-from framework.planner.cost import adamw_state_bytes, bf16_moments
 from framework.planner.layout import (
     Degrees,
     loss_head_compiled,
@@ -40,6 +39,7 @@ from framework.planner.params import (
     param_kinds,
     sum_local,
 )
+from framework.planner.work import adamw_state_bytes, bf16_moments
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ MIB = 1024**2
 DTYPE_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
 # Master weights and gradients are kept in fp32 (FSDP2 keeps the sharded parameter in its original
 # dtype; ``param_dtype`` only changes the all-gathered compute copy); AdamW's two moments too, unless
-# optimizer.state_dtype=bfloat16 (framework.planner.cost.adamw_state_bytes).
+# optimizer.state_dtype=bfloat16 (framework.planner.work.adamw_state_bytes).
 MASTER_BYTES = 4
 
 

@@ -14,12 +14,12 @@ from framework.config.schema import (
 )
 from framework.planner import stages as pipeline_stages
 from framework.planner.comm import axis_is_intra_node, link_of
-from framework.planner.cost import CommEstimate
 from framework.planner.layout import (
     Degrees,
     MeshAxis,
 )
 from framework.planner.memory import MemoryEstimate, autocast_bf16, rank_memory
+from framework.planner.overlap import CommEstimate
 from framework.planner.params import MASTER_BYTES, ParamSpec, fsdp_units, local_numel, rank_specs, tied_copy
 
 

@@ -28,7 +28,7 @@ import math
 
 from framework.config.schema import Config, FusedCrossEntropy, PPSchedule
 from framework.models import model_spec
-from framework.planner.cost import adamw_step_bytes
+from framework.planner.work import adamw_step_bytes
 
 MULTI_STAGE = (PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"], PPSchedule["zbv"])
 # Split backward (input, then weight gradients). With data parallelism their FSDP stages stay unsharded

@@ -1,5 +1,5 @@
 """``parallel.async_tp``: TP's sequence-parallel collectives fused with their matmuls (framework.parallel.tensor.
-enable_async_tp), planned with a share of them hidden (framework.planner.cost.ASYNC_TP_HIDDEN) and refused
+enable_async_tp), planned with a share of them hidden (framework.planner.overlap.ASYNC_TP_HIDDEN) and refused
 where it cannot run. The fused run itself needs 2+ CUDA GPUs and NCCL: benchmarks/multi_gpu.sh tp_async."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from framework.launch.recipes import compose_recipe
-from framework.planner import cost
+from framework.planner import overlap
 from framework.planner.resolve import make_plan
 
 GPU_TP = ["mesh=8", "mesh/hardware=h100_sxm", "run.dry_run=true", "sharding=tp", "sharding.tp=8",
@@ -27,7 +27,7 @@ def test_async_tp_fuses_the_tp_collectives_and_hides_a_share_of_them() -> None:
     # The same bytes and calls: only how much of them the matmuls hide changes.
     assert kinds["all_gather_matmul"].volume_bytes == before["all_gather"].volume_bytes
     tp_s = sum(c.time_s for c in vanilla.comm if c.collective in ("all_gather", "reduce_scatter") and c.axis == "tp")
-    hidden = tp_s / _link_efficiency() * cost.ASYNC_TP_HIDDEN
+    hidden = tp_s / _link_efficiency() * overlap.ASYNC_TP_HIDDEN
     saved = vanilla.prediction.exposed_comm_s - fused.prediction.exposed_comm_s
     assert saved == pytest.approx(hidden, rel=1e-6)
     assert fused.prediction.compute_s == vanilla.prediction.compute_s

@@ -360,19 +360,25 @@ def _composed(recipe: str, *overrides: str):
 
 
 def test_fsdp_prefetch_hides_all_but_the_first_unit_and_the_last_reduce() -> None:
-    """cost.exposed_comm: with a compute window longer than the traffic and full overlap, one unit's
-    all-gather per pass and the last reduce-scatter stay exposed; with no window, all of it."""
-    from framework.planner.cost import CommEstimate, exposed_comm
+    """overlap.exposed_comm: with each unit's compute longer than its traffic and the link hiding all
+    of it, one unit's all-gather per pass and the last reduce-scatter stay exposed; with no window,
+    or a link that hides nothing, all of it."""
+    from framework.planner.overlap import CommEstimate, Window, exposed_comm
 
     ag = CommEstimate("dp_shard", "all_gather", 8, "inter", 20, 1, 20, 2.0)  # 10 units, 2 passes
     rs = CommEstimate("dp_shard", "reduce_scatter", 8, "inter", 10, 1, 10, 1.0)
-    total, hidden = exposed_comm([ag, rs], 10, 100.0, 1.0, 1.0, 0)
+    wide = Window(50.0, 100.0, 1, 0.0, 1.0)
+    total, hidden = exposed_comm([ag, rs], 10, wide, 1.0, 0)
     assert total == pytest.approx(3.0)
     assert hidden == pytest.approx(2 * 0.1 + 0.1)
-    assert exposed_comm([ag, rs], 10, 0.0, 1.0, 1.0, 0)[1] == pytest.approx(3.0)
-    assert exposed_comm([ag, rs], 10, 100.0, 1.0, 0.0, 0)[1] == pytest.approx(3.0)  # overlap 0: none hidden
+    assert exposed_comm([ag, rs], 10, Window(0.0, 0.0, 1, 0.0, 1.0), 1.0, 0)[1] == pytest.approx(3.0)
+    assert exposed_comm([ag, rs], 10, Window(50.0, 100.0, 1, 1.0, 0.0), 1.0, 0)[1] == pytest.approx(3.0)
+    # A unit's window shorter than its gather: the rest of each gather is exposed (per unit, not
+    # over the step: 9 units x (0.1 - 0.04) forward, 9 x (0.1 + 0.1 - 0.08) in the backward).
+    narrow = Window(0.4, 0.8, 1, 0.0, 1.0)
+    assert exposed_comm([ag, rs], 10, narrow, 1.0, 0)[1] == pytest.approx(0.1 + 9 * 0.06 + 0.1 + 9 * 0.12 + 0.1)
     tp = CommEstimate("tp", "all_gather", 8, "intra", 4, 1, 4, 0.4)
-    assert exposed_comm([tp], 10, 100.0, 0.5, 1.0, 0)[1] == pytest.approx(0.8 + 4 * 0.26e-3)
+    assert exposed_comm([tp], 10, wide, 0.5, 0)[1] == pytest.approx(0.8 + 4 * 0.26e-3)
 
 
 def test_units_held_for_the_step_under_any_schedule_without_reshard_after_forward() -> None:
@@ -595,3 +601,20 @@ def test_a_layout_too_large_names_bf16_moments() -> None:
     cfg = compose_recipe("llama3_8b", [*overrides, "train.micro_batch_size=1", "sharding=fsdp"])
     with pytest.raises(ValueError, match=r"too small for .*optimizer.state_dtype=bfloat16 \(AdamW's moments"):
         make_plan(cfg)
+
+
+def test_tensorwise_float8_weights_are_all_gathered_in_float8() -> None:
+    """FSDP2 all-gathers the converted Linear weights in float8 under model.float8=tensorwise
+    (framework.parallel.float8): the plan's gathers carry one byte for those, param_dtype's for the
+    rest; rowwise gathers in param_dtype."""
+    common = ("mesh=2x8", "parallel.dp_shard=16", "train.global_batch_size=16", "train.micro_batch_size=1",
+              "sharding.param_dtype=bfloat16", "model.float8_size_filter=false")  # fmt: skip
+
+    def gathered(*extra: str) -> int:
+        plan = make_plan(_composed("llama3_8b", *common, *extra))
+        (ag,) = [c for c in plan.comm if c.collective == "all_gather" and c.axis == "dp_shard"]
+        return ag.bytes_per_call
+
+    bf16, tensorwise, rowwise = gathered(), gathered("model.float8=tensorwise"), gathered("model.float8=rowwise")
+    assert rowwise == bf16
+    assert 0.5 * bf16 < tensorwise < 0.6 * bf16  # the blocks' Linear weights are nearly all of a unit

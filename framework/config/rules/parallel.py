@@ -50,6 +50,7 @@ PARALLEL_RULES: dict[str, Rule] = {
     "mesh.hardware.host_link_gbps": number(0, MAX_RATE_GBPS, lo_open=True),
     "mesh.hardware.link_efficiency": number(0, 1, lo_open=True),
     "mesh.hardware.comm_overlap": number(0, 1),
+    "mesh.hardware.inter_node_comm_overlap": number(0, 1),
     "mesh.hardware.kernel_table": Rule(
         "null or the name of a measured table, conf/mesh/hardware/tables/NAME.json (benchmarks/kernel_tables.py)",
         checked_by="framework.planner.kernels.load_table (via the planner: every entry a finite rate above 0)",
