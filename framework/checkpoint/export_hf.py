@@ -78,6 +78,9 @@ def to_hf_state_dict(model_state: dict[str, torch.Tensor], model_cfg: ModelConfi
                 }
             continue
         out[theirs] = permute_rope_rows(w, rope[ours]) if ours in rope else w
+    # the multi-token prediction layers' copies of the shared embedding and head, as the Hub files keep them
+    for theirs, ours in spec.hf_copies().items():
+        out[theirs] = model_state.get(ours, model_state["tok_embeddings.weight"])
     # safetensors refuses tensors that share storage (tied weights, views): save independent copies.
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 

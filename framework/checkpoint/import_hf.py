@@ -351,7 +351,11 @@ def check_against(
     # Buffers some exporters add; recomputed here from the shape.
     unknown = [n for n in unknown if not n.endswith("rotary_emb.inv_freq")]
     mtp = mtp_layer_names(ckpt.config, unknown)
-    if mtp:
+    if mtp and mtp_layer_names(ckpt.config, list(want)):
+        # the model reads the MTP layers (model.mtp_layers): what is left of them are their copies of
+        # the shared embedding and head (ModelSpec.mtp_shared), equal to the tensors read
+        unknown = [n for n in unknown if n not in mtp]
+    elif mtp:
         unknown = [n for n in unknown if n not in mtp]
         log.warning(
             "%s: the checkpoint's %d multi-token prediction tensors (config.json's num_nextn_predict_layers, "

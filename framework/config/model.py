@@ -276,6 +276,13 @@ class DeepseekV3Config(ModelConfig):
     rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0
     rope_yarn_mscale_all_dim: float = 0.0
+    # Multi-token prediction (the DeepSeek-V3 paper's MTP module, the Hub files' layer
+    # num_hidden_layers): 0 = off; 1 = one more MoE block after the trunk that predicts token i+2 from
+    # the trunk's last hidden state and the embedding of token i+1, through the shared head. Training
+    # only (evaluate and generate read the main head). Not with parallel.pp, tp, cp or ep > 1.
+    mtp_layers: int = 0
+    # The MTP cross-entropy's weight in the training loss (the paper's lambda: 0.3, then 0.1).
+    mtp_loss_weight: float = 0.3
 
 
 @dataclass

@@ -226,6 +226,19 @@ def check_family_layout(cfg: Config, degrees: Degrees, searched: bool = False) -
     traceback from inside the ranks or the dry run. ``searched``: the degrees are the ``sharding=auto``
     search's (framework.launch.prelaunch checks the resolved plan too)."""
     fam = FAMILIES[cfg.model.family]
+    mtp = getattr(cfg.model, "mtp_layers", 0)
+    if mtp:
+        # The MTP layer reads the embedding and the head of the trunk's ends (a pipeline's first and
+        # last stages) and the whole sequence shifted by one (context parallelism); the TP plan and
+        # expert parallelism shard the trunk's layers only.
+        for axis in ("pp", "tp", "cp", "ep"):
+            degree = getattr(degrees, axis)
+            if degree > 1:
+                how = " (chosen by sharding=auto)" if searched else ""
+                raise ValueError(
+                    f"model.mtp_layers={mtp} is not valid with parallel.{axis}={degree}{how}: the multi-token "
+                    f"prediction layer runs without {axis}; valid: model.mtp_layers=0, or a layout with {axis}=1"
+                )
     for axis, why in fam.cannot_run.items():
         degree = getattr(degrees, axis)
         if degree > 1:

@@ -13,6 +13,7 @@ from framework.models.build import active_params, build_model, decoder, flops_pe
 from framework.models.family import Family
 from framework.models.parts.cache import KVCache
 from framework.models.parts.decoder import Decoder, forward_cached
+from framework.models.parts.mtp import take_mtp
 from framework.models.parts.sparse import (
     RoutingState,
     balance_row,
@@ -35,6 +36,7 @@ __all__ = [
     "routing_unchanged",
     "set_routing_state",
     "take_aux",
+    "take_mtp",
     "token_group_of",
     "update_expert_biases",
     "SHAPE_KEYS",

@@ -173,6 +173,15 @@ class ModelSpec:
     last: tuple[Weight, ...]
     sublayers: dict[str, int] = field(default_factory=dict)
     blocks: str = "layers"
+    # Multi-token prediction layers after the trunk (DeepSeek-V3's MTP, ``model.mtp_layers``): one kind
+    # per layer, its weights the whole layer's (its own projections and norms, its block's under
+    # ``block.``). The Hub files number them after the trunk (``model.layers.{n_layers + i}.``), and so
+    # does the module (``mtp.layers.{n_layers + i}``); their parameters are the root unit's.
+    mtp: tuple[LayerKind, ...] = ()
+    # Tensors each MTP layer's Hub prefix also stores, copies of shared ones: their name there -> ours
+    # (DeepSeek-V3's ``embed_tokens`` and ``shared_head.head``). The import reads ours, the export
+    # writes the copies.
+    mtp_shared: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
@@ -210,7 +219,8 @@ class ModelSpec:
     def score_width(self, n_heads: int) -> int:
         """Attention's heads x width summed over the layers (``LayerKind.score_width``): the L·H·Q of
         the score and value FLOPs 12·L·H·Q·T."""
-        return sum(n * (kind.score_width or n_heads * self.head_dim) for kind, n in self.kinds())
+        kinds = (*self.kinds(), *((kind, 1) for kind in self.mtp))
+        return sum(n * (kind.score_width or n_heads * self.head_dim) for kind, n in kinds)
 
     def first_of(self, kind: LayerKind) -> int:
         """The index of the first layer of ``kind``."""
@@ -251,22 +261,44 @@ class ModelSpec:
         for w in self.last:
             if not w.tied:
                 yield w.name, w, "root"
+        for unit, kind in self.mtp_units():
+            for w in kind.weights:
+                yield f"{unit}.{w.name}", w, "root"
+
+    def mtp_units(self) -> Iterator[tuple[str, LayerKind]]:
+        """(module path, kind) of each multi-token prediction layer, numbered after the trunk."""
+        return ((f"mtp.{self.blocks}.{self.n_layers + i}", kind) for i, kind in enumerate(self.mtp))
+
+    def hf_copies(self) -> dict[str, str]:
+        """Hub name -> our parameter name of the copies the MTP layers' prefixes hold (``mtp_shared``)."""
+        out = {}
+        for i in range(len(self.mtp)):
+            prefix = f"model.{self.blocks}.{self.n_layers + i}."
+            out |= {f"{prefix}{theirs}": ours for theirs, ours in self.mtp_shared.items()}
+        return out
+
+    def _hf_units(self) -> Iterator[tuple[str, str, LayerKind]]:
+        """(our module path, its Hub prefix, kind) of every block, the trunk's and MTP's."""
+        for unit, kind in self.layer_units():
+            yield unit, f"model.{unit}.", kind
+        for i, (unit, kind) in enumerate(self.mtp_units()):
+            yield unit, f"model.{self.blocks}.{self.n_layers + i}.", kind
 
     def hf_names(self) -> dict[str, str]:
         """Our parameter name -> its Hugging Face name, for every weight (a tied head included:
         a checkpoint's ``lm_head.weight`` is named, then refused or ignored by the importer)."""
         out = {w.name: w.hf for w in (*self.first, *self.last)}
-        for unit, kind in self.layer_units():
-            out |= {f"{unit}.{w.name}": f"model.{unit}.{w.hf}" for w in kind.weights}
+        for unit, prefix, kind in self._hf_units():
+            out |= {f"{unit}.{w.name}": f"{prefix}{w.hf}" for w in kind.weights}
         return out
 
     def hf_experts(self) -> dict[str, tuple[str, ...]]:
         """Parameter name -> the Hub names of its per-expert parts (``{e}`` left to fill), for the
         stacked expert weights of an MoE block (``Weight.hf_experts``)."""
         out = {}
-        for unit, kind in self.layer_units():
+        for unit, prefix, kind in self._hf_units():
             out |= {
-                f"{unit}.{w.name}": tuple(f"model.{unit}.{t}" for t in w.hf_experts)
+                f"{unit}.{w.name}": tuple(f"{prefix}{t}" for t in w.hf_experts)
                 for w in kind.weights
                 if w.hf_experts
             }

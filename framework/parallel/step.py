@@ -111,6 +111,10 @@ class StepResult:
     # the step's micro batches, of the whole model (framework.models.take_aux; a pipeline's summed
     # over its stages). The same on every rank (its counts span the data-parallel ranks): read here.
     aux_t: torch.Tensor | None = None
+    # DeepSeek-V3's multi-token prediction cross-entropy as the loss added it, before its weight: the
+    # mean over the step's micro batches (framework.models.take_mtp), this rank's (``mtp`` averages
+    # it over the ranks).
+    mtp_t: torch.Tensor | None = None
     _host: torch.Tensor | None = None  # [loss, grad norm, finite], filled by _ready
     _ready: torch.cuda.Event | None = None
     _values: list[float] | None = None
@@ -123,7 +127,8 @@ class StepResult:
                 self._values = [float(v) for v in self._host.tolist()]
             else:
                 figures = [self.loss_t, self.grad_norm_t, self.finite_t]
-                self._values = [float(t) for t in figures + ([self.aux_t] if self.aux_t is not None else [])]
+                extra = [t for t in (self.aux_t, self.mtp_t) if t is not None]
+                self._values = [float(t) for t in figures + extra]
         return self._values
 
     @property
@@ -147,7 +152,16 @@ class StepResult:
     def aux(self) -> float | None:
         """``aux_t`` on the host (no collective), or None without the load-balancing term."""
         values = self._fetch()
-        return values[3] if len(values) > 3 else None
+        return values[3] if self.aux_t is not None else None
+
+    @property
+    def mtp(self) -> float | None:
+        """``mtp_t`` averaged over the ranks (a collective, as ``loss``: every rank reads it at the same
+        steps), or None without multi-token prediction."""
+        if self.mtp_t is None:
+            return None
+        value = self._fetch()[3 + (self.aux_t is not None)]
+        return mean_over_ranks(torch.tensor(value, dtype=torch.float64))
 
     @property
     def seconds(self) -> float:
@@ -162,11 +176,12 @@ def step_result(
     timer: StepTimer,
     io: HostIO | None,
     aux: torch.Tensor | None = None,
+    mtp: torch.Tensor | None = None,
 ) -> StepResult:
     """A step's figures; ``lrs``: ``group_lrs`` read before the update (the rates it ran with)."""
-    result = StepResult(total, norm, finite, tuple(float(v) for v in lrs), timer, aux)
+    result = StepResult(total, norm, finite, tuple(float(v) for v in lrs), timer, aux, mtp)
     if io is not None and io.cuda:
-        figures = [total, norm, finite] + ([aux] if aux is not None else [])
+        figures = [total, norm, finite] + [t for t in (aux, mtp) if t is not None]
         packed = torch.stack([t.float() for t in figures])
         result._host, result._ready = io.to_host(packed)
     return result

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from framework.models import take_aux
+from framework.models import take_aux, take_mtp
 from framework.models.parts.loss import loss_parallel_scope
 from framework.parallel.pipeline import is_pipeline
 from framework.parallel.pipeline_run import pipeline_evaluate, pipeline_step
@@ -276,6 +276,7 @@ def plain_step(
     n = len(micro_batches)
     total = torch.zeros((), device=device)
     take_aux(model)  # forwards before this step (DDP's bucket settling, a verifier's check) count not
+    take_mtp(model)
     for i, (x, y) in enumerate(micro_batches):
         x, y = to_device(x, device, io), to_device(y, device, io)
         if seq_shard is not None:  # it cuts in place: never the host-transfer slots
@@ -291,7 +292,7 @@ def plain_step(
     finite = torch.isfinite(norm) & torch.isfinite(total)
     update(optimizer, parts.scheduler, finite)
     timer.stop()
-    return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
+    return step_result(total, norm, finite, lrs, timer, io, take_aux(model), take_mtp(model))
 
 
 def _step_in_backward(
@@ -315,6 +316,7 @@ def _step_in_backward(
     x, y = to_device(x, device, io), to_device(y, device, io)
     ib.norm_sq.zero_()
     take_aux(model)  # forwards before this step count not
+    take_mtp(model)
     with autocast(device):
         loss = model(x, y)
     total = loss.detach().float()
@@ -329,7 +331,7 @@ def _step_in_backward(
     ib.main.step()
     parts.scheduler.step()
     timer.stop()
-    return step_result(total, norm, finite, lrs, timer, io, take_aux(model))
+    return step_result(total, norm, finite, lrs, timer, io, take_aux(model), take_mtp(model))
 
 
 @torch.no_grad()

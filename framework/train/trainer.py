@@ -189,6 +189,8 @@ def read(p: Parts, state: TrainState, s: Step) -> StepAction:
             row |= balance_row(p.runner.model, pipeline_group(p.runner.model))  # every rank: a collective
         if r.aux is not None:  # the load-balancing term the step's loss added, before its coefficient
             row["moe_aux_loss"] = r.aux
+        if r.mtp is not None:  # multi-token prediction's cross-entropy the loss added, before its weight
+            row["mtp_loss"] = r.mtp
         p.watch.check(s.step)
         p.metrics.log(row)
         # row["loss"], not r.loss again: reading it is an all-reduce over ranks.

@@ -98,6 +98,10 @@ MODEL_RULES: dict[str, Rule] = {
     "model.rope_yarn_mscale": number(0, 1e4),
     "model.rope_yarn_mscale_all_dim": number(0, 1e4),
     "model.rope_yarn_truncate": TYPED,
+    # DeepSeek-V3's multi-token prediction; its layouts are checked by
+    # framework.launch.rules.check_family_layout (no pipeline: the last stage would need the embedding).
+    "model.mtp_layers": integer(0, 1, what="0 = off, 1 = one multi-token prediction layer"),
+    "model.mtp_loss_weight": number(0, 1e4),
     # GPT-OSS's own (framework.models.gpt_oss): the experts' SwiGLU clamp.
     "model.swiglu_limit": number(0, 1e4, lo_open=True),
     "model.vocab_size": integer(1, 2**32, what="token ids are stored as uint16/uint32"),

@@ -9,9 +9,10 @@ and the Hub files' names.
 of ``moe_intermediate_size``, ``n_shared_experts`` beside them, sigmoid scores with the selection bias
 ``e_score_correction_bias``, ``n_group`` / ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``.
 The Hub files keep one tensor per expert: ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``.
-Multi-token prediction layers (``model.layers.{num_hidden_layers}.*``, ``num_nextn_predict_layers``)
-are not built here: the import skips them with one warning where config.json declares them
-(``framework.checkpoint.import_hf.mtp_layer_names``), and the export writes ``num_nextn_predict_layers: 0``.
+Multi-token prediction layers (``model.layers.{num_hidden_layers}.*``, ``num_nextn_predict_layers``):
+read into the MTP layer with ``model.mtp_layers=1`` (the spec's ``mtp``), skipped with one warning
+without it (``framework.checkpoint.import_hf.mtp_layer_names``); the export writes them back, with
+their copies of the embedding and head, and ``num_nextn_predict_layers: model.mtp_layers``.
 """
 
 from __future__ import annotations
@@ -125,5 +126,5 @@ def hf_write(m: Any, layers: tuple) -> dict[str, Any]:
         "rope_scaling": rope if rope["rope_type"] != "default" else None,
         "head_dim": m.qk_rope_head_dim,
         "qk_head_dim": m.qk_nope_head_dim + m.qk_rope_head_dim,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": getattr(m, "mtp_layers", 0),
     }

@@ -4,6 +4,8 @@ stack ``model.layer_pattern`` writes (``dense x3, moe x58``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from framework.config.schema import DeepseekV3Config
 from framework.models.deepseek_v3.hf import HF_ARCHITECTURE, HF_EXPERT_PARTS, HF_PREFIX
 from framework.models.parts.layout import decoder_spec, feed_forward
@@ -11,6 +13,9 @@ from framework.models.parts.sparse import moe_weights, sparse_saved_values
 from framework.models.spec import AttentionKind, LayerKind, MLPKind, ModelSpec, TPStyle, Weight, layer_pattern
 
 R = TPStyle.replicated
+# What each multi-token prediction layer of the Hub files also stores: the embedding and the output
+# head, shared with the trunk (equal tensors), by their name there -> ours.
+MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 
 
 def mla_weights(m: DeepseekV3Config) -> tuple[Weight, ...]:
@@ -90,4 +95,22 @@ def deepseek_v3_spec(m: DeepseekV3Config) -> ModelSpec:
             f"model.layer_pattern={m.layer_pattern!r} gives {len(layers)} layers but model.n_layers={m.n_layers}; "
             f"valid: a pattern of {m.n_layers} layers (e.g. 'dense x1, moe x{m.n_layers - 1}')"
         )
-    return decoder_spec(m, "deepseek_v3", layers, m.qk_rope_head_dim, HF_ARCHITECTURE)
+    spec = decoder_spec(m, "deepseek_v3", layers, m.qk_rope_head_dim, HF_ARCHITECTURE)
+    return dataclasses.replace(spec, mtp=(mtp_kind(m, sparse),) * m.mtp_layers, mtp_shared=MTP_SHARED)
+
+
+def mtp_kind(m: DeepseekV3Config, block: LayerKind) -> LayerKind:
+    """The multi-token prediction layer (framework.models.parts.mtp): the norms of the trunk's hidden
+    state and of the next token's embedding, their projection back to ``dim``, an MoE block as the
+    trunk's (``block``) and the shared head's own norm, under the Hub files' names (its block's flat,
+    as a trunk layer's; ``embed_tokens`` and ``shared_head.head``, copies of the shared tensors, are
+    the importer's and exporter's: ``MTP_SHARED``)."""
+    own = (
+        Weight("enorm", "enorm.weight", (m.dim,), R),
+        Weight("hnorm", "hnorm.weight", (m.dim,), R),
+        Weight("eh_proj", "eh_proj.weight", (m.dim, 2 * m.dim), R),
+        Weight("norm", "shared_head.norm.weight", (m.dim,), R),
+    )
+    inner = tuple(dataclasses.replace(w, module=f"block.{w.module}") for w in block.weights)
+    # the block's values, the two normed inputs, their concatenation and the projection's output
+    return dataclasses.replace(block, name="mtp", weights=(*own, *inner), saved_values=block.saved_values + 5 * m.dim)

@@ -44,6 +44,7 @@ from framework.models.parts.masks import (
     flex_trains_on,
 )
 from framework.models.parts.mlp import FeedForward
+from framework.models.parts.mtp import MTPLayer, MultiTokenPrediction, keep_mtp
 from framework.models.parts.norm import RMSNorm
 from framework.models.parts.rope import rope_tables
 from framework.models.parts.weights import draw_weights, tie
@@ -186,6 +187,25 @@ class Decoder(nn.Module):
             self.router_aux_loss_coef = None
         if self.router_aux_loss_coef is not None:
             self.register_forward_hook(keep_aux)
+        # Multi-token prediction (the spec's ``mtp`` layers, DeepSeek-V3's ``model.mtp_layers``): None
+        # without, an attribute TorchScript drops the branch on. ``mtp_value``: the last training
+        # forward's cross-entropy (detached, before its weight), kept in ``mtp_values`` by ``keep_mtp``
+        # for the step's figure (framework.models.parts.mtp.take_mtp).
+        self.mtp: MultiTokenPrediction | None = None
+        self.mtp_loss_weight = float(getattr(cfg, "mtp_loss_weight", 0.0))
+        self.mtp_value: torch.Tensor | None = None
+        self.mtp_values: list[torch.Tensor] = []
+        if spec.mtp:
+            if document_eos is not None:
+                raise ValueError(
+                    f"model.mtp_layers={len(spec.mtp)} with data.document_mask: valid: one of them "
+                    "(the multi-token prediction layer attends causally over the whole row)"
+                )
+            n = len(spec.layers)
+            self.mtp = MultiTokenPrediction(
+                {str(n + i): MTPLayer(cfg, block(cfg, spec, kind)) for i, kind in enumerate(spec.mtp)}
+            )
+            self.register_forward_hook(keep_mtp)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         tie(self)
@@ -218,7 +238,29 @@ class Decoder(nn.Module):
         h = self._embed(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        if self.mtp is not None and targets is not None and self.output is not None:
+            if torch.is_grad_enabled():
+                return self._head(h, targets) + self._mtp_loss(h, tokens, targets)
         return self._head(h, targets)
+
+    @torch.jit.unused
+    def _mtp_loss(self, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The multi-token prediction term times its weight (framework.models.parts.mtp): position i
+        of the trunk's ``h`` and the embedding of token i+1 predict token i+2, for i up to s-2 (the
+        tokens, not the targets, give the embedded ones: a masked target is still a token). Training
+        forwards only; the unweighted cross-entropy is kept as ``mtp_value``."""
+        assert self.mtp is not None
+        emb = self._embed(tokens[:, 1:])
+        h = h[:, :-1]
+        later = targets[:, 1:]
+        for layer in self.mtp.layers.values():
+            h = layer(h, emb, self.rope)
+            if self.fused_cross_entropy is not None:
+                loss = linear_cross_entropy(self.fused_cross_entropy, h, self.output.weight, later)
+            else:
+                loss = F.cross_entropy(self.output(h).flatten(0, 1).float(), later.flatten())
+        self.mtp_value = loss.detach()
+        return self.mtp_loss_weight * loss
 
     def _forward_window(
         self, tokens: torch.Tensor, targets: torch.Tensor | None, window: int
