@@ -252,5 +252,3 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
 
     check_known_keys(task)
     return config.to_config(task)
-
-
