@@ -168,10 +168,35 @@ def register() -> None:
     ``/NAME_model_schema@_here_`` (stored here, at the root so that ``--help`` lists only the
     options), which turns the shared ``ModelConfig`` node into the family's subclass.
     """
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    store("base_config", Config)
     for fam, cls in MODEL_SCHEMAS.items():
-        cs.store(name=f"{fam.value}_model_schema", node=cls)
+        store(f"{fam.value}_model_schema", cls)
+
+
+# (group, file name, package) -> (repr of what was stored, the ConfigNode the store made of it)
+_STORED: dict[tuple[str | None, str, str | None], tuple[str, Any]] = {}
+
+
+def store(name: str, node: Any, group: str | None = None, package: str | None = None) -> None:
+    """``ConfigStore.store``, skipped while the store still holds the node it made of this very
+    content. Every compose (train.py, the launcher's checks, each in-process compose of the suite)
+    registers the root schema and every recipe again; converting them into OmegaConf nodes anew was
+    most of a compose's time. ``repr`` compares the content with its types (``1`` is not ``True``)."""
+    cs = ConfigStore.instance()
+    file = name if name.endswith(".yaml") else f"{name}.yaml"
+    key, content = (group, file, package), repr(node)
+    held: Any = cs.repo
+    for d in group.split("/") if group else []:
+        held = held.get(d, {}) if isinstance(held, dict) else {}
+    held = held.get(file) if isinstance(held, dict) else None
+    last = _STORED.get(key)
+    if last is not None and held is last[1] and last[0] == content:
+        return
+    cs.store(name=name, node=node, group=group, package=package)
+    made: Any = cs.repo
+    for d in group.split("/") if group else []:
+        made = made[d]
+    _STORED[key] = (content, made[file])
 
 
 @functools.cache

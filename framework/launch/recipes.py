@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from framework.config import schema as config
 from framework.launch import recipe_check, recipe_places
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "recipes"
@@ -157,7 +157,6 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
     other recipes of the root are unaffected.
     """
     recipes = discover(roots)
-    cs = ConfigStore.instance()
     for r in recipes.values():
         content, reason = (None, r.refused) if r.refused else recipe_check.load(r.path)
         if reason is None:
@@ -169,7 +168,7 @@ def register(roots: list[Path] | None = None) -> dict[str, Recipe]:
             REFUSED.pop(r.name, None)
             content = recipe_places.localized(content, r.path.parent)  # data next to it, made absolute
             content = family_default(content)
-        cs.store(group="recipe", name=r.name, node=OmegaConf.create(content), package="_global_")
+        config.store(r.name, content, group="recipe", package="_global_")
     return recipes
 
 
@@ -223,7 +222,6 @@ def compose_nodes(name: str, overrides: list[str] | None = None) -> tuple[Any, A
     the ``hydra`` node), both untyped and unchecked; a refused recipe raises ValueError first."""
     from hydra import compose, initialize_config_dir
 
-    from framework.config import schema as config
     from framework.launch.ranks import register_resolvers
 
     config.register()
@@ -243,8 +241,6 @@ def compose_nodes(name: str, overrides: list[str] | None = None) -> tuple[Any, A
 def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
     """Compose ``recipe=NAME`` with the shipped conf/ (returns the typed Config), after the checks on
     the composed result (RecipeRefused) and on its keys."""
-    from framework.config import schema as config
-
     task, hydra_cfg = compose_nodes(name, overrides)
     allow = OmegaConf.select(task, "run.instantiate_allow", default=None)
     allow = list(allow) if allow is not None else config.RunConfig().instantiate_allow
@@ -256,5 +252,3 @@ def compose_recipe(name: str, overrides: list[str] | None = None) -> Any:
 
     check_known_keys(task)
     return config.to_config(task)
-
-
